@@ -1,0 +1,204 @@
+//! What the `duplex` binary does: turn a pipeline file into a running pipeline, stop it on a
+//! signal, and report. Knows no model internals; stage kinds come from the
+//! [`Registry`](crate::stages::Registry).
+
+mod report;
+
+use std::path::Path;
+
+use anyhow::Context as _;
+
+use crate::config::{self, ConfigError, ConfigErrorKind, LoadOptions, PipelineSpec};
+use crate::runtime::{Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle};
+use crate::stages::{BuildContext, Registry};
+
+pub use report::timing_table;
+
+/// Loads `file` and builds (but does not start) its pipeline.
+///
+/// # Errors
+///
+/// A [`ConfigError`] for anything wrong in the file, including graph errors (dangling links,
+/// type mismatches, cycles) and stages that cannot be built (a missing input file).
+pub fn build(
+    file: &Path,
+    opts: &LoadOptions,
+    registry: &Registry,
+) -> Result<(PipelineSpec, PipelineBuilder), ConfigError> {
+    let spec = config::load(file, opts, registry)?;
+    let mut b = PipelineBuilder::new()
+        .origin(spec.file.clone())
+        .options(RunOptions {
+            drain_timeout: spec.runtime.drain_timeout,
+            abort_timeout: spec.runtime.abort_timeout,
+        });
+    for s in &spec.stages {
+        // `load` only accepts kinds the registry knows.
+        let Some(kind) = registry.get(&s.kind) else {
+            return Err(
+                ConfigError::new(&spec.file, ConfigErrorKind::UnknownKind, "unknown kind")
+                    .stage(s.name.clone()),
+            );
+        };
+        let cx = BuildContext {
+            stage: &s.name,
+            file: &spec.file,
+        };
+        let body = (kind.build)(&cx, &s.params).map_err(|m| {
+            ConfigError::new(&spec.file, ConfigErrorKind::Build, m).stage(s.name.clone())
+        })?;
+        b = b.node(Node {
+            name: s.name.clone(),
+            kind: s.kind.clone(),
+            inputs: (kind.inputs)(),
+            outputs: (kind.outputs)(),
+            body,
+        });
+    }
+    for l in &spec.links {
+        let mut link = Link::new(l.from.clone(), l.to.clone())
+            .capacity(l.capacity)
+            .overflow(l.overflow);
+        if l.feedback {
+            link = link.feedback();
+        }
+        b = b.link(link);
+    }
+    // Structural checks now, so that they are reported as configuration errors.
+    b.describe().map_err(|g| {
+        let mut e = ConfigError::new(&spec.file, ConfigErrorKind::Link, g.to_string());
+        // The graph error already starts with the file name.
+        e.message = e
+            .message
+            .strip_prefix(&format!("{}: ", spec.file))
+            .unwrap_or(&e.message)
+            .to_string();
+        e
+    })?;
+    Ok((spec, b))
+}
+
+/// `duplex validate`: the resolved graph as text.
+///
+/// # Errors
+///
+/// As [`build`].
+pub fn validate(
+    file: &Path,
+    opts: &LoadOptions,
+    registry: &Registry,
+) -> Result<String, ConfigError> {
+    let (spec, b) = build(file, opts, registry)?;
+    let mut s = format!("pipeline {}", spec.file);
+    if let Some(d) = &spec.description {
+        s.push_str(&format!(" — {d}"));
+    }
+    s.push('\n');
+    s.push_str(
+        &b.describe()
+            .map_err(|g| ConfigError::new(&spec.file, ConfigErrorKind::Link, g.to_string()))?,
+    );
+    Ok(s)
+}
+
+/// Runs a pipeline file to its end with the built-in stage kinds, stopping gracefully on
+/// SIGINT/SIGTERM (a second signal aborts).
+///
+/// # Errors
+///
+/// A [`ConfigError`] (in the chain) when the file is wrong, a
+/// [`RunError`](crate::runtime::RunError) when a stage fails.
+pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunReport> {
+    let opts = LoadOptions {
+        sets: sets.to_vec(),
+        env: None,
+    };
+    let (_spec, builder) = build(file, &opts, &Registry::builtin())?;
+    let pipeline = builder
+        .build()
+        .with_context(|| format!("building {}", file.display()))?;
+    let running = pipeline.start();
+    let _signals = SignalGuard::install(running.stop_handle());
+    let outcome = running.wait();
+    if let Some(e) = outcome.error {
+        eprintln!("{}", timing_table(&outcome.report));
+        return Err(anyhow::Error::new(e).context(format!("running {}", file.display())));
+    }
+    Ok(outcome.report)
+}
+
+/// Stops a pipeline on SIGINT/SIGTERM: the first signal drains, a second aborts. The handler
+/// runs on a small tokio runtime of its own and ends when the guard is dropped.
+pub struct SignalGuard {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SignalGuard {
+    /// Installs the handler for `handle`.
+    pub fn install(handle: StopHandle) -> Self {
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("duplex:signals".into())
+            .spawn(move || {
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                rt.block_on(async move {
+                    let Ok(mut term) =
+                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    else {
+                        return;
+                    };
+                    let mut count = 0;
+                    loop {
+                        tokio::select! {
+                            _ = &mut rx => return,
+                            _ = tokio::signal::ctrl_c() => {}
+                            _ = term.recv() => {}
+                        }
+                        count += 1;
+                        if count == 1 {
+                            tracing::warn!(
+                                "stop requested: draining the pipeline (signal again to abort)"
+                            );
+                            handle.stop();
+                        } else {
+                            tracing::warn!("second stop request: aborting");
+                            handle.abort();
+                        }
+                    }
+                });
+            })
+            .ok();
+        SignalGuard {
+            stop: Some(tx),
+            thread,
+        }
+    }
+}
+
+impl Drop for SignalGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The process exit code for an error chain: 2 for configuration errors, 1 otherwise.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    if e.chain()
+        .any(|c| c.is::<ConfigError>() || c.is::<crate::runtime::GraphError>())
+    {
+        2
+    } else {
+        1
+    }
+}

@@ -1,0 +1,60 @@
+use std::path::PathBuf;
+
+/// What went wrong in an audio building block. Messages name the file (or the rates) involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AudioError {
+    /// The file could not be opened, read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a WAV file (or its header is damaged). Give a RIFF/WAVE file.
+    #[error("{}: not a readable WAV file: {detail}", path.display())]
+    NotWav {
+        /// The file.
+        path: PathBuf,
+        /// What the parser found.
+        detail: String,
+    },
+    /// The file is a WAV file without samples.
+    #[error("{}: {detail}", path.display())]
+    Empty {
+        /// The file.
+        path: PathBuf,
+        /// Zero bytes, or zero samples.
+        detail: String,
+    },
+    /// The WAV header is valid but the sample format is not supported.
+    #[error("{}: unsupported WAV format: {detail}", path.display())]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// The format found.
+        detail: String,
+    },
+    /// Samples could not be read after the header: the file is cut short or damaged.
+    #[error("{}: corrupt or truncated after {frames} sample frames: {detail}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// Frames read successfully before the error.
+        frames: u64,
+        /// The parser's error.
+        detail: String,
+    },
+    /// A resampler could not be built for these rates.
+    #[error("cannot resample {from} Hz to {to} Hz: {detail}")]
+    Resample {
+        /// Input rate.
+        from: u32,
+        /// Output rate.
+        to: u32,
+        /// Why.
+        detail: String,
+    },
+}

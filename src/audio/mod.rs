@@ -1,0 +1,19 @@
+//! Audio building blocks: PCM buffers, WAV files, resampling, framing, test signals.
+//!
+//! Plain single-threaded code with unit tests that need no sound card and no runtime. Nothing
+//! here knows about stages, threads or channels; the `stages` layer adapts these blocks to the
+//! runtime.
+
+mod error;
+pub mod framer;
+pub mod pcm;
+pub mod resample;
+pub mod synth;
+pub mod wav;
+
+pub use error::AudioError;
+pub use framer::Framer;
+pub use pcm::{Pcm, FRAME_SAMPLES, MODEL_RATE};
+pub use resample::StreamResampler;
+pub use synth::{Synth, Waveform};
+pub use wav::{WavFormat, WavReader, WavWriter};

@@ -1,0 +1,485 @@
+//! WAV files in and out, as mono `f32`.
+//!
+//! [`WavReader`] streams any PCM WAV hound understands (8/16/24/32-bit integer, 32-bit float; any
+//! rate; any channel count, down-mixed to mono by averaging). [`WavWriter`] writes 16-bit integer
+//! or 32-bit float and rewrites the header on every [`flush`](WavWriter::flush), so a process
+//! killed mid-run leaves a valid file holding everything up to the last flush.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter};
+use std::path::{Path, PathBuf};
+
+use super::AudioError;
+
+/// A streaming WAV reader producing mono `f32` samples.
+pub struct WavReader {
+    path: PathBuf,
+    reader: hound::WavReader<BufReader<File>>,
+    channels: usize,
+    int_scale: Option<f32>,
+    frames_total: u64,
+    frames_read: u64,
+    scratch_i: Vec<i32>,
+    scratch_f: Vec<f32>,
+}
+
+fn not_wav(path: &Path, e: hound::Error) -> AudioError {
+    match e {
+        hound::Error::IoError(source) if source.kind() != std::io::ErrorKind::UnexpectedEof => {
+            AudioError::Io {
+                path: path.into(),
+                source,
+            }
+        }
+        hound::Error::IoError(_) => AudioError::NotWav {
+            path: path.into(),
+            detail: "the header is cut short".into(),
+        },
+        hound::Error::Unsupported => AudioError::Unsupported {
+            path: path.into(),
+            detail: "hound cannot decode this encoding (use PCM integer or 32-bit float)".into(),
+        },
+        e => AudioError::NotWav {
+            path: path.into(),
+            detail: e.to_string(),
+        },
+    }
+}
+
+impl WavReader {
+    /// Opens `path` and reads its header.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Io`] when it cannot be opened, [`AudioError::Empty`] for a 0-byte file or a
+    /// WAV without samples, [`AudioError::NotWav`] when it is not a WAV file,
+    /// [`AudioError::Unsupported`] for an encoding other than PCM integer or 32-bit float.
+    pub fn open(path: &Path) -> Result<Self, AudioError> {
+        let file = File::open(path).map_err(|source| AudioError::Io {
+            path: path.into(),
+            source,
+        })?;
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if len == 0 {
+            return Err(AudioError::Empty {
+                path: path.into(),
+                detail: "the file is empty (0 bytes)".into(),
+            });
+        }
+        let reader = hound::WavReader::new(BufReader::new(file)).map_err(|e| not_wav(path, e))?;
+        let spec = reader.spec();
+        let int_scale = match spec.sample_format {
+            hound::SampleFormat::Int => {
+                if !(1..=32).contains(&spec.bits_per_sample) {
+                    return Err(AudioError::Unsupported {
+                        path: path.into(),
+                        detail: format!("{}-bit integer samples", spec.bits_per_sample),
+                    });
+                }
+                Some(1.0 / (1u64 << (spec.bits_per_sample - 1)) as f32)
+            }
+            hound::SampleFormat::Float => {
+                if spec.bits_per_sample != 32 {
+                    return Err(AudioError::Unsupported {
+                        path: path.into(),
+                        detail: format!("{}-bit float samples", spec.bits_per_sample),
+                    });
+                }
+                None
+            }
+        };
+        if spec.channels == 0 || spec.sample_rate == 0 {
+            return Err(AudioError::NotWav {
+                path: path.into(),
+                detail: format!(
+                    "header declares {} channels at {} Hz",
+                    spec.channels, spec.sample_rate
+                ),
+            });
+        }
+        let frames_total = reader.duration() as u64;
+        if frames_total == 0 {
+            return Err(AudioError::Empty {
+                path: path.into(),
+                detail: "the WAV file has no samples".into(),
+            });
+        }
+        Ok(WavReader {
+            path: path.into(),
+            channels: spec.channels as usize,
+            int_scale,
+            frames_total,
+            frames_read: 0,
+            reader,
+            scratch_i: Vec::new(),
+            scratch_f: Vec::new(),
+        })
+    }
+
+    /// Sample rate in Hz.
+    pub fn rate(&self) -> u32 {
+        self.reader.spec().sample_rate
+    }
+
+    /// Channels in the file (the output is always mono).
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// Bits per sample and whether they are float, as in the header.
+    pub fn format(&self) -> (u16, bool) {
+        let s = self.reader.spec();
+        (
+            s.bits_per_sample,
+            s.sample_format == hound::SampleFormat::Float,
+        )
+    }
+
+    /// Sample frames (per channel) declared by the header.
+    pub fn frames(&self) -> u64 {
+        self.frames_total
+    }
+
+    /// Sample frames read so far.
+    pub fn position(&self) -> u64 {
+        self.frames_read
+    }
+
+    /// Reads up to `max_frames` frames, down-mixed to mono, appended to `out`. Returns the number
+    /// of frames read: 0 at the end of the file.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Corrupt`] when the data ends before the header says or cannot be decoded.
+    pub fn read(&mut self, max_frames: usize, out: &mut Vec<f32>) -> Result<usize, AudioError> {
+        let want = (max_frames as u64).min(self.frames_total - self.frames_read) as usize;
+        if want == 0 {
+            return Ok(0);
+        }
+        let n = want * self.channels;
+        let corrupt = |frames, e: hound::Error| AudioError::Corrupt {
+            path: self.path.clone(),
+            frames,
+            detail: e.to_string(),
+        };
+        let start = out.len();
+        match self.int_scale {
+            Some(scale) => {
+                self.scratch_i.clear();
+                for s in self.reader.samples::<i32>().take(n) {
+                    match s {
+                        Ok(v) => self.scratch_i.push(v),
+                        Err(e) => {
+                            return Err(corrupt(
+                                self.frames_read + (self.scratch_i.len() / self.channels) as u64,
+                                e,
+                            ))
+                        }
+                    }
+                }
+                let ch = self.channels;
+                let k = scale / ch as f32;
+                out.extend(self.scratch_i.chunks_exact(ch).map(|fr| {
+                    if ch == 1 {
+                        fr[0] as f32 * scale
+                    } else {
+                        fr.iter().map(|&v| v as f32).sum::<f32>() * k
+                    }
+                }));
+            }
+            None => {
+                self.scratch_f.clear();
+                for s in self.reader.samples::<f32>().take(n) {
+                    match s {
+                        Ok(v) => self.scratch_f.push(v),
+                        Err(e) => {
+                            return Err(corrupt(
+                                self.frames_read + (self.scratch_f.len() / self.channels) as u64,
+                                e,
+                            ))
+                        }
+                    }
+                }
+                let ch = self.channels;
+                out.extend(
+                    self.scratch_f
+                        .chunks_exact(ch)
+                        .map(|fr| fr.iter().sum::<f32>() / ch as f32),
+                );
+            }
+        }
+        let got = out.len() - start;
+        self.frames_read += got as u64;
+        if got < want {
+            return Err(AudioError::Corrupt {
+                path: self.path.clone(),
+                frames: self.frames_read,
+                detail: format!(
+                    "the header declares {} frames but the data ends early",
+                    self.frames_total
+                ),
+            });
+        }
+        Ok(got)
+    }
+
+    /// Reads the whole remaining file.
+    ///
+    /// # Errors
+    ///
+    /// As [`read`](Self::read).
+    pub fn read_all(&mut self) -> Result<Vec<f32>, AudioError> {
+        let mut v = Vec::with_capacity((self.frames_total - self.frames_read) as usize);
+        while self.read(1 << 16, &mut v)? > 0 {}
+        Ok(v)
+    }
+}
+
+/// Sample encoding of a written WAV file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WavFormat {
+    /// 16-bit signed integer (clipped to [-1, 1)).
+    #[default]
+    I16,
+    /// 32-bit IEEE float.
+    F32,
+}
+
+impl WavFormat {
+    /// Spellings accepted in pipeline files.
+    pub const NAMES: [&'static str; 2] = ["i16", "f32"];
+
+    /// Parses `i16` or `f32`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "i16" => Some(WavFormat::I16),
+            "f32" => Some(WavFormat::F32),
+            _ => None,
+        }
+    }
+}
+
+/// A mono WAV writer whose header is kept valid at every flush.
+pub struct WavWriter {
+    path: PathBuf,
+    writer: Option<hound::WavWriter<BufWriter<File>>>,
+    format: WavFormat,
+    frames: u64,
+}
+
+impl WavWriter {
+    /// Creates (or truncates) `path`, creating its parent directory if needed.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Io`] when the file cannot be created.
+    pub fn create(path: &Path, rate: u32, format: WavFormat) -> Result<Self, AudioError> {
+        let io = |source| AudioError::Io {
+            path: path.into(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: rate,
+            bits_per_sample: match format {
+                WavFormat::I16 => 16,
+                WavFormat::F32 => 32,
+            },
+            sample_format: match format {
+                WavFormat::I16 => hound::SampleFormat::Int,
+                WavFormat::F32 => hound::SampleFormat::Float,
+            },
+        };
+        let writer = hound::WavWriter::create(path, spec).map_err(|e| match e {
+            hound::Error::IoError(source) => io(source),
+            e => io(std::io::Error::other(e.to_string())),
+        })?;
+        Ok(WavWriter {
+            path: path.into(),
+            writer: Some(writer),
+            format,
+            frames: 0,
+        })
+    }
+
+    fn err(&self, e: hound::Error) -> AudioError {
+        AudioError::Io {
+            path: self.path.clone(),
+            source: match e {
+                hound::Error::IoError(s) => s,
+                e => std::io::Error::other(e.to_string()),
+            },
+        }
+    }
+
+    /// Appends samples. A 16-bit file stores `round(x · 32768)` clipped to the 16-bit range, so
+    /// samples read from a 16-bit file are written back bit-exact.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Io`] on a write error.
+    pub fn write(&mut self, samples: &[f32]) -> Result<(), AudioError> {
+        let Some(w) = self.writer.as_mut() else {
+            return Ok(());
+        };
+        let r = match self.format {
+            WavFormat::I16 => samples.iter().try_for_each(|&x| {
+                let v = (x * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
+                w.write_sample(v)
+            }),
+            WavFormat::F32 => samples.iter().try_for_each(|&x| w.write_sample(x)),
+        };
+        r.map_err(|e| self.err(e))?;
+        self.frames += samples.len() as u64;
+        Ok(())
+    }
+
+    /// Writes buffered samples and rewrites the header, so the file on disk is complete and
+    /// valid up to here.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Io`] on a write error.
+    pub fn flush(&mut self) -> Result<(), AudioError> {
+        match self.writer.as_mut() {
+            Some(w) => w.flush().map_err(|e| self.err(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Frames written so far.
+    pub fn frames(&self) -> u64 {
+        self.frames
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Flushes and closes the file. (Dropping a writer also closes it, ignoring errors.)
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Io`] on a write error.
+    pub fn finalize(mut self) -> Result<(), AudioError> {
+        match self.writer.take() {
+            Some(w) => w.finalize().map_err(|e| self.err(e)),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn i16_round_trip_is_bit_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("in.wav");
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: 16_000,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let mut w = hound::WavWriter::create(&src, spec).unwrap();
+        let values: Vec<i16> = (0..70_000i32)
+            .map(|i| ((i * 7919) % 65536 - 32768) as i16)
+            .collect();
+        for &v in &values {
+            w.write_sample(v).unwrap();
+        }
+        w.finalize().unwrap();
+
+        let mut r = WavReader::open(&src).unwrap();
+        let samples = r.read_all().unwrap();
+        let dst = dir.path().join("out.wav");
+        let mut out = WavWriter::create(&dst, r.rate(), WavFormat::I16).unwrap();
+        out.write(&samples).unwrap();
+        out.finalize().unwrap();
+        let back: Vec<i16> = hound::WavReader::open(&dst)
+            .unwrap()
+            .samples::<i16>()
+            .map(|s| s.unwrap())
+            .collect();
+        assert_eq!(back, values);
+    }
+
+    #[test]
+    fn stereo_is_averaged_to_mono() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("st.wav");
+        let spec = hound::WavSpec {
+            channels: 2,
+            sample_rate: 8000,
+            bits_per_sample: 32,
+            sample_format: hound::SampleFormat::Float,
+        };
+        let mut w = hound::WavWriter::create(&p, spec).unwrap();
+        for i in 0..100 {
+            w.write_sample(i as f32 / 100.0).unwrap();
+            w.write_sample(-0.5f32).unwrap();
+        }
+        w.finalize().unwrap();
+        let mut r = WavReader::open(&p).unwrap();
+        assert_eq!((r.channels(), r.frames()), (2, 100));
+        let v = r.read_all().unwrap();
+        assert_eq!(v.len(), 100);
+        assert!((v[10] - (0.1 - 0.5) / 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn flushed_file_is_readable_before_finalize() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("live.wav");
+        let mut w = WavWriter::create(&p, 24_000, WavFormat::F32).unwrap();
+        w.write(&[0.25; 960]).unwrap();
+        w.flush().unwrap();
+        // Simulate a killed process: the writer is never finalized nor dropped.
+        std::mem::forget(w);
+        let mut r = WavReader::open(&p).unwrap();
+        assert_eq!(r.frames(), 960);
+        assert_eq!(r.read_all().unwrap(), vec![0.25; 960]);
+    }
+
+    #[test]
+    fn bad_files_are_named_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty.wav");
+        std::fs::write(&empty, b"").unwrap();
+        let text = dir.path().join("notes.wav");
+        std::fs::write(&text, b"this is not a wav file at all, just some text").unwrap();
+        let missing = dir.path().join("missing.wav");
+        for (p, want) in [
+            (&empty, "empty"),
+            (&text, "not a readable WAV file"),
+            (&missing, "No such file"),
+        ] {
+            let e = WavReader::open(p).err().unwrap().to_string();
+            assert!(e.contains(p.to_str().unwrap()), "{e}");
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    #[test]
+    fn truncated_data_is_reported_with_the_frame_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cut.wav");
+        let mut w = WavWriter::create(&p, 8000, WavFormat::I16).unwrap();
+        w.write(&[0.1; 1000]).unwrap();
+        w.finalize().unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 400]).unwrap();
+        let mut r = WavReader::open(&p).unwrap();
+        let e = r.read_all().unwrap_err().to_string();
+        assert!(
+            e.contains("cut.wav") && e.contains("truncated after 800"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,477 @@
+//! Stage parameters: how a stage kind declares them and how raw YAML values are checked
+//! against those declarations.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use config::{Value, ValueKind};
+
+use super::{ConfigError, ConfigErrorKind};
+
+/// The type (and allowed values) of a param.
+#[derive(Debug, Clone, Copy)]
+pub enum ParamType {
+    /// `true` / `false`.
+    Bool,
+    /// An integer in `[min, max]`.
+    Int {
+        /// Smallest allowed.
+        min: i64,
+        /// Largest allowed.
+        max: i64,
+    },
+    /// A number in `[min, max]` (integers are accepted).
+    Float {
+        /// Smallest allowed.
+        min: f64,
+        /// Largest allowed.
+        max: f64,
+    },
+    /// Any string.
+    Str,
+    /// A file path.
+    Path,
+    /// One of a fixed set of strings.
+    Choice(&'static [&'static str]),
+    /// A list of integers.
+    IntList,
+}
+
+impl fmt::Display for ParamType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamType::Bool => f.write_str("bool"),
+            ParamType::Int { min, max } => write!(f, "integer {min}..={max}"),
+            ParamType::Float { min, max } => write!(f, "number {min}..={max}"),
+            ParamType::Str => f.write_str("string"),
+            ParamType::Path => f.write_str("path"),
+            ParamType::Choice(c) => write!(f, "one of {}", c.join("|")),
+            ParamType::IntList => f.write_str("list of integers"),
+        }
+    }
+}
+
+/// A param's default.
+#[derive(Debug, Clone, Copy)]
+pub enum ParamDefault {
+    /// Required: no default.
+    Required,
+    /// Optional without a value.
+    None,
+    /// A boolean.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+    /// A number.
+    Float(f64),
+    /// A string (also for paths and choices).
+    Str(&'static str),
+}
+
+impl fmt::Display for ParamDefault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamDefault::Required => f.write_str("required"),
+            ParamDefault::None => f.write_str("unset"),
+            ParamDefault::Bool(b) => write!(f, "{b}"),
+            ParamDefault::Int(i) => write!(f, "{i}"),
+            ParamDefault::Float(x) => write!(f, "{x}"),
+            ParamDefault::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+/// A param declared by a stage kind.
+#[derive(Debug, Clone, Copy)]
+pub struct ParamSpec {
+    /// Key in the pipeline file.
+    pub name: &'static str,
+    /// Type and allowed values.
+    pub ty: ParamType,
+    /// Default.
+    pub default: ParamDefault,
+    /// One line for `duplex stages`.
+    pub doc: &'static str,
+}
+
+/// A checked param value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ParamValue {
+    /// Boolean.
+    Bool(bool),
+    /// Integer.
+    Int(i64),
+    /// Number.
+    Float(f64),
+    /// String, path or choice.
+    Str(String),
+    /// List of integers.
+    IntList(Vec<i64>),
+}
+
+impl fmt::Display for ParamValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamValue::Bool(b) => write!(f, "{b}"),
+            ParamValue::Int(i) => write!(f, "{i}"),
+            ParamValue::Float(x) => write!(f, "{x}"),
+            ParamValue::Str(s) => write!(f, "{s}"),
+            ParamValue::IntList(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+/// The checked params of one stage: every declared param with a value or a default is present.
+#[derive(Debug, Clone, Default)]
+pub struct Params {
+    values: BTreeMap<String, ParamValue>,
+}
+
+impl Params {
+    /// Params from explicit values (for stages built in code, not from a file).
+    pub fn from_pairs<I: IntoIterator<Item = (&'static str, ParamValue)>>(pairs: I) -> Self {
+        Params {
+            values: pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        }
+    }
+
+    /// The value of `name`, if set.
+    pub fn get(&self, name: &str) -> Option<&ParamValue> {
+        self.values.get(name)
+    }
+
+    /// A boolean param (false when unset).
+    pub fn bool(&self, name: &str) -> bool {
+        matches!(self.get(name), Some(ParamValue::Bool(true)))
+    }
+
+    /// An integer param (0 when unset).
+    pub fn int(&self, name: &str) -> i64 {
+        match self.get(name) {
+            Some(ParamValue::Int(i)) => *i,
+            Some(ParamValue::Float(x)) => *x as i64,
+            _ => 0,
+        }
+    }
+
+    /// A number param (0 when unset).
+    pub fn float(&self, name: &str) -> f64 {
+        match self.get(name) {
+            Some(ParamValue::Float(x)) => *x,
+            Some(ParamValue::Int(i)) => *i as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// A string param (`""` when unset).
+    pub fn str(&self, name: &str) -> &str {
+        match self.get(name) {
+            Some(ParamValue::Str(s)) => s,
+            _ => "",
+        }
+    }
+
+    /// A string param, `None` when unset or empty.
+    pub fn opt_str(&self, name: &str) -> Option<&str> {
+        Some(self.str(name)).filter(|s| !s.is_empty())
+    }
+
+    /// A list param (empty when unset).
+    pub fn int_list(&self, name: &str) -> &[i64] {
+        match self.get(name) {
+            Some(ParamValue::IntList(v)) => v,
+            _ => &[],
+        }
+    }
+
+    /// All set params, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &ParamValue)> {
+        self.values.iter().map(|(k, v)| (k.as_str(), v))
+    }
+}
+
+/// Describes a raw value for messages: `"abc" (a string)`.
+pub(crate) fn describe(v: &Value) -> String {
+    let what = match &v.kind {
+        ValueKind::Nil => return "nothing (null)".into(),
+        ValueKind::Boolean(b) => format!("{b} (a bool)"),
+        ValueKind::I64(i) => format!("{i} (an integer)"),
+        ValueKind::I128(i) => format!("{i} (an integer)"),
+        ValueKind::U64(i) => format!("{i} (an integer)"),
+        ValueKind::U128(i) => format!("{i} (an integer)"),
+        ValueKind::Float(x) => format!("{x} (a number)"),
+        ValueKind::String(s) => format!("{s:?} (a string)"),
+        ValueKind::Table(_) => "a map".into(),
+        ValueKind::Array(_) => "a list".into(),
+    };
+    match v.origin() {
+        Some("the environment") => format!("{what} from the environment"),
+        _ => what,
+    }
+}
+
+pub(crate) fn as_i64(v: &Value) -> Option<i64> {
+    match &v.kind {
+        ValueKind::I64(i) => Some(*i),
+        ValueKind::I128(i) => i64::try_from(*i).ok(),
+        ValueKind::U64(i) => i64::try_from(*i).ok(),
+        ValueKind::U128(i) => i64::try_from(*i).ok(),
+        ValueKind::Float(x) if x.fract() == 0.0 && x.abs() < 9e15 => Some(*x as i64),
+        ValueKind::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+pub(crate) fn as_f64(v: &Value) -> Option<f64> {
+    match &v.kind {
+        ValueKind::Float(x) => Some(*x),
+        ValueKind::String(s) => s.trim().parse().ok(),
+        _ => as_i64(v).map(|i| i as f64),
+    }
+}
+
+pub(crate) fn as_bool(v: &Value) -> Option<bool> {
+    match &v.kind {
+        ValueKind::Boolean(b) => Some(*b),
+        ValueKind::String(s) => match s.trim() {
+            "true" => Some(true),
+            "false" => Some(false),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+pub(crate) fn as_string(v: &Value) -> Option<String> {
+    match &v.kind {
+        ValueKind::String(s) => Some(s.clone()),
+        // Values from the environment may have been parsed as numbers or booleans.
+        ValueKind::I64(_) | ValueKind::U64(_) | ValueKind::Float(_) | ValueKind::Boolean(_) => {
+            Some(v.to_string())
+        }
+        _ => None,
+    }
+}
+
+/// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
+pub(crate) fn suggest<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    fn dist(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut cur = vec![i + 1];
+            for (j, cb) in b.iter().enumerate() {
+                let sub = prev[j] + usize::from(ca != *cb);
+                cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+            }
+            prev = cur;
+        }
+        prev[b.len()]
+    }
+    candidates
+        .into_iter()
+        .map(|c| (dist(word, c), c))
+        .filter(|(d, c)| *d <= (c.len() / 3).max(1))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// Checks the raw params of one stage against its kind's declarations.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file, the stage and the key: unknown param (with a suggestion),
+/// wrong type, out of range, or missing required param.
+pub fn check(
+    file: &str,
+    stage: &str,
+    kind: &str,
+    specs: &[ParamSpec],
+    raw: &[(String, Value)],
+) -> Result<Params, ConfigError> {
+    let err = |key: &str, k: ConfigErrorKind, msg: String| {
+        ConfigError::new(file, k, msg).stage(stage).key(key)
+    };
+    let mut values = BTreeMap::new();
+    for (key, v) in raw {
+        let Some(spec) = specs.iter().find(|s| s.name == key) else {
+            let names: Vec<&str> = specs.iter().map(|s| s.name).collect();
+            let hint = match suggest(key, names.iter().copied()) {
+                Some(s) => format!(" (did you mean `{s}`?)"),
+                None => String::new(),
+            };
+            return Err(err(
+                key,
+                ConfigErrorKind::UnknownParam,
+                format!(
+                    "unknown param for a `{kind}` stage{hint}; its params are: {}",
+                    if names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        names.join(", ")
+                    }
+                ),
+            ));
+        };
+        let wrong = || {
+            err(
+                key,
+                ConfigErrorKind::WrongType,
+                format!("expected {}, got {}", spec.ty, describe(v)),
+            )
+        };
+        let range = |msg: String| err(key, ConfigErrorKind::OutOfRange, msg);
+        let value = match spec.ty {
+            ParamType::Bool => ParamValue::Bool(as_bool(v).ok_or_else(wrong)?),
+            ParamType::Int { min, max } => {
+                let i = as_i64(v).ok_or_else(wrong)?;
+                if i < min || i > max {
+                    return Err(range(format!("{i} is out of range {min}..={max}")));
+                }
+                ParamValue::Int(i)
+            }
+            ParamType::Float { min, max } => {
+                let x = as_f64(v).ok_or_else(wrong)?;
+                if !x.is_finite() || x < min || x > max {
+                    return Err(range(format!("{x} is out of range {min}..={max}")));
+                }
+                ParamValue::Float(x)
+            }
+            ParamType::Str | ParamType::Path => ParamValue::Str(as_string(v).ok_or_else(wrong)?),
+            ParamType::Choice(choices) => {
+                let s = as_string(v).ok_or_else(wrong)?;
+                if !choices.contains(&s.as_str()) {
+                    return Err(range(format!("{s:?} is not one of {}", choices.join(", "))));
+                }
+                ParamValue::Str(s)
+            }
+            ParamType::IntList => match &v.kind {
+                ValueKind::Array(items) => {
+                    let mut out = Vec::with_capacity(items.len());
+                    for (i, it) in items.iter().enumerate() {
+                        out.push(as_i64(it).ok_or_else(|| {
+                            err(
+                                &format!("{key}[{i}]"),
+                                ConfigErrorKind::WrongType,
+                                format!("expected an integer, got {}", describe(it)),
+                            )
+                        })?);
+                    }
+                    ParamValue::IntList(out)
+                }
+                // "1,2,3" (how a list arrives from an environment variable)
+                ValueKind::String(s) => ParamValue::IntList(
+                    s.split(',')
+                        .filter(|t| !t.trim().is_empty())
+                        .map(|t| t.trim().parse::<i64>())
+                        .collect::<Result<_, _>>()
+                        .map_err(|_| wrong())?,
+                ),
+                _ => return Err(wrong()),
+            },
+        };
+        values.insert(key.clone(), value);
+    }
+    for spec in specs {
+        if values.contains_key(spec.name) {
+            continue;
+        }
+        let v = match spec.default {
+            ParamDefault::Required => {
+                return Err(err(
+                    spec.name,
+                    ConfigErrorKind::Missing,
+                    format!("required param missing ({}: {})", spec.ty, spec.doc),
+                ))
+            }
+            ParamDefault::None => continue,
+            ParamDefault::Bool(b) => ParamValue::Bool(b),
+            ParamDefault::Int(i) => ParamValue::Int(i),
+            ParamDefault::Float(x) => ParamValue::Float(x),
+            ParamDefault::Str(s) => ParamValue::Str(s.into()),
+        };
+        values.insert(spec.name.to_string(), v);
+    }
+    Ok(Params { values })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPECS: &[ParamSpec] = &[
+        ParamSpec {
+            name: "freq",
+            ty: ParamType::Float { min: 0.0, max: 1e5 },
+            default: ParamDefault::Float(440.0),
+            doc: "",
+        },
+        ParamSpec {
+            name: "path",
+            ty: ParamType::Path,
+            default: ParamDefault::Required,
+            doc: "file",
+        },
+        ParamSpec {
+            name: "mode",
+            ty: ParamType::Choice(&["a", "b"]),
+            default: ParamDefault::Str("a"),
+            doc: "",
+        },
+    ];
+
+    fn v(kind: ValueKind) -> Value {
+        Value::new(None, kind)
+    }
+
+    #[test]
+    fn defaults_fill_in_and_types_convert() {
+        let p = check(
+            "f.yaml",
+            "s",
+            "k",
+            SPECS,
+            &[
+                ("path".into(), v(ValueKind::String("x.wav".into()))),
+                ("freq".into(), v(ValueKind::I64(1000))),
+            ],
+        )
+        .unwrap();
+        assert_eq!(p.float("freq"), 1000.0);
+        assert_eq!(p.str("path"), "x.wav");
+        assert_eq!(p.str("mode"), "a");
+    }
+
+    #[test]
+    fn mistakes_are_named() {
+        let e = check(
+            "f.yaml",
+            "s",
+            "k",
+            SPECS,
+            &[("frq".into(), v(ValueKind::I64(1)))],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind, ConfigErrorKind::UnknownParam);
+        assert!(e.to_string().contains("did you mean `freq`"), "{e}");
+        let e = check(
+            "f.yaml",
+            "s",
+            "k",
+            SPECS,
+            &[("freq".into(), v(ValueKind::String("loud".into())))],
+        )
+        .unwrap_err();
+        assert_eq!(e.kind, ConfigErrorKind::WrongType);
+        assert_eq!(
+            e.to_string(),
+            "f.yaml: stage `s`: `freq`: expected number 0..=100000, got \"loud\" (a string)"
+        );
+        let e = check("f.yaml", "s", "k", SPECS, &[]).unwrap_err();
+        assert_eq!(e.kind, ConfigErrorKind::Missing);
+        assert!(e.to_string().contains("`path`"));
+    }
+}

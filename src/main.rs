@@ -1,0 +1,123 @@
+//! The `duplex` command line. Thin: parsing, logging set-up, exit codes; the work is in
+//! [`duplex::app`].
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use duplex::app;
+use duplex::config::LoadOptions;
+use duplex::stages::Registry;
+
+#[derive(Parser)]
+#[command(
+    name = "duplex",
+    version,
+    about = "Real-time full-duplex speech-to-speech pipelines"
+)]
+struct Cli {
+    /// Log filter (tracing-subscriber syntax), e.g. `debug` or `duplex=trace`; also RUST_LOG.
+    #[arg(long, global = true)]
+    log: Option<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a pipeline file and print per-stage timing.
+    Run {
+        /// The pipeline file (YAML).
+        file: PathBuf,
+        /// Override a setting, e.g. `--set stages.src.path=in.wav` (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+    /// Check a pipeline file and print the resolved graph.
+    Validate {
+        /// The pipeline file (YAML).
+        file: PathBuf,
+        /// Override a setting (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
+    },
+    /// List the stage kinds with their ports and params.
+    Stages,
+    /// Check the environment: ONNX Runtime library and version.
+    Doctor {
+        /// Path of libonnxruntime to use instead of discovering it.
+        #[arg(long)]
+        ort_lib: Option<PathBuf>,
+    },
+}
+
+fn parse_sets(sets: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    sets.iter()
+        .map(|s| match s.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
+            _ => Err(anyhow::Error::new(duplex::config::ConfigError {
+                file: "--set".into(),
+                stage: None,
+                key: None,
+                kind: duplex::config::ConfigErrorKind::Syntax,
+                message: format!("{s:?} is not KEY=VALUE"),
+            })),
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = cli
+        .log
+        .clone()
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+
+    let result: anyhow::Result<()> = (|| match cli.cmd {
+        Cmd::Run { file, sets } => {
+            let sets = parse_sets(&sets)?;
+            let report = app::run_file(&file, &sets)?;
+            println!("{}", app::timing_table(&report));
+            Ok(())
+        }
+        Cmd::Validate { file, sets } => {
+            let opts = LoadOptions {
+                sets: parse_sets(&sets)?,
+                env: None,
+            };
+            print!("{}", app::validate(&file, &opts, &Registry::builtin())?);
+            Ok(())
+        }
+        Cmd::Stages => {
+            print!("{}", Registry::builtin().describe());
+            Ok(())
+        }
+        Cmd::Doctor { ort_lib } => {
+            let lib = duplex::model::ortlib::environment(ort_lib.as_deref())?;
+            println!(
+                "onnxruntime: {} (found via {})",
+                lib.path.display(),
+                lib.origin
+            );
+            if let Some(info) = duplex::model::ortlib::build_info() {
+                println!("build: {info}");
+            }
+            Ok(())
+        }
+    })();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(app::exit_code(&e) as u8)
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! Finding `libonnxruntime` and creating the one ONNX Runtime environment of the process.
+//!
+//! ONNX Runtime is loaded at run time (`ort`'s `load-dynamic`), from the first of:
+//!
+//! 1. an explicit path given by the caller (a CLI flag or a config key);
+//! 2. the `ORT_DYLIB_PATH` environment variable;
+//! 3. the project's virtual environment: `.venv/lib/python3*/site-packages/onnxruntime/capi/`
+//!    under the current directory, or under the checkout the `duplex` binary was built in;
+//! 4. the `onnxruntime` package of the active Python (`$VIRTUAL_ENV`, then `python3`).
+//!
+//! When none is found the error says what to install. ONNX Runtime allows one environment per
+//! process, so [`environment`] creates it once and every later call returns the same one.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// Where the library was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Given explicitly.
+    Explicit,
+    /// `ORT_DYLIB_PATH`.
+    EnvVar,
+    /// The project's `.venv`.
+    ProjectVenv,
+    /// The active Python's `onnxruntime` package.
+    Python,
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Origin::Explicit => "explicit setting",
+            Origin::EnvVar => "ORT_DYLIB_PATH",
+            Origin::ProjectVenv => "project .venv",
+            Origin::Python => "active Python's onnxruntime",
+        })
+    }
+}
+
+/// Why ONNX Runtime could not be loaded. Install it, or point `ORT_DYLIB_PATH` at it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum OrtLibError {
+    /// No library in any of the places searched.
+    #[error(
+        "ONNX Runtime library not found (searched: {}); install it with `python3 -m pip install \
+         onnxruntime==1.31.1` (or run `make setup`, which makes .venv), or set ORT_DYLIB_PATH to \
+         the path of libonnxruntime.so",
+        searched.join("; ")
+    )]
+    NotFound {
+        /// What was searched, in order.
+        searched: Vec<String>,
+    },
+    /// A path was given (explicitly or by `ORT_DYLIB_PATH`) but does not exist.
+    #[error("ONNX Runtime library {} (from {origin}) does not exist", path.display())]
+    Missing {
+        /// The path.
+        path: PathBuf,
+        /// Who gave it.
+        origin: Origin,
+    },
+    /// The library exists but could not be loaded or is too old.
+    #[error("loading ONNX Runtime from {} (from {origin}): {detail}", path.display())]
+    Load {
+        /// The path.
+        path: PathBuf,
+        /// Who gave it.
+        origin: Origin,
+        /// The loader's error.
+        detail: String,
+    },
+}
+
+/// The library in use.
+#[derive(Debug, Clone)]
+pub struct OrtLibrary {
+    /// Its path.
+    pub path: PathBuf,
+    /// How it was found.
+    pub origin: Origin,
+}
+
+fn lib_in_capi(dir: &Path) -> Option<PathBuf> {
+    let capi = dir.join("capi");
+    let exact = capi.join("libonnxruntime.so");
+    if exact.exists() {
+        return Some(exact);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&capi)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libonnxruntime.so.") || n == "libonnxruntime.dylib")
+        })
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+fn in_venv(venv: &Path) -> Option<PathBuf> {
+    let lib = venv.join("lib");
+    let mut pys: Vec<PathBuf> = std::fs::read_dir(&lib)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("python3"))
+        })
+        .collect();
+    pys.sort();
+    pys.iter()
+        .rev()
+        .find_map(|py| lib_in_capi(&py.join("site-packages").join("onnxruntime")))
+}
+
+/// Finds the library without loading it.
+///
+/// # Errors
+///
+/// [`OrtLibError::Missing`] when an explicit or `ORT_DYLIB_PATH` path does not exist,
+/// [`OrtLibError::NotFound`] when nothing is found anywhere (the message lists where it looked).
+pub fn find(explicit: Option<&Path>) -> Result<OrtLibrary, OrtLibError> {
+    let mut searched = Vec::new();
+    if let Some(p) = explicit {
+        return if p.exists() {
+            Ok(OrtLibrary {
+                path: p.into(),
+                origin: Origin::Explicit,
+            })
+        } else {
+            Err(OrtLibError::Missing {
+                path: p.into(),
+                origin: Origin::Explicit,
+            })
+        };
+    }
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        return if p.exists() {
+            Ok(OrtLibrary {
+                path: p,
+                origin: Origin::EnvVar,
+            })
+        } else {
+            Err(OrtLibError::Missing {
+                path: p,
+                origin: Origin::EnvVar,
+            })
+        };
+    }
+    searched.push("ORT_DYLIB_PATH (unset)".to_string());
+    let mut venvs = vec![PathBuf::from(".venv")];
+    // The checkout the binary lives in: target/<profile>/duplex -> ../../.venv
+    if let Ok(exe) = std::env::current_exe() {
+        for anc in exe.ancestors().skip(1).take(4) {
+            venvs.push(anc.join(".venv"));
+        }
+    }
+    for v in &venvs {
+        if let Some(p) = in_venv(v) {
+            return Ok(OrtLibrary {
+                path: p,
+                origin: Origin::ProjectVenv,
+            });
+        }
+    }
+    searched.push(format!(
+        "project venvs {}",
+        venvs
+            .iter()
+            .map(|v| v.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    if let Some(v) = std::env::var_os("VIRTUAL_ENV") {
+        if let Some(p) = in_venv(Path::new(&v)) {
+            return Ok(OrtLibrary {
+                path: p,
+                origin: Origin::Python,
+            });
+        }
+        searched.push(format!("$VIRTUAL_ENV {}", Path::new(&v).display()));
+    }
+    let py = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import onnxruntime, os; print(os.path.dirname(onnxruntime.__file__))",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output();
+    if let Ok(out) = py {
+        if out.status.success() {
+            let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if let Some(p) = lib_in_capi(Path::new(&dir)) {
+                return Ok(OrtLibrary {
+                    path: p,
+                    origin: Origin::Python,
+                });
+            }
+        }
+    }
+    searched.push("python3's onnxruntime package (not installed)".to_string());
+    Err(OrtLibError::NotFound { searched })
+}
+
+static ENV: OnceLock<Result<(OrtLibrary, ort::environment::Environment), OrtLibError>> =
+    OnceLock::new();
+
+/// Loads ONNX Runtime (once per process) and returns the library in use.
+///
+/// The first call decides: later calls return the first result whatever `explicit` they pass.
+///
+/// # Errors
+///
+/// As [`find`], plus [`OrtLibError::Load`] when the file cannot be loaded or is older than 1.31.
+pub fn environment(explicit: Option<&Path>) -> Result<&'static OrtLibrary, OrtLibError> {
+    let r = ENV.get_or_init(|| {
+        let lib = find(explicit)?;
+        let load_err = |detail: String| OrtLibError::Load {
+            path: lib.path.clone(),
+            origin: lib.origin,
+            detail,
+        };
+        let builder = ort::init_from(&lib.path).map_err(|e| load_err(e.to_string()))?;
+        let env = builder
+            .with_name("duplex")
+            .build()
+            .map_err(|e| load_err(e.to_string()))?;
+        tracing::info!(path = %lib.path.display(), origin = %lib.origin, "loaded ONNX Runtime");
+        Ok((lib, env))
+    });
+    match r {
+        Ok((lib, _)) => Ok(lib),
+        Err(e) => Err(e.clone()),
+    }
+}
+
+/// ONNX Runtime's build string (version, commit), after [`environment`] succeeded.
+pub fn build_info() -> Option<&'static str> {
+    match ENV.get() {
+        Some(Ok(_)) => Some(ort::info()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_missing_path_is_named() {
+        let e = find(Some(Path::new("/nonexistent/libonnxruntime.so"))).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("/nonexistent/libonnxruntime.so") && s.contains("explicit"),
+            "{s}"
+        );
+    }
+}

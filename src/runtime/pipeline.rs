@@ -1,0 +1,629 @@
+//! Running a built pipeline: one OS thread per stage, a supervisor, and shutdown.
+//!
+//! # Shutdown
+//!
+//! A run ends in one of three ways:
+//!
+//! - **End of stream.** Every source returns [`Flow::Done`](super::Flow::Done); each stage sees
+//!   its inputs close, calls `finish`, and closes its outputs, so end of stream flows through the
+//!   graph and every sink closes its files. All threads are joined.
+//! - **Stop request** ([`Running::stop`], e.g. Ctrl-C): sources stop producing and the pipeline
+//!   drains as above.
+//! - **Failure.** A stage returns an error or panics. Its inputs are dropped (producers upstream
+//!   see their consumer gone and stop), its outputs close (stages downstream drain and flush what
+//!   they already have, so nothing produced is lost) and sources are asked to stop. If the
+//!   pipeline has not drained within [`RunOptions::drain_timeout`], every blocking wait in the
+//!   runtime is woken with an abort; threads still running after
+//!   [`RunOptions::abort_timeout`] (a stage stuck in its own code) are reported as hung and left
+//!   behind rather than hanging the caller.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Select, Sender};
+
+use super::edge::{edge, EdgeRx, Signals};
+use super::graph::{Body, Node, ResolvedLink, RunOptions};
+use super::stage::{Context, Flow, Input, OutPort, StageError};
+use super::stats::{EdgeStats, RunReport, StageStats, StatsRegistry};
+use crate::observe::names;
+
+/// A validated pipeline, ready to [`start`](Pipeline::start).
+pub struct Pipeline {
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) links: Vec<ResolvedLink>,
+    pub(crate) options: RunOptions,
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunError {
+    /// A stage returned an error or panicked.
+    StageFailed {
+        /// Stage name.
+        stage: String,
+        /// Sequence number of the frame being processed (for a source: of the frame it was
+        /// producing), when there was one.
+        seq: Option<u64>,
+        /// The error, with its causes.
+        message: String,
+        /// Stages that did not stop in time afterwards.
+        hung: Vec<String>,
+    },
+    /// Stages did not stop within the timeouts after a stop request.
+    Hung {
+        /// Their names.
+        stages: Vec<String>,
+    },
+    /// A thread could not be started.
+    Spawn(String),
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunError::StageFailed {
+                stage,
+                seq,
+                message,
+                hung,
+            } => {
+                write!(f, "stage `{stage}` failed")?;
+                if let Some(s) = seq {
+                    write!(f, " at frame {s}")?;
+                }
+                write!(f, ": {message}")?;
+                if !hung.is_empty() {
+                    write!(
+                        f,
+                        " (and stage(s) {} did not stop in time)",
+                        hung.join(", ")
+                    )?;
+                }
+                Ok(())
+            }
+            RunError::Hung { stages } => write!(
+                f,
+                "stage(s) {} did not stop in time and were left running",
+                stages.join(", ")
+            ),
+            RunError::Spawn(e) => write!(f, "starting a stage thread: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for RunError {}
+
+/// How one actor ended.
+enum Exit {
+    Finished,
+    Stopped,
+    Failed { seq: Option<u64>, message: String },
+}
+
+enum Event {
+    Exit(usize, Exit),
+    StopRequested,
+}
+
+/// Fires the run's signals. Cloneable so that a Ctrl-C handler can hold one.
+#[derive(Clone)]
+pub struct StopHandle {
+    inner: Arc<Controller>,
+}
+
+struct Controller {
+    drain_tx: Mutex<Option<Sender<()>>>,
+    abort_tx: Mutex<Option<Sender<()>>>,
+    drain_flag: Arc<AtomicBool>,
+    abort_flag: Arc<AtomicBool>,
+    events: Sender<Event>,
+}
+
+impl Controller {
+    fn drain(&self) {
+        self.drain_flag.store(true, Ordering::Release);
+        if let Ok(mut g) = self.drain_tx.lock() {
+            g.take();
+        }
+    }
+    fn abort(&self) {
+        self.abort_flag.store(true, Ordering::Release);
+        self.drain();
+        if let Ok(mut g) = self.abort_tx.lock() {
+            g.take();
+        }
+    }
+}
+
+impl StopHandle {
+    /// Asks the pipeline to stop gracefully: sources stop, everything drains and flushes. If it
+    /// has not drained within the drain timeout it is aborted.
+    pub fn stop(&self) {
+        self.inner.drain();
+        let _ = self.inner.events.send(Event::StopRequested);
+    }
+
+    /// Aborts at once: every blocked wait returns and stages exit without flushing (sinks still
+    /// close their files when dropped).
+    pub fn abort(&self) {
+        self.inner.abort();
+        let _ = self.inner.events.send(Event::StopRequested);
+    }
+}
+
+/// A running pipeline.
+pub struct Running {
+    names: Vec<String>,
+    handles: Vec<Option<JoinHandle<()>>>,
+    events: Receiver<Event>,
+    stop: StopHandle,
+    stats: StatsRegistry,
+    started: Instant,
+    options: RunOptions,
+    spawn_error: Option<String>,
+}
+
+/// The result of a run: its statistics, and the error if it failed.
+pub struct RunOutcome {
+    /// Timing statistics of every stage and edge.
+    pub report: RunReport,
+    /// `None` when the run ended cleanly.
+    pub error: Option<RunError>,
+}
+
+impl RunOutcome {
+    /// The report, or the error.
+    ///
+    /// # Errors
+    ///
+    /// The run's [`RunError`].
+    pub fn into_result(self) -> Result<RunReport, RunError> {
+        match self.error {
+            None => Ok(self.report),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+struct Actor {
+    index: usize,
+    name: String,
+    body: Body,
+    outputs: Vec<OutPort>,
+    inputs: Vec<(usize, EdgeRx)>,
+    feedback: Vec<Option<EdgeRx>>,
+    stats: Arc<StageStats>,
+    signals: Signals,
+}
+
+impl Pipeline {
+    /// Names of the stages, in declaration order.
+    pub fn stage_names(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// Starts one thread per stage and returns at once.
+    pub fn start(self) -> Running {
+        let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(0);
+        let (abort_tx, abort_rx) = crossbeam_channel::bounded::<()>(0);
+        let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+        let signals = Signals {
+            drain: drain_rx,
+            abort: abort_rx,
+            drain_flag: Arc::new(AtomicBool::new(false)),
+            abort_flag: Arc::new(AtomicBool::new(false)),
+        };
+        let stop = StopHandle {
+            inner: Arc::new(Controller {
+                drain_tx: Mutex::new(Some(drain_tx)),
+                abort_tx: Mutex::new(Some(abort_tx)),
+                drain_flag: signals.drain_flag.clone(),
+                abort_flag: signals.abort_flag.clone(),
+                events: ev_tx.clone(),
+            }),
+        };
+
+        let mut actors: Vec<Actor> = Vec::with_capacity(self.nodes.len());
+        let mut stage_stats = Vec::new();
+        for (i, n) in self.nodes.into_iter().enumerate() {
+            let stats = Arc::new(StageStats::default());
+            stage_stats.push((n.name.clone(), stats.clone()));
+            actors.push(Actor {
+                index: i,
+                name: n.name,
+                outputs: n
+                    .outputs
+                    .iter()
+                    .map(|p| OutPort {
+                        ty: p.ty,
+                        name: p.name,
+                        next_seq: 0,
+                        edges: Vec::new(),
+                    })
+                    .collect(),
+                feedback: n.inputs.iter().map(|_| None).collect(),
+                inputs: Vec::new(),
+                body: n.body,
+                stats,
+                signals: signals.clone(),
+            });
+        }
+        let mut edge_stats = Vec::new();
+        for l in &self.links {
+            let st = Arc::new(EdgeStats::default());
+            edge_stats.push((l.name.clone(), l.capacity, l.overflow, st.clone()));
+            let (tx, rx) = edge(l.name.clone(), l.capacity, l.overflow, st);
+            actors[l.from].outputs[l.from_port].edges.push(tx);
+            if l.feedback {
+                actors[l.to].feedback[l.to_port] = Some(rx);
+            } else {
+                actors[l.to].inputs.push((l.to_port, rx));
+            }
+        }
+
+        let names: Vec<String> = actors.iter().map(|a| a.name.clone()).collect();
+        let mut handles = Vec::with_capacity(actors.len());
+        let mut spawn_error = None;
+        for a in actors {
+            let tx = ev_tx.clone();
+            let index = a.index;
+            let res = std::thread::Builder::new()
+                .name(format!("duplex:{}", a.name))
+                .spawn(move || {
+                    let exit = match catch_unwind(AssertUnwindSafe(|| run_actor(a))) {
+                        Ok(e) => e,
+                        Err(p) => Exit::Failed {
+                            seq: None,
+                            message: format!("panicked: {}", panic_message(&p)),
+                        },
+                    };
+                    let _ = tx.send(Event::Exit(index, exit));
+                });
+            match res {
+                Ok(h) => handles.push(Some(h)),
+                Err(e) => {
+                    spawn_error = Some(e.to_string());
+                    handles.push(None);
+                    stop.abort();
+                }
+            }
+        }
+        Running {
+            names,
+            handles,
+            events: ev_rx,
+            stop,
+            stats: StatsRegistry {
+                stages: stage_stats,
+                edges: edge_stats,
+            },
+            started: Instant::now(),
+            options: self.options,
+            spawn_error,
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
+
+struct StageMetrics {
+    service: metrics::Histogram,
+    frames: metrics::Counter,
+    completion: Option<metrics::Histogram>,
+}
+
+fn record(a: &Actor, m: &StageMetrics, elapsed: Duration, blocked: Duration, frames: u64) {
+    let service = elapsed.saturating_sub(blocked);
+    if let Ok(mut h) = a.stats.service.lock() {
+        h.record(service);
+    }
+    m.service.record(service.as_secs_f64());
+    a.stats.frames.fetch_add(frames, Ordering::Relaxed);
+    m.frames.increment(frames);
+    a.stats
+        .blocked_ns
+        .fetch_add(blocked.as_nanos() as u64, Ordering::Relaxed);
+}
+
+fn failure(e: StageError, seq: Option<u64>) -> Exit {
+    match e {
+        StageError::Stopped => Exit::Stopped,
+        e @ StageError::Failed(_) => Exit::Failed {
+            seq,
+            message: e.to_string(),
+        },
+    }
+}
+
+fn run_actor(mut a: Actor) -> Exit {
+    let labels = [("stage", a.name.clone())];
+    let m = StageMetrics {
+        service: metrics::histogram!(names::STAGE_SERVICE, &labels),
+        frames: metrics::counter!(names::STAGE_FRAMES, &labels),
+        completion: a
+            .outputs
+            .is_empty()
+            .then(|| metrics::histogram!(names::COMPLETION_INTERVAL, &labels)),
+    };
+    let mut body = std::mem::replace(&mut a.body, Body::Source(Box::new(Nothing)));
+    let exit = match &mut body {
+        Body::Source(src) => run_source(&mut a, &m, src.as_mut()),
+        Body::Stage(st) => run_stage(&mut a, &m, st.as_mut()),
+    };
+    // Close outputs (end of stream downstream) and inputs (upstream sees us gone) before the
+    // stage itself is dropped, which is where sinks close their files.
+    a.outputs.clear();
+    a.inputs.clear();
+    a.feedback.clear();
+    drop(body);
+    exit
+}
+
+struct Nothing;
+impl super::Source for Nothing {
+    fn produce(&mut self, _: &mut Context<'_>) -> super::StageResult<Flow> {
+        Ok(Flow::Done)
+    }
+}
+
+fn run_source(a: &mut Actor, m: &StageMetrics, src: &mut dyn super::Source) -> Exit {
+    loop {
+        let stop = a.signals.drain_flag.load(Ordering::Acquire);
+        if stop {
+            break;
+        }
+        let seq = a.outputs.first().map(|o| o.next_seq);
+        let mut cx = Context {
+            outputs: &mut a.outputs,
+            feedback: &mut a.feedback,
+            signals: &a.signals,
+            blocked: Duration::ZERO,
+            emitted: 0,
+        };
+        let t0 = Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| src.produce(&mut cx)));
+        let elapsed = t0.elapsed();
+        let (blocked, emitted) = (cx.blocked, cx.emitted);
+        record(a, m, elapsed, blocked, emitted);
+        match r {
+            Ok(Ok(Flow::Continue)) => {}
+            Ok(Ok(Flow::Done)) => break,
+            Ok(Err(e)) => return failure(e, seq),
+            Err(p) => {
+                return Exit::Failed {
+                    seq,
+                    message: format!("panicked: {}", panic_message(&p)),
+                }
+            }
+        }
+    }
+    finish(a, |cx| src.finish(cx))
+}
+
+fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult) -> Exit {
+    if a.signals.abort_flag.load(Ordering::Acquire) {
+        return Exit::Stopped;
+    }
+    let mut cx = Context {
+        outputs: &mut a.outputs,
+        feedback: &mut a.feedback,
+        signals: &a.signals,
+        blocked: Duration::ZERO,
+        emitted: 0,
+    };
+    match catch_unwind(AssertUnwindSafe(|| f(&mut cx))) {
+        Ok(Ok(())) => Exit::Finished,
+        Ok(Err(e)) => failure(e, None),
+        Err(p) => Exit::Failed {
+            seq: None,
+            message: format!("panicked while flushing: {}", panic_message(&p)),
+        },
+    }
+}
+
+fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit {
+    let inputs = std::mem::take(&mut a.inputs);
+    let mut sel = Select::new();
+    for (_, rx) in &inputs {
+        sel.recv(&rx.rx);
+    }
+    let abort_idx = sel.recv(&a.signals.abort);
+    let mut open = inputs.len();
+    let mut last_done: Option<Instant> = None;
+    let mut exit = None;
+    while open > 0 {
+        let op = sel.select();
+        let i = op.index();
+        if i == abort_idx {
+            let _ = op.recv(&a.signals.abort);
+            exit = Some(Exit::Stopped);
+            break;
+        }
+        let (port, rx) = &inputs[i];
+        let env = match op.recv(&rx.rx) {
+            Ok(env) => env,
+            Err(_) => {
+                sel.remove(i);
+                open -= 1;
+                continue;
+            }
+        };
+        rx.received(&env);
+        let seq = env.meta.seq;
+        let input = Input::new(*port, env.meta, env.payload);
+        let mut cx = Context {
+            outputs: &mut a.outputs,
+            feedback: &mut a.feedback,
+            signals: &a.signals,
+            blocked: Duration::ZERO,
+            emitted: 0,
+        };
+        let t0 = Instant::now();
+        let r = catch_unwind(AssertUnwindSafe(|| st.process(input, &mut cx)));
+        let now = Instant::now();
+        let blocked = cx.blocked;
+        record(a, m, now - t0, blocked, 1);
+        if let Some(h) = &m.completion {
+            if let Some(prev) = last_done {
+                let d = now - prev;
+                if let Ok(mut c) = a.stats.completion.lock() {
+                    c.record(d);
+                }
+                h.record(d.as_secs_f64());
+            }
+            last_done = Some(now);
+        }
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                exit = Some(failure(e, Some(seq)));
+                break;
+            }
+            Err(p) => {
+                exit = Some(Exit::Failed {
+                    seq: Some(seq),
+                    message: format!("panicked: {}", panic_message(&p)),
+                });
+                break;
+            }
+        }
+    }
+    drop(sel);
+    drop(inputs);
+    match exit {
+        Some(e) => e,
+        None => finish(a, |cx| st.finish(cx)),
+    }
+}
+
+impl Running {
+    /// A handle that can stop the run from another thread (a signal handler, a control socket).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// Statistics so far.
+    pub fn snapshot(&self) -> RunReport {
+        self.stats.snapshot(self.started.elapsed())
+    }
+
+    /// Waits for the end of the run (see the module docs for how it ends) and joins every thread
+    /// that stopped.
+    pub fn wait(mut self) -> RunOutcome {
+        let n = self.names.len();
+        let mut done = vec![false; n];
+        for (i, h) in self.handles.iter().enumerate() {
+            if h.is_none() {
+                done[i] = true;
+            }
+        }
+        let mut failed: Option<(String, Option<u64>, String)> = None;
+        // Deadline of the current shutdown phase: draining, then aborting.
+        let mut deadline: Option<Instant> = None;
+        let mut aborting = false;
+        let mut hung = Vec::new();
+        if self.spawn_error.is_some() {
+            aborting = true;
+            deadline = Some(Instant::now() + self.options.abort_timeout);
+        }
+        while done.iter().any(|d| !d) {
+            let ev = match deadline {
+                None => self
+                    .events
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+                Some(d) => self.events.recv_deadline(d),
+            };
+            match ev {
+                Ok(Event::Exit(i, exit)) => {
+                    done[i] = true;
+                    if let Some(h) = self.handles[i].take() {
+                        let _ = h.join();
+                    }
+                    match exit {
+                        Exit::Failed { seq, message } => {
+                            tracing::error!(stage = %self.names[i], "stage failed: {message}");
+                            if failed.is_none() {
+                                failed = Some((self.names[i].clone(), seq, message));
+                                self.stop.inner.drain();
+                                if deadline.is_none() {
+                                    deadline = Some(Instant::now() + self.options.drain_timeout);
+                                }
+                            }
+                        }
+                        Exit::Finished | Exit::Stopped => {}
+                    }
+                }
+                Ok(Event::StopRequested) => {
+                    if self.stop.inner.abort_flag.load(Ordering::Acquire) {
+                        if !aborting {
+                            aborting = true;
+                            deadline = Some(Instant::now() + self.options.abort_timeout);
+                        }
+                    } else if deadline.is_none() {
+                        deadline = Some(Instant::now() + self.options.drain_timeout);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if !aborting {
+                        let waiting: Vec<&str> = (0..n)
+                            .filter(|&i| !done[i])
+                            .map(|i| self.names[i].as_str())
+                            .collect();
+                        tracing::warn!(
+                            "pipeline did not drain within {:?} (waiting for {}): aborting",
+                            self.options.drain_timeout,
+                            waiting.join(", ")
+                        );
+                        self.stop.inner.abort();
+                        aborting = true;
+                        deadline = Some(Instant::now() + self.options.abort_timeout);
+                    } else {
+                        hung = (0..n)
+                            .filter(|&i| !done[i])
+                            .map(|i| self.names[i].clone())
+                            .collect();
+                        tracing::error!(
+                            "stage(s) {} did not stop within {:?} of the abort; leaving them behind",
+                            hung.join(", "),
+                            self.options.abort_timeout
+                        );
+                        break;
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        // Wake anything still blocked on a signal, even after a clean end.
+        self.stop.inner.abort();
+        let report = self.stats.snapshot(self.started.elapsed());
+        let error = if let Some(e) = self.spawn_error.take() {
+            Some(RunError::Spawn(e))
+        } else if let Some((stage, seq, message)) = failed {
+            Some(RunError::StageFailed {
+                stage,
+                seq,
+                message,
+                hung,
+            })
+        } else if !hung.is_empty() {
+            Some(RunError::Hung { stages: hung })
+        } else {
+            None
+        };
+        RunOutcome { report, error }
+    }
+}

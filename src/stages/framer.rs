@@ -1,0 +1,88 @@
+//! `framer`: cuts audio into frames of exactly `size` samples; the last partial frame is padded
+//! with zeros and flagged (`Pcm::padded`).
+
+use std::time::Instant;
+
+use crate::audio::{Framer, Pcm, FRAME_SAMPLES, MODEL_RATE};
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
+
+use super::{BuildContext, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "framer",
+    doc: "cuts audio into exact frames (1920 samples = 80 ms at 24 kHz); pads and flags the last",
+    params: &[
+        ParamSpec {
+            name: "size",
+            ty: T::Int {
+                min: 1,
+                max: 10_000_000,
+            },
+            default: D::Int(FRAME_SAMPLES as i64),
+            doc: "samples per frame",
+        },
+        ParamSpec {
+            name: "rate",
+            ty: T::Int {
+                min: 0,
+                max: 768_000,
+            },
+            default: D::Int(MODEL_RATE as i64),
+            doc: "required input rate, Hz (0 = any)",
+        },
+    ],
+    inputs: || vec![PortSpec::new::<Pcm>("in")],
+    outputs: || vec![PortSpec::new::<Pcm>("out")],
+    build,
+};
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    Ok(Body::Stage(Box::new(FramerStage {
+        framer: Framer::new(p.int("size") as usize),
+        rate: p.int("rate") as u32,
+        seen_rate: 0,
+        origin: None,
+    })))
+}
+
+struct FramerStage {
+    framer: Framer,
+    rate: u32,
+    seen_rate: u32,
+    origin: Option<Instant>,
+}
+
+impl Stage for FramerStage {
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        let frame = input.take::<Pcm>()?;
+        let rate = frame.data.rate;
+        if self.rate != 0 && rate != self.rate {
+            return Err(StageError::msg(format!(
+                "input is {rate} Hz but this framer expects {} Hz: put a `resample` stage (to: {}) before it",
+                self.rate, self.rate
+            )));
+        }
+        self.seen_rate = rate;
+        self.origin = Some(frame.meta.origin);
+        let origin = frame.meta.origin;
+        self.framer.push(frame.data.valid(), |samples| {
+            cx.emit(0, origin, Pcm::new(rate, samples))
+        })
+    }
+
+    fn finish(&mut self, cx: &mut Context<'_>) -> StageResult {
+        if let (Some((samples, padded)), Some(origin)) = (self.framer.finish(), self.origin) {
+            cx.emit(
+                0,
+                origin,
+                Pcm {
+                    rate: self.seen_rate,
+                    samples,
+                    padded,
+                },
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,182 @@
+//! Stage kinds: one file per kind, each adapting a building block to the runtime's
+//! [`Stage`](crate::runtime::Stage) or [`Source`](crate::runtime::Source) trait and declaring its
+//! ports and params.
+//!
+//! Stages never see a thread or a channel: they get frames in `process` and emit through the
+//! [`Context`](crate::runtime::Context). The [`Registry`] maps kind names (as written in pipeline
+//! files) to builders; applications can register kinds of their own next to the built-in ones.
+
+mod framer;
+mod null_sink;
+mod resample;
+mod synth_source;
+mod types;
+mod wav_sink;
+mod wav_source;
+
+use std::fmt::Write;
+
+use crate::config::{KindCatalog, ParamSpec, Params};
+use crate::runtime::{Body, PortSpec};
+
+pub use types::*;
+
+/// Everything a builder gets besides its params.
+pub struct BuildContext<'a> {
+    /// The stage's name in the pipeline.
+    pub stage: &'a str,
+    /// The pipeline file, for messages.
+    pub file: &'a str,
+}
+
+/// A stage kind: its name, docs, params, ports and builder.
+#[derive(Clone, Copy)]
+pub struct StageKind {
+    /// Name used as `kind:` in pipeline files.
+    pub name: &'static str,
+    /// One line for `duplex stages`.
+    pub doc: &'static str,
+    /// Declared params.
+    pub params: &'static [ParamSpec],
+    /// Input ports.
+    pub inputs: fn() -> Vec<PortSpec>,
+    /// Output ports.
+    pub outputs: fn() -> Vec<PortSpec>,
+    /// Builds the stage from checked params. The error message should say what to fix.
+    pub build: fn(&BuildContext<'_>, &Params) -> Result<Body, String>,
+}
+
+/// The set of known stage kinds.
+#[derive(Clone)]
+pub struct Registry {
+    kinds: Vec<StageKind>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::builtin()
+    }
+}
+
+impl Registry {
+    /// The built-in kinds.
+    pub fn builtin() -> Self {
+        Registry {
+            kinds: vec![
+                synth_source::KIND,
+                wav_source::KIND,
+                resample::KIND,
+                framer::KIND,
+                wav_sink::KIND,
+                null_sink::KIND,
+            ],
+        }
+    }
+
+    /// Adds (or replaces) a kind.
+    pub fn register(&mut self, kind: StageKind) {
+        self.kinds.retain(|k| k.name != kind.name);
+        self.kinds.push(kind);
+    }
+
+    /// The kind called `name`.
+    pub fn get(&self, name: &str) -> Option<&StageKind> {
+        self.kinds.iter().find(|k| k.name == name)
+    }
+
+    /// All kinds, in registration order.
+    pub fn kinds(&self) -> &[StageKind] {
+        &self.kinds
+    }
+
+    /// Text for `duplex stages`: every kind with its ports and params.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        for k in &self.kinds {
+            let ports = |v: Vec<PortSpec>| {
+                if v.is_empty() {
+                    "-".to_string()
+                } else {
+                    v.iter()
+                        .map(|p| {
+                            format!(
+                                "{}: {}{}",
+                                p.name,
+                                p.ty,
+                                if p.feedback { " (feedback)" } else { "" }
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            };
+            let _ = writeln!(s, "{}\n    {}", k.name, k.doc);
+            let _ = writeln!(s, "    in:  {}", ports((k.inputs)()));
+            let _ = writeln!(s, "    out: {}", ports((k.outputs)()));
+            if !k.params.is_empty() {
+                let _ = writeln!(s, "    params:");
+                for p in k.params {
+                    let _ = writeln!(
+                        s,
+                        "      {:<12} {:<28} default {:<10} {}",
+                        p.name,
+                        p.ty.to_string(),
+                        p.default.to_string(),
+                        p.doc
+                    );
+                }
+            }
+            s.push('\n');
+        }
+        s
+    }
+}
+
+impl KindCatalog for Registry {
+    fn params(&self, kind: &str) -> Option<&[ParamSpec]> {
+        self.get(kind).map(|k| k.params)
+    }
+
+    fn kind_names(&self) -> Vec<&str> {
+        self.kinds.iter().map(|k| k.name).collect()
+    }
+}
+
+/// The `realtime` and `chunk_ms` params shared by sources.
+pub(crate) mod pacing {
+    use std::time::{Duration, Instant};
+
+    use crate::runtime::Context;
+
+    /// Paces a source at real time: chunk `k` is due when its newest sample would have been
+    /// captured, `start + (k + 1) · chunk duration`.
+    pub struct Pacer {
+        realtime: bool,
+        start: Option<Instant>,
+        samples: u64,
+        rate: u32,
+    }
+
+    impl Pacer {
+        pub fn new(realtime: bool, rate: u32) -> Self {
+            Pacer {
+                realtime,
+                start: None,
+                samples: 0,
+                rate,
+            }
+        }
+
+        /// Waits (if real-time) until `n` more samples are due and returns their capture instant,
+        /// or `None` when the pipeline is stopping.
+        pub fn next(&mut self, n: usize, cx: &mut Context<'_>) -> Option<Instant> {
+            let start = *self.start.get_or_insert_with(Instant::now);
+            self.samples += n as u64;
+            if !self.realtime {
+                return Some(Instant::now());
+            }
+            let due = start + Duration::from_secs_f64(self.samples as f64 / self.rate as f64);
+            cx.sleep_until(due).then_some(due)
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! `resample`: converts any input rate to the `to` rate (FFT resampler, delay-compensated).
+//!
+//! The resampler is built for the rate of the first frame; a stream whose rate changes is
+//! flushed and continues with a resampler for the new rate. Apart from the output frame itself,
+//! nothing is allocated per frame.
+
+use std::time::Instant;
+
+use crate::audio::{Pcm, StreamResampler};
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+
+use super::{BuildContext, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "resample",
+    doc: "converts the sample rate (any rate to `to`; FFT, delay-compensated)",
+    params: &[
+        ParamSpec {
+            name: "to",
+            ty: T::Int {
+                min: 1000,
+                max: 768_000,
+            },
+            default: D::Int(24_000),
+            doc: "output rate, Hz",
+        },
+        ParamSpec {
+            name: "chunk_ms",
+            ty: T::Float {
+                min: 1.0,
+                max: 1000.0,
+            },
+            default: D::Float(20.0),
+            doc: "input processed per FFT, in ms",
+        },
+    ],
+    inputs: || vec![PortSpec::new::<Pcm>("in")],
+    outputs: || vec![PortSpec::new::<Pcm>("out")],
+    build,
+};
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    Ok(Body::Stage(Box::new(Resample {
+        to: p.int("to") as u32,
+        chunk_ms: p.float("chunk_ms"),
+        inner: None,
+        last_origin: None,
+    })))
+}
+
+struct Resample {
+    to: u32,
+    chunk_ms: f64,
+    inner: Option<StreamResampler>,
+    last_origin: Option<Instant>,
+}
+
+impl Resample {
+    fn flush(&mut self, cx: &mut Context<'_>) -> StageResult {
+        if let (Some(r), Some(origin)) = (self.inner.as_mut(), self.last_origin) {
+            let mut out = Vec::with_capacity(r.max_output(0));
+            r.flush(&mut out)?;
+            if !out.is_empty() {
+                cx.emit(0, origin, Pcm::new(self.to, out))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Stage for Resample {
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        let frame = input.take::<Pcm>()?;
+        let rate = frame.data.rate;
+        if self.inner.as_ref().is_some_and(|r| r.from_rate() != rate) {
+            self.flush(cx)?;
+            self.inner = None;
+        }
+        if self.inner.is_none() {
+            let chunk = ((self.chunk_ms / 1000.0 * rate as f64).round() as usize).max(1);
+            self.inner = Some(StreamResampler::new(rate, self.to, chunk)?);
+        }
+        self.last_origin = Some(frame.meta.origin);
+        let Some(r) = self.inner.as_mut() else {
+            return Ok(());
+        };
+        let mut out = Vec::with_capacity(r.max_output(frame.data.samples.len()));
+        r.process(frame.data.valid(), &mut out)?;
+        if !out.is_empty() {
+            cx.emit(0, frame.meta.origin, Pcm::new(self.to, out))?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, cx: &mut Context<'_>) -> StageResult {
+        self.flush(cx)
+    }
+}
