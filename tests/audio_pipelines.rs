@@ -267,6 +267,13 @@ fn cli_lists_validates_and_runs() {
     }
     assert!(s.contains("out: Pcm") && s.contains("in:  in: Any"), "{s}");
 
+    // The shipped example, with its input (made by `make demo`) replaced by a file of ours.
+    let dir = tempfile::tempdir().unwrap();
+    let wav = dir.path().join("in.wav");
+    let mut w =
+        duplex::audio::WavWriter::create(&wav, 48_000, duplex::audio::WavFormat::I16).unwrap();
+    w.write(&[0.0; 4800]).unwrap();
+    w.finalize().unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = duplex()
         .args([
@@ -275,6 +282,7 @@ fn cli_lists_validates_and_runs() {
                 .to_str()
                 .unwrap(),
         ])
+        .args(["--set", &format!("stages.source.path={}", wav.display())])
         .output()
         .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
@@ -288,7 +296,6 @@ fn cli_lists_validates_and_runs() {
         "{s}"
     );
 
-    let dir = tempfile::tempdir().unwrap();
     let p = write_pipeline(
         dir.path(),
         "p.yaml",
@@ -320,4 +327,47 @@ fn cli_lists_validates_and_runs() {
         e.contains("stage `tone`: `waveform`: \"square\" is not one of silence, sine, noise"),
         "{e}"
     );
+}
+
+#[test]
+fn realtime_sources_are_paced_and_their_sleep_is_not_service_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let make = write_pipeline(
+        dir.path(),
+        "make.yaml",
+        &format!(
+            "stages:\n  tone: {{ kind: synth_source, rate: 24000, duration: 0.4 }}\n  out: {{ kind: wav_sink, path: {d}/in.wav }}\nlinks: [tone -> out]\n"
+        ),
+    );
+    app::run_file(&make, &[]).unwrap();
+    for (kind, extra) in [
+        ("synth_source", "duration: 0.4"),
+        ("wav_source", "path: IN"),
+    ] {
+        let extra = extra.replace("IN", &format!("{d}/in.wav"));
+        let p = write_pipeline(
+            dir.path(),
+            "p.yaml",
+            &format!(
+                "stages:\n  src: {{ kind: {kind}, {extra}, realtime: true }}\n  sink: {{ kind: null_sink }}\nlinks: [src -> sink]\n"
+            ),
+        );
+        let report = app::run_file(&p, &[]).unwrap();
+        let src = report.stage("src").unwrap();
+        assert_eq!(src.frames, 20, "{kind}: 0.4 s in 20 ms frames");
+        // A paced source sleeps until each frame is due: 0.4 s of audio cannot take less than
+        // 0.4 s, and the sleeping is counted as blocked, not as service time.
+        assert!(
+            report.wall >= Duration::from_millis(395),
+            "{kind}: {:?}",
+            report.wall
+        );
+        assert!(
+            src.blocked >= Duration::from_millis(380),
+            "{kind}: {:?}",
+            src.blocked
+        );
+        assert!(src.service.sum() < src.blocked, "{kind}");
+    }
 }

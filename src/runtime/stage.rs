@@ -262,16 +262,20 @@ impl Context<'_> {
     }
 
     /// Sleeps until `deadline`, waking early when the pipeline is asked to stop. Returns `false`
-    /// when it woke because of a stop request.
-    pub fn sleep_until(&self, deadline: Instant) -> bool {
-        let timeout = deadline.saturating_duration_since(Instant::now());
+    /// when it woke because of a stop request. The sleep is not counted as service time (a paced
+    /// source spends most of its time here).
+    pub fn sleep_until(&mut self, deadline: Instant) -> bool {
+        let t0 = Instant::now();
+        let timeout = deadline.saturating_duration_since(t0);
         if timeout.is_zero() {
             return !self.should_stop();
         }
-        crossbeam_channel::select! {
+        let woke_for_deadline = crossbeam_channel::select! {
             recv(self.signals.drain) -> _ => false,
             recv(self.signals.abort) -> _ => false,
             default(timeout) => true,
-        }
+        };
+        self.blocked += t0.elapsed();
+        woke_for_deadline
     }
 }

@@ -1,0 +1,58 @@
+//! ONNX Runtime discovery from the command line: found in the project's .venv, and a clear
+//! message (no panic) when it is nowhere.
+
+use std::process::Command;
+
+#[test]
+fn doctor_finds_the_project_venv() {
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .arg("doctor")
+        .env_remove("ORT_DYLIB_PATH")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        s.contains("libonnxruntime.so") && s.contains("project .venv"),
+        "{s}"
+    );
+    assert!(s.contains("ORT Build Info"), "{s}");
+}
+
+#[test]
+fn doctor_says_what_to_install_when_nothing_is_found() {
+    // A copy of the binary outside the checkout, no venv, no python3 on PATH.
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("duplex");
+    std::fs::copy(env!("CARGO_BIN_EXE_duplex"), &exe).unwrap();
+    let out = Command::new(&exe)
+        .arg("doctor")
+        .env_remove("ORT_DYLIB_PATH")
+        .env_remove("VIRTUAL_ENV")
+        .env("PATH", dir.path())
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{e}");
+    assert!(e.contains("ONNX Runtime library not found"), "{e}");
+    assert!(e.contains("pip install onnxruntime==1.31.1"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+
+    let out = Command::new(&exe)
+        .arg("doctor")
+        .env("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("/nonexistent/libonnxruntime.so (from ORT_DYLIB_PATH) does not exist"),
+        "{e}"
+    );
+}
