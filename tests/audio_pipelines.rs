@@ -371,3 +371,47 @@ fn realtime_sources_are_paced_and_their_sleep_is_not_service_time() {
         assert!(src.service.sum() < src.blocked, "{kind}");
     }
 }
+
+#[test]
+fn sigint_drains_the_pipeline_and_finishes_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let p = write_pipeline(
+        d,
+        "p.yaml",
+        &format!(
+            "stages:\n  tone: {{ kind: synth_source, rate: 24000, duration: 600, realtime: true }}\n  framer: {{ kind: framer }}\n  out: {{ kind: wav_sink, path: {}/live.wav, flush_ms: 100000 }}\nlinks: [tone -> framer, framer -> out]\n",
+            d.display()
+        ),
+    );
+    let child = duplex()
+        .args(["run", p.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The timing table was printed, and the file was finished (not just flushed: the header
+    // interval above is longer than the run), ending with the padded last frame's real samples.
+    assert!(stdout.contains("sink out: completion interval"), "{stdout}");
+    let (_, got) = read(&d.join("live.wav"));
+    assert!(got.len() >= 12_000, "{} samples", got.len());
+    assert_eq!(
+        got.len() % 480,
+        0,
+        "whole 20 ms source chunks: {}",
+        got.len()
+    );
+}
