@@ -149,12 +149,34 @@ impl PortSpec {
         }
     }
 
+    /// Lists ports as `name: Type, name: Type (feedback)`, or `-` when there are none.
+    pub fn list(ports: &[PortSpec]) -> String {
+        if ports.is_empty() {
+            return "-".into();
+        }
+        ports
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// A feedback input carrying `T`.
     pub fn feedback<T: FrameData>(name: &'static str) -> Self {
         PortSpec {
             feedback: true,
             ..Self::new::<T>(name)
         }
+    }
+}
+
+impl fmt::Display for PortSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.name, self.ty)?;
+        if self.feedback {
+            f.write_str(" (feedback)")?;
+        }
+        Ok(())
     }
 }
 

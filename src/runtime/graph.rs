@@ -590,26 +590,13 @@ impl PipelineBuilder {
         use std::fmt::Write;
         let _ = writeln!(s, "stages:");
         for n in &self.nodes {
-            let ports = |v: &[PortSpec]| {
-                v.iter()
-                    .map(|p| {
-                        format!(
-                            "{}: {}{}",
-                            p.name,
-                            p.ty,
-                            if p.feedback { " (feedback)" } else { "" }
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             let _ = writeln!(
                 s,
                 "  {:<14} {:<14} in [{}]  out [{}]",
                 n.name,
                 n.kind,
-                ports(&n.inputs),
-                ports(&n.outputs)
+                PortSpec::list(&n.inputs),
+                PortSpec::list(&n.outputs)
             );
         }
         let _ = writeln!(s, "edges:");

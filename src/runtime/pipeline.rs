@@ -201,6 +201,19 @@ struct Actor {
     signals: Signals,
 }
 
+impl Actor {
+    /// A fresh context for one call into the stage.
+    fn context(&mut self) -> Context<'_> {
+        Context {
+            outputs: &mut self.outputs,
+            feedback: &mut self.feedback,
+            signals: &self.signals,
+            blocked: Duration::ZERO,
+            emitted: 0,
+        }
+    }
+}
+
 impl Pipeline {
     /// Names of the stages, in declaration order.
     pub fn stage_names(&self) -> Vec<String> {
@@ -386,13 +399,7 @@ fn run_source(a: &mut Actor, m: &StageMetrics, src: &mut dyn super::Source) -> E
             break;
         }
         let seq = a.outputs.first().map(|o| o.next_seq);
-        let mut cx = Context {
-            outputs: &mut a.outputs,
-            feedback: &mut a.feedback,
-            signals: &a.signals,
-            blocked: Duration::ZERO,
-            emitted: 0,
-        };
+        let mut cx = a.context();
         let t0 = Instant::now();
         let r = catch_unwind(AssertUnwindSafe(|| src.produce(&mut cx)));
         let elapsed = t0.elapsed();
@@ -417,13 +424,7 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
     if a.signals.abort_flag.load(Ordering::Acquire) {
         return Exit::Stopped;
     }
-    let mut cx = Context {
-        outputs: &mut a.outputs,
-        feedback: &mut a.feedback,
-        signals: &a.signals,
-        blocked: Duration::ZERO,
-        emitted: 0,
-    };
+    let mut cx = a.context();
     match catch_unwind(AssertUnwindSafe(|| f(&mut cx))) {
         Ok(Ok(())) => Exit::Finished,
         Ok(Err(e)) => failure(e, None),
@@ -440,7 +441,9 @@ fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit
     for (_, rx) in &inputs {
         sel.recv(&rx.rx);
     }
-    let abort_idx = sel.recv(&a.signals.abort);
+    // A handle of our own, so that the selector does not borrow the actor.
+    let abort = a.signals.abort.clone();
+    let abort_idx = sel.recv(&abort);
     let mut open = inputs.len();
     let mut last_done: Option<Instant> = None;
     let mut exit = None;
@@ -448,7 +451,7 @@ fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit
         let op = sel.select();
         let i = op.index();
         if i == abort_idx {
-            let _ = op.recv(&a.signals.abort);
+            let _ = op.recv(&abort);
             exit = Some(Exit::Stopped);
             break;
         }
@@ -464,13 +467,7 @@ fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit
         rx.received(&env);
         let seq = env.meta.seq;
         let input = Input::new(*port, env.meta, env.payload);
-        let mut cx = Context {
-            outputs: &mut a.outputs,
-            feedback: &mut a.feedback,
-            signals: &a.signals,
-            blocked: Duration::ZERO,
-            emitted: 0,
-        };
+        let mut cx = a.context();
         let t0 = Instant::now();
         let r = catch_unwind(AssertUnwindSafe(|| st.process(input, &mut cx)));
         let now = Instant::now();

@@ -93,26 +93,9 @@ impl Registry {
     pub fn describe(&self) -> String {
         let mut s = String::new();
         for k in &self.kinds {
-            let ports = |v: Vec<PortSpec>| {
-                if v.is_empty() {
-                    "-".to_string()
-                } else {
-                    v.iter()
-                        .map(|p| {
-                            format!(
-                                "{}: {}{}",
-                                p.name,
-                                p.ty,
-                                if p.feedback { " (feedback)" } else { "" }
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                }
-            };
             let _ = writeln!(s, "{}\n    {}", k.name, k.doc);
-            let _ = writeln!(s, "    in:  {}", ports((k.inputs)()));
-            let _ = writeln!(s, "    out: {}", ports((k.outputs)()));
+            let _ = writeln!(s, "    in:  {}", PortSpec::list(&(k.inputs)()));
+            let _ = writeln!(s, "    out: {}", PortSpec::list(&(k.outputs)()));
             if !k.params.is_empty() {
                 let _ = writeln!(s, "    params:");
                 for p in k.params {
