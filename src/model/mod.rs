@@ -1,6 +1,8 @@
-//! Model building blocks: finding and loading ONNX Runtime.
+//! Model building blocks: finding and loading ONNX Runtime, the LM's token bookkeeping and
+//! sampling.
 //!
-//! Nothing here knows about stages, threads or channels. Later: model packs, sessions, KV
-//! caches, the LM step bookkeeping, sampling, Mimi streaming and priming.
+//! Nothing here knows about stages, threads or channels.
 
+pub mod lmgen;
 pub mod ortlib;
+pub mod sampling;
