@@ -4,6 +4,8 @@
 #
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
+#   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
+#     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,4 +56,61 @@ lib=$(ls .venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so* 2>
 if [[ -z $lib ]]; then
   say "onnxruntime is installed but libonnxruntime.so was not found in .venv"
   exit 1
+fi
+
+# --- Model-pack exporter and the tiny test packs -------------------------------------------------
+# tools/make_pack.py builds packs with the real exporter (mobius-onnx) and random weights. The
+# exporter is installed without its dependencies (it would pull in torch, which it only needs to
+# read real checkpoints); what it needs to build graphs is pinned here, so a rebuild is
+# byte-identical.
+EXPORTER_PACKAGES=(
+  mobius-onnx==0.1.0
+  numpy==2.4.6
+  ml_dtypes==0.6.0
+  protobuf==7.36.2
+  onnx==1.23.2
+  onnx-ir==1.1.0
+  onnxscript==0.7.2
+  onnx-shape-inference==0.4.0
+  sympy==1.14.0
+  mpmath==1.3.0
+  packaging==26.4
+  typing_extensions==4.16.0
+)
+TINY_PACKS=(tiny tiny-gqa tiny-gqa-fp16)
+
+wrong=$(.venv/bin/python - "${EXPORTER_PACKAGES[@]}" <<'PY'
+import importlib.metadata as m, sys
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    try:
+        ok = m.version(name) == version
+    except m.PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(pin)
+PY
+)
+if [[ -n $wrong ]]; then
+  say "installing into .venv: $(echo $wrong)"
+  deps=()
+  for p in "${EXPORTER_PACKAGES[@]}"; do [[ $p == mobius-onnx==* ]] || deps+=("$p"); done
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${deps[@]}"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "${EXPORTER_PACKAGES[0]}"
+fi
+
+# The stamp records what built the packs: a changed script or pin rebuilds them.
+stamp=models/.tiny-packs.stamp
+want="make_pack.py $(sha256sum tools/make_pack.py | cut -d' ' -f1) ${EXPORTER_PACKAGES[*]}"
+built=1
+for p in "${TINY_PACKS[@]}"; do
+  for f in pack.yaml {mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx{,.data}; do
+    [[ -f models/$p/$f ]] || built=0
+  done
+done
+if [[ $built == 0 || ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  say "building tiny model packs into models/ (${TINY_PACKS[*]})"
+  rm -f "$stamp"
+  .venv/bin/python tools/make_pack.py --all-tiny --out models --quiet
+  printf '%s\n' "$want" >"$stamp"
 fi

@@ -3,6 +3,11 @@
 //!
 //! Nothing here knows about stages, threads or channels.
 
+mod error;
 pub mod lmgen;
 pub mod ortlib;
+pub mod pack;
 pub mod sampling;
+pub mod session;
+
+pub use error::ModelError;

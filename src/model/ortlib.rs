@@ -240,6 +240,14 @@ pub fn environment(explicit: Option<&Path>) -> Result<&'static OrtLibrary, OrtLi
     }
 }
 
+/// The process-wide ONNX Runtime environment, after [`environment`] succeeded.
+pub fn env() -> Option<&'static ort::environment::Environment> {
+    match ENV.get() {
+        Some(Ok((_, env))) => Some(env),
+        _ => None,
+    }
+}
+
 /// ONNX Runtime's build string (version, commit), after [`environment`] succeeded.
 pub fn build_info() -> Option<&'static str> {
     match ENV.get() {

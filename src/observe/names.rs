@@ -12,3 +12,5 @@ pub const EDGE_DEPTH: &str = "duplex_edge_depth";
 pub const EDGE_DROPPED: &str = "duplex_edge_dropped_total";
 /// Histogram, label `stage` (sinks only): interval between completed frames.
 pub const COMPLETION_INTERVAL: &str = "duplex_completion_interval_seconds";
+/// Gauge = 1, labels `graph`, `execution_provider`, `dtype`: the provider a graph really runs on.
+pub const MODEL_INFO: &str = "duplex_model_info";

@@ -1,0 +1,161 @@
+//! ONNX Runtime sessions: per-stage options, execution providers that refuse to pretend, and a
+//! report of the provider really used.
+//!
+//! Asking for CUDA when it cannot take effect (a binary built without the `cuda` feature, a
+//! CPU-only ONNX Runtime, missing CUDA libraries, no GPU) is an error unless the caller allows
+//! falling back to the CPU, in which case a warning says so. Registration goes through
+//! `error_on_failure`, because ONNX Runtime would otherwise fall back silently.
+
+use std::path::Path;
+
+use ort::session::Session;
+
+use super::error::ModelError;
+use super::ortlib;
+use crate::observe::names;
+
+/// Where a session computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Provider {
+    /// The CPU execution provider.
+    #[default]
+    Cpu,
+    /// The CUDA execution provider on a device.
+    Cuda {
+        /// GPU index.
+        device_id: i32,
+    },
+}
+
+impl Provider {
+    /// `cpu` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Provider::Cpu => "cpu",
+            Provider::Cuda { .. } => "cuda",
+        }
+    }
+}
+
+/// Options of one session (from a stage's YAML params).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionOptions {
+    /// Provider asked for.
+    pub provider: Provider,
+    /// When the provider cannot take effect: fall back to the CPU with a warning instead of
+    /// failing.
+    pub allow_fallback: bool,
+    /// Intra-op threads (0 = ONNX Runtime's default).
+    pub intra_threads: usize,
+    /// Let idle intra-op threads spin. Off by default: several sessions share few cores.
+    pub spinning: bool,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            provider: Provider::Cpu,
+            allow_fallback: false,
+            intra_threads: 1,
+            spinning: false,
+        }
+    }
+}
+
+/// A session with the provider it really runs on.
+pub struct OpenSession {
+    /// The session.
+    pub session: Session,
+    /// The provider in use.
+    pub provider: Provider,
+}
+
+fn builder(
+    graph: &str,
+    opts: &SessionOptions,
+) -> Result<ort::session::builder::SessionBuilder, ModelError> {
+    ortlib::environment(None)?;
+    let env = ortlib::env().ok_or_else(|| ModelError::ort(graph, "ONNX Runtime is not loaded"))?;
+    let mut b = Session::builder(env).map_err(|e| ModelError::ort(graph, e))?;
+    if opts.intra_threads > 0 {
+        b = b
+            .with_intra_threads(opts.intra_threads)
+            .map_err(|e| ModelError::ort(graph, e))?;
+    }
+    b = b
+        .with_intra_op_spinning(opts.spinning)
+        .map_err(|e| ModelError::ort(graph, e))?;
+    Ok(b)
+}
+
+#[cfg(feature = "cuda")]
+fn with_cuda(
+    graph: &str,
+    b: ort::session::builder::SessionBuilder,
+    device_id: i32,
+) -> Result<ort::session::builder::SessionBuilder, String> {
+    let ep = ort::ep::CUDA::default()
+        .with_device_id(device_id)
+        .build()
+        .error_on_failure();
+    b.with_execution_providers([ep]).map_err(|e| {
+        let _ = graph;
+        format!(
+            "{e} (is this the GPU build of ONNX Runtime, `onnxruntime-gpu`, with the CUDA libraries and a GPU present?)"
+        )
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn with_cuda(
+    _graph: &str,
+    _b: ort::session::builder::SessionBuilder,
+    _device_id: i32,
+) -> Result<ort::session::builder::SessionBuilder, String> {
+    Err("this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into())
+}
+
+/// Opens `path` (graph `graph`, for messages and metrics) with `opts`.
+///
+/// # Errors
+///
+/// [`ModelError::Provider`] when CUDA is asked for and cannot take effect (and falling back is
+/// not allowed); [`ModelError::Ort`] when ONNX Runtime cannot load the graph.
+pub fn open(path: &Path, graph: &str, opts: &SessionOptions, dtype: &str) -> Result<OpenSession, ModelError> {
+    let mut provider = Provider::Cpu;
+    let mut b = match opts.provider {
+        Provider::Cpu => builder(graph, opts)?,
+        Provider::Cuda { device_id } => match with_cuda(graph, builder(graph, opts)?, device_id) {
+            Ok(b) => {
+                provider = opts.provider;
+                b
+            }
+            Err(detail) if opts.allow_fallback => {
+                tracing::warn!(
+                    graph,
+                    "execution provider `cuda` is not available ({detail}); running on the CPU because `allow_fallback` is set"
+                );
+                builder(graph, opts)?
+            }
+            Err(detail) => {
+                return Err(ModelError::Provider {
+                    graph: graph.into(),
+                    provider: "cuda".into(),
+                    detail: format!("{detail}; set `allow_fallback: true` to run on the CPU instead"),
+                })
+            }
+        },
+    };
+    let session = b
+        .commit_from_file(path)
+        .map_err(|e| ModelError::ort(&format!("{graph} ({})", path.display()), e))?;
+    tracing::info!(graph, execution_provider = provider.name(), dtype, "session ready");
+    metrics::gauge!(
+        names::MODEL_INFO,
+        "graph" => graph.to_string(),
+        "execution_provider" => provider.name(),
+        "dtype" => dtype.to_string()
+    )
+    .set(1.0);
+    Ok(OpenSession { session, provider })
+}
