@@ -9,5 +9,7 @@ pub mod ortlib;
 pub mod pack;
 pub mod sampling;
 pub mod session;
+mod tensors;
+pub mod temporal;
 
 pub use error::ModelError;

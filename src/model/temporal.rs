@@ -1,0 +1,414 @@
+//! The temporal transformer, one step at a time, with its KV cache kept where the session
+//! computes.
+//!
+//! Three ways to hold the cache ([`KvMode`]):
+//!
+//! - **Resident, GQA graph** (in place): one buffer per layer's K and V, at full capacity, bound
+//!   as *both* `past_key_values.*` and `present.*`. The `GroupQueryAttention` op sees the shared
+//!   buffer and appends the new row in place; `attention_mask` (a view of the valid length + 1)
+//!   tells it how much is valid. Nothing is allocated or copied per step.
+//! - **Resident, standard graph** (ping-pong): two buffers per K and V; each step reads a view of
+//!   the current length from one and writes a view one row longer into the other. Absolute
+//!   `position_ids` are passed, and once the cache holds `context - 1` rows the oldest row is
+//!   dropped (an exact 3000-frame attention window), so memory and cost stop growing.
+//! - **Host**: the cache goes through host arrays every step (outputs copied out, then fed back
+//!   in as new inputs), as a naive driver does. Kept to measure and to demonstrate what the
+//!   resident modes avoid.
+//!
+//! The RoPE tables of these exports cover `max_positions` (8000) positions; the caller must apply
+//! its long-session policy before [`Temporal::positions_left`] reaches zero.
+
+use ort::memory::Allocator;
+use ort::session::{IoBinding, Session};
+use ort::value::TensorElementType;
+
+use super::error::ModelError;
+use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
+use super::session::{open, Provider, SessionOptions};
+use super::tensors::{element, read_floats, Buffer};
+
+/// How the KV cache is held between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvMode {
+    /// Bound where the session computes (in place for GQA, ping-pong for the standard graph).
+    #[default]
+    Resident,
+    /// Copied through host arrays every step (naive; for measurement).
+    Host,
+}
+
+/// Options of the temporal transformer.
+#[derive(Debug, Clone, Copy)]
+pub struct TemporalOptions {
+    /// Session options.
+    pub session: SessionOptions,
+    /// KV cache handling.
+    pub kv: KvMode,
+    /// Most positions one conversation may use (clamped to the pack's `max_positions`).
+    pub max_positions: usize,
+}
+
+impl Default for TemporalOptions {
+    fn default() -> Self {
+        TemporalOptions {
+            session: SessionOptions::default(),
+            kv: KvMode::Resident,
+            max_positions: usize::MAX,
+        }
+    }
+}
+
+enum Kv {
+    InPlace,
+    PingPong { cur: usize },
+    Host { past: Vec<Buffer> },
+}
+
+/// The temporal transformer of a pack.
+pub struct Temporal {
+    // Field order matters: the binding (which holds views) is dropped before the buffers.
+    binding: IoBinding,
+    session: Session,
+    /// What the graph says about itself.
+    pub info: LmGraphInfo,
+    /// The execution provider in use.
+    pub provider: Provider,
+    kv: Kv,
+    /// Per layer: K then V. For ping-pong, two sets (`bufs[0]`, `bufs[1]`).
+    bufs: [Vec<Buffer>; 2],
+    frame: Buffer,
+    mask: Buffer,
+    pos_ids: Option<Buffer>,
+    hidden: Buffer,
+    logits: Buffer,
+    alloc: Allocator,
+    channels: usize,
+    text_limit: i64,
+    audio_limit: i64,
+    window: usize,
+    capacity: usize,
+    len: usize,
+    pos: usize,
+}
+
+fn ort_err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
+    move |e| ModelError::ort(graph, e)
+}
+
+impl Temporal {
+    /// Opens the pack's temporal graph and checks it.
+    ///
+    /// # Errors
+    ///
+    /// Contract errors naming the input, provider errors, ONNX Runtime errors.
+    pub fn open(pack: &Pack, opts: &TemporalOptions) -> Result<Temporal, ModelError> {
+        let graph = "temporal";
+        let m = &pack.manifest;
+        let channels = m.delays.len();
+        // The dtype is only known once the graph is open; report it after the check.
+        let os = open(&pack.graph_path(Graph::Temporal), graph, &opts.session, "?")?;
+        let info = check_temporal(&os.session, graph, channels)?;
+        let e = ort_err(graph);
+        let alloc = Allocator::default();
+        let (h, d) = (info.heads as i64, info.head_dim as i64);
+        let capacity = opts.max_positions.min(m.max_positions).max(1);
+        let window = m.context.max(2);
+        let kv_ty = element(info.kv);
+        let cache_rows = match (opts.kv, info.variant) {
+            (KvMode::Host, _) => 0,
+            (KvMode::Resident, Variant::Gqa) => capacity,
+            (KvMode::Resident, Variant::Standard) => window.min(capacity),
+        };
+        let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
+        let sets = match (opts.kv, info.variant) {
+            (KvMode::Resident, Variant::Standard) => 2,
+            (KvMode::Resident, Variant::Gqa) => 1,
+            (KvMode::Host, _) => 0,
+        };
+        for set in bufs.iter_mut().take(sets) {
+            for _ in 0..2 * info.layers {
+                set.push(Buffer::zeros(&alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?);
+            }
+        }
+        let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1]).map_err(&e)?;
+        mask.as_slice::<i64>().fill(1);
+        let mut t = Temporal {
+            binding: os.session.create_binding().map_err(&e)?,
+            kv: match (opts.kv, info.variant) {
+                (KvMode::Host, _) => Kv::Host { past: Vec::new() },
+                (KvMode::Resident, Variant::Gqa) => Kv::InPlace,
+                (KvMode::Resident, Variant::Standard) => Kv::PingPong { cur: 0 },
+            },
+            bufs,
+            frame: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, channels as i64, 1]).map_err(&e)?,
+            mask,
+            pos_ids: match info.variant {
+                Variant::Standard => Some(Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(&e)?),
+                Variant::Gqa => None,
+            },
+            hidden: Buffer::zeros(&alloc, element(info.hidden), &[1, 1, info.hidden_dim as i64]).map_err(&e)?,
+            logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64]).map_err(&e)?,
+            session: os.session,
+            provider: os.provider,
+            alloc,
+            channels,
+            text_limit: m.text_vocab + 1,
+            audio_limit: m.audio_vocab + 1,
+            window,
+            capacity,
+            len: 0,
+            pos: 0,
+            info,
+        };
+        t.bind_fixed()?;
+        tracing::info!(
+            variant = ?t.info.variant,
+            layers = t.info.layers,
+            heads = t.info.heads,
+            head_dim = t.info.head_dim,
+            dtype = t.info.kv.name(),
+            kv = ?opts.kv,
+            capacity,
+            "temporal transformer ready"
+        );
+        metrics::gauge!(
+            crate::observe::names::MODEL_INFO,
+            "graph" => "temporal",
+            "execution_provider" => t.provider.name(),
+            "dtype" => t.info.kv.name()
+        )
+        .set(1.0);
+        Ok(t)
+    }
+
+    /// Binds what stays bound for the life of the session.
+    fn bind_fixed(&mut self) -> Result<(), ModelError> {
+        let e = ort_err("temporal");
+        let frame = self.frame.view(&self.alloc, &[1, self.channels as i64, 1]).map_err(&e)?;
+        self.binding.bind_input("input_frame", &frame).map_err(&e)?;
+        if let Some(p) = self.pos_ids.as_mut() {
+            let v = p.view(&self.alloc, &[1, 1]).map_err(&e)?;
+            self.binding.bind_input("position_ids", &v).map_err(&e)?;
+        }
+        let hd = self.info.hidden_dim as i64;
+        let hidden = self.hidden.view(&self.alloc, &[1, 1, hd]).map_err(&e)?;
+        self.binding.bind_output("hidden", hidden).map_err(&e)?;
+        let v = self.info.vocab as i64;
+        let logits = self.logits.view(&self.alloc, &[1, 1, v]).map_err(&e)?;
+        self.binding.bind_output("text_logits", logits).map_err(&e)?;
+        if let Kv::InPlace = self.kv {
+            let rows = self.capacity as i64;
+            for i in 0..self.info.layers {
+                for (j, kv) in ["key", "value"].iter().enumerate() {
+                    let shape = [1, self.info.heads as i64, rows, self.info.head_dim as i64];
+                    let buf = &mut self.bufs[0][2 * i + j];
+                    let past = buf.view(&self.alloc, &shape).map_err(&e)?;
+                    let present = buf.view(&self.alloc, &shape).map_err(&e)?;
+                    self.binding
+                        .bind_input(format!("past_key_values.{i}.{kv}"), &past)
+                        .map_err(&e)?;
+                    self.binding.bind_output(format!("present.{i}.{kv}"), present).map_err(&e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the conversation (the cache is kept allocated).
+    pub fn reset(&mut self) {
+        self.len = 0;
+        self.pos = 0;
+        if let Kv::PingPong { cur } = &mut self.kv {
+            *cur = 0;
+        }
+        if let Kv::Host { past } = &mut self.kv {
+            past.clear();
+        }
+    }
+
+    /// Rows in the KV cache (the attention context of the next step).
+    pub fn kv_len(&self) -> usize {
+        self.len
+    }
+
+    /// Positions used since the last reset.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Steps left before the positions this state can take run out.
+    pub fn positions_left(&self) -> usize {
+        self.capacity.saturating_sub(self.pos)
+    }
+
+    /// Checks token ids against the embedding tables.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Token`] naming the channel.
+    pub fn validate(&self, input: &[i64]) -> Result<(), ModelError> {
+        if input.len() != self.channels {
+            return Err(ModelError::contract(
+                "temporal",
+                format!("input frame has {} channels, expected {}", input.len(), self.channels),
+            ));
+        }
+        for (k, &v) in input.iter().enumerate() {
+            let limit = if k == 0 { self.text_limit } else { self.audio_limit };
+            if !(0..limit).contains(&v) {
+                let name = if k == 0 {
+                    "0 (text)".to_string()
+                } else if k <= (self.channels - 1) / 2 {
+                    format!("{k} (agent audio)")
+                } else {
+                    format!("{k} (user audio)")
+                };
+                return Err(ModelError::Token {
+                    graph: "temporal".into(),
+                    channel: name,
+                    value: v,
+                    limit,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step on `input` (one token per channel). Read the results with
+    /// [`read_hidden`](Self::read_hidden) and [`read_logits`](Self::read_logits).
+    ///
+    /// # Errors
+    ///
+    /// Token errors, [`ModelError::Contract`] when no position is left, ONNX Runtime errors.
+    pub fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
+        self.validate(input)?;
+        if self.positions_left() == 0 {
+            return Err(ModelError::contract(
+                "temporal",
+                format!(
+                    "no position left: the conversation reached {} positions (apply a long-session policy before)",
+                    self.pos
+                ),
+            ));
+        }
+        let e = ort_err("temporal");
+        self.frame.as_slice::<i64>()[..self.channels].copy_from_slice(input);
+        if let Some(p) = self.pos_ids.as_mut() {
+            p.as_slice::<i64>()[0] = self.pos as i64;
+        }
+        let total = self.len as i64 + 1;
+        let mask = self.mask.view(&self.alloc, &[1, total]).map_err(&e)?;
+        self.binding.bind_input("attention_mask", &mask).map_err(&e)?;
+        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
+        match &mut self.kv {
+            Kv::InPlace => {}
+            Kv::PingPong { cur } => {
+                let (a, b) = self.bufs.split_at_mut(1);
+                let (src, dst) = if *cur == 0 { (&mut a[0], &mut b[0]) } else { (&mut b[0], &mut a[0]) };
+                for i in 0..self.info.layers {
+                    for (j, kv) in ["key", "value"].iter().enumerate() {
+                        let past = src[2 * i + j].view(&self.alloc, &[1, h, self.len as i64, d]).map_err(&e)?;
+                        let present = dst[2 * i + j].view(&self.alloc, &[1, h, total, d]).map_err(&e)?;
+                        self.binding.bind_input(format!("past_key_values.{i}.{kv}"), &past).map_err(&e)?;
+                        self.binding.bind_output(format!("present.{i}.{kv}"), present).map_err(&e)?;
+                    }
+                }
+            }
+            Kv::Host { past } => {
+                let kv_ty = element(self.info.kv);
+                if past.is_empty() {
+                    for _ in 0..2 * self.info.layers {
+                        past.push(Buffer::zeros(&self.alloc, kv_ty, &[1, h, 0, d]).map_err(&e)?);
+                    }
+                }
+                let cpu = self.alloc.memory_info().clone();
+                for i in 0..self.info.layers {
+                    for (j, kv) in ["key", "value"].iter().enumerate() {
+                        let p = &mut past[2 * i + j];
+                        let v = p.view(&self.alloc, &[1, h, self.len as i64, d]).map_err(&e)?;
+                        self.binding.bind_input(format!("past_key_values.{i}.{kv}"), &v).map_err(&e)?;
+                        self.binding
+                            .bind_output_to_device(format!("present.{i}.{kv}"), &cpu)
+                            .map_err(&e)?;
+                    }
+                }
+            }
+        }
+        let outputs = self.session.run_binding(&self.binding).map_err(&e)?;
+        if let Kv::Host { past } = &mut self.kv {
+            // The naive round trip: every present comes back to the host and is copied into new
+            // arrays that become the next step's inputs.
+            let kv_ty = element(self.info.kv);
+            // The standard graph keeps an exact window: drop the oldest row once full.
+            let keep = match self.info.variant {
+                Variant::Standard => (total as usize).min(self.window - 1),
+                Variant::Gqa => total as usize,
+            };
+            let skip = total as usize - keep;
+            let row = self.info.head_dim;
+            for i in 0..self.info.layers {
+                for (j, kv) in ["key", "value"].iter().enumerate() {
+                    let name = format!("present.{i}.{kv}");
+                    let Some(v) = outputs.get(&name) else {
+                        return Err(ModelError::contract("temporal", format!("no output `{name}`")));
+                    };
+                    let mut fresh = Buffer::zeros(&self.alloc, kv_ty, &[1, h, keep as i64, d]).map_err(&e)?;
+                    for head in 0..self.info.heads {
+                        let from = (head * total as usize + skip) * row..(head * total as usize + total as usize) * row;
+                        let to = head * keep * row..(head + 1) * keep * row;
+                        if kv_ty == TensorElementType::Float16 {
+                            let (_, src) = v.try_extract_tensor::<half::f16>().map_err(&e)?;
+                            fresh.as_slice::<half::f16>()[to].copy_from_slice(&src[from]);
+                        } else {
+                            let (_, src) = v.try_extract_tensor::<f32>().map_err(&e)?;
+                            fresh.as_slice::<f32>()[to].copy_from_slice(&src[from]);
+                        }
+                    }
+                    past[2 * i + j] = fresh;
+                }
+            }
+            self.len = keep - 1;
+        }
+        drop(outputs);
+        self.len += 1;
+        self.pos += 1;
+        if let Kv::PingPong { cur } = &mut self.kv {
+            *cur = 1 - *cur;
+            if self.len > self.window - 1 {
+                // Keep the newest `window - 1` rows: copy them into the other buffer.
+                let keep = self.window - 1;
+                let (a, b) = self.bufs.split_at_mut(1);
+                let (src, dst) = if *cur == 0 { (&mut a[0], &mut b[0]) } else { (&mut b[0], &mut a[0]) };
+                let row = self.info.head_dim * if self.info.kv == super::pack::FloatType::F16 { 2 } else { 4 };
+                for (s, t) in src.iter_mut().zip(dst.iter_mut()) {
+                    let sp = s.tensor.data_ptr_mut().cast::<u8>();
+                    let tp = t.tensor.data_ptr_mut().cast::<u8>();
+                    for head in 0..self.info.heads {
+                        // SAFETY: source rows `[1, len)` of each head and destination rows
+                        // `[0, keep)` lie inside buffers of `window` rows per head.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                sp.add((head * self.len + 1) * row),
+                                tp.add(head * keep * row),
+                                keep * row,
+                            )
+                        };
+                    }
+                }
+                *cur = 1 - *cur;
+                self.len = keep;
+            }
+        }
+        Ok(())
+    }
+
+    /// The last step's hidden state, as f32.
+    pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
+        read_floats(&mut self.hidden, self.info.hidden_dim, out);
+    }
+
+    /// The last step's text logits, as f32.
+    pub fn read_logits(&mut self, out: &mut Vec<f32>) {
+        read_floats(&mut self.logits, self.info.vocab, out);
+    }
+}

@@ -1,0 +1,131 @@
+//! Tensor buffers for IO binding: allocated once, viewed with any shape that fits, never copied.
+//!
+//! ONNX Runtime binds inputs and outputs to tensors of a fixed shape, while a KV cache grows by
+//! one row per step. A *view* here is an ONNX Runtime tensor of the shape needed now over the
+//! first elements of a buffer allocated once at full capacity: binding it costs no copy and no
+//! allocation of the data.
+
+use std::ptr::NonNull;
+
+use ort::memory::Allocator;
+use ort::value::{DynTensor, TensorElementType};
+use ort::AsPointer;
+
+use super::pack::FloatType;
+
+/// ONNX Runtime's element type for a float type.
+pub(crate) fn element(ty: FloatType) -> TensorElementType {
+    match ty {
+        FloatType::F32 => TensorElementType::Float32,
+        FloatType::F16 => TensorElementType::Float16,
+    }
+}
+
+fn element_size(ty: TensorElementType) -> usize {
+    match ty {
+        TensorElementType::Float16 | TensorElementType::Bfloat16 => 2,
+        TensorElementType::Float64 | TensorElementType::Int64 | TensorElementType::Uint64 => 8,
+        TensorElementType::Int8 | TensorElementType::Uint8 | TensorElementType::Bool => 1,
+        TensorElementType::Int16 | TensorElementType::Uint16 => 2,
+        _ => 4,
+    }
+}
+
+/// A buffer allocated once, with its capacity in elements.
+pub(crate) struct Buffer {
+    pub tensor: DynTensor,
+    pub ty: TensorElementType,
+    pub capacity: usize,
+}
+
+impl Buffer {
+    /// A zero-filled CPU buffer of `shape`.
+    pub fn zeros(alloc: &Allocator, ty: TensorElementType, shape: &[i64]) -> ort::Result<Buffer> {
+        let mut tensor = DynTensor::new(alloc, ty, shape.to_vec())?;
+        let capacity = shape.iter().product::<i64>().max(0) as usize;
+        let bytes = capacity * element_size(ty);
+        // SAFETY: a freshly allocated CPU tensor of `capacity` elements owns `bytes` bytes.
+        unsafe { std::ptr::write_bytes(tensor.data_ptr_mut().cast::<u8>(), 0, bytes) };
+        Ok(Buffer {
+            tensor,
+            ty,
+            capacity,
+        })
+    }
+
+    /// A tensor of `shape` over the first elements of this buffer (no copy).
+    ///
+    /// The view must not outlive the buffer: owners keep views in fields dropped before their
+    /// buffers, or rebuild them every step.
+    pub fn view(&mut self, alloc: &Allocator, shape: &[i64]) -> ort::Result<DynTensor> {
+        let n = shape.iter().product::<i64>().max(0) as usize;
+        if n > self.capacity {
+            return Err(ort::Error::new(format!(
+                "view of {n} elements over a buffer of {}",
+                self.capacity
+            )));
+        }
+        let data = self.tensor.data_ptr_mut();
+        let mut out: *mut ort::sys::OrtValue = std::ptr::null_mut();
+        // SAFETY: `data` points to `capacity` elements of `ty` in memory described by the
+        // buffer's memory info; the view covers at most that many. The created value does not
+        // own the data (ONNX Runtime never frees external data).
+        let status = unsafe {
+            (ort::api().CreateTensorWithDataAsOrtValue)(
+                self.tensor.memory_info().ptr(),
+                data,
+                n * element_size(self.ty),
+                shape.as_ptr(),
+                shape.len(),
+                self.ty.into(),
+                &mut out,
+            )
+        };
+        if !status.0.is_null() {
+            // SAFETY: a non-null status is a valid OrtStatus, released once here.
+            let msg = unsafe {
+                let m = std::ffi::CStr::from_ptr((ort::api().GetErrorMessage)(status.0))
+                    .to_string_lossy()
+                    .into_owned();
+                (ort::api().ReleaseStatus)(status.0);
+                m
+            };
+            return Err(ort::Error::new(msg));
+        }
+        let Some(ptr) = NonNull::new(out) else {
+            return Err(ort::Error::new("CreateTensorWithDataAsOrtValue returned null"));
+        };
+        // SAFETY: `ptr` is a valid tensor value we own; the allocator only keeps a handle.
+        Ok(unsafe { DynTensor::from_ptr(ptr, Some(alloc)) })
+    }
+
+    /// The buffer's data as `T` (CPU buffers only).
+    pub fn as_slice<T>(&mut self) -> &mut [T] {
+        debug_assert_eq!(std::mem::size_of::<T>(), element_size(self.ty));
+        // SAFETY: the buffer holds `capacity` elements of the size of `T`, in CPU memory.
+        unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr_mut().cast::<T>(), self.capacity) }
+    }
+}
+
+/// Reads a float tensor (f32 or f16) into `out` as f32.
+pub(crate) fn read_floats(buf: &mut Buffer, n: usize, out: &mut Vec<f32>) {
+    out.clear();
+    match buf.ty {
+        TensorElementType::Float16 => {
+            out.extend(buf.as_slice::<half::f16>()[..n].iter().map(|v| v.to_f32()))
+        }
+        _ => out.extend_from_slice(&buf.as_slice::<f32>()[..n]),
+    }
+}
+
+/// Writes f32 values into a float buffer (f32 or f16).
+pub(crate) fn write_floats(buf: &mut Buffer, values: &[f32]) {
+    match buf.ty {
+        TensorElementType::Float16 => {
+            for (d, &s) in buf.as_slice::<half::f16>().iter_mut().zip(values) {
+                *d = half::f16::from_f32(s);
+            }
+        }
+        _ => buf.as_slice::<f32>()[..values.len()].copy_from_slice(values),
+    }
+}

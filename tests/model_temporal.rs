@@ -1,0 +1,127 @@
+//! The temporal transformer on the real exported graphs: the resident KV cache (in place for
+//! GQA, ping-pong with an exact window for the standard graph) computes exactly what the naive
+//! host round trip computes; token ids are checked; positions run out loudly.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use duplex::model::pack::{Pack, Variant};
+use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
+use duplex::model::ModelError;
+
+fn tokens(t: usize) -> Vec<i64> {
+    let mut v = vec![((t * 7919) % 32_001) as i64];
+    v.extend((1..17).map(|k| ((t * 31 + k * 97) % 2049) as i64));
+    v
+}
+
+fn run(pack: &Pack, kv: KvMode, steps: usize) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let mut t = Temporal::open(
+        pack,
+        &TemporalOptions {
+            kv,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut all = Vec::new();
+    let mut lens = Vec::new();
+    let mut logits = Vec::new();
+    for s in 0..steps {
+        t.step(&tokens(s)).unwrap();
+        t.read_logits(&mut logits);
+        all.push(logits.clone());
+        lens.push(t.kv_len());
+    }
+    (all, lens)
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn resident_cache_equals_the_host_round_trip_for_every_variant() {
+    for (name, variant, tol) in [
+        ("tiny", Variant::Standard, 1e-5),
+        ("tiny-gqa", Variant::Gqa, 1e-5),
+        ("tiny-gqa-fp16", Variant::Gqa, 1e-2),
+    ] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let (res, lens) = run(&pack, KvMode::Resident, 40);
+        let (host, _) = run(&pack, KvMode::Host, 40);
+        let t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        assert_eq!(t.info.variant, variant, "{name}");
+        assert_eq!(lens.last(), Some(&40));
+        let d = max_diff(&res, &host);
+        assert!(d <= tol, "{name}: logits differ by {d}");
+        // Not a degenerate model: logits vary across steps.
+        assert!(max_diff(&res[..1], &res[1..2]) > 1e-3, "{name}");
+    }
+}
+
+#[test]
+fn standard_graph_keeps_an_exact_window() {
+    // The same graphs with an 8-frame context: the cache never holds more than 7 rows, both
+    // ways of keeping it agree, and the window changes the result (it is really applied).
+    let (_d, dir) = packs::variant("tiny", "context: 8\n");
+    let small = Pack::open(&dir).unwrap();
+    assert_eq!(small.manifest.context, 8);
+    let (res, lens) = run(&small, KvMode::Resident, 30);
+    let (host, host_lens) = run(&small, KvMode::Host, 30);
+    assert_eq!(lens, host_lens);
+    assert_eq!(*lens.iter().max().unwrap(), 7);
+    let d = max_diff(&res, &host);
+    assert!(d <= 1e-5, "windowed logits differ by {d}");
+    let full = Pack::open(&packs::pack("tiny")).unwrap();
+    let (unwindowed, _) = run(&full, KvMode::Resident, 30);
+    assert!(max_diff(&res[..7], &unwindowed[..7]) <= 1e-5, "same before the window fills");
+    assert!(max_diff(&res[8..], &unwindowed[8..]) > 1e-4, "different once it slides");
+}
+
+#[test]
+fn token_ids_are_checked_naming_the_channel() {
+    let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
+    let mut t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let mut bad = tokens(0);
+    bad[5] = 2049;
+    let e = t.step(&bad).unwrap_err();
+    assert!(matches!(e, ModelError::Token { .. }));
+    assert_eq!(
+        e.to_string(),
+        "temporal: token 2049 on channel 5 (agent audio) is out of range 0..2049"
+    );
+    let mut bad = tokens(0);
+    bad[0] = -1;
+    assert!(t.step(&bad).unwrap_err().to_string().contains("channel 0 (text)"));
+    let mut bad = tokens(0);
+    bad[12] = -2;
+    assert!(t.step(&bad).unwrap_err().to_string().contains("channel 12 (user audio)"));
+    // Nothing was run: the state is untouched.
+    assert_eq!(t.position(), 0);
+}
+
+#[test]
+fn positions_run_out_loudly() {
+    let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
+    let mut t = Temporal::open(
+        &pack,
+        &TemporalOptions {
+            max_positions: 5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for s in 0..5 {
+        assert_eq!(t.positions_left(), 5 - s);
+        t.step(&tokens(s)).unwrap();
+    }
+    let e = t.step(&tokens(5)).unwrap_err().to_string();
+    assert!(e.contains("no position left"), "{e}");
+    t.reset();
+    assert_eq!(t.positions_left(), 5);
+    t.step(&tokens(0)).unwrap();
+}

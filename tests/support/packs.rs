@@ -1,0 +1,43 @@
+//! Paths of the tiny packs built by `make setup`, and pack variants made from them.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+pub fn pack(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(name);
+    assert!(
+        p.join("pack.yaml").is_file(),
+        "{} is missing: run `make setup` (it builds the tiny packs)",
+        p.display()
+    );
+    p
+}
+
+/// A copy of pack `name` whose graph directories are symlinks to the original and whose
+/// pack.yaml gets `extra` appended (later keys win).
+pub fn variant(name: &str, extra: &str) -> (tempfile::TempDir, PathBuf) {
+    let src = pack(name);
+    let dir = tempfile::tempdir().unwrap();
+    let dst = dir.path().join(name);
+    std::fs::create_dir(&dst).unwrap();
+    for g in ["mimi_encoder", "mimi_decoder", "temporal", "depformer"] {
+        std::os::unix::fs::symlink(src.join(g), dst.join(g)).unwrap();
+    }
+    let mut yaml = std::fs::read_to_string(src.join("pack.yaml")).unwrap();
+    // Drop keys that `extra` sets again.
+    for line in extra.lines() {
+        if let Some((k, _)) = line.split_once(':') {
+            if !line.starts_with(' ') {
+                yaml = yaml
+                    .lines()
+                    .filter(|l| !l.starts_with(&format!("{k}:")))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                yaml.push('\n');
+            }
+        }
+    }
+    yaml.push_str(extra);
+    std::fs::write(dst.join("pack.yaml"), yaml).unwrap();
+    (dir, dst)
+}
