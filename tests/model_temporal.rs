@@ -78,8 +78,14 @@ fn standard_graph_keeps_an_exact_window() {
     assert!(d <= 1e-5, "windowed logits differ by {d}");
     let full = Pack::open(&packs::pack("tiny")).unwrap();
     let (unwindowed, _) = run(&full, KvMode::Resident, 30);
-    assert!(max_diff(&res[..7], &unwindowed[..7]) <= 1e-5, "same before the window fills");
-    assert!(max_diff(&res[8..], &unwindowed[8..]) > 1e-4, "different once it slides");
+    assert!(
+        max_diff(&res[..7], &unwindowed[..7]) <= 1e-5,
+        "same before the window fills"
+    );
+    assert!(
+        max_diff(&res[8..], &unwindowed[8..]) > 1e-4,
+        "different once it slides"
+    );
 }
 
 #[test]
@@ -96,10 +102,18 @@ fn token_ids_are_checked_naming_the_channel() {
     );
     let mut bad = tokens(0);
     bad[0] = -1;
-    assert!(t.step(&bad).unwrap_err().to_string().contains("channel 0 (text)"));
+    assert!(t
+        .step(&bad)
+        .unwrap_err()
+        .to_string()
+        .contains("channel 0 (text)"));
     let mut bad = tokens(0);
     bad[12] = -2;
-    assert!(t.step(&bad).unwrap_err().to_string().contains("channel 12 (user audio)"));
+    assert!(t
+        .step(&bad)
+        .unwrap_err()
+        .to_string()
+        .contains("channel 12 (user audio)"));
     // Nothing was run: the state is untouched.
     assert_eq!(t.position(), 0);
 }

@@ -282,7 +282,11 @@ mod tests {
             let io = g.begin(&user(t as i64), None, None).unwrap();
             if let Some(io) = &io {
                 let step = g.offset() as i64;
-                let text = if io.provided[0] { io.target[0] } else { 1000 * step };
+                let text = if io.provided[0] {
+                    io.target[0]
+                } else {
+                    1000 * step
+                };
                 let audio: Vec<i64> = (1..17).map(|k| 1000 * step + k as i64).collect();
                 if let Some(f) = g.commit(text, &audio).unwrap() {
                     out.push(f);
@@ -315,7 +319,11 @@ mod tests {
         assert_eq!(io1.target[9], 100);
         assert!(io1.provided[9]);
         for k in (2..=8).chain(10..=16) {
-            assert_eq!((io1.target[k], io1.provided[k]), (2048, true), "channel {k}");
+            assert_eq!(
+                (io1.target[k], io1.provided[k]),
+                (2048, true),
+                "channel {k}"
+            );
         }
         assert!(!io1.provided[0] && !io1.provided[1]);
         // Step 2 sees step 1's sampled text and agent semantic token, and user frame 1.

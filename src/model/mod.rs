@@ -3,13 +3,16 @@
 //!
 //! Nothing here knows about stages, threads or channels.
 
+pub mod depformer;
 mod error;
+pub mod lm;
 pub mod lmgen;
+pub mod mimi;
 pub mod ortlib;
 pub mod pack;
 pub mod sampling;
 pub mod session;
-mod tensors;
 pub mod temporal;
+mod tensors;
 
 pub use error::ModelError;

@@ -108,7 +108,10 @@ impl PackManifest {
     /// The token streams' layout.
     pub fn layout(&self) -> StreamLayout {
         let mut initial = vec![self.initial_tokens.text];
-        initial.extend(std::iter::repeat_n(self.initial_tokens.audio, 2 * self.codebooks));
+        initial.extend(std::iter::repeat_n(
+            self.initial_tokens.audio,
+            2 * self.codebooks,
+        ));
         StreamLayout {
             delays: self.delays.clone(),
             initial,
@@ -159,7 +162,12 @@ impl Pack {
         if !dir.is_dir() {
             return Err(err(dir, "model pack directory not found".into()));
         }
-        for g in [Graph::MimiEncoder, Graph::MimiDecoder, Graph::Temporal, Graph::Depformer] {
+        for g in [
+            Graph::MimiEncoder,
+            Graph::MimiDecoder,
+            Graph::Temporal,
+            Graph::Depformer,
+        ] {
             let p = dir.join(g.dir()).join("model.onnx");
             if !p.is_file() {
                 return Err(err(
@@ -192,11 +200,19 @@ impl Pack {
                 ),
             ));
         }
-        for (key, v) in [("silence_codes", &manifest.silence_codes), ("sine_codes", &manifest.sine_codes)] {
-            if v.len() != manifest.codebooks || v.iter().any(|&c| c < 0 || c >= manifest.audio_vocab) {
+        for (key, v) in [
+            ("silence_codes", &manifest.silence_codes),
+            ("sine_codes", &manifest.sine_codes),
+        ] {
+            if v.len() != manifest.codebooks
+                || v.iter().any(|&c| c < 0 || c >= manifest.audio_vocab)
+            {
                 return Err(err(
                     &mf,
-                    format!("`{key}` must hold {} codes in 0..{}", manifest.codebooks, manifest.audio_vocab),
+                    format!(
+                        "`{key}` must hold {} codes in 0..{}",
+                        manifest.codebooks, manifest.audio_vocab
+                    ),
                 ));
             }
         }
@@ -288,35 +304,58 @@ impl<'a> Io<'a> {
     fn of(session: &Session, graph: &'a str) -> Self {
         Io {
             graph,
-            inputs: session.inputs().iter().map(|o| (o.name().to_string(), o.dtype().clone())).collect(),
-            outputs: session.outputs().iter().map(|o| (o.name().to_string(), o.dtype().clone())).collect(),
+            inputs: session
+                .inputs()
+                .iter()
+                .map(|o| (o.name().to_string(), o.dtype().clone()))
+                .collect(),
+            outputs: session
+                .outputs()
+                .iter()
+                .map(|o| (o.name().to_string(), o.dtype().clone()))
+                .collect(),
         }
     }
 
     fn names(list: &[(String, ValueType)]) -> String {
-        list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+        list.iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     fn find(&self, output: bool, name: &str) -> Result<&ValueType, ModelError> {
         let list = if output { &self.outputs } else { &self.inputs };
-        list.iter().find(|(n, _)| n == name).map(|(_, v)| v).ok_or_else(|| {
-            ModelError::contract(
-                self.graph,
-                format!(
-                    "missing {} `{name}` (it has: {}); is this the right graph?",
-                    if output { "output" } else { "input" },
-                    Self::names(list)
-                ),
-            )
-        })
+        list.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .ok_or_else(|| {
+                ModelError::contract(
+                    self.graph,
+                    format!(
+                        "missing {} `{name}` (it has: {}); is this the right graph?",
+                        if output { "output" } else { "input" },
+                        Self::names(list)
+                    ),
+                )
+            })
     }
 
     /// Checks element type (exact, or any float) and rank; returns the shape.
-    fn tensor(&self, output: bool, name: &str, want: Want, rank: usize) -> Result<(Vec<i64>, Option<FloatType>), ModelError> {
+    fn tensor(
+        &self,
+        output: bool,
+        name: &str,
+        want: Want,
+        rank: usize,
+    ) -> Result<(Vec<i64>, Option<FloatType>), ModelError> {
         let v = self.find(output, name)?;
         let what = if output { "output" } else { "input" };
         let ValueType::Tensor { ty, shape, .. } = v else {
-            return Err(ModelError::contract(self.graph, format!("{what} `{name}` is {}, expected a tensor", describe(v))));
+            return Err(ModelError::contract(
+                self.graph,
+                format!("{what} `{name}` is {}, expected a tensor", describe(v)),
+            ));
         };
         let float = match ty {
             TensorElementType::Float32 => Some(FloatType::F32),
@@ -337,7 +376,11 @@ impl<'a> Io<'a> {
         if shape.len() != rank {
             return Err(ModelError::contract(
                 self.graph,
-                format!("{what} `{name}` has rank {} ({:?}), expected {rank}", shape.len(), &shape[..]),
+                format!(
+                    "{what} `{name}` has rank {} ({:?}), expected {rank}",
+                    shape.len(),
+                    &shape[..]
+                ),
             ));
         }
         Ok((shape.to_vec(), float))
@@ -365,14 +408,21 @@ fn known(graph: &str, name: &str, dim: i64, what: &str) -> Result<usize, ModelEr
     if dim > 0 {
         Ok(dim as usize)
     } else {
-        Err(ModelError::contract(graph, format!("`{name}` has no fixed {what}")))
+        Err(ModelError::contract(
+            graph,
+            format!("`{name}` has no fixed {what}"),
+        ))
     }
 }
 
 fn kv_layers(io: &Io<'_>) -> Result<(usize, usize, usize, FloatType), ModelError> {
     let mut layers = 0;
     let mut geom: Option<(usize, usize, FloatType)> = None;
-    while io.inputs.iter().any(|(n, _)| n == &format!("past_key_values.{layers}.key")) {
+    while io
+        .inputs
+        .iter()
+        .any(|(n, _)| n == &format!("past_key_values.{layers}.key"))
+    {
         for kv in ["key", "value"] {
             let name = format!("past_key_values.{layers}.{kv}");
             let (shape, ft) = io.tensor(false, &name, Want::Float, 4)?;
@@ -381,12 +431,13 @@ fn kv_layers(io: &Io<'_>) -> Result<(usize, usize, usize, FloatType), ModelError
             let ft = ft.unwrap_or(FloatType::F32);
             match geom {
                 None => geom = Some((h, d, ft)),
-                Some(g) if g != (h, d, ft) => {
-                    return Err(ModelError::contract(
-                        io.graph,
-                        format!("`{name}` is {ft:?} [_, {h}, _, {d}], unlike layer 0 ({:?} [_, {}, _, {}])", g.2, g.0, g.1),
-                    ))
-                }
+                Some(g) if g != (h, d, ft) => return Err(ModelError::contract(
+                    io.graph,
+                    format!(
+                        "`{name}` is {ft:?} [_, {h}, _, {d}], unlike layer 0 ({:?} [_, {}, _, {}])",
+                        g.2, g.0, g.1
+                    ),
+                )),
                 Some(_) => {}
             }
             io.tensor(true, &format!("present.{layers}.{kv}"), Want::Float, 4)?;
@@ -397,7 +448,10 @@ fn kv_layers(io: &Io<'_>) -> Result<(usize, usize, usize, FloatType), ModelError
         Some((h, d, ft)) => Ok((layers, h, d, ft)),
         None => Err(ModelError::contract(
             io.graph,
-            format!("missing input `past_key_values.0.key` (it has: {}); is this the right graph?", Io::names(&io.inputs)),
+            format!(
+                "missing input `past_key_values.0.key` (it has: {}); is this the right graph?",
+                Io::names(&io.inputs)
+            ),
         )),
     }
 }
@@ -407,11 +461,21 @@ fn kv_layers(io: &Io<'_>) -> Result<(usize, usize, usize, FloatType), ModelError
 /// # Errors
 ///
 /// [`ModelError::Contract`] naming the graph and the input or output.
-pub fn check_temporal(session: &Session, graph: &str, channels: usize) -> Result<LmGraphInfo, ModelError> {
+pub fn check_temporal(
+    session: &Session,
+    graph: &str,
+    channels: usize,
+) -> Result<LmGraphInfo, ModelError> {
     let io = Io::of(session, graph);
     let (frame, _) = io.tensor(false, "input_frame", Want::I64, 3)?;
     if frame[1] > 0 && frame[1] as usize != channels {
-        return Err(ModelError::contract(graph, format!("input `input_frame` has {} channels, expected {channels}", frame[1])));
+        return Err(ModelError::contract(
+            graph,
+            format!(
+                "input `input_frame` has {} channels, expected {channels}",
+                frame[1]
+            ),
+        ));
     }
     io.tensor(false, "attention_mask", Want::I64, 2)?;
     let variant = if io.inputs.iter().any(|(n, _)| n == "position_ids") {

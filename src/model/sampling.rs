@@ -168,7 +168,9 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens_and_top_k_is_respected() {
-        let logits: Vec<f32> = (0..2048).map(|i| ((i * 7919) % 2048) as f32 / 300.0).collect();
+        let logits: Vec<f32> = (0..2048)
+            .map(|i| ((i * 7919) % 2048) as f32 / 300.0)
+            .collect();
         let p = SamplingParams::AUDIO;
         let mut a = Sampler::new(42);
         let mut b = Sampler::new(42);
@@ -192,7 +194,13 @@ mod tests {
         let n = 40_000;
         let mut counts = [0usize; 3];
         for _ in 0..n {
-            counts[s.sample(&logits, SamplingParams { temperature: 1.0, top_k: 0 })] += 1;
+            counts[s.sample(
+                &logits,
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                },
+            )] += 1;
         }
         let p1 = counts[1] as f64 / n as f64;
         assert!((p1 - 2.0 / 3.0).abs() < 0.01, "p1 = {p1}");
@@ -200,7 +208,13 @@ mod tests {
         // Temperature 0.5 squares the odds: 4:1.
         let mut counts = [0usize; 3];
         for _ in 0..n {
-            counts[s.sample(&logits, SamplingParams { temperature: 0.5, top_k: 2 })] += 1;
+            counts[s.sample(
+                &logits,
+                SamplingParams {
+                    temperature: 0.5,
+                    top_k: 2,
+                },
+            )] += 1;
         }
         let p1 = counts[1] as f64 / n as f64;
         assert!((p1 - 0.8).abs() < 0.01, "p1 = {p1}");

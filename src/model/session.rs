@@ -115,13 +115,32 @@ fn with_cuda(
     Err("this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into())
 }
 
-/// Opens `path` (graph `graph`, for messages and metrics) with `opts`.
+/// Logs the provider and dtype a graph really runs with, and exports them as
+/// `duplex_model_info{graph, execution_provider, dtype} = 1`.
+pub fn report(graph: &str, provider: Provider, dtype: &str) {
+    tracing::info!(
+        graph,
+        execution_provider = provider.name(),
+        dtype,
+        "session ready"
+    );
+    metrics::gauge!(
+        names::MODEL_INFO,
+        "graph" => graph.to_string(),
+        "execution_provider" => provider.name(),
+        "dtype" => dtype.to_string()
+    )
+    .set(1.0);
+}
+
+/// Opens `path` (graph `graph`, for messages) with `opts`. Call [`report`] once the graph's
+/// dtype is known.
 ///
 /// # Errors
 ///
 /// [`ModelError::Provider`] when CUDA is asked for and cannot take effect (and falling back is
 /// not allowed); [`ModelError::Ort`] when ONNX Runtime cannot load the graph.
-pub fn open(path: &Path, graph: &str, opts: &SessionOptions, dtype: &str) -> Result<OpenSession, ModelError> {
+pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSession, ModelError> {
     let mut provider = Provider::Cpu;
     let mut b = match opts.provider {
         Provider::Cpu => builder(graph, opts)?,
@@ -141,7 +160,9 @@ pub fn open(path: &Path, graph: &str, opts: &SessionOptions, dtype: &str) -> Res
                 return Err(ModelError::Provider {
                     graph: graph.into(),
                     provider: "cuda".into(),
-                    detail: format!("{detail}; set `allow_fallback: true` to run on the CPU instead"),
+                    detail: format!(
+                        "{detail}; set `allow_fallback: true` to run on the CPU instead"
+                    ),
                 })
             }
         },
@@ -149,13 +170,5 @@ pub fn open(path: &Path, graph: &str, opts: &SessionOptions, dtype: &str) -> Res
     let session = b
         .commit_from_file(path)
         .map_err(|e| ModelError::ort(&format!("{graph} ({})", path.display()), e))?;
-    tracing::info!(graph, execution_provider = provider.name(), dtype, "session ready");
-    metrics::gauge!(
-        names::MODEL_INFO,
-        "graph" => graph.to_string(),
-        "execution_provider" => provider.name(),
-        "dtype" => dtype.to_string()
-    )
-    .set(1.0);
     Ok(OpenSession { session, provider })
 }

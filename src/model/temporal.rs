@@ -24,7 +24,7 @@ use ort::value::TensorElementType;
 
 use super::error::ModelError;
 use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
-use super::session::{open, Provider, SessionOptions};
+use super::session::{open, report, Provider, SessionOptions};
 use super::tensors::{element, read_floats, Buffer};
 
 /// How the KV cache is held between steps.
@@ -106,7 +106,7 @@ impl Temporal {
         let m = &pack.manifest;
         let channels = m.delays.len();
         // The dtype is only known once the graph is open; report it after the check.
-        let os = open(&pack.graph_path(Graph::Temporal), graph, &opts.session, "?")?;
+        let os = open(&pack.graph_path(Graph::Temporal), graph, &opts.session)?;
         let info = check_temporal(&os.session, graph, channels)?;
         let e = ort_err(graph);
         let alloc = Allocator::default();
@@ -130,7 +130,8 @@ impl Temporal {
                 set.push(Buffer::zeros(&alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?);
             }
         }
-        let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1]).map_err(&e)?;
+        let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1])
+            .map_err(&e)?;
         mask.as_slice::<i64>().fill(1);
         let mut t = Temporal {
             binding: os.session.create_binding().map_err(&e)?,
@@ -140,14 +141,23 @@ impl Temporal {
                 (KvMode::Resident, Variant::Standard) => Kv::PingPong { cur: 0 },
             },
             bufs,
-            frame: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, channels as i64, 1]).map_err(&e)?,
+            frame: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, channels as i64, 1])
+                .map_err(&e)?,
             mask,
             pos_ids: match info.variant {
-                Variant::Standard => Some(Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(&e)?),
+                Variant::Standard => {
+                    Some(Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(&e)?)
+                }
                 Variant::Gqa => None,
             },
-            hidden: Buffer::zeros(&alloc, element(info.hidden), &[1, 1, info.hidden_dim as i64]).map_err(&e)?,
-            logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64]).map_err(&e)?,
+            hidden: Buffer::zeros(
+                &alloc,
+                element(info.hidden),
+                &[1, 1, info.hidden_dim as i64],
+            )
+            .map_err(&e)?,
+            logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
+                .map_err(&e)?,
             session: os.session,
             provider: os.provider,
             alloc,
@@ -161,6 +171,7 @@ impl Temporal {
             info,
         };
         t.bind_fixed()?;
+        report("temporal", t.provider, t.info.kv.name());
         tracing::info!(
             variant = ?t.info.variant,
             layers = t.info.layers,
@@ -171,20 +182,16 @@ impl Temporal {
             capacity,
             "temporal transformer ready"
         );
-        metrics::gauge!(
-            crate::observe::names::MODEL_INFO,
-            "graph" => "temporal",
-            "execution_provider" => t.provider.name(),
-            "dtype" => t.info.kv.name()
-        )
-        .set(1.0);
         Ok(t)
     }
 
     /// Binds what stays bound for the life of the session.
     fn bind_fixed(&mut self) -> Result<(), ModelError> {
         let e = ort_err("temporal");
-        let frame = self.frame.view(&self.alloc, &[1, self.channels as i64, 1]).map_err(&e)?;
+        let frame = self
+            .frame
+            .view(&self.alloc, &[1, self.channels as i64, 1])
+            .map_err(&e)?;
         self.binding.bind_input("input_frame", &frame).map_err(&e)?;
         if let Some(p) = self.pos_ids.as_mut() {
             let v = p.view(&self.alloc, &[1, 1]).map_err(&e)?;
@@ -195,7 +202,9 @@ impl Temporal {
         self.binding.bind_output("hidden", hidden).map_err(&e)?;
         let v = self.info.vocab as i64;
         let logits = self.logits.view(&self.alloc, &[1, 1, v]).map_err(&e)?;
-        self.binding.bind_output("text_logits", logits).map_err(&e)?;
+        self.binding
+            .bind_output("text_logits", logits)
+            .map_err(&e)?;
         if let Kv::InPlace = self.kv {
             let rows = self.capacity as i64;
             for i in 0..self.info.layers {
@@ -207,7 +216,9 @@ impl Temporal {
                     self.binding
                         .bind_input(format!("past_key_values.{i}.{kv}"), &past)
                         .map_err(&e)?;
-                    self.binding.bind_output(format!("present.{i}.{kv}"), present).map_err(&e)?;
+                    self.binding
+                        .bind_output(format!("present.{i}.{kv}"), present)
+                        .map_err(&e)?;
                 }
             }
         }
@@ -250,11 +261,19 @@ impl Temporal {
         if input.len() != self.channels {
             return Err(ModelError::contract(
                 "temporal",
-                format!("input frame has {} channels, expected {}", input.len(), self.channels),
+                format!(
+                    "input frame has {} channels, expected {}",
+                    input.len(),
+                    self.channels
+                ),
             ));
         }
         for (k, &v) in input.iter().enumerate() {
-            let limit = if k == 0 { self.text_limit } else { self.audio_limit };
+            let limit = if k == 0 {
+                self.text_limit
+            } else {
+                self.audio_limit
+            };
             if !(0..limit).contains(&v) {
                 let name = if k == 0 {
                     "0 (text)".to_string()
@@ -298,19 +317,33 @@ impl Temporal {
         }
         let total = self.len as i64 + 1;
         let mask = self.mask.view(&self.alloc, &[1, total]).map_err(&e)?;
-        self.binding.bind_input("attention_mask", &mask).map_err(&e)?;
+        self.binding
+            .bind_input("attention_mask", &mask)
+            .map_err(&e)?;
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         match &mut self.kv {
             Kv::InPlace => {}
             Kv::PingPong { cur } => {
                 let (a, b) = self.bufs.split_at_mut(1);
-                let (src, dst) = if *cur == 0 { (&mut a[0], &mut b[0]) } else { (&mut b[0], &mut a[0]) };
+                let (src, dst) = if *cur == 0 {
+                    (&mut a[0], &mut b[0])
+                } else {
+                    (&mut b[0], &mut a[0])
+                };
                 for i in 0..self.info.layers {
                     for (j, kv) in ["key", "value"].iter().enumerate() {
-                        let past = src[2 * i + j].view(&self.alloc, &[1, h, self.len as i64, d]).map_err(&e)?;
-                        let present = dst[2 * i + j].view(&self.alloc, &[1, h, total, d]).map_err(&e)?;
-                        self.binding.bind_input(format!("past_key_values.{i}.{kv}"), &past).map_err(&e)?;
-                        self.binding.bind_output(format!("present.{i}.{kv}"), present).map_err(&e)?;
+                        let past = src[2 * i + j]
+                            .view(&self.alloc, &[1, h, self.len as i64, d])
+                            .map_err(&e)?;
+                        let present = dst[2 * i + j]
+                            .view(&self.alloc, &[1, h, total, d])
+                            .map_err(&e)?;
+                        self.binding
+                            .bind_input(format!("past_key_values.{i}.{kv}"), &past)
+                            .map_err(&e)?;
+                        self.binding
+                            .bind_output(format!("present.{i}.{kv}"), present)
+                            .map_err(&e)?;
                     }
                 }
             }
@@ -325,8 +358,12 @@ impl Temporal {
                 for i in 0..self.info.layers {
                     for (j, kv) in ["key", "value"].iter().enumerate() {
                         let p = &mut past[2 * i + j];
-                        let v = p.view(&self.alloc, &[1, h, self.len as i64, d]).map_err(&e)?;
-                        self.binding.bind_input(format!("past_key_values.{i}.{kv}"), &v).map_err(&e)?;
+                        let v = p
+                            .view(&self.alloc, &[1, h, self.len as i64, d])
+                            .map_err(&e)?;
+                        self.binding
+                            .bind_input(format!("past_key_values.{i}.{kv}"), &v)
+                            .map_err(&e)?;
                         self.binding
                             .bind_output_to_device(format!("present.{i}.{kv}"), &cpu)
                             .map_err(&e)?;
@@ -350,11 +387,16 @@ impl Temporal {
                 for (j, kv) in ["key", "value"].iter().enumerate() {
                     let name = format!("present.{i}.{kv}");
                     let Some(v) = outputs.get(&name) else {
-                        return Err(ModelError::contract("temporal", format!("no output `{name}`")));
+                        return Err(ModelError::contract(
+                            "temporal",
+                            format!("no output `{name}`"),
+                        ));
                     };
-                    let mut fresh = Buffer::zeros(&self.alloc, kv_ty, &[1, h, keep as i64, d]).map_err(&e)?;
+                    let mut fresh =
+                        Buffer::zeros(&self.alloc, kv_ty, &[1, h, keep as i64, d]).map_err(&e)?;
                     for head in 0..self.info.heads {
-                        let from = (head * total as usize + skip) * row..(head * total as usize + total as usize) * row;
+                        let from = (head * total as usize + skip) * row
+                            ..(head * total as usize + total as usize) * row;
                         let to = head * keep * row..(head + 1) * keep * row;
                         if kv_ty == TensorElementType::Float16 {
                             let (_, src) = v.try_extract_tensor::<half::f16>().map_err(&e)?;
@@ -378,8 +420,17 @@ impl Temporal {
                 // Keep the newest `window - 1` rows: copy them into the other buffer.
                 let keep = self.window - 1;
                 let (a, b) = self.bufs.split_at_mut(1);
-                let (src, dst) = if *cur == 0 { (&mut a[0], &mut b[0]) } else { (&mut b[0], &mut a[0]) };
-                let row = self.info.head_dim * if self.info.kv == super::pack::FloatType::F16 { 2 } else { 4 };
+                let (src, dst) = if *cur == 0 {
+                    (&mut a[0], &mut b[0])
+                } else {
+                    (&mut b[0], &mut a[0])
+                };
+                let row = self.info.head_dim
+                    * if self.info.kv == super::pack::FloatType::F16 {
+                        2
+                    } else {
+                        4
+                    };
                 for (s, t) in src.iter_mut().zip(dst.iter_mut()) {
                     let sp = s.tensor.data_ptr_mut().cast::<u8>();
                     let tp = t.tensor.data_ptr_mut().cast::<u8>();

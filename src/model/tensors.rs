@@ -93,7 +93,9 @@ impl Buffer {
             return Err(ort::Error::new(msg));
         }
         let Some(ptr) = NonNull::new(out) else {
-            return Err(ort::Error::new("CreateTensorWithDataAsOrtValue returned null"));
+            return Err(ort::Error::new(
+                "CreateTensorWithDataAsOrtValue returned null",
+            ));
         };
         // SAFETY: `ptr` is a valid tensor value we own; the allocator only keeps a handle.
         Ok(unsafe { DynTensor::from_ptr(ptr, Some(alloc)) })
@@ -103,7 +105,9 @@ impl Buffer {
     pub fn as_slice<T>(&mut self) -> &mut [T] {
         debug_assert_eq!(std::mem::size_of::<T>(), element_size(self.ty));
         // SAFETY: the buffer holds `capacity` elements of the size of `T`, in CPU memory.
-        unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr_mut().cast::<T>(), self.capacity) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.tensor.data_ptr_mut().cast::<T>(), self.capacity)
+        }
     }
 }
 

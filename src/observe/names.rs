@@ -14,3 +14,7 @@ pub const EDGE_DROPPED: &str = "duplex_edge_dropped_total";
 pub const COMPLETION_INTERVAL: &str = "duplex_completion_interval_seconds";
 /// Gauge = 1, labels `graph`, `execution_provider`, `dtype`: the provider a graph really runs on.
 pub const MODEL_INFO: &str = "duplex_model_info";
+/// Counter, label `stage`: conversations reset (or stopped) by the long-session policy.
+pub const LM_RESETS: &str = "duplex_lm_long_session_total";
+/// Gauge, label `stage`: rows in the temporal KV cache (the current attention context).
+pub const LM_CONTEXT: &str = "duplex_lm_context_frames";

@@ -436,6 +436,17 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
 }
 
 fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit {
+    let mut cx = a.context();
+    match catch_unwind(AssertUnwindSafe(|| st.start(&mut cx))) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return failure(e, None),
+        Err(p) => {
+            return Exit::Failed {
+                seq: None,
+                message: format!("panicked while starting: {}", panic_message(&p)),
+            }
+        }
+    }
     let inputs = std::mem::take(&mut a.inputs);
     let mut sel = Select::new();
     for (_, rx) in &inputs {

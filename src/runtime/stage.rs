@@ -115,6 +115,12 @@ pub enum Flow {
 
 /// A stage with at least one input.
 pub trait Stage: Send {
+    /// Called once when the pipeline starts, before the first frame: warm up, prime. The stage
+    /// may emit and pull feedback here (frames emitted here have no input frame).
+    fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        Ok(())
+    }
+
     /// Handles one frame from a non-feedback input.
     ///
     /// # Errors

@@ -6,13 +6,22 @@
 //! [`Context`](crate::runtime::Context). The [`Registry`] maps kind names (as written in pipeline
 //! files) to builders; applications can register kinds of their own next to the built-in ones.
 
+mod codes_source;
+mod depformer;
 mod framer;
+mod mimi_decode;
+mod mimi_encode;
+mod model_params;
 mod null_sink;
 mod resample;
 mod synth_source;
+mod temporal;
+mod token_sink;
 mod types;
 mod wav_sink;
 mod wav_source;
+
+pub use codes_source::read_codes;
 
 use std::fmt::Write;
 
@@ -69,6 +78,12 @@ impl Registry {
                 framer::KIND,
                 wav_sink::KIND,
                 null_sink::KIND,
+                codes_source::KIND,
+                mimi_encode::KIND,
+                temporal::KIND,
+                depformer::KIND,
+                mimi_decode::KIND,
+                token_sink::KIND,
             ],
         }
     }

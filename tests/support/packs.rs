@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 
 pub fn pack(name: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(name);
     assert!(
         p.join("pack.yaml").is_file(),
         "{} is missing: run `make setup` (it builds the tiny packs)",

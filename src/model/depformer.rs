@@ -1,0 +1,189 @@
+//! The depformer: 16 autoregressive substeps per frame predicting the audio codebooks, with
+//! teacher forcing of the provided channels and sampling by a seeded [`Sampler`].
+//!
+//! Its KV cache starts empty every frame and holds at most 16 rows; two buffers per layer are
+//! allocated once and used ping-pong through views, so a frame allocates no cache memory.
+
+use ort::memory::Allocator;
+use ort::session::{IoBinding, Session};
+use ort::value::TensorElementType;
+
+use super::error::ModelError;
+use super::pack::{check_depformer, Graph, LmGraphInfo, Pack};
+use super::sampling::{Sampler, SamplingParams};
+use super::session::{open, report, Provider, SessionOptions};
+use super::tensors::{element, read_floats, write_floats, Buffer};
+
+/// The depformer of a pack.
+pub struct Depformer {
+    binding: IoBinding,
+    session: Session,
+    /// What the graph says about itself.
+    pub info: LmGraphInfo,
+    /// The execution provider in use.
+    pub provider: Provider,
+    bufs: [Vec<Buffer>; 2],
+    hidden: Buffer,
+    prev: Buffer,
+    substep: Buffer,
+    logits: Buffer,
+    scratch: Vec<f32>,
+    alloc: Allocator,
+    steps: usize,
+    text_limit: i64,
+    audio_limit: i64,
+}
+
+impl Depformer {
+    /// Opens the pack's depformer and checks it.
+    ///
+    /// # Errors
+    ///
+    /// Contract errors naming the input, provider errors, ONNX Runtime errors.
+    pub fn open(pack: &Pack, opts: &SessionOptions) -> Result<Depformer, ModelError> {
+        let graph = "depformer";
+        let m = &pack.manifest;
+        let os = open(&pack.graph_path(Graph::Depformer), graph, opts)?;
+        let info = check_depformer(&os.session, graph)?;
+        let e = |err: ort::Error| ModelError::ort(graph, err);
+        let alloc = Allocator::default();
+        let steps = 2 * m.codebooks;
+        let (h, d) = (info.heads as i64, info.head_dim as i64);
+        let kv = element(info.kv);
+        let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
+        for set in bufs.iter_mut() {
+            for _ in 0..2 * info.layers {
+                set.push(Buffer::zeros(&alloc, kv, &[1, h, steps as i64, d]).map_err(e)?);
+            }
+        }
+        let mut dep = Depformer {
+            binding: os.session.create_binding().map_err(e)?,
+            hidden: Buffer::zeros(
+                &alloc,
+                element(info.hidden),
+                &[1, 1, info.hidden_dim as i64],
+            )
+            .map_err(e)?,
+            prev: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(e)?,
+            substep: Buffer::zeros(&alloc, TensorElementType::Int64, &[]).map_err(e)?,
+            logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
+                .map_err(e)?,
+            scratch: Vec::with_capacity(info.vocab),
+            session: os.session,
+            provider: os.provider,
+            bufs,
+            alloc,
+            steps,
+            text_limit: m.text_vocab + 1,
+            audio_limit: m.audio_vocab + 1,
+            info,
+        };
+        let hd = dep.info.hidden_dim as i64;
+        let v = dep.hidden.view(&dep.alloc, &[1, 1, hd]).map_err(e)?;
+        dep.binding.bind_input("hidden", &v).map_err(e)?;
+        let v = dep.prev.view(&dep.alloc, &[1, 1]).map_err(e)?;
+        dep.binding.bind_input("prev_token", &v).map_err(e)?;
+        let v = dep.substep.view(&dep.alloc, &[]).map_err(e)?;
+        dep.binding.bind_input("substep_index", &v).map_err(e)?;
+        let vocab = dep.info.vocab as i64;
+        let v = dep.logits.view(&dep.alloc, &[1, 1, vocab]).map_err(e)?;
+        dep.binding.bind_output("logits", v).map_err(e)?;
+        report("depformer", dep.provider, dep.info.kv.name());
+        Ok(dep)
+    }
+
+    /// Substeps per frame (16).
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Generates the audio tokens of one frame.
+    ///
+    /// `text` is the frame's text token (fed at substep 0); `target` / `provided` hold the audio
+    /// channels' provided tokens (teacher forcing: a provided token, not the sampled one, is fed
+    /// to the next substep). Returns the sampled token of every substep, one random draw each, in
+    /// order.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Token`] for an id outside its table, ONNX Runtime errors.
+    pub fn run(
+        &mut self,
+        hidden: &[f32],
+        text: i64,
+        target: &[i64],
+        provided: &[bool],
+        sampler: &mut Sampler,
+        params: SamplingParams,
+        out: &mut Vec<i64>,
+    ) -> Result<(), ModelError> {
+        let e = |err: ort::Error| ModelError::ort("depformer", err);
+        if hidden.len() != self.info.hidden_dim
+            || target.len() < self.steps
+            || provided.len() < self.steps
+        {
+            return Err(ModelError::contract(
+                "depformer",
+                format!(
+                    "hidden of {} values and {} targets, expected {} and {}",
+                    hidden.len(),
+                    target.len(),
+                    self.info.hidden_dim,
+                    self.steps
+                ),
+            ));
+        }
+        write_floats(&mut self.hidden, hidden);
+        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
+        out.clear();
+        let mut prev = text;
+        for cb in 0..self.steps {
+            let (limit, channel) = if cb == 0 {
+                (self.text_limit, "prev_token (text, substep 0)".to_string())
+            } else {
+                (
+                    self.audio_limit,
+                    format!("prev_token (audio channel {cb}, substep {cb})"),
+                )
+            };
+            if !(0..limit).contains(&prev) {
+                return Err(ModelError::Token {
+                    graph: "depformer".into(),
+                    channel,
+                    value: prev,
+                    limit,
+                });
+            }
+            self.prev.as_slice::<i64>()[0] = prev;
+            self.substep.as_slice::<i64>()[0] = cb as i64;
+            let (a, b) = self.bufs.split_at_mut(1);
+            let (src, dst) = if cb % 2 == 0 {
+                (&mut a[0], &mut b[0])
+            } else {
+                (&mut b[0], &mut a[0])
+            };
+            for i in 0..self.info.layers {
+                for (j, kv) in ["key", "value"].iter().enumerate() {
+                    let past = src[2 * i + j]
+                        .view(&self.alloc, &[1, h, cb as i64, d])
+                        .map_err(e)?;
+                    let present = dst[2 * i + j]
+                        .view(&self.alloc, &[1, h, cb as i64 + 1, d])
+                        .map_err(e)?;
+                    self.binding
+                        .bind_input(format!("past_key_values.{i}.{kv}"), &past)
+                        .map_err(e)?;
+                    self.binding
+                        .bind_output(format!("present.{i}.{kv}"), present)
+                        .map_err(e)?;
+                }
+            }
+            drop(self.session.run_binding(&self.binding).map_err(e)?);
+            read_floats(&mut self.logits, self.info.vocab, &mut self.scratch);
+            let tok = sampler.sample(&self.scratch, params) as i64;
+            out.push(tok);
+            prev = if provided[cb] { target[cb] } else { tok };
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,287 @@
+//! The LM step split in two halves that can run in one loop or in two actors joined by a
+//! feedback edge, with the same results:
+//!
+//! - [`TemporalHalf`]: the token ring ([`LmGen`]) and the temporal transformer. `begin` turns a
+//!   user frame (and forced tokens while priming) into an [`LmStep`]; `commit` takes the
+//!   [`Sampled`] tokens back and returns the agent frame that is complete.
+//! - [`SamplingHalf`]: the sampler and the depformer. `sample` draws the text token, then runs
+//!   the 16 substeps, in that order, from one seeded random stream.
+//!
+//! [`LmLoop`] composes them sequentially. [`priming_script`] lists the forced steps that prime a
+//! persona and a voice before the conversation.
+
+use super::depformer::Depformer;
+use super::error::ModelError;
+use super::lmgen::{AgentFrame, LmGen, StepIo};
+use super::pack::PackManifest;
+use super::sampling::{Sampler, SamplingParams};
+use super::temporal::Temporal;
+
+/// What the temporal half hands to the sampling half for one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LmStep {
+    /// The temporal transformer's hidden state (f32).
+    pub hidden: Vec<f32>,
+    /// Text logits.
+    pub text_logits: Vec<f32>,
+    /// Provided tokens of the column being generated (all channels).
+    pub target: Vec<i64>,
+    /// Which of them are provided.
+    pub provided: Vec<bool>,
+    /// Restart the random stream (from the sampler's seed) before this step: sent once, after
+    /// warmup.
+    pub reseed: bool,
+}
+
+/// The tokens chosen for one step: text, then one per audio channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sampled {
+    /// Text token (the provided one where text was forced).
+    pub text: i64,
+    /// One sampled token per audio channel (`2 × codebooks`).
+    pub audio: Vec<i64>,
+}
+
+/// Forced tokens of one step (priming).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForcedStep {
+    /// User codes.
+    pub user: Vec<i64>,
+    /// Forced text token.
+    pub text: Option<i64>,
+    /// Forced agent codes.
+    pub agent: Option<Vec<i64>>,
+}
+
+/// The steps that prime the model before a conversation, as PersonaPlex does it, with the sine
+/// codes on the user stream throughout:
+///
+/// 1. the voice prompt's codes forced on the agent channels, text forced to padding (optional);
+/// 2. `silence_frames` of silence codes with padding text (always, even without a voice);
+/// 3. the persona's text tokens, one per step, agent forced to silence (optional);
+/// 4. `silence_frames` more of silence.
+pub fn priming_script(
+    m: &PackManifest,
+    voice: Option<&[Vec<i64>]>,
+    persona: &[i64],
+    silence_frames: usize,
+) -> Vec<ForcedStep> {
+    let step = |text: i64, agent: &[i64]| ForcedStep {
+        user: m.sine_codes.clone(),
+        text: Some(text),
+        agent: Some(agent.to_vec()),
+    };
+    let mut s = Vec::new();
+    for codes in voice.unwrap_or(&[]) {
+        s.push(step(m.text_padding, codes));
+    }
+    s.extend((0..silence_frames).map(|_| step(m.text_padding, &m.silence_codes)));
+    s.extend(persona.iter().map(|&t| step(t, &m.silence_codes)));
+    s.extend((0..silence_frames).map(|_| step(m.text_padding, &m.silence_codes)));
+    s
+}
+
+/// The token ring and the temporal transformer.
+pub struct TemporalHalf {
+    /// Token bookkeeping.
+    pub gen: LmGen,
+    /// The transformer.
+    pub temporal: Temporal,
+    pending_reseed: bool,
+}
+
+impl TemporalHalf {
+    /// Joins a ring and a transformer.
+    pub fn new(gen: LmGen, temporal: Temporal) -> Self {
+        TemporalHalf {
+            gen,
+            temporal,
+            pending_reseed: false,
+        }
+    }
+
+    /// Forgets the conversation. With `reseed`, the next step asks the sampling half to restart
+    /// its random stream.
+    pub fn reset(&mut self, reseed: bool) {
+        self.gen.reset();
+        self.temporal.reset();
+        self.pending_reseed |= reseed;
+    }
+
+    /// Starts a step. `None` on the very first step of a conversation (nothing to run).
+    ///
+    /// # Errors
+    ///
+    /// Wrong code counts, token ids out of range, ONNX Runtime errors.
+    pub fn begin(
+        &mut self,
+        user: &[i64],
+        text: Option<i64>,
+        agent: Option<&[i64]>,
+    ) -> Result<Option<LmStep>, ModelError> {
+        let io = self
+            .gen
+            .begin(user, text, agent)
+            .map_err(|e| ModelError::contract("temporal", e.to_string()))?;
+        let Some(StepIo {
+            input,
+            target,
+            provided,
+        }) = io
+        else {
+            return Ok(None);
+        };
+        self.temporal.step(&input)?;
+        let mut step = LmStep {
+            hidden: Vec::new(),
+            text_logits: Vec::new(),
+            target,
+            provided,
+            reseed: std::mem::take(&mut self.pending_reseed),
+        };
+        self.temporal.read_hidden(&mut step.hidden);
+        self.temporal.read_logits(&mut step.text_logits);
+        Ok(Some(step))
+    }
+
+    /// Ends a step with the sampled tokens.
+    ///
+    /// # Errors
+    ///
+    /// When `s` has the wrong number of tokens.
+    pub fn commit(&mut self, s: &Sampled) -> Result<Option<AgentFrame>, ModelError> {
+        self.gen
+            .commit(s.text, &s.audio)
+            .map_err(|e| ModelError::contract("depformer", e.to_string()))
+    }
+}
+
+/// Sampling settings of the LM.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingConfig {
+    /// Text stream.
+    pub text: SamplingParams,
+    /// Audio streams.
+    pub audio: SamplingParams,
+    /// Seed of the random stream (it decides the voice).
+    pub seed: u64,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            text: SamplingParams::TEXT,
+            audio: SamplingParams::AUDIO,
+            seed: 0,
+        }
+    }
+}
+
+/// The sampler and the depformer.
+pub struct SamplingHalf {
+    /// The depformer.
+    pub depformer: Depformer,
+    /// Sampling settings (may change between steps).
+    pub config: SamplingConfig,
+    sampler: Sampler,
+}
+
+impl SamplingHalf {
+    /// Joins a depformer and a sampler seeded from `config.seed`.
+    pub fn new(depformer: Depformer, config: SamplingConfig) -> Self {
+        SamplingHalf {
+            depformer,
+            sampler: Sampler::new(config.seed),
+            config,
+        }
+    }
+
+    /// Restarts the random stream from the configured seed.
+    pub fn reseed(&mut self) {
+        self.sampler.reseed(self.config.seed);
+    }
+
+    /// Chooses the step's tokens: the text token (drawn, then replaced by the provided one if
+    /// text is forced), then the 16 depformer substeps.
+    ///
+    /// # Errors
+    ///
+    /// Token ids out of range, ONNX Runtime errors.
+    pub fn sample(&mut self, step: &LmStep) -> Result<Sampled, ModelError> {
+        if step.reseed {
+            self.reseed();
+        }
+        let drawn = self.sampler.sample(&step.text_logits, self.config.text) as i64;
+        let text = if step.provided.first() == Some(&true) {
+            step.target[0]
+        } else {
+            drawn
+        };
+        let mut audio = Vec::with_capacity(step.target.len().saturating_sub(1));
+        self.depformer.run(
+            &step.hidden,
+            text,
+            step.target.get(1..).unwrap_or(&[]),
+            step.provided.get(1..).unwrap_or(&[]),
+            &mut self.sampler,
+            self.config.audio,
+            &mut audio,
+        )?;
+        Ok(Sampled { text, audio })
+    }
+}
+
+/// Both halves in one sequential loop.
+pub struct LmLoop {
+    /// Temporal half.
+    pub temporal: TemporalHalf,
+    /// Sampling half.
+    pub sampling: SamplingHalf,
+}
+
+impl LmLoop {
+    /// One step: user codes (and forced tokens) in, the agent frame completed by this step out.
+    ///
+    /// # Errors
+    ///
+    /// As the halves.
+    pub fn step(
+        &mut self,
+        user: &[i64],
+        text: Option<i64>,
+        agent: Option<&[i64]>,
+    ) -> Result<Option<AgentFrame>, ModelError> {
+        match self.temporal.begin(user, text, agent)? {
+            None => Ok(None),
+            Some(s) => {
+                let sampled = self.sampling.sample(&s)?;
+                self.temporal.commit(&sampled)
+            }
+        }
+    }
+
+    /// Runs `frames` steps of silence through both graphs, then resets and reseeds.
+    ///
+    /// # Errors
+    ///
+    /// As [`step`](Self::step).
+    pub fn warmup(&mut self, silence: &[i64], frames: usize) -> Result<(), ModelError> {
+        for _ in 0..frames {
+            self.step(silence, None, None)?;
+        }
+        self.temporal.reset(true);
+        Ok(())
+    }
+
+    /// Runs a priming script (outputs discarded).
+    ///
+    /// # Errors
+    ///
+    /// As [`step`](Self::step).
+    pub fn prime(&mut self, script: &[ForcedStep]) -> Result<(), ModelError> {
+        for s in script {
+            self.step(&s.user, s.text, s.agent.as_deref())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,112 @@
+//! `codes_source`: user codes from a JSON file (an array of frames, each an array of
+//! `codebooks` ints), so the LM can be run and checked without audio.
+
+use std::path::Path;
+
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageResult};
+
+use super::pacing::Pacer;
+use super::{BuildContext, Codes, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "codes_source",
+    doc: "user codes from a JSON file: [[8 ints], ...], one frame per 80 ms step",
+    params: &[
+        ParamSpec {
+            name: "path",
+            ty: T::Path,
+            default: D::Required,
+            doc: "JSON file",
+        },
+        ParamSpec {
+            name: "codebooks",
+            ty: T::Int { min: 1, max: 64 },
+            default: D::Int(8),
+            doc: "codes per frame",
+        },
+        ParamSpec {
+            name: "vocab",
+            ty: T::Int {
+                min: 1,
+                max: 1 << 20,
+            },
+            default: D::Int(2048),
+            doc: "codes must be below this",
+        },
+        ParamSpec {
+            name: "realtime",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "pace frames at 12.5 Hz (else as fast as possible)",
+        },
+    ],
+    inputs: Vec::new,
+    outputs: || vec![PortSpec::new::<Codes>("out")],
+    build,
+};
+
+/// Reads and checks a codes file.
+///
+/// # Errors
+///
+/// A message naming the file and, for a bad frame, its index.
+pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i64>>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let frames: Vec<Vec<i64>> = serde_json::from_str(&text).map_err(|e| {
+        format!(
+            "{}: not a JSON array of frames of {codebooks} integer codes: {e}",
+            path.display()
+        )
+    })?;
+    if frames.is_empty() {
+        return Err(format!("{}: no frames", path.display()));
+    }
+    for (i, f) in frames.iter().enumerate() {
+        if f.len() != codebooks {
+            return Err(format!(
+                "{}: frame {i} has {} codes, expected {codebooks}",
+                path.display(),
+                f.len()
+            ));
+        }
+        if let Some((q, c)) = f.iter().enumerate().find(|(_, c)| !(0..vocab).contains(*c)) {
+            return Err(format!(
+                "{}: frame {i}: code {c} of codebook {q} is out of range 0..{vocab}",
+                path.display()
+            ));
+        }
+    }
+    Ok(frames)
+}
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    let frames = read_codes(
+        Path::new(p.str("path")),
+        p.int("codebooks") as usize,
+        p.int("vocab"),
+    )?;
+    Ok(Body::Source(Box::new(CodesSource {
+        frames: frames.into_iter(),
+        // One code frame stands for 1920 samples at 24 kHz.
+        pacer: Pacer::new(p.bool("realtime"), 24_000),
+    })))
+}
+
+struct CodesSource {
+    frames: std::vec::IntoIter<Vec<i64>>,
+    pacer: Pacer,
+}
+
+impl Source for CodesSource {
+    fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
+        let Some(f) = self.frames.next() else {
+            return Ok(Flow::Done);
+        };
+        let Some(origin) = self.pacer.next(1920, cx) else {
+            return Ok(Flow::Done);
+        };
+        cx.emit(0, origin, Codes(f))?;
+        Ok(Flow::Continue)
+    }
+}

@@ -1,0 +1,57 @@
+//! `mimi_decode`: the agent's codes → 1920-sample frames at 24 kHz, streaming (rolling window).
+//! Runs in its own actor, so decoding frame t overlaps the LM's work on frame t+1.
+
+use crate::audio::Pcm;
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::model::mimi::MimiDecoder;
+use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+
+use super::model_params::{model_params, open_pack, session_options};
+use super::{AgentTokens, BuildContext, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "mimi_decode",
+    doc: "Mimi decoder: the agent's codes -> 1920-sample 24 kHz frames (rolling window)",
+    params: model_params![ParamSpec {
+        name: "window",
+        ty: T::Int { min: 1, max: 2048 },
+        default: D::Int(8),
+        doc: "frames of left context re-decoded per frame"
+    }],
+    inputs: || vec![PortSpec::new::<AgentTokens>("in")],
+    outputs: || vec![PortSpec::new::<Pcm>("out")],
+    build,
+};
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    let pack = open_pack(p)?;
+    let dec = MimiDecoder::open(&pack, &session_options(p), p.int("window") as usize)
+        .map_err(|e| e.to_string())?;
+    Ok(Body::Stage(Box::new(MimiDecode {
+        dec,
+        rate: pack.manifest.sample_rate,
+        silence: pack.manifest.silence_codes.clone(),
+        vocab: pack.manifest.audio_vocab,
+    })))
+}
+
+struct MimiDecode {
+    dec: MimiDecoder,
+    rate: u32,
+    silence: Vec<i64>,
+    vocab: i64,
+}
+
+impl Stage for MimiDecode {
+    fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        self.dec.push(&self.silence, self.vocab)?;
+        self.dec.reset();
+        Ok(())
+    }
+
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        let f = input.take::<AgentTokens>()?;
+        let samples = self.dec.push(&f.data.audio, self.vocab)?;
+        cx.emit(0, f.meta.origin, Pcm::new(self.rate, samples))
+    }
+}

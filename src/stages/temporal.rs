@@ -1,0 +1,263 @@
+//! `temporal`: the token ring and the temporal transformer. For every user frame it builds the
+//! model input, runs the transformer, sends the hidden state and logits to the `depformer` stage
+//! and waits for the step's tokens on its feedback input; it emits each completed agent frame.
+//!
+//! At start it warms the graphs up (silent steps, then a reset and a reseed) and primes the
+//! persona and voice. Before the graph's position limit (or `max_positions`) it applies the
+//! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
+//! primes again; `stop` ends the stream cleanly.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::audio::{StreamResampler, WavReader};
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::model::lm::{priming_script, ForcedStep, TemporalHalf};
+use crate::model::lmgen::LmGen;
+use crate::model::mimi::MimiEncoder;
+use crate::model::pack::PackManifest;
+use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
+use crate::observe::names;
+use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
+
+use super::model_params::{model_params, open_pack, session_options};
+use super::{AgentTokens, BuildContext, Codes, LmStep, Sampled, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "temporal",
+    doc: "the LM's temporal transformer and token bookkeeping (cycle with `depformer`)",
+    params: model_params![
+        ParamSpec {
+            name: "kv",
+            ty: T::Choice(&["resident", "host"]),
+            default: D::Str("resident"),
+            doc: "KV cache where the session computes, or through host arrays (naive)"
+        },
+        ParamSpec {
+            name: "max_positions",
+            ty: T::Int {
+                min: 0,
+                max: 1 << 30
+            },
+            default: D::Int(0),
+            doc: "positions per conversation before the long-session policy (0 = the pack's limit)"
+        },
+        ParamSpec {
+            name: "long_session",
+            ty: T::Choice(&["reset_and_reprime", "stop"]),
+            default: D::Str("reset_and_reprime"),
+            doc: "what to do at the position limit"
+        },
+        ParamSpec {
+            name: "persona_tokens",
+            ty: T::IntList,
+            default: D::None,
+            doc: "persona text as token ids, forced while priming"
+        },
+        ParamSpec {
+            name: "voice",
+            ty: T::Path,
+            default: D::None,
+            doc: "voice prompt WAV (any rate; whole frames are used)"
+        },
+        ParamSpec {
+            name: "silence_frames",
+            ty: T::Int { min: 0, max: 1000 },
+            default: D::Int(6),
+            doc: "silence spacer frames while priming"
+        },
+        ParamSpec {
+            name: "warmup_frames",
+            ty: T::Int { min: 0, max: 1000 },
+            default: D::Int(2),
+            doc: "silent steps run (then discarded) before priming"
+        },
+    ],
+    inputs: || {
+        vec![
+            PortSpec::new::<Codes>("codes"),
+            PortSpec::feedback::<Sampled>("tokens"),
+        ]
+    },
+    outputs: || {
+        vec![
+            PortSpec::new::<LmStep>("step"),
+            PortSpec::new::<AgentTokens>("agent"),
+        ]
+    },
+    build,
+};
+
+/// Encodes a voice prompt WAV into code frames (resampled to the pack's rate if needed).
+fn voice_codes(
+    path: &Path,
+    pack: &crate::model::pack::Pack,
+    p: &Params,
+) -> Result<Vec<Vec<i64>>, String> {
+    let mut r = WavReader::open(path).map_err(|e| e.to_string())?;
+    let mut pcm = r.read_all().map_err(|e| e.to_string())?;
+    let rate = pack.manifest.sample_rate;
+    if r.rate() != rate {
+        let mut rs = StreamResampler::new(r.rate(), rate, r.rate() as usize / 50)
+            .map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        rs.process(&pcm, &mut out).map_err(|e| e.to_string())?;
+        rs.flush(&mut out).map_err(|e| e.to_string())?;
+        pcm = out;
+    }
+    if pcm.len() < pack.manifest.frame_size {
+        return Err(format!(
+            "{}: the voice prompt is shorter than one frame ({} samples at {rate} Hz)",
+            path.display(),
+            pack.manifest.frame_size
+        ));
+    }
+    let mut enc = MimiEncoder::open(pack, &session_options(p), 1).map_err(|e| e.to_string())?;
+    enc.encode(&pcm)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    let pack = open_pack(p)?;
+    let m = pack.manifest.clone();
+    let voice = match p.opt_str("voice") {
+        Some(v) => Some(voice_codes(Path::new(v), &pack, p)?),
+        None => None,
+    };
+    let persona = p.int_list("persona_tokens").to_vec();
+    if let Some(t) = persona.iter().find(|t| !(0..m.text_vocab).contains(*t)) {
+        return Err(format!(
+            "persona token {t} is out of range 0..{}",
+            m.text_vocab
+        ));
+    }
+    let script = priming_script(
+        &m,
+        voice.as_deref(),
+        &persona,
+        p.int("silence_frames") as usize,
+    );
+    let opts = TemporalOptions {
+        session: session_options(p),
+        kv: if p.str("kv") == "host" {
+            KvMode::Host
+        } else {
+            KvMode::Resident
+        },
+        max_positions: match p.int("max_positions") {
+            0 => usize::MAX,
+            n => n as usize,
+        },
+    };
+    let temporal = Temporal::open(&pack, &opts).map_err(|e| e.to_string())?;
+    let cap = temporal.positions_left();
+    if cap <= script.len() + 1 {
+        return Err(format!(
+            "max_positions ({cap}) must exceed the priming length ({} steps) + 1",
+            script.len()
+        ));
+    }
+    Ok(Body::Stage(Box::new(TemporalStage {
+        half: TemporalHalf::new(LmGen::new(m.layout()), temporal),
+        script,
+        warmup: p.int("warmup_frames") as usize,
+        stop_at_limit: p.str("long_session") == "stop",
+        index: 0,
+        manifest: m,
+        resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
+        context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
+    })))
+}
+
+struct TemporalStage {
+    half: TemporalHalf,
+    script: Vec<ForcedStep>,
+    warmup: usize,
+    stop_at_limit: bool,
+    index: u64,
+    manifest: PackManifest,
+    resets: metrics::Counter,
+    context: metrics::Gauge,
+}
+
+impl TemporalStage {
+    /// One step through the cycle: temporal here, sampling in the `depformer` stage.
+    fn round_trip(
+        &mut self,
+        cx: &mut Context<'_>,
+        origin: Instant,
+        user: &[i64],
+        text: Option<i64>,
+        agent: Option<&[i64]>,
+    ) -> StageResult<Option<crate::model::lmgen::AgentFrame>> {
+        let Some(step) = self.half.begin(user, text, agent)? else {
+            return Ok(None);
+        };
+        cx.emit(0, origin, step)?;
+        let Some(tokens) = cx.recv_feedback::<Sampled>(1)? else {
+            return Err(StageError::msg("the depformer stage ended its stream"));
+        };
+        Ok(self.half.commit(&tokens.data)?)
+    }
+
+    fn prime(&mut self, cx: &mut Context<'_>) -> StageResult {
+        let script = std::mem::take(&mut self.script);
+        let r = script.iter().try_for_each(|s| {
+            self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
+                .map(|_| ())
+        });
+        self.script = script;
+        r
+    }
+}
+
+impl Stage for TemporalStage {
+    fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
+        let silence = self.manifest.silence_codes.clone();
+        for _ in 0..self.warmup {
+            self.round_trip(cx, Instant::now(), &silence, None, None)?;
+        }
+        self.half.reset(true);
+        self.prime(cx)?;
+        tracing::info!(
+            steps = self.script.len(),
+            positions_left = self.half.temporal.positions_left(),
+            "LM warmed up and primed"
+        );
+        Ok(())
+    }
+
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        let f = input.take::<Codes>()?;
+        if self.half.temporal.positions_left() == 0 {
+            if self.stop_at_limit {
+                tracing::warn!(
+                    positions = self.half.temporal.position(),
+                    "long session: position limit reached, ending the stream (long_session: stop)"
+                );
+                self.resets.increment(1);
+                return Err(StageError::Stopped);
+            }
+            tracing::warn!(
+                positions = self.half.temporal.position(),
+                "long session: position limit reached, resetting the conversation and priming again"
+            );
+            self.resets.increment(1);
+            self.half.reset(false);
+            self.prime(cx)?;
+        }
+        let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
+        self.context.set(self.half.temporal.kv_len() as f64);
+        if let Some(a) = out {
+            let tokens = AgentTokens {
+                index: self.index,
+                text: a.text,
+                audio: a.audio,
+                piece: None,
+            };
+            self.index += 1;
+            cx.emit(1, f.meta.origin, tokens)?;
+        }
+        Ok(())
+    }
+}
