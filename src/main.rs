@@ -44,6 +44,33 @@ enum Cmd {
     },
     /// List the stage kinds with their ports and params.
     Stages,
+    /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out.
+    Replay {
+        /// Model pack directory (a bare exporter directory works with PersonaPlex defaults).
+        #[arg(long)]
+        pack: PathBuf,
+        /// User codes: a JSON array of frames, each an array of 8 ints.
+        #[arg(long)]
+        codes: PathBuf,
+        /// Output: one JSON line per agent frame.
+        #[arg(long)]
+        out: PathBuf,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Argmax instead of sampling.
+        #[arg(long)]
+        greedy: bool,
+        /// Persona text as token ids, comma-separated, forced while priming.
+        #[arg(long, value_delimiter = ',')]
+        persona_tokens: Vec<i64>,
+        /// Silence spacer frames while priming (default 6).
+        #[arg(long)]
+        silence_frames: Option<u64>,
+        /// KV cache handling: resident (default) or host.
+        #[arg(long)]
+        kv: Option<String>,
+    },
     /// Check the environment: ONNX Runtime library and version.
     Doctor {
         /// Path of libonnxruntime to use instead of discovering it.
@@ -94,6 +121,29 @@ fn main() -> ExitCode {
                 env: None,
             };
             print!("{}", app::validate(&file, &opts, &Registry::builtin())?);
+            Ok(())
+        }
+        Cmd::Replay {
+            pack,
+            codes,
+            out,
+            seed,
+            greedy,
+            persona_tokens,
+            silence_frames,
+            kv,
+        } => {
+            let report = app::replay(&app::ReplayArgs {
+                pack,
+                codes,
+                out,
+                seed,
+                greedy,
+                persona_tokens,
+                silence_frames,
+                kv,
+            })?;
+            eprintln!("{}", app::timing_table(&report));
             Ok(())
         }
         Cmd::Stages => {

@@ -2,6 +2,7 @@
 //! signal, and report. Knows no model internals; stage kinds come from the
 //! [`Registry`](crate::stages::Registry).
 
+mod replay;
 mod report;
 
 use std::path::Path;
@@ -12,6 +13,7 @@ use crate::config::{self, ConfigError, ConfigErrorKind, LoadOptions, PipelineSpe
 use crate::runtime::{Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle};
 use crate::stages::{BuildContext, Registry};
 
+pub use replay::{run as replay, ReplayArgs};
 pub use report::timing_table;
 
 /// Loads `file` and builds (but does not start) its pipeline.

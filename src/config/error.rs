@@ -44,7 +44,8 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub(crate) fn new(file: &str, kind: ConfigErrorKind, message: impl Into<String>) -> Self {
+    /// An error in `file`.
+    pub fn new(file: &str, kind: ConfigErrorKind, message: impl Into<String>) -> Self {
         ConfigError {
             file: file.into(),
             stage: None,
