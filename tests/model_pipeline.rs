@@ -1,0 +1,227 @@
+//! The full duplex pipeline (actors, feedback edge, codec overlap) against a plain sequential
+//! loop over the same building blocks: byte-identical tokens and WAV for the same seed and input.
+//! Plus the long-session policy and execution providers that refuse to pretend.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use std::path::Path;
+use std::process::Command;
+
+use duplex::audio::{Framer, Synth, WavFormat, WavReader, WavWriter, StreamResampler, Waveform};
+use duplex::model::depformer::Depformer;
+use duplex::model::lm::{priming_script, LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
+use duplex::model::lmgen::LmGen;
+use duplex::model::mimi::{MimiDecoder, MimiEncoder};
+use duplex::model::pack::Pack;
+use duplex::model::session::SessionOptions;
+use duplex::model::temporal::{Temporal, TemporalOptions};
+
+const SEED: u64 = 5;
+
+fn write_input(path: &Path) {
+    let mut s = Synth::new(Waveform::Noise { amplitude: 0.3, seed: 11 }, 48_000);
+    let mut x = vec![0.0; 48_000 * 4 + 1234];
+    s.fill(&mut x);
+    let mut w = WavWriter::create(path, 48_000, WavFormat::I16).unwrap();
+    w.write(&x).unwrap();
+    w.finalize().unwrap();
+}
+
+fn pipeline_yaml(dir: &Path, pack: &Path, extra_temporal: &str) -> std::path::PathBuf {
+    let d = dir.display();
+    let pk = pack.display();
+    let text = format!(
+        r#"
+stages:
+  source: {{ kind: wav_source, path: {d}/in.wav }}
+  down: {{ kind: resample, to: 24000 }}
+  framer: {{ kind: framer }}
+  encode: {{ kind: mimi_encode, pack: {pk} }}
+  temporal: {{ kind: temporal, pack: {pk}{extra_temporal} }}
+  depformer: {{ kind: depformer, pack: {pk}, seed: {SEED} }}
+  decode: {{ kind: mimi_decode, pack: {pk} }}
+  up: {{ kind: resample, to: 48000 }}
+  sink: {{ kind: wav_sink, path: {d}/out.wav }}
+  tokens: {{ kind: token_sink, path: {d}/tokens.jsonl }}
+links:
+  - source -> down
+  - down -> framer
+  - framer -> encode
+  - encode -> temporal.codes
+  - temporal.step -> depformer
+  - {{ from: depformer, to: temporal.tokens, feedback: true }}
+  - temporal.agent -> decode
+  - temporal.agent -> tokens
+  - decode -> up
+  - up -> sink
+"#
+    );
+    let p = dir.join("p.yaml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The same work, one call after another, no actors.
+fn sequential(dir: &Path, pack_dir: &Path) -> String {
+    let pack = Pack::open(pack_dir).unwrap();
+    let m = pack.manifest.clone();
+    let so = SessionOptions::default();
+    let mut wav = WavReader::open(&dir.join("in.wav")).unwrap();
+    let mut down = StreamResampler::new(48_000, 24_000, 960).unwrap();
+    let mut framer = Framer::new(1920);
+    let mut enc = MimiEncoder::open(&pack, &so, 8).unwrap();
+    let mut dec = MimiDecoder::open(&pack, &so, 8).unwrap();
+    let mut up = StreamResampler::new(24_000, 48_000, 480).unwrap();
+    let temporal = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let depformer = Depformer::open(&pack, &so).unwrap();
+    let mut lm = LmLoop {
+        temporal: TemporalHalf::new(LmGen::new(m.layout()), temporal),
+        sampling: SamplingHalf::new(depformer, SamplingConfig { seed: SEED, ..Default::default() }),
+    };
+    lm.warmup(&m.silence_codes, 2).unwrap();
+    lm.prime(&priming_script(&m, None, &[], 6)).unwrap();
+
+    let mut out = WavWriter::create(&dir.join("seq.wav"), 48_000, WavFormat::I16).unwrap();
+    let mut lines = String::new();
+    let mut index = 0;
+    let mut frames = Vec::new();
+    let mut pcm = Vec::new();
+    loop {
+        let mut chunk = Vec::new();
+        if wav.read(960, &mut chunk).unwrap() == 0 {
+            break;
+        }
+        pcm.clear();
+        down.process(&chunk, &mut pcm).unwrap();
+        framer.push(&pcm, |f| {
+            frames.push(f);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
+    }
+    pcm.clear();
+    down.flush(&mut pcm).unwrap();
+    framer.push(&pcm, |f| {
+        frames.push(f);
+        Ok::<_, ()>(())
+    })
+    .unwrap();
+    if let Some((f, _)) = framer.finish() {
+        frames.push(f);
+    }
+    for f in frames {
+        let codes = enc.push(&f).unwrap();
+        if let Some(a) = lm.step(&codes, None, None).unwrap() {
+            lines.push_str(&format!(
+                "{}\n",
+                serde_json::json!({"frame": index, "text": a.text, "audio": a.audio})
+            ));
+            index += 1;
+            let samples = dec.push(&a.audio, 2048).unwrap();
+            let mut o = Vec::new();
+            up.process(&samples, &mut o).unwrap();
+            out.write(&o).unwrap();
+        }
+    }
+    let mut o = Vec::new();
+    up.flush(&mut o).unwrap();
+    out.write(&o).unwrap();
+    out.finalize().unwrap();
+    lines
+}
+
+fn run(p: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["run", p.to_str().unwrap()])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn actors_and_a_sequential_loop_give_byte_identical_tokens_and_audio() {
+    let dir = tempfile::tempdir().unwrap();
+    write_input(&dir.path().join("in.wav"));
+    let pack = packs::pack("tiny-gqa");
+    let p = pipeline_yaml(dir.path(), &pack, "");
+    let o = run(&p);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let seq_tokens = sequential(dir.path(), &pack);
+    let tokens = std::fs::read_to_string(dir.path().join("tokens.jsonl")).unwrap();
+    assert_eq!(tokens.lines().count(), 51, "4.03 s at 24 kHz = 51 frames (the last one padded)");
+    assert_eq!(tokens, seq_tokens);
+    let a = std::fs::read(dir.path().join("out.wav")).unwrap();
+    let b = std::fs::read(dir.path().join("seq.wav")).unwrap();
+    assert_eq!(a.len(), b.len());
+    assert!(a == b, "WAV files differ");
+    // The codec really ran: the output is not silence.
+    let (_, pcm) = {
+        let mut r = WavReader::open(&dir.path().join("out.wav")).unwrap();
+        (r.rate(), r.read_all().unwrap())
+    };
+    assert!(pcm.iter().any(|v| v.abs() > 1e-3));
+}
+
+fn tokens_of(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("tokens.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn long_session_policy_resets_and_reprimes_or_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    write_input(&dir.path().join("in.wav"));
+    let pack = packs::pack("tiny-gqa");
+    // Priming takes 11 positions (its first step only fills the ring), leaving 19 of 30 per
+    // conversation: 51 user frames need two resets.
+    let p = pipeline_yaml(dir.path(), &pack, ", max_positions: 30");
+    let o = run(&p);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(err.matches("resetting the conversation and priming again").count(), 2, "{err}");
+    let t = tokens_of(dir.path());
+    assert_eq!(t.len(), 51, "every user frame still gets an agent frame");
+    // Right after a reset the agent says what priming left in the ring: padding and silence.
+    let silence = serde_json::json!([948, 243, 1178, 546, 1736, 1030, 1978, 2008]);
+    let primed = t.iter().filter(|f| f["text"] == 3 && f["audio"] == silence).count();
+    assert!(primed >= 3, "{primed} primed frames");
+
+    let p = pipeline_yaml(dir.path(), &pack, ", max_positions: 30, long_session: stop");
+    let o = run(&p);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "stopping at the limit is a clean end: {err}");
+    assert!(err.contains("ending the stream (long_session: stop)"), "{err}");
+    assert_eq!(tokens_of(dir.path()).len(), 19);
+    // The audio written so far is a complete file.
+    let mut r = WavReader::open(&dir.path().join("out.wav")).unwrap();
+    assert!(r.read_all().unwrap().len() >= 17 * 3840);
+}
+
+#[test]
+fn cuda_on_a_cpu_build_fails_clearly_unless_fallback_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    write_input(&dir.path().join("in.wav"));
+    let pack = packs::pack("tiny-gqa");
+    let p = pipeline_yaml(dir.path(), &pack, ", execution_provider: cuda");
+    let o = run(&p);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("stage `temporal`: temporal: execution provider `cuda` is not available"),
+        "{err}"
+    );
+    assert!(err.contains("allow_fallback"), "{err}");
+    let p = pipeline_yaml(
+        dir.path(),
+        &pack,
+        ", execution_provider: cuda, allow_fallback: true",
+    );
+    let o = run(&p);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("running on the CPU because `allow_fallback` is set"), "{err}");
+    assert!(err.contains("graph=\"temporal\" execution_provider=\"cpu\""), "{err}");
+}
