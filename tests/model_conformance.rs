@@ -8,12 +8,16 @@ use std::path::Path;
 use std::process::Command;
 
 fn user_codes(dir: &Path, n: usize, seed: u64) -> std::path::PathBuf {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let frames: Vec<Vec<i64>> = (0..n)
         .map(|_| {
             (0..8)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     ((x >> 33) % 2048) as i64
                 })
                 .collect()
@@ -60,7 +64,10 @@ fn greedy_tokens_match_the_reference_step_by_step() {
     for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
         let pack = packs::pack(name);
         for (ours, theirs) in [
-            (vec!["--persona-tokens", "10,20,31999"], vec!["--persona", "10,20,31999"]),
+            (
+                vec!["--persona-tokens", "10,20,31999"],
+                vec!["--persona", "10,20,31999"],
+            ),
             (vec!["--silence-frames", "0"], vec!["--silence-frames", "0"]),
         ] {
             let mut ours = ours.clone();

@@ -8,7 +8,7 @@ mod packs;
 use std::path::Path;
 use std::process::Command;
 
-use duplex::audio::{Framer, Synth, WavFormat, WavReader, WavWriter, StreamResampler, Waveform};
+use duplex::audio::{Framer, StreamResampler, Synth, WavFormat, WavReader, WavWriter, Waveform};
 use duplex::model::depformer::Depformer;
 use duplex::model::lm::{priming_script, LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
 use duplex::model::lmgen::LmGen;
@@ -20,7 +20,13 @@ use duplex::model::temporal::{Temporal, TemporalOptions};
 const SEED: u64 = 5;
 
 fn write_input(path: &Path) {
-    let mut s = Synth::new(Waveform::Noise { amplitude: 0.3, seed: 11 }, 48_000);
+    let mut s = Synth::new(
+        Waveform::Noise {
+            amplitude: 0.3,
+            seed: 11,
+        },
+        48_000,
+    );
     let mut x = vec![0.0; 48_000 * 4 + 1234];
     s.fill(&mut x);
     let mut w = WavWriter::create(path, 48_000, WavFormat::I16).unwrap();
@@ -77,7 +83,13 @@ fn sequential(dir: &Path, pack_dir: &Path) -> String {
     let depformer = Depformer::open(&pack, &so).unwrap();
     let mut lm = LmLoop {
         temporal: TemporalHalf::new(LmGen::new(m.layout()), temporal),
-        sampling: SamplingHalf::new(depformer, SamplingConfig { seed: SEED, ..Default::default() }),
+        sampling: SamplingHalf::new(
+            depformer,
+            SamplingConfig {
+                seed: SEED,
+                ..Default::default()
+            },
+        ),
     };
     lm.warmup(&m.silence_codes, 2).unwrap();
     lm.prime(&priming_script(&m, None, &[], 6)).unwrap();
@@ -94,19 +106,21 @@ fn sequential(dir: &Path, pack_dir: &Path) -> String {
         }
         pcm.clear();
         down.process(&chunk, &mut pcm).unwrap();
-        framer.push(&pcm, |f| {
+        framer
+            .push(&pcm, |f| {
+                frames.push(f);
+                Ok::<_, ()>(())
+            })
+            .unwrap();
+    }
+    pcm.clear();
+    down.flush(&mut pcm).unwrap();
+    framer
+        .push(&pcm, |f| {
             frames.push(f);
             Ok::<_, ()>(())
         })
         .unwrap();
-    }
-    pcm.clear();
-    down.flush(&mut pcm).unwrap();
-    framer.push(&pcm, |f| {
-        frames.push(f);
-        Ok::<_, ()>(())
-    })
-    .unwrap();
     if let Some((f, _)) = framer.finish() {
         frames.push(f);
     }
@@ -148,7 +162,11 @@ fn actors_and_a_sequential_loop_give_byte_identical_tokens_and_audio() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let seq_tokens = sequential(dir.path(), &pack);
     let tokens = std::fs::read_to_string(dir.path().join("tokens.jsonl")).unwrap();
-    assert_eq!(tokens.lines().count(), 51, "4.03 s at 24 kHz = 51 frames (the last one padded)");
+    assert_eq!(
+        tokens.lines().count(),
+        51,
+        "4.03 s at 24 kHz = 51 frames (the last one padded)"
+    );
     assert_eq!(tokens, seq_tokens);
     let a = std::fs::read(dir.path().join("out.wav")).unwrap();
     let b = std::fs::read(dir.path().join("seq.wav")).unwrap();
@@ -181,19 +199,33 @@ fn long_session_policy_resets_and_reprimes_or_stops_cleanly() {
     let o = run(&p);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert_eq!(err.matches("resetting the conversation and priming again").count(), 2, "{err}");
+    assert_eq!(
+        err.matches("resetting the conversation and priming again")
+            .count(),
+        2,
+        "{err}"
+    );
     let t = tokens_of(dir.path());
     assert_eq!(t.len(), 51, "every user frame still gets an agent frame");
     // Right after a reset the agent says what priming left in the ring: padding and silence.
     let silence = serde_json::json!([948, 243, 1178, 546, 1736, 1030, 1978, 2008]);
-    let primed = t.iter().filter(|f| f["text"] == 3 && f["audio"] == silence).count();
+    let primed = t
+        .iter()
+        .filter(|f| f["text"] == 3 && f["audio"] == silence)
+        .count();
     assert!(primed >= 3, "{primed} primed frames");
 
     let p = pipeline_yaml(dir.path(), &pack, ", max_positions: 30, long_session: stop");
     let o = run(&p);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "stopping at the limit is a clean end: {err}");
-    assert!(err.contains("ending the stream (long_session: stop)"), "{err}");
+    assert!(
+        o.status.success(),
+        "stopping at the limit is a clean end: {err}"
+    );
+    assert!(
+        err.contains("ending the stream (long_session: stop)"),
+        "{err}"
+    );
     assert_eq!(tokens_of(dir.path()).len(), 19);
     // The audio written so far is a complete file.
     let mut r = WavReader::open(&dir.path().join("out.wav")).unwrap();
@@ -222,6 +254,12 @@ fn cuda_on_a_cpu_build_fails_clearly_unless_fallback_is_allowed() {
     let o = run(&p);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("running on the CPU because `allow_fallback` is set"), "{err}");
-    assert!(err.contains("graph=\"temporal\" execution_provider=\"cpu\""), "{err}");
+    assert!(
+        err.contains("running on the CPU because `allow_fallback` is set"),
+        "{err}"
+    );
+    assert!(
+        err.contains("graph=\"temporal\" execution_provider=\"cpu\""),
+        "{err}"
+    );
 }

@@ -38,10 +38,19 @@ fn i(v: i64) -> Value {
     Value::new(None, ValueKind::I64(v))
 }
 
-fn node(reg: &Registry, name: &str, kind: &str, raw: Vec<(&str, Value)>) -> Result<Node, ConfigError> {
+fn node(
+    reg: &Registry,
+    name: &str,
+    kind: &str,
+    raw: Vec<(&str, Value)>,
+) -> Result<Node, ConfigError> {
     let file = "duplex replay";
     let Some(k) = reg.get(kind) else {
-        return Err(ConfigError::new(file, ConfigErrorKind::UnknownKind, format!("no stage kind `{kind}`")));
+        return Err(ConfigError::new(
+            file,
+            ConfigErrorKind::UnknownKind,
+            format!("no stage kind `{kind}`"),
+        ));
     };
     let raw: Vec<(String, Value)> = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let p = params::check(file, name, kind, k.params, &raw)?;
@@ -68,7 +77,10 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
     if !a.persona_tokens.is_empty() {
         temporal.push((
             "persona_tokens",
-            Value::new(None, ValueKind::Array(a.persona_tokens.iter().map(|&t| i(t)).collect())),
+            Value::new(
+                None,
+                ValueKind::Array(a.persona_tokens.iter().map(|&t| i(t)).collect()),
+            ),
         ));
     }
     if let Some(n) = a.silence_frames {
@@ -84,10 +96,20 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
     ];
     let b = PipelineBuilder::new()
         .origin("duplex replay")
-        .node(node(&reg, "codes", "codes_source", vec![("path", s(&a.codes.display().to_string()))])?)
+        .node(node(
+            &reg,
+            "codes",
+            "codes_source",
+            vec![("path", s(&a.codes.display().to_string()))],
+        )?)
         .node(node(&reg, "temporal", "temporal", temporal)?)
         .node(node(&reg, "depformer", "depformer", depformer)?)
-        .node(node(&reg, "tokens", "token_sink", vec![("path", s(&a.out.display().to_string()))])?)
+        .node(node(
+            &reg,
+            "tokens",
+            "token_sink",
+            vec![("path", s(&a.out.display().to_string()))],
+        )?)
         .link(Link::new("codes", "temporal.codes"))
         .link(Link::new("temporal.step", "depformer"))
         .link(Link::new("depformer", "temporal.tokens").feedback())

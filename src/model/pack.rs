@@ -287,9 +287,25 @@ pub struct LmGraphInfo {
     pub vocab: usize,
 }
 
+/// ONNX's name of an element type (`float`, `float16`, `int64`, …).
+fn type_name(ty: TensorElementType) -> String {
+    match ty {
+        TensorElementType::Float32 => "float".into(),
+        TensorElementType::Float16 => "float16".into(),
+        TensorElementType::Float64 => "double".into(),
+        TensorElementType::Int64 => "int64".into(),
+        TensorElementType::Int32 => "int32".into(),
+        TensorElementType::Int16 => "int16".into(),
+        TensorElementType::Int8 => "int8".into(),
+        TensorElementType::Uint8 => "uint8".into(),
+        TensorElementType::Bool => "bool".into(),
+        other => format!("{other}"),
+    }
+}
+
 fn describe(v: &ValueType) -> String {
     match v {
-        ValueType::Tensor { ty, shape, .. } => format!("{ty} {:?}", &shape[..]),
+        ValueType::Tensor { ty, shape, .. } => format!("{} {:?}", type_name(*ty), &shape[..]),
         other => format!("{other:?}"),
     }
 }
@@ -370,7 +386,11 @@ impl<'a> Io<'a> {
         if !ok {
             return Err(ModelError::contract(
                 self.graph,
-                format!("{what} `{name}` has type {ty}, expected {}", want.name()),
+                format!(
+                    "{what} `{name}` has type {}, expected {}",
+                    type_name(*ty),
+                    want.name()
+                ),
             ));
         }
         if shape.len() != rank {
@@ -431,13 +451,15 @@ fn kv_layers(io: &Io<'_>) -> Result<(usize, usize, usize, FloatType), ModelError
             let ft = ft.unwrap_or(FloatType::F32);
             match geom {
                 None => geom = Some((h, d, ft)),
-                Some(g) if g != (h, d, ft) => return Err(ModelError::contract(
-                    io.graph,
-                    format!(
+                Some(g) if g != (h, d, ft) => {
+                    return Err(ModelError::contract(
+                        io.graph,
+                        format!(
                         "`{name}` is {ft:?} [_, {h}, _, {d}], unlike layer 0 ({:?} [_, {}, _, {}])",
                         g.2, g.0, g.1
                     ),
-                )),
+                    ))
+                }
                 Some(_) => {}
             }
             io.tensor(true, &format!("present.{layers}.{kv}"), Want::Float, 4)?;
