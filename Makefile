@@ -11,11 +11,11 @@ setup:
 build: setup
 	$(CARGO) build --release
 
-# The main job: a real pipeline on headless audio (no sound card needed).
+# The main job: the full duplex pipeline on the tiny pack, on headless audio (no sound card).
 demo: build
 	$(DUPLEX) run pipelines/make-tone.yaml
-	$(DUPLEX) run pipelines/resample-roundtrip.yaml
-	@echo "demo: wrote out/roundtrip-48k.wav"
+	$(DUPLEX) run pipelines/duplex-file.yaml
+	@echo "demo: wrote out/agent-48k.wav and out/agent-tokens.jsonl"
 
 # Lints, then every test (unit, integration, doc).
 test: setup lint
@@ -27,6 +27,7 @@ lint: setup
 
 bench: setup
 	$(CARGO) bench --bench runtime
+	$(CARGO) bench --bench model
 
 clean:
 	$(CARGO) clean

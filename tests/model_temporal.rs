@@ -139,3 +139,19 @@ fn positions_run_out_loudly() {
     assert_eq!(t.positions_left(), 5);
     t.step(&tokens(0)).unwrap();
 }
+
+#[test]
+fn gqa_appends_in_place_without_allocating() {
+    let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
+    let mut t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    // Warm up: ONNX Runtime and this module may allocate on the first runs.
+    t.step(&tokens(0)).unwrap();
+    let before = duplex::model::buffer_allocations();
+    for s in 1..30 {
+        assert_eq!(t.key_cache_value(0, s), Some(0.0), "row {s} not written yet");
+        t.step(&tokens(s)).unwrap();
+        // The op wrote the new key row into the very buffer bound as past and present.
+        assert_ne!(t.key_cache_value(0, s), Some(0.0), "row {s} written in place");
+    }
+    assert_eq!(duplex::model::buffer_allocations(), before, "no cache buffer allocated per step");
+}

@@ -15,4 +15,6 @@ pub mod session;
 pub mod temporal;
 mod tensors;
 
+pub use tensors::buffer_allocations;
+
 pub use error::ModelError;

@@ -453,6 +453,21 @@ impl Temporal {
         Ok(())
     }
 
+    /// First element of row `row` of layer `layer`'s key cache, head 0 (resident caches only):
+    /// lets tests see that the graph wrote into the bound buffer itself.
+    pub fn key_cache_value(&mut self, layer: usize, row: usize) -> Option<f32> {
+        let rows = match self.kv {
+            Kv::InPlace => self.capacity,
+            _ => return None,
+        };
+        let buf = self.bufs[0].get_mut(2 * layer)?;
+        let idx = row.min(rows - 1) * self.info.head_dim;
+        match self.info.kv {
+            super::pack::FloatType::F32 => buf.as_slice::<f32>().get(idx).copied(),
+            super::pack::FloatType::F16 => buf.as_slice::<half::f16>().get(idx).map(|v| v.to_f32()),
+        }
+    }
+
     /// The last step's hidden state, as f32.
     pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
         read_floats(&mut self.hidden, self.info.hidden_dim, out);

@@ -31,6 +31,14 @@ fn element_size(ty: TensorElementType) -> usize {
     }
 }
 
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Buffers allocated by this module since the process started (KV caches, bound inputs and
+/// outputs): a resident step allocates none.
+pub fn buffer_allocations() -> u64 {
+    ALLOCATIONS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A buffer allocated once, with its capacity in elements.
 pub(crate) struct Buffer {
     pub tensor: DynTensor,
@@ -41,6 +49,7 @@ pub(crate) struct Buffer {
 impl Buffer {
     /// A zero-filled CPU buffer of `shape`.
     pub fn zeros(alloc: &Allocator, ty: TensorElementType, shape: &[i64]) -> ort::Result<Buffer> {
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tensor = DynTensor::new(alloc, ty, shape.to_vec())?;
         let capacity = shape.iter().product::<i64>().max(0) as usize;
         let bytes = capacity * element_size(ty);

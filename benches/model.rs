@@ -1,0 +1,241 @@
+//! Model-side benchmarks, each measured side by side in one run:
+//!
+//! 1. Temporal step time at KV length 50, 1000 and 2500 on the `small` pack (dim 512, 4 layers,
+//!    8 heads × 64), resident cache vs the naive host round trip, for the GQA and the standard
+//!    graph; and cache-buffer allocations per step.
+//! 2. Resident memory over 6000 LM frames (tiny packs): flat once the context window is full.
+//! 3. End-to-end frames per second of the full duplex pipeline on the tiny pack and with a
+//!    full-size Mimi, and the completion interval against the sum of stage times.
+//!
+//! `cargo bench --bench model`. Packs that are missing are built with `tools/make_pack.py`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use duplex::model::depformer::Depformer;
+use duplex::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
+use duplex::model::lmgen::LmGen;
+use duplex::model::pack::Pack;
+use duplex::model::session::SessionOptions;
+use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn pack(name: &str, args: &[&str]) -> PathBuf {
+    let dir = root().join("models").join(name);
+    if !dir.join("pack.yaml").is_file() {
+        eprintln!("building pack {name} ({})", args.join(" "));
+        let ok = std::process::Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("tools/make_pack.py"))
+            .args(args)
+            .arg("--out")
+            .arg(&dir)
+            .status()
+            .expect("run tools/make_pack.py (make setup first)")
+            .success();
+        assert!(ok, "building pack {name} failed");
+    }
+    dir
+}
+
+fn tokens(t: usize) -> Vec<i64> {
+    let mut v = vec![((t * 7919) % 32_000) as i64];
+    v.extend((1..17).map(|k| ((t * 31 + k * 97) % 2048) as i64));
+    v
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Median step time over 25 steps starting at each KV length.
+fn step_times(pack: &Pack, kv: KvMode, lengths: &[usize]) -> (Vec<Duration>, u64) {
+    let mut t = Temporal::open(
+        pack,
+        &TemporalOptions {
+            kv,
+            ..Default::default()
+        },
+    )
+    .expect("open temporal");
+    let mut out = Vec::new();
+    let mut s = 0;
+    let allocs_before = duplex::model::buffer_allocations();
+    let mut allocs = 0;
+    for &len in lengths {
+        while t.kv_len() < len {
+            t.step(&tokens(s)).unwrap();
+            s += 1;
+        }
+        let a0 = duplex::model::buffer_allocations();
+        let mut times = Vec::new();
+        for _ in 0..25 {
+            let t0 = Instant::now();
+            t.step(&tokens(s)).unwrap();
+            times.push(t0.elapsed());
+            s += 1;
+        }
+        allocs = (duplex::model::buffer_allocations() - a0) / 25;
+        out.push(median(times));
+    }
+    let _ = allocs_before;
+    (out, allocs)
+}
+
+fn temporal_bench() {
+    println!("\n1. temporal step time by KV length, small pack (dim 512, 4 layers, 8 heads x 64), 1 thread");
+    let lengths = [50, 1000, 2500];
+    for (name, variant) in [("small-gqa", "gqa"), ("small", "standard")] {
+        let dir = pack(name, &["--size", "small", "--variant", variant]);
+        let p = Pack::open(&dir).unwrap();
+        let (res, res_allocs) = step_times(&p, KvMode::Resident, &lengths);
+        let (host, host_allocs) = step_times(&p, KvMode::Host, &lengths);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        for (i, l) in lengths.iter().enumerate() {
+            println!(
+                "   {variant:<8} kv {l:>4}: resident {:7.3} ms   host round trip {:7.3} ms",
+                ms(res[i]),
+                ms(host[i])
+            );
+        }
+        let inc_res = ms(res[2]) - ms(res[0]);
+        let inc_host = ms(host[2]) - ms(host[0]);
+        println!(
+            "   {variant:<8} increase 50 -> 2500: resident {inc_res:+.3} ms, host {inc_host:+.3} ms -> ratio {:.2} (target <= 0.33)",
+            inc_res / inc_host
+        );
+        println!(
+            "   {variant:<8} cache-buffer allocations per step: resident {res_allocs}, host {host_allocs}"
+        );
+    }
+}
+
+fn rss_mb() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: f64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    pages * 4096.0 / 1e6
+}
+
+fn memory_bench() {
+    println!("\n2. resident memory over 6000 LM frames (tiny packs, resident cache, warmed up)");
+    for name in ["tiny-gqa", "tiny"] {
+        let p = Pack::open(&pack(name, &[])).unwrap();
+        let so = SessionOptions::default();
+        let m = p.manifest.clone();
+        let mut lm = LmLoop {
+            temporal: TemporalHalf::new(
+                LmGen::new(m.layout()),
+                Temporal::open(&p, &TemporalOptions::default()).unwrap(),
+            ),
+            sampling: SamplingHalf::new(Depformer::open(&p, &so).unwrap(), SamplingConfig::default()),
+        };
+        let mut marks = Vec::new();
+        let t0 = Instant::now();
+        for s in 0..6000 {
+            let user: Vec<i64> = tokens(s)[9..].to_vec();
+            lm.step(&user, None, None).unwrap();
+            if (s + 1) % 1000 == 0 {
+                marks.push((s + 1, rss_mb(), lm.temporal.temporal.kv_len()));
+            }
+        }
+        let line: Vec<String> = marks
+            .iter()
+            .map(|(s, mb, kv)| format!("{s}: {mb:.1} MB (kv {kv})"))
+            .collect();
+        println!("   {name:<9} {}", line.join(", "));
+        let full = marks.iter().find(|(s, _, _)| *s >= 3000).map(|m| m.1).unwrap_or(0.0);
+        let last = marks.last().map(|m| m.1).unwrap_or(0.0);
+        println!(
+            "   {name:<9} after the window is full (3000 -> 6000 frames): {:+.1} MB; {:.2} ms per LM frame",
+            last - full,
+            t0.elapsed().as_secs_f64() * 1e3 / 6000.0
+        );
+    }
+}
+
+fn e2e_bench() {
+    println!("\n3. end-to-end: full duplex pipeline on a 20 s input, as fast as possible");
+    let dir = tempfile_dir();
+    // 20 s of noise at 48 kHz as input.
+    let input = dir.join("in.wav");
+    let mut s = duplex::audio::Synth::new(
+        duplex::audio::Waveform::Noise {
+            amplitude: 0.3,
+            seed: 1,
+        },
+        48_000,
+    );
+    let mut x = vec![0.0; 48_000 * 20];
+    s.fill(&mut x);
+    let mut w = duplex::audio::WavWriter::create(&input, 48_000, duplex::audio::WavFormat::I16).unwrap();
+    w.write(&x).unwrap();
+    w.finalize().unwrap();
+    for (label, name, args) in [
+        ("tiny pack", "tiny-gqa", vec![]),
+        ("full-size Mimi", "small-gqa-fullmimi", vec!["--size", "small", "--variant", "gqa", "--mimi", "full"]),
+    ] {
+        let p = pack(name, &args);
+        let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
+            .unwrap()
+            .replace("models/tiny-gqa", p.to_str().unwrap())
+            .replace("out/tone-48k.wav", input.to_str().unwrap())
+            .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
+            .replace("out/agent-tokens.jsonl", dir.join("tokens.jsonl").to_str().unwrap());
+        let file = dir.join("p.yaml");
+        std::fs::write(&file, yaml).unwrap();
+        let report = duplex::app::run_file(&file, &[]).expect("pipeline runs");
+        let frames = report.stage("temporal").unwrap().frames;
+        assert_eq!(frames, 250, "20 s = 250 frames");
+        let fps = frames as f64 / report.wall.as_secs_f64();
+        let sum: f64 = ["encode", "temporal", "depformer", "decode"]
+            .iter()
+            .map(|s| {
+                let st = report.stage(s).unwrap();
+                st.service.sum().as_secs_f64() / frames as f64
+            })
+            .sum();
+        let interval = report.stage("sink").unwrap().completion.quantile(0.5).as_secs_f64();
+        let per_stage: Vec<String> = ["encode", "temporal", "depformer", "decode"]
+            .iter()
+            .map(|s| {
+                let st = report.stage(s).unwrap();
+                format!("{s} {:.2}", st.service.sum().as_secs_f64() * 1e3 / frames as f64)
+            })
+            .collect();
+        println!(
+            "   {label:<15} {fps:7.1} frames/s ({:.2}x real time); per frame ms: {}; completion interval p50 {:.2} ms vs sum of stage times {:.2} ms -> {:.2}",
+            fps * 0.08,
+            per_stage.join(", "),
+            interval * 1e3,
+            sum * 1e3,
+            interval / sum
+        );
+    }
+}
+
+fn tempfile_dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("duplex-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn main() {
+    if let Err(e) = duplex::model::ortlib::environment(None) {
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
+    let which = std::env::args().nth(1).unwrap_or_default();
+    let all = which.is_empty() || which == "--bench";
+    if all || which == "temporal" {
+        temporal_bench();
+    }
+    if all || which == "memory" {
+        memory_bench();
+    }
+    if all || which == "e2e" {
+        e2e_bench();
+    }
+}
