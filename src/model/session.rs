@@ -82,8 +82,11 @@ fn builder(
             .with_intra_threads(opts.intra_threads)
             .map_err(|e| ModelError::ort(graph, e))?;
     }
+    // Input shapes change every step (the cache and the mask grow by one row): ONNX Runtime's
+    // memory-pattern cache would keep one plan per shape seen, growing with the conversation.
     b = b
         .with_intra_op_spinning(opts.spinning)
+        .and_then(|b| b.with_memory_pattern(false))
         .map_err(|e| ModelError::ort(graph, e))?;
     Ok(b)
 }
