@@ -115,7 +115,11 @@ fn temporal_bench() {
 
 fn rss_mb() -> f64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: f64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    let pages: f64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
     pages * 4096.0 / 1e6
 }
 
@@ -130,7 +134,10 @@ fn memory_bench() {
                 LmGen::new(m.layout()),
                 Temporal::open(&p, &TemporalOptions::default()).unwrap(),
             ),
-            sampling: SamplingHalf::new(Depformer::open(&p, &so).unwrap(), SamplingConfig::default()),
+            sampling: SamplingHalf::new(
+                Depformer::open(&p, &so).unwrap(),
+                SamplingConfig::default(),
+            ),
         };
         let mut marks = Vec::new();
         let t0 = Instant::now();
@@ -146,7 +153,11 @@ fn memory_bench() {
             .map(|(s, mb, kv)| format!("{s}: {mb:.1} MB (kv {kv})"))
             .collect();
         println!("   {name:<9} {}", line.join(", "));
-        let full = marks.iter().find(|(s, _, _)| *s >= 3000).map(|m| m.1).unwrap_or(0.0);
+        let full = marks
+            .iter()
+            .find(|(s, _, _)| *s >= 3000)
+            .map(|m| m.1)
+            .unwrap_or(0.0);
         let last = marks.last().map(|m| m.1).unwrap_or(0.0);
         println!(
             "   {name:<9} after the window is full (3000 -> 6000 frames): {:+.1} MB; {:.2} ms per LM frame",
@@ -170,12 +181,17 @@ fn e2e_bench() {
     );
     let mut x = vec![0.0; 48_000 * 20];
     s.fill(&mut x);
-    let mut w = duplex::audio::WavWriter::create(&input, 48_000, duplex::audio::WavFormat::I16).unwrap();
+    let mut w =
+        duplex::audio::WavWriter::create(&input, 48_000, duplex::audio::WavFormat::I16).unwrap();
     w.write(&x).unwrap();
     w.finalize().unwrap();
     for (label, name, args) in [
         ("tiny pack", "tiny-gqa", vec![]),
-        ("full-size Mimi", "small-gqa-fullmimi", vec!["--size", "small", "--variant", "gqa", "--mimi", "full"]),
+        (
+            "full-size Mimi",
+            "small-gqa-fullmimi",
+            vec!["--size", "small", "--variant", "gqa", "--mimi", "full"],
+        ),
     ] {
         let p = pack(name, &args);
         let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
@@ -183,7 +199,10 @@ fn e2e_bench() {
             .replace("models/tiny-gqa", p.to_str().unwrap())
             .replace("out/tone-48k.wav", input.to_str().unwrap())
             .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
-            .replace("out/agent-tokens.jsonl", dir.join("tokens.jsonl").to_str().unwrap());
+            .replace(
+                "out/agent-tokens.jsonl",
+                dir.join("tokens.jsonl").to_str().unwrap(),
+            );
         let file = dir.join("p.yaml");
         std::fs::write(&file, yaml).unwrap();
         let report = duplex::app::run_file(&file, &[]).expect("pipeline runs");
@@ -197,12 +216,20 @@ fn e2e_bench() {
                 st.service.sum().as_secs_f64() / frames as f64
             })
             .sum();
-        let interval = report.stage("sink").unwrap().completion.quantile(0.5).as_secs_f64();
+        let interval = report
+            .stage("sink")
+            .unwrap()
+            .completion
+            .quantile(0.5)
+            .as_secs_f64();
         let per_stage: Vec<String> = ["encode", "temporal", "depformer", "decode"]
             .iter()
             .map(|s| {
                 let st = report.stage(s).unwrap();
-                format!("{s} {:.2}", st.service.sum().as_secs_f64() * 1e3 / frames as f64)
+                format!(
+                    "{s} {:.2}",
+                    st.service.sum().as_secs_f64() * 1e3 / frames as f64
+                )
             })
             .collect();
         println!(

@@ -148,10 +148,22 @@ fn gqa_appends_in_place_without_allocating() {
     t.step(&tokens(0)).unwrap();
     let before = duplex::model::buffer_allocations();
     for s in 1..30 {
-        assert_eq!(t.key_cache_value(0, s), Some(0.0), "row {s} not written yet");
+        assert_eq!(
+            t.key_cache_value(0, s),
+            Some(0.0),
+            "row {s} not written yet"
+        );
         t.step(&tokens(s)).unwrap();
         // The op wrote the new key row into the very buffer bound as past and present.
-        assert_ne!(t.key_cache_value(0, s), Some(0.0), "row {s} written in place");
+        assert_ne!(
+            t.key_cache_value(0, s),
+            Some(0.0),
+            "row {s} written in place"
+        );
     }
-    assert_eq!(duplex::model::buffer_allocations(), before, "no cache buffer allocated per step");
+    assert_eq!(
+        duplex::model::buffer_allocations(),
+        before,
+        "no cache buffer allocated per step"
+    );
 }

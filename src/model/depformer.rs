@@ -14,6 +14,19 @@ use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
 use super::tensors::{element, read_floats, write_floats, Buffer};
 
+/// What the depformer works from for one frame.
+#[derive(Debug, Clone, Copy)]
+pub struct DepformerInput<'a> {
+    /// The temporal transformer's hidden state.
+    pub hidden: &'a [f32],
+    /// The frame's text token.
+    pub text: i64,
+    /// Provided tokens of the audio channels.
+    pub target: &'a [i64],
+    /// Which are provided.
+    pub provided: &'a [bool],
+}
+
 /// The depformer of a pack.
 pub struct Depformer {
     binding: IoBinding,
@@ -97,26 +110,29 @@ impl Depformer {
         self.steps
     }
 
-    /// Generates the audio tokens of one frame.
+    /// Generates the audio tokens of one frame into `out`.
     ///
-    /// `text` is the frame's text token (fed at substep 0); `target` / `provided` hold the audio
-    /// channels' provided tokens (teacher forcing: a provided token, not the sampled one, is fed
-    /// to the next substep). Returns the sampled token of every substep, one random draw each, in
-    /// order.
+    /// `frame.text` is the frame's text token (fed at substep 0); `frame.target` /
+    /// `frame.provided` hold the audio channels' provided tokens (teacher forcing: a provided
+    /// token, not the sampled one, is fed to the next substep). Writes the sampled token of every
+    /// substep, one random draw each, in order.
     ///
     /// # Errors
     ///
     /// [`ModelError::Token`] for an id outside its table, ONNX Runtime errors.
     pub fn run(
         &mut self,
-        hidden: &[f32],
-        text: i64,
-        target: &[i64],
-        provided: &[bool],
+        frame: DepformerInput<'_>,
         sampler: &mut Sampler,
         params: SamplingParams,
         out: &mut Vec<i64>,
     ) -> Result<(), ModelError> {
+        let DepformerInput {
+            hidden,
+            text,
+            target,
+            provided,
+        } = frame;
         let e = |err: ort::Error| ModelError::ort("depformer", err);
         if hidden.len() != self.info.hidden_dim
             || target.len() < self.steps

@@ -10,7 +10,7 @@
 //! [`LmLoop`] composes them sequentially. [`priming_script`] lists the forced steps that prime a
 //! persona and a voice before the conversation.
 
-use super::depformer::Depformer;
+use super::depformer::{Depformer, DepformerInput};
 use super::error::ModelError;
 use super::lmgen::{AgentFrame, LmGen, StepIo};
 use super::pack::PackManifest;
@@ -218,15 +218,14 @@ impl SamplingHalf {
             drawn
         };
         let mut audio = Vec::with_capacity(step.target.len().saturating_sub(1));
-        self.depformer.run(
-            &step.hidden,
+        let frame = DepformerInput {
+            hidden: &step.hidden,
             text,
-            step.target.get(1..).unwrap_or(&[]),
-            step.provided.get(1..).unwrap_or(&[]),
-            &mut self.sampler,
-            self.config.audio,
-            &mut audio,
-        )?;
+            target: step.target.get(1..).unwrap_or(&[]),
+            provided: step.provided.get(1..).unwrap_or(&[]),
+        };
+        self.depformer
+            .run(frame, &mut self.sampler, self.config.audio, &mut audio)?;
         Ok(Sampled { text, audio })
     }
 }

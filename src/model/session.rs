@@ -86,7 +86,8 @@ fn builder(
     // memory-pattern cache would keep one plan per shape seen, growing with the conversation.
     b = b
         .with_intra_op_spinning(opts.spinning)
-        .and_then(|b| b.with_memory_pattern(false))
+        .map_err(|e| ModelError::ort(graph, e))?
+        .with_memory_pattern(false)
         .map_err(|e| ModelError::ort(graph, e))?;
     Ok(b)
 }
