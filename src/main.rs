@@ -64,6 +64,12 @@ enum Cmd {
         /// Persona text as token ids, comma-separated, forced while priming.
         #[arg(long, value_delimiter = ',')]
         persona_tokens: Vec<i64>,
+        /// Persona text, tokenized with `--tokenizer` and forced while priming.
+        #[arg(long)]
+        persona: Option<String>,
+        /// SentencePiece model for `--persona` and the transcript (the `piece` of each line).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
         /// Silence spacer frames while priming (default 6).
         #[arg(long)]
         silence_frames: Option<u64>,
@@ -130,6 +136,8 @@ fn main() -> ExitCode {
             seed,
             greedy,
             persona_tokens,
+            persona,
+            tokenizer,
             silence_frames,
             kv,
         } => {
@@ -140,6 +148,8 @@ fn main() -> ExitCode {
                 seed,
                 greedy,
                 persona_tokens,
+                persona,
+                tokenizer,
                 silence_frames,
                 kv,
             })?;

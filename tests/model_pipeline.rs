@@ -263,3 +263,52 @@ fn cuda_on_a_cpu_build_fails_clearly_unless_fallback_is_allowed() {
         "{err}"
     );
 }
+
+#[test]
+fn a_voice_prompt_is_encoded_and_primes_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_input(&d.join("in.wav"));
+    // A 0.5 s voice clip at 16 kHz: resampled to 24 kHz, 6 whole frames forced while priming.
+    let mut voice = WavWriter::create(&d.join("voice.wav"), 16_000, WavFormat::I16).unwrap();
+    let mut s = Synth::new(
+        Waveform::Sine {
+            freq: 220.0,
+            amplitude: 0.4,
+        },
+        16_000,
+    );
+    let mut x = vec![0.0; 8000];
+    s.fill(&mut x);
+    voice.write(&x).unwrap();
+    voice.finalize().unwrap();
+    let pack = packs::pack("tiny-gqa");
+    let plain = {
+        let o = run(&pipeline_yaml(d, &pack, ""));
+        assert!(o.status.success());
+        std::fs::read_to_string(d.join("tokens.jsonl")).unwrap()
+    };
+    let extra = format!(", voice: {}/voice.wav", d.display());
+    let o = run(&pipeline_yaml(d, &pack, &extra));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("LM warmed up and primed steps=18"),
+        "6 voice frames + 2 × 6 spacers: {err}"
+    );
+    let voiced = std::fs::read_to_string(d.join("tokens.jsonl")).unwrap();
+    assert_eq!(voiced.lines().count(), plain.lines().count());
+    assert_ne!(voiced, plain, "the voice prompt changes the conversation");
+
+    let mut short = WavWriter::create(&d.join("short.wav"), 24_000, WavFormat::I16).unwrap();
+    short.write(&[0.1; 1000]).unwrap();
+    short.finalize().unwrap();
+    let extra = format!(", voice: {}/short.wav", d.display());
+    let o = run(&pipeline_yaml(d, &pack, &extra));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("short.wav: the voice prompt is shorter than one frame"),
+        "{err}"
+    );
+}

@@ -4,13 +4,14 @@
 #
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
+#   - cmake and g++ (the SentencePiece library is built from source by its crate)
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -73,6 +74,7 @@ EXPORTER_PACKAGES=(
   onnxscript==0.7.2
   onnx-shape-inference==0.4.0
   sympy==1.14.0
+  sentencepiece==0.2.1
   mpmath==1.3.0
   packaging==26.4
   typing_extensions==4.16.0
@@ -113,4 +115,11 @@ if [[ $built == 0 || ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   rm -f "$stamp"
   .venv/bin/python tools/make_pack.py --all-tiny --out models --quiet
   printf '%s\n' "$want" >"$stamp"
+fi
+
+# A small SentencePiece model for persona text and transcripts in tests (a stand-in for the
+# PersonaPlex tokenizer, which cannot be downloaded here).
+if [[ ! -f models/tokenizer-tiny.model ]]; then
+  say "training models/tokenizer-tiny.model"
+  .venv/bin/python tools/make_tokenizer.py models/tokenizer-tiny.model
 fi

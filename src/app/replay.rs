@@ -24,6 +24,10 @@ pub struct ReplayArgs {
     pub greedy: bool,
     /// Persona text as token ids.
     pub persona_tokens: Vec<i64>,
+    /// Persona text (needs `tokenizer`).
+    pub persona: Option<String>,
+    /// SentencePiece model for `persona` and transcripts.
+    pub tokenizer: Option<PathBuf>,
     /// Silence spacer frames while priming.
     pub silence_frames: Option<u64>,
     /// `resident` or `host`.
@@ -82,6 +86,12 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
                 ValueKind::Array(a.persona_tokens.iter().map(|&t| i(t)).collect()),
             ),
         ));
+    }
+    if let Some(t) = &a.persona {
+        temporal.push(("persona", s(t)));
+    }
+    if let Some(t) = &a.tokenizer {
+        temporal.push(("tokenizer", s(&t.display().to_string())));
     }
     if let Some(n) = a.silence_frames {
         temporal.push(("silence_frames", i(n as i64)));

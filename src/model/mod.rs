@@ -14,6 +14,7 @@ pub mod sampling;
 pub mod session;
 pub mod temporal;
 mod tensors;
+pub mod tokenizer;
 
 pub use tensors::buffer_allocations;
 

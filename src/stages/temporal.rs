@@ -7,7 +7,7 @@
 //! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
 //! primes again; `stop` ends the stream cleanly.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::audio::{StreamResampler, WavReader};
@@ -17,6 +17,7 @@ use crate::model::lmgen::LmGen;
 use crate::model::mimi::MimiEncoder;
 use crate::model::pack::PackManifest;
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
+use crate::model::tokenizer::{Tokenizer, Transcript};
 use crate::observe::names;
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
@@ -49,10 +50,22 @@ pub(super) const KIND: StageKind = StageKind {
             doc: "what to do at the position limit"
         },
         ParamSpec {
+            name: "persona",
+            ty: T::Str,
+            default: D::None,
+            doc: "persona text (needs a tokenizer), forced while priming"
+        },
+        ParamSpec {
             name: "persona_tokens",
             ty: T::IntList,
             default: D::None,
             doc: "persona text as token ids, forced while priming"
+        },
+        ParamSpec {
+            name: "tokenizer",
+            ty: T::Path,
+            default: D::None,
+            doc: "SentencePiece model for `persona` and transcripts (default: the pack's)"
         },
         ParamSpec {
             name: "voice",
@@ -124,7 +137,27 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         Some(v) => Some(voice_codes(Path::new(v), &pack, p)?),
         None => None,
     };
-    let persona = p.int_list("persona_tokens").to_vec();
+    let tokenizer = match p
+        .opt_str("tokenizer")
+        .map(PathBuf::from)
+        .or_else(|| pack.tokenizer())
+    {
+        Some(path) => Some(Tokenizer::open(&path).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let persona = match (p.opt_str("persona"), p.int_list("persona_tokens")) {
+        (Some(_), [_, ..]) => return Err("give `persona` or `persona_tokens`, not both".into()),
+        (Some(text), _) => match &tokenizer {
+            Some(t) => t.encode_persona(text).map_err(|e| e.to_string())?,
+            None => {
+                return Err(
+                    "`persona` text needs a tokenizer: set `tokenizer:` (a SentencePiece .model) or give `persona_tokens`"
+                        .into(),
+                )
+            }
+        },
+        (None, ids) => ids.to_vec(),
+    };
     if let Some(t) = persona.iter().find(|t| !(0..m.text_vocab).contains(*t)) {
         return Err(format!(
             "persona token {t} is out of range 0..{}",
@@ -164,6 +197,9 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         stop_at_limit: p.str("long_session") == "stop",
         index: 0,
         manifest: m,
+        tokenizer,
+        transcript: Transcript::new(),
+        line: String::new(),
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
         context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
     })))
@@ -176,6 +212,10 @@ struct TemporalStage {
     stop_at_limit: bool,
     index: u64,
     manifest: PackManifest,
+    tokenizer: Option<Tokenizer>,
+    transcript: Transcript,
+    /// Transcript text not logged yet.
+    line: String,
     resets: metrics::Counter,
     context: metrics::Gauge,
 }
@@ -212,6 +252,13 @@ impl TemporalStage {
 }
 
 impl Stage for TemporalStage {
+    fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        if !self.line.trim().is_empty() {
+            tracing::info!(transcript = %self.line.trim(), "agent");
+        }
+        Ok(())
+    }
+
     fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
         let silence = self.manifest.silence_codes.clone();
         for _ in 0..self.warmup {
@@ -249,11 +296,22 @@ impl Stage for TemporalStage {
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
         self.context.set(self.half.temporal.kv_len() as f64);
         if let Some(a) = out {
+            let piece = self
+                .tokenizer
+                .as_ref()
+                .and_then(|t| self.transcript.push(t, a.text));
+            if let Some(p) = &piece {
+                self.line.push_str(p);
+                if self.line.len() >= 80 || p.ends_with(['.', '!', '?']) {
+                    tracing::info!(transcript = %self.line.trim(), "agent");
+                    self.line.clear();
+                }
+            }
             let tokens = AgentTokens {
                 index: self.index,
                 text: a.text,
                 audio: a.audio,
-                piece: None,
+                piece,
             };
             self.index += 1;
             cx.emit(1, f.meta.origin, tokens)?;
