@@ -6,6 +6,7 @@
 
 mod error;
 pub mod framer;
+pub mod jitter;
 pub mod pcm;
 pub mod resample;
 pub mod synth;
