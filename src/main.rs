@@ -77,6 +77,8 @@ enum Cmd {
         #[arg(long)]
         kv: Option<String>,
     },
+    /// List sound devices (inputs and outputs) with their supported configurations.
+    Devices,
     /// Check the environment: ONNX Runtime library and version.
     Doctor {
         /// Path of libonnxruntime to use instead of discovering it.
@@ -154,6 +156,32 @@ fn main() -> ExitCode {
                 kv,
             })?;
             eprintln!("{}", app::timing_table(&report));
+            Ok(())
+        }
+        Cmd::Devices => {
+            let list = duplex::audio::device::list();
+            if list.is_empty() {
+                println!("no sound devices (is a sound server running?)");
+            }
+            for d in list {
+                println!(
+                    "{:<6} {}{}{}",
+                    d.direction.name(),
+                    d.id,
+                    if d.description.is_empty() || d.description == d.id {
+                        String::new()
+                    } else {
+                        format!("  ({})", d.description)
+                    },
+                    if d.is_default { "  [default]" } else { "" }
+                );
+                if let Some(c) = &d.default_config {
+                    println!("         default: {c}");
+                }
+                for c in &d.configs {
+                    println!("         supports: {c}");
+                }
+            }
             Ok(())
         }
         Cmd::Stages => {

@@ -47,6 +47,16 @@ pub enum AudioError {
         /// The parser's error.
         detail: String,
     },
+    /// An audio device cannot be found or opened. The message lists the devices there are.
+    #[error("audio {direction} device {name:?}: {detail}")]
+    Device {
+        /// `input` or `output`.
+        direction: &'static str,
+        /// The device asked for.
+        name: String,
+        /// What went wrong (and which devices exist).
+        detail: String,
+    },
     /// A resampler could not be built for these rates.
     #[error("cannot resample {from} Hz to {to} Hz: {detail}")]
     Resample {

@@ -18,7 +18,7 @@
 //! monotonic clock goes through the vDSO) and never blocks: rings are wait-free, statistics are
 //! atomics. Allocation happens in [`jitter`] only.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,6 +87,8 @@ pub struct JitterStats {
     pub played: AtomicU64,
     /// Render calls.
     pub renders: AtomicU64,
+    /// Set at end of stream: running dry is then the end, not an underrun.
+    pub ending: AtomicBool,
 }
 
 impl JitterStats {
@@ -158,11 +160,18 @@ pub struct JitterBuffer {
 
 /// Creates a connected writer and buffer.
 pub fn jitter(cfg: &JitterConfig) -> (JitterWriter, JitterBuffer) {
+    jitter_with_stats(cfg, Arc::new(JitterStats::default()))
+}
+
+/// Like [`jitter`], counting into existing statistics (a reopened device keeps its counts).
+pub fn jitter_with_stats(
+    cfg: &JitterConfig,
+    stats: Arc<JitterStats>,
+) -> (JitterWriter, JitterBuffer) {
     let cap = cfg.samples(cfg.capacity).max(1);
     let (prod, cons) = HeapRb::<f32>::new(cap).split();
     let (mprod, mcons) = HeapRb::<(u64, Instant)>::new(1024).split();
     let (lprod, lcons) = HeapRb::<u64>::new(1024).split();
-    let stats = Arc::new(JitterStats::default());
     let target = cfg.samples(cfg.target);
     stats.target.store(target as u64, Ordering::Relaxed);
     (
@@ -261,7 +270,7 @@ impl JitterBuffer {
                 self.fade_in_left = self.fade;
             } else {
                 out.fill(0.0);
-                if self.started {
+                if self.started && !s.ending.load(Ordering::Relaxed) {
                     s.concealed.fetch_add(out.len() as u64, Ordering::Relaxed);
                 }
                 self.publish(depth);
@@ -281,7 +290,11 @@ impl JitterBuffer {
             }
             self.fade_in_left -= k;
         }
-        if n < out.len() {
+        if n < out.len() && s.ending.load(Ordering::Relaxed) {
+            // End of stream: the last samples, then silence.
+            out[n..].fill(0.0);
+            self.playing = false;
+        } else if n < out.len() {
             // Underrun: fade out what there is, conceal the rest, rebuffer to a larger target.
             let k = self.fade.min(n);
             for (i, v) in out[n - k..n].iter_mut().enumerate() {
@@ -289,7 +302,8 @@ impl JitterBuffer {
             }
             out[n..].fill(0.0);
             s.underruns.fetch_add(1, Ordering::Relaxed);
-            s.concealed.fetch_add((out.len() - n) as u64, Ordering::Relaxed);
+            s.concealed
+                .fetch_add((out.len() - n) as u64, Ordering::Relaxed);
             self.playing = false;
             self.target = (self.target + self.step).min(self.max_target);
             self.since_underrun = 0;
@@ -297,7 +311,10 @@ impl JitterBuffer {
             self.since_underrun += n;
             if self.since_underrun >= self.stable {
                 self.since_underrun = 0;
-                self.target = self.target.saturating_sub(self.step / 2).max(self.min_target);
+                self.target = self
+                    .target
+                    .saturating_sub(self.step / 2)
+                    .max(self.min_target);
             }
         }
         s.played.fetch_add(n as u64, Ordering::Relaxed);
@@ -306,7 +323,9 @@ impl JitterBuffer {
 
     fn publish(&self, depth: usize) {
         self.stats.depth.store(depth as u64, Ordering::Relaxed);
-        self.stats.target.store(self.target as u64, Ordering::Relaxed);
+        self.stats
+            .target
+            .store(self.target as u64, Ordering::Relaxed);
     }
 
     /// Frames whose first sample was handed over in this render: latency = now − origin.
@@ -365,7 +384,11 @@ mod tests {
         b.render(&mut out, t0);
         assert_eq!(out, [0.0; 10], "30 < target 40: still buffering");
         let s = b.stats().snapshot();
-        assert_eq!((s.depth, s.played, s.concealed), (30, 0, 0), "start-up is not concealment");
+        assert_eq!(
+            (s.depth, s.played, s.concealed),
+            (30, 0, 0),
+            "start-up is not concealment"
+        );
         w.push(&ones(20), t0);
         b.render(&mut out, t0);
         let s = b.stats().snapshot();
@@ -389,7 +412,11 @@ mod tests {
             b.render(&mut out, t0);
         }
         b.render(&mut out, t0); // 5 left, 10 asked
-        assert_eq!(&out[..5], &[1.0, 0.8, 0.6, 0.4, 0.2], "the last 4 samples fade out");
+        assert_eq!(
+            &out[..5],
+            &[1.0, 0.8, 0.6, 0.4, 0.2],
+            "the last 4 samples fade out"
+        );
         assert_eq!(&out[5..], &[0.0; 5]);
         let s = b.stats().snapshot();
         assert_eq!((s.underruns, s.concealed, s.target), (1, 5, 60));
@@ -434,7 +461,10 @@ mod tests {
         assert_eq!(w.push(&ramp, t0), 200);
         b.render(&mut out, t0);
         let s = b.stats().snapshot();
-        assert_eq!(s.dropped, 160, "200 queued > max depth 150: keep the newest 40");
+        assert_eq!(
+            s.dropped, 160,
+            "200 queued > max depth 150: keep the newest 40"
+        );
         // The newest are kept: playback resumes at sample 160 (faded in).
         assert_eq!(out[9], 169.0);
         // A full ring drops the newest at push, counted too.
@@ -455,6 +485,9 @@ mod tests {
         b.render(&mut out, t0 + Duration::from_millis(120));
         let mut got = Vec::new();
         w.drain_latencies(|d| got.push(d));
-        assert_eq!(got, vec![Duration::from_millis(100), Duration::from_millis(100)]);
+        assert_eq!(
+            got,
+            vec![Duration::from_millis(100), Duration::from_millis(100)]
+        );
     }
 }

@@ -4,9 +4,11 @@
 //! here knows about stages, threads or channels; the `stages` layer adapts these blocks to the
 //! runtime.
 
+pub mod device;
 mod error;
 pub mod framer;
 pub mod jitter;
+pub mod live;
 pub mod pcm;
 pub mod resample;
 pub mod synth;

@@ -18,3 +18,18 @@ pub const MODEL_INFO: &str = "duplex_model_info";
 pub const LM_RESETS: &str = "duplex_lm_long_session_total";
 /// Gauge, label `stage`: rows in the temporal KV cache (the current attention context).
 pub const LM_CONTEXT: &str = "duplex_lm_context_frames";
+/// Histogram, label `path` (`mouth_to_ear`): capture instant of a frame → its first sample
+/// handed to the output device.
+pub const FRAME_LATENCY: &str = "duplex_frame_latency_seconds";
+/// Gauge, label `device`: samples queued in the playback jitter buffer, in seconds.
+pub const PLAYBACK_DEPTH: &str = "duplex_playback_buffer_seconds";
+/// Gauge, label `device`: the jitter buffer's current target depth, in seconds.
+pub const PLAYBACK_TARGET: &str = "duplex_playback_target_seconds";
+/// Counter, label `device`: underruns (the buffer ran dry while playing).
+pub const PLAYBACK_UNDERRUNS: &str = "duplex_playback_underruns_total";
+/// Counter, label `device`: silent samples played in place of missing ones.
+pub const PLAYBACK_CONCEALED: &str = "duplex_playback_concealed_samples_total";
+/// Counter, label `device`: samples dropped (overflow, full ring, device lost).
+pub const PLAYBACK_DROPPED: &str = "duplex_playback_dropped_samples_total";
+/// Counter, label `device`: times a capture device was lost and reopened.
+pub const DEVICE_ERRORS: &str = "duplex_device_errors_total";

@@ -9,10 +9,12 @@
 mod codes_source;
 mod depformer;
 mod framer;
+mod mic;
 mod mimi_decode;
 mod mimi_encode;
 mod model_params;
 mod null_sink;
+mod playback;
 mod resample;
 mod synth_source;
 mod temporal;
@@ -84,6 +86,8 @@ impl Registry {
                 depformer::KIND,
                 mimi_decode::KIND,
                 token_sink::KIND,
+                mic::KIND,
+                playback::KIND,
             ],
         }
     }

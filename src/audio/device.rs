@@ -1,0 +1,370 @@
+//! Sound devices through cpal: listing, choosing by name or pattern, and streams that live on a
+//! thread of their own, which reopens them with backoff when the device is lost.
+//!
+//! A stream's callback talks to the rest of the program only through lock-free rings and
+//! atomics (see [`jitter`](super::jitter) for playback). The device thread owns the cpal stream:
+//! it opens it, watches for errors reported by cpal's error callback, and either reports the
+//! device as failed or, with `reconnect`, tries again after 100 ms, 200 ms, … up to 2 s, handing
+//! the new ring endpoints to the stage through a channel.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cpal::traits::{DeviceTrait, HostTrait, StreamTrait};
+
+use super::AudioError;
+
+/// Input or output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Capture.
+    Input,
+    /// Playback.
+    Output,
+}
+
+impl Direction {
+    /// `input` / `output`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Direction::Input => "input",
+            Direction::Output => "output",
+        }
+    }
+}
+
+/// One device as listed by `duplex devices`.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Input or output.
+    pub direction: Direction,
+    /// Its identifier (what `device:` matches first).
+    pub id: String,
+    /// Human-readable description.
+    pub description: String,
+    /// Whether it is the host's default for its direction.
+    pub is_default: bool,
+    /// The default stream configuration, if it can be queried.
+    pub default_config: Option<String>,
+    /// Supported configurations.
+    pub configs: Vec<String>,
+}
+
+fn device_id(d: &cpal::Device) -> String {
+    d.id().map(|i| i.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+fn device_description(d: &cpal::Device) -> String {
+    d.description().map(|x| x.to_string()).unwrap_or_default()
+}
+
+fn devices(dir: Direction) -> Vec<cpal::Device> {
+    let host = cpal::default_host();
+    let list = match dir {
+        Direction::Input => host.input_devices().map(|d| d.collect::<Vec<_>>()),
+        Direction::Output => host.output_devices().map(|d| d.collect::<Vec<_>>()),
+    };
+    list.unwrap_or_default()
+}
+
+/// Every input and output device of the default host with its configurations.
+pub fn list() -> Vec<DeviceInfo> {
+    let host = cpal::default_host();
+    let mut out = Vec::new();
+    for dir in [Direction::Input, Direction::Output] {
+        let default = match dir {
+            Direction::Input => host.default_input_device(),
+            Direction::Output => host.default_output_device(),
+        }
+        .map(|d| device_id(&d));
+        for d in devices(dir) {
+            let id = device_id(&d);
+            let (default_config, configs) = match dir {
+                Direction::Input => (
+                    d.default_input_config().ok().map(|c| format!("{c:?}")),
+                    d.supported_input_configs()
+                        .map(|c| c.map(|x| format!("{x:?}")).collect())
+                        .unwrap_or_default(),
+                ),
+                Direction::Output => (
+                    d.default_output_config().ok().map(|c| format!("{c:?}")),
+                    d.supported_output_configs()
+                        .map(|c| c.map(|x| format!("{x:?}")).collect())
+                        .unwrap_or_default(),
+                ),
+            };
+            out.push(DeviceInfo {
+                direction: dir,
+                is_default: default.as_deref() == Some(id.as_str()),
+                description: device_description(&d),
+                id,
+                default_config,
+                configs,
+            });
+        }
+    }
+    out
+}
+
+/// Finds a device: `default`, an exact id or description, or else a regular expression matched
+/// against both.
+///
+/// # Errors
+///
+/// [`AudioError::Device`] naming what was asked for and listing the devices there are.
+pub fn find(dir: Direction, spec: &str) -> Result<(cpal::Device, String), AudioError> {
+    let host = cpal::default_host();
+    let err = |detail: String| AudioError::Device {
+        direction: dir.name(),
+        name: spec.to_string(),
+        detail,
+    };
+    let all = devices(dir);
+    let names = || {
+        let v: Vec<String> = all.iter().map(device_id).collect();
+        if v.is_empty() {
+            "there are none".to_string()
+        } else {
+            format!("available: {}", v.join(", "))
+        }
+    };
+    if spec == "default" {
+        let d = match dir {
+            Direction::Input => host.default_input_device(),
+            Direction::Output => host.default_output_device(),
+        };
+        return match d {
+            Some(d) => {
+                let id = device_id(&d);
+                Ok((d, id))
+            }
+            None => Err(err(format!("no default device ({})", names()))),
+        };
+    }
+    if let Some(d) = all
+        .iter()
+        .find(|d| device_id(d) == spec || device_description(d) == spec)
+    {
+        return Ok((d.clone(), device_id(d)));
+    }
+    let re = regex::Regex::new(spec).map_err(|e| {
+        err(format!(
+            "not found, and not a valid pattern: {e} ({})",
+            names()
+        ))
+    })?;
+    match all
+        .iter()
+        .find(|d| re.is_match(&device_id(d)) || re.is_match(&device_description(d)))
+    {
+        Some(d) => Ok((d.clone(), device_id(d))),
+        None => Err(err(format!("not found ({})", names()))),
+    }
+}
+
+/// State of a device thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DeviceState {
+    /// Opening.
+    Opening = 0,
+    /// Streaming.
+    Running = 1,
+    /// Lost; reopening with backoff.
+    Reconnecting = 2,
+    /// Lost for good (no `reconnect`), or could not be opened.
+    Failed = 3,
+    /// Closed on request.
+    Closed = 4,
+}
+
+/// What a device thread reports.
+#[derive(Debug)]
+pub struct DeviceStatus {
+    state: AtomicU8,
+    /// Times the stream reported an error.
+    pub errors: AtomicU64,
+    /// Times the stream was reopened after a loss.
+    pub reconnects: AtomicU64,
+    last_error: Mutex<Option<String>>,
+    /// The device's id.
+    pub name: String,
+}
+
+impl DeviceStatus {
+    /// The current state.
+    pub fn state(&self) -> DeviceState {
+        match self.state.load(Ordering::Acquire) {
+            0 => DeviceState::Opening,
+            1 => DeviceState::Running,
+            2 => DeviceState::Reconnecting,
+            3 => DeviceState::Failed,
+            _ => DeviceState::Closed,
+        }
+    }
+
+    fn set(&self, s: DeviceState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+
+    /// The last error reported, if any.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().ok().and_then(|g| g.clone())
+    }
+
+    fn error(&self, e: String) {
+        if let Ok(mut g) = self.last_error.lock() {
+            *g = Some(e);
+        }
+    }
+}
+
+/// A running device thread; dropping it closes the stream and joins the thread.
+pub struct DeviceHandle {
+    status: Arc<DeviceStatus>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DeviceHandle {
+    /// The device's status.
+    pub fn status(&self) -> &Arc<DeviceStatus> {
+        &self.status
+    }
+}
+
+impl Drop for DeviceHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Builds one stream; called again after a loss. Its error callback must be
+/// [`error_callback`] with the `lost` flag and status given.
+pub type Opener =
+    Box<dyn FnMut(Arc<AtomicBool>, Arc<DeviceStatus>) -> Result<cpal::Stream, AudioError> + Send>;
+
+/// Starts a device thread running streams made by `open`. Waits for the first open: its error
+/// is returned as is (a device missing at start is a configuration error, not a loss).
+///
+/// # Errors
+///
+/// The first [`Opener`] call's error.
+pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHandle, AudioError> {
+    let status = Arc::new(DeviceStatus {
+        state: AtomicU8::new(DeviceState::Opening as u8),
+        errors: AtomicU64::new(0),
+        reconnects: AtomicU64::new(0),
+        last_error: Mutex::new(None),
+        name: name.clone(),
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let (first_tx, first_rx) = crossbeam_channel::bounded::<Result<(), AudioError>>(1);
+    let st = status.clone();
+    let sp = stop.clone();
+    let thread = std::thread::Builder::new()
+        .name(format!("duplex:device:{name}"))
+        .spawn(move || {
+            let mut first = Some(first_tx);
+            let mut backoff = Duration::from_millis(100);
+            let mut startup_retries = 3;
+            let sleep = |d: Duration| {
+                let end = Instant::now() + d;
+                while Instant::now() < end && !sp.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+            while !sp.load(Ordering::Acquire) {
+                let lost = Arc::new(AtomicBool::new(false));
+                match open(lost.clone(), st.clone()).and_then(|s| {
+                    s.play().map_err(|e| AudioError::Device {
+                        direction: "",
+                        name: st.name.clone(),
+                        detail: format!("starting the stream: {e}"),
+                    })?;
+                    Ok(s)
+                }) {
+                    Ok(stream) => {
+                        if let Some(tx) = first.take() {
+                            let _ = tx.send(Ok(()));
+                        } else {
+                            st.reconnects.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(device = %st.name, "audio device reopened");
+                        }
+                        st.set(DeviceState::Running);
+                        backoff = Duration::from_millis(100);
+                        let opened = Instant::now();
+                        while !sp.load(Ordering::Acquire) && !lost.load(Ordering::Acquire) {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        drop(stream);
+                        if sp.load(Ordering::Acquire) {
+                            break;
+                        }
+                        st.errors.fetch_add(1, Ordering::Relaxed);
+                        // Some sound servers fail a stream in its first moments (seen with
+                        // PulseAudio's ALSA plugin): a few quick retries are not a reconnect.
+                        if opened.elapsed() < Duration::from_secs(1) && startup_retries > 0 {
+                            startup_retries -= 1;
+                            tracing::debug!(device = %st.name, error = ?st.last_error(), "stream failed while starting; retrying");
+                            sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                        if !reconnect {
+                            tracing::error!(device = %st.name, error = ?st.last_error(), "audio device lost");
+                            st.set(DeviceState::Failed);
+                            return;
+                        }
+                        tracing::warn!(device = %st.name, error = ?st.last_error(), "audio device lost; reopening");
+                        st.set(DeviceState::Reconnecting);
+                    }
+                    Err(e) => {
+                        if let Some(tx) = first.take() {
+                            st.set(DeviceState::Failed);
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                        st.error(e.to_string());
+                        sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+            st.set(DeviceState::Closed);
+        })
+        .map_err(|e| AudioError::Device {
+            direction: "",
+            name: name.clone(),
+            detail: format!("starting its thread: {e}"),
+        })?;
+    let handle = DeviceHandle {
+        status,
+        stop,
+        thread: Some(thread),
+    };
+    match first_rx.recv() {
+        Ok(Ok(())) => Ok(handle),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(AudioError::Device {
+            direction: "",
+            name,
+            detail: "its thread ended before opening the stream".into(),
+        }),
+    }
+}
+
+/// Records the error of a stream's error callback and flags the stream as lost.
+pub fn error_callback(
+    status: Arc<DeviceStatus>,
+    lost: Arc<AtomicBool>,
+) -> impl FnMut(cpal::Error) + Send + 'static {
+    move |e| {
+        // Not the audio callback: cpal calls this from its own thread.
+        status.error(e.to_string());
+        lost.store(true, Ordering::Release);
+    }
+}

@@ -1,0 +1,192 @@
+//! `mic`: captures a sound device (down-mixed to mono, at its native rate), in chunks stamped
+//! with the capture instant of their newest sample. Put `resample` (to: 24000) after it.
+
+use std::time::{Duration, Instant};
+
+use ringbuf::traits::{Consumer, Observer};
+
+use crate::audio::device::DeviceState;
+use crate::audio::live::{open_capture, Capture, CaptureRing};
+use crate::audio::Pcm;
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::observe::names;
+use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageError, StageResult};
+
+use super::{BuildContext, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "mic",
+    doc: "captures a sound device (mono, native rate); stamps frames with their capture instant",
+    params: &[
+        ParamSpec {
+            name: "device",
+            ty: T::Str,
+            default: D::Str("default"),
+            doc: "`default`, a device name, or a regular expression",
+        },
+        ParamSpec {
+            name: "rate",
+            ty: T::Int {
+                min: 0,
+                max: 768_000,
+            },
+            default: D::Int(0),
+            doc: "sample rate to ask for (0 = the device's)",
+        },
+        ParamSpec {
+            name: "chunk_ms",
+            ty: T::Float {
+                min: 1.0,
+                max: 1000.0,
+            },
+            default: D::Float(20.0),
+            doc: "samples per frame, in ms",
+        },
+        ParamSpec {
+            name: "reconnect",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "reopen the device with backoff when it is lost",
+        },
+        ParamSpec {
+            name: "duration",
+            ty: T::Float { min: 0.0, max: 1e9 },
+            default: D::Float(0.0),
+            doc: "stop after this many seconds (0 = run until stopped)",
+        },
+    ],
+    inputs: Vec::new,
+    outputs: || vec![PortSpec::new::<Pcm>("out")],
+    build,
+};
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    let rate = match p.int("rate") {
+        0 => None,
+        r => Some(r as u32),
+    };
+    let cap = open_capture(
+        p.str("device"),
+        rate,
+        p.bool("reconnect"),
+        Duration::from_secs(2),
+    )
+    .map_err(|e| e.to_string())?;
+    if !cap.wait_ready(Duration::from_secs(5)) {
+        tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
+    }
+    tracing::info!(
+        device = %cap.handle.status().name,
+        rate = cap.rate,
+        channels = cap.channels,
+        "microphone open"
+    );
+    let chunk = ((p.float("chunk_ms") / 1000.0 * cap.rate as f64).round() as usize).max(1);
+    let limit = match p.float("duration") {
+        d if d > 0.0 => Some((d * cap.rate as f64) as u64),
+        _ => None,
+    };
+    let labels = [("device", cap.handle.status().name.clone())];
+    Ok(Body::Source(Box::new(Mic {
+        ring: None,
+        skip_startup: true,
+        chunk,
+        consumed: 0,
+        limit,
+        last_mark: None,
+        lost: metrics::counter!(names::DEVICE_ERRORS, &labels),
+        cap,
+    })))
+}
+
+struct Mic {
+    cap: Capture,
+    /// Discard what was captured before the pipeline started.
+    skip_startup: bool,
+    ring: Option<CaptureRing>,
+    chunk: usize,
+    consumed: u64,
+    limit: Option<u64>,
+    last_mark: Option<(u64, Instant)>,
+    lost: metrics::Counter,
+}
+
+impl Mic {
+    /// The capture instant of sample `pos` (1-based end position), from the callbacks' marks.
+    fn origin(&mut self, end: u64) -> Instant {
+        if let Some(r) = self.ring.as_mut() {
+            while let Some(&m) = r.marks.try_peek() {
+                self.last_mark = Some(m);
+                let _ = r.marks.try_pop();
+                if m.0 >= end {
+                    break;
+                }
+            }
+        }
+        match self.last_mark {
+            Some((pos, at)) if pos >= end => {
+                let back = Duration::from_secs_f64((pos - end) as f64 / self.cap.rate as f64);
+                at.checked_sub(back).unwrap_or(at)
+            }
+            Some((_, at)) => at,
+            None => Instant::now(),
+        }
+    }
+}
+
+impl Source for Mic {
+    fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
+        loop {
+            if let Some(l) = self.limit {
+                if self.consumed >= l {
+                    return Ok(Flow::Done);
+                }
+            }
+            // A reopened device comes with new rings.
+            while let Ok(r) = self.cap.rings.try_recv() {
+                if self.ring.is_some() {
+                    self.lost.increment(1);
+                }
+                self.ring = Some(r);
+                self.last_mark = None;
+            }
+            let status = self.cap.handle.status();
+            if status.state() == DeviceState::Failed {
+                return Err(StageError::msg(format!(
+                    "microphone {:?} was lost: {} (set `reconnect: true` to reopen it)",
+                    status.name,
+                    status.last_error().unwrap_or_default()
+                )));
+            }
+            if self.skip_startup {
+                if let Some(r) = self.ring.as_mut() {
+                    let n = r.samples.occupied_len();
+                    r.samples.skip(n);
+                    while r.marks.try_pop().is_some() {}
+                    self.skip_startup = false;
+                }
+            }
+            let ready = self
+                .ring
+                .as_ref()
+                .map(|r| r.samples.occupied_len())
+                .unwrap_or(0);
+            if ready >= self.chunk {
+                let mut samples = vec![0.0f32; self.chunk];
+                let n = self
+                    .ring
+                    .as_mut()
+                    .map(|r| r.samples.pop_slice(&mut samples))
+                    .unwrap_or(0);
+                samples.truncate(n);
+                self.consumed += n as u64;
+                let origin = self.origin(self.consumed);
+                cx.emit(0, origin, Pcm::new(self.cap.rate, samples))?;
+                return Ok(Flow::Continue);
+            }
+            if !cx.sleep_until(Instant::now() + Duration::from_millis(2)) {
+                return Ok(Flow::Done);
+            }
+        }
+    }
+}

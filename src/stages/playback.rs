@@ -1,0 +1,229 @@
+//! `playback`: plays audio on a sound device through a jitter buffer, or on a virtual clock
+//! (`device: virtual`) for headless pipelines. Reports depth, target, underruns, concealed and
+//! dropped samples, and mouth-to-ear latency (capture instant of a frame → the instant its first
+//! sample reaches the device).
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::audio::device::DeviceState;
+use crate::audio::jitter::{JitterConfig, JitterWriter};
+use crate::audio::live::{open_playback, open_virtual, Player};
+use crate::audio::Pcm;
+use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::observe::names;
+use crate::runtime::{
+    Body, Context, Input, LatencyHistogram, PortSpec, Stage, StageError, StageResult,
+};
+
+use super::{BuildContext, StageKind};
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "playback",
+    doc: "plays audio on a sound device (or `virtual`) through an adaptive jitter buffer",
+    params: &[
+        ParamSpec {
+            name: "device",
+            ty: T::Str,
+            default: D::Str("default"),
+            doc: "`default`, a device name, a regular expression, or `virtual`",
+        },
+        ParamSpec {
+            name: "rate",
+            ty: T::Int {
+                min: 0,
+                max: 768_000,
+            },
+            default: D::Int(0),
+            doc: "sample rate (0 = the device's; `virtual`: the input's, 24000 until known)",
+        },
+        ParamSpec {
+            name: "target_ms",
+            ty: T::Float {
+                min: 0.0,
+                max: 5000.0,
+            },
+            default: D::Float(120.0),
+            doc: "jitter buffer target depth",
+        },
+        ParamSpec {
+            name: "max_target_ms",
+            ty: T::Float {
+                min: 0.0,
+                max: 10000.0,
+            },
+            default: D::Float(480.0),
+            doc: "cap of the adaptive target",
+        },
+        ParamSpec {
+            name: "period_ms",
+            ty: T::Float {
+                min: 1.0,
+                max: 1000.0,
+            },
+            default: D::Float(10.0),
+            doc: "`virtual`: the clock's period",
+        },
+        ParamSpec {
+            name: "capture",
+            ty: T::Path,
+            default: D::None,
+            doc: "`virtual`: write what is played to this WAV file",
+        },
+        ParamSpec {
+            name: "reconnect",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "reopen the device with backoff when it is lost",
+        },
+    ],
+    inputs: || vec![PortSpec::new::<Pcm>("in")],
+    outputs: Vec::new,
+    build,
+};
+
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+    let mut cfg = JitterConfig::new(24_000);
+    cfg.target = Duration::from_secs_f64(p.float("target_ms") / 1000.0);
+    cfg.max_target = Duration::from_secs_f64(p.float("max_target_ms") / 1000.0).max(cfg.target);
+    cfg.max_depth = cfg
+        .max_depth
+        .max(cfg.max_target + Duration::from_millis(120));
+    let rate = match p.int("rate") {
+        0 => None,
+        r => Some(r as u32),
+    };
+    let player = if p.str("device") == "virtual" {
+        let capture = p.opt_str("capture").map(PathBuf::from);
+        open_virtual(
+            rate.unwrap_or(24_000),
+            Duration::from_secs_f64(p.float("period_ms") / 1000.0),
+            cfg,
+            capture,
+        )
+    } else {
+        open_playback(p.str("device"), rate, p.bool("reconnect"), cfg)
+    }
+    .map_err(|e| e.to_string())?;
+    if player.device.is_some() && !player.wait_ready(Duration::from_secs(5)) {
+        tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
+    }
+    tracing::info!(device = %player.name, rate = player.rate, "playback open");
+    let labels = [("device", player.name.clone())];
+    Ok(Body::Stage(Box::new(Playback {
+        writer: None,
+        latency: LatencyHistogram::new(),
+        m_latency: metrics::histogram!(names::FRAME_LATENCY, "path" => "mouth_to_ear"),
+        m_depth: metrics::gauge!(names::PLAYBACK_DEPTH, &labels),
+        m_target: metrics::gauge!(names::PLAYBACK_TARGET, &labels),
+        m_underruns: metrics::counter!(names::PLAYBACK_UNDERRUNS, &labels),
+        m_concealed: metrics::counter!(names::PLAYBACK_CONCEALED, &labels),
+        m_dropped: metrics::counter!(names::PLAYBACK_DROPPED, &labels),
+        last: Default::default(),
+        lost_frames: 0,
+        player,
+    })))
+}
+
+struct Playback {
+    player: Player,
+    writer: Option<JitterWriter>,
+    latency: LatencyHistogram,
+    m_latency: metrics::Histogram,
+    m_depth: metrics::Gauge,
+    m_target: metrics::Gauge,
+    m_underruns: metrics::Counter,
+    m_concealed: metrics::Counter,
+    m_dropped: metrics::Counter,
+    last: crate::audio::jitter::JitterSnapshot,
+    lost_frames: u64,
+}
+
+impl Playback {
+    fn observe(&mut self) {
+        if let Some(w) = self.writer.as_mut() {
+            let (h, m) = (&mut self.latency, &self.m_latency);
+            w.drain_latencies(|d| {
+                h.record(d);
+                m.record(d.as_secs_f64());
+            });
+        }
+        let s = self.player.stats.snapshot();
+        let rate = self.player.rate as f64;
+        self.m_depth.set(s.depth as f64 / rate);
+        self.m_target.set(s.target as f64 / rate);
+        self.m_underruns
+            .increment(s.underruns - self.last.underruns);
+        self.m_concealed
+            .increment(s.concealed - self.last.concealed);
+        self.m_dropped.increment(s.dropped - self.last.dropped);
+        self.last = s;
+    }
+}
+
+impl Stage for Playback {
+    fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {
+        let f = input.take::<Pcm>()?;
+        while let Ok(w) = self.player.writers.try_recv() {
+            self.writer = Some(w);
+        }
+        if f.data.rate != self.player.rate {
+            return Err(StageError::msg(format!(
+                "input is {} Hz but device {:?} plays {} Hz: put a `resample` stage (to: {}) before it",
+                f.data.rate, self.player.name, self.player.rate, self.player.rate
+            )));
+        }
+        if let Some(status) = self.player.status() {
+            match status.state() {
+                DeviceState::Failed => {
+                    return Err(StageError::msg(format!(
+                        "output device {:?} was lost: {} (set `reconnect: true` to reopen it)",
+                        status.name,
+                        status.last_error().unwrap_or_default()
+                    )))
+                }
+                DeviceState::Reconnecting | DeviceState::Opening => {
+                    // Dropped and counted, not queued without bound.
+                    self.lost_frames += 1;
+                    self.m_dropped.increment(f.data.valid().len() as u64);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        if let Some(w) = self.writer.as_mut() {
+            w.push(f.data.valid(), f.meta.origin);
+        }
+        self.observe();
+        Ok(())
+    }
+
+    fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        // Let the queue play out, then stop the clock.
+        self.player.stats.ending.store(true, Ordering::Release);
+        let rate = self.player.rate as f64;
+        let left = self.player.stats.snapshot().depth as f64 / rate;
+        let deadline = Instant::now() + Duration::from_secs_f64(left) + Duration::from_millis(300);
+        while self.player.stats.snapshot().depth > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.observe();
+        self.player.close();
+        let s = self.player.stats.snapshot();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::info!(
+            device = %self.player.name,
+            played_s = format!("{:.2}", s.played as f64 / rate),
+            underruns = s.underruns,
+            concealed = s.concealed,
+            dropped = s.dropped,
+            lost_frames = self.lost_frames,
+            target_ms = format!("{:.0}", s.target as f64 / rate * 1e3),
+            mouth_to_ear_p50_ms = format!("{:.1}", ms(self.latency.quantile(0.5))),
+            mouth_to_ear_p90_ms = format!("{:.1}", ms(self.latency.quantile(0.9))),
+            "playback finished"
+        );
+        Ok(())
+    }
+}
