@@ -5,13 +5,15 @@
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
 #   - cmake and g++ (the SentencePiece library is built from source by its crate)
+#   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
+#     real, paced sound device without a sound card
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }

@@ -87,6 +87,9 @@ pub struct JitterStats {
     pub played: AtomicU64,
     /// Render calls.
     pub renders: AtomicU64,
+    /// Latest delay the device reports between a callback and the playback of its first sample
+    /// (its own buffering), in ns.
+    pub device_delay_ns: AtomicU64,
     /// Set at end of stream: running dry is then the end, not an underrun.
     pub ending: AtomicBool,
 }

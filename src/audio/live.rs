@@ -44,6 +44,8 @@ pub struct Capture {
     pub overflow: Arc<AtomicU64>,
     /// Samples captured so far (all streams of this device).
     pub captured: Arc<AtomicU64>,
+    /// Latest delay between a buffer's capture and its callback, in ns (what the host reports).
+    pub capture_delay_ns: Arc<AtomicU64>,
 }
 
 fn dev_err(dir: Direction, name: &str, detail: String) -> AudioError {
@@ -99,6 +101,8 @@ pub fn open_capture(
     let ov = overflow.clone();
     let captured = Arc::new(AtomicU64::new(0));
     let cap_count = captured.clone();
+    let capture_delay_ns = Arc::new(AtomicU64::new(0));
+    let delay_ns = capture_delay_ns.clone();
     let spec = spec.to_string();
     let mut first = Some(dev);
     let opener: device::Opener =
@@ -114,6 +118,7 @@ pub fn open_capture(
             let ch = channels as usize;
             let ov = ov.clone();
             let cap_count = cap_count.clone();
+            let delay_ns = delay_ns.clone();
             let config = cpal::StreamConfig {
                 channels,
                 sample_rate: rate,
@@ -134,6 +139,7 @@ pub fn open_capture(
                 // onto ours through the callback instant.
                 let ts = info.timestamp();
                 let behind = ts.callback.duration_since(ts.capture);
+                delay_ns.store(behind.as_nanos() as u64, Ordering::Relaxed);
                 let newest = Duration::from_secs_f64(n.saturating_sub(1) as f64 / rate as f64);
                 let origin = (now + newest).checked_sub(behind).unwrap_or(now);
                 let _ = mprod.try_push((pos, origin));
@@ -187,6 +193,7 @@ pub fn open_capture(
         channels,
         overflow,
         captured,
+        capture_delay_ns,
     })
 }
 
@@ -271,6 +278,7 @@ pub fn open_playback(
                 None => device::find(Direction::Output, &spec)?.0,
             };
             let (writer, mut buf) = jitter_with_stats(&jcfg, st.clone());
+            let stats_cb = st.clone();
             let ch = channels as usize;
             let mut scratch = vec![0.0f32; 16_384];
             let config = cpal::StreamConfig {
@@ -283,6 +291,9 @@ pub fn open_playback(
                                    put: &mut dyn FnMut(usize, f32)| {
                 let ts = info.timestamp();
                 let ahead = ts.playback.duration_since(ts.callback);
+                stats_cb
+                    .device_delay_ns
+                    .store(ahead.as_nanos() as u64, Ordering::Relaxed);
                 let now = Instant::now() + ahead;
                 let mut done = 0;
                 while done < frames {

@@ -88,6 +88,7 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
     };
     let labels = [("device", cap.handle.status().name.clone())];
     Ok(Body::Source(Box::new(Mic {
+        position: 0,
         ring: None,
         skip_startup: true,
         chunk,
@@ -101,6 +102,9 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
 
 struct Mic {
     cap: Capture,
+    /// Position in the current ring's stream (what the callback marks count), which differs
+    /// from `consumed` by what was skipped and across reconnects.
+    position: u64,
     /// Discard what was captured before the pipeline started.
     skip_startup: bool,
     ring: Option<CaptureRing>,
@@ -135,6 +139,20 @@ impl Mic {
 }
 
 impl Source for Mic {
+    fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        tracing::info!(
+            device = %self.cap.handle.status().name,
+            captured_s = format!("{:.2}", self.consumed as f64 / self.cap.rate as f64),
+            capture_delay_ms = format!(
+                "{:.1}",
+                self.cap.capture_delay_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6
+            ),
+            overflow = self.cap.overflow.load(std::sync::atomic::Ordering::Relaxed),
+            "microphone finished"
+        );
+        Ok(())
+    }
+
     fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
         loop {
             if let Some(l) = self.limit {
@@ -149,6 +167,7 @@ impl Source for Mic {
                 }
                 self.ring = Some(r);
                 self.last_mark = None;
+                self.position = 0;
             }
             let status = self.cap.handle.status();
             if status.state() == DeviceState::Failed {
@@ -161,8 +180,7 @@ impl Source for Mic {
             if self.skip_startup {
                 if let Some(r) = self.ring.as_mut() {
                     let n = r.samples.occupied_len();
-                    r.samples.skip(n);
-                    while r.marks.try_pop().is_some() {}
+                    self.position += r.samples.skip(n) as u64;
                     self.skip_startup = false;
                 }
             }
@@ -180,7 +198,8 @@ impl Source for Mic {
                     .unwrap_or(0);
                 samples.truncate(n);
                 self.consumed += n as u64;
-                let origin = self.origin(self.consumed);
+                self.position += n as u64;
+                let origin = self.origin(self.position);
                 cx.emit(0, origin, Pcm::new(self.cap.rate, samples))?;
                 return Ok(Flow::Continue);
             }

@@ -220,6 +220,10 @@ impl Stage for Playback {
             dropped = s.dropped,
             lost_frames = self.lost_frames,
             target_ms = format!("{:.0}", s.target as f64 / rate * 1e3),
+            device_delay_ms = format!(
+                "{:.1}",
+                self.player.stats.device_delay_ns.load(Ordering::Relaxed) as f64 / 1e6
+            ),
             mouth_to_ear_p50_ms = format!("{:.1}", ms(self.latency.quantile(0.5))),
             mouth_to_ear_p90_ms = format!("{:.1}", ms(self.latency.quantile(0.9))),
             "playback finished"

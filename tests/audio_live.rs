@@ -1,0 +1,196 @@
+//! Live audio on a real, paced device: a private PulseAudio server with a null sink, reached
+//! through cpal's ALSA host. Playback is captured back from the sink's monitor.
+
+#[path = "support/pulse.rs"]
+mod pulse;
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use duplex::audio::WavReader;
+use pulse::{playback_summary, Pulse};
+
+fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Frequency from interpolated upward zero crossings.
+fn frequency(x: &[f32], rate: u32) -> f64 {
+    let mut c = Vec::new();
+    for i in 1..x.len() {
+        if x[i - 1] < 0.0 && x[i] >= 0.0 {
+            c.push((i - 1) as f64 + (-x[i - 1] / (x[i] - x[i - 1])) as f64);
+        }
+    }
+    assert!(c.len() > 10, "no tone captured");
+    (c.len() - 1) as f64 / ((c[c.len() - 1] - c[0]) / rate as f64)
+}
+
+#[test]
+fn a_sine_played_is_captured_back_at_its_frequency_in_real_time() {
+    let pa = Pulse::start();
+    let d = pa.dir().display();
+    let p = write(
+        pa.dir(),
+        "p.yaml",
+        &format!(
+            r#"
+stages:
+  tone: {{ kind: synth_source, rate: 48000, freq: 440, amplitude: 0.5, duration: 4, realtime: true }}
+  speaker: {{ kind: playback, device: default }}
+  mic: {{ kind: mic, device: default, duration: 4.5 }}
+  rec: {{ kind: wav_sink, path: {d}/captured.wav }}
+links: [tone -> speaker, mic -> rec]
+"#
+        ),
+    );
+    let t0 = Instant::now();
+    let o = pa
+        .duplex()
+        .args(["run", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        t0.elapsed() >= Duration::from_secs(4),
+        "a real device paces playback"
+    );
+    let s = playback_summary(&err);
+    assert_eq!(s["underruns"], 0.0, "{err}");
+    assert_eq!(s["dropped"], 0.0, "{err}");
+    assert!((s["played_s"] - 4.0).abs() < 0.05, "{s:?}");
+    // Captured from the sink's monitor: the whole tone, at 440 Hz and its level.
+    let mut r = WavReader::open(&pa.dir().join("captured.wav")).unwrap();
+    let rate = r.rate();
+    let x = r.read_all().unwrap();
+    let loud: Vec<usize> = (0..x.len()).filter(|&i| x[i].abs() > 0.05).collect();
+    let (first, last) = (loud[0], *loud.last().unwrap());
+    let heard = (last - first) as f64 / rate as f64;
+    assert!((heard - 4.0).abs() < 0.05, "heard {heard} s of tone");
+    let mid = &x[first + 4800..last - 4800];
+    let f = frequency(mid, rate);
+    assert!((f / 440.0 - 1.0).abs() < 0.01, "captured {f} Hz");
+    let rms = (mid.iter().map(|v| (v * v) as f64).sum::<f64>() / mid.len() as f64).sqrt();
+    assert!((rms / (0.5 / 2f64.sqrt()) - 1.0).abs() < 0.02, "rms {rms}");
+}
+
+#[test]
+fn a_live_loopback_pipeline_runs_in_real_time() {
+    let pa = Pulse::start();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let o = pa
+        .duplex()
+        .args([
+            "run",
+            root.join("pipelines/loopback.yaml").to_str().unwrap(),
+        ])
+        .args(["--set", "stages.mic.duration=4"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{err}");
+    let s = playback_summary(&err);
+    assert_eq!(s["underruns"], 0.0, "{err}");
+    assert!(s["played_s"] > 3.5, "{s:?}");
+    // Mouth to ear: capture instant -> playback instant, through the resamplers and framer.
+    let m2e = s["mouth_to_ear_p50_ms"];
+    // A frame's first sample plays once the jitter buffer has drained to it: the depth before
+    // the push (target 120 ms less one 80 ms frame, at least) plus the device's own buffering.
+    assert!(m2e > 40.0 && m2e < 400.0, "mouth to ear {m2e} ms");
+    eprintln!("loopback mouth to ear p50: {m2e} ms");
+    eprintln!(
+        "{}",
+        err.lines()
+            .filter(|l| l.contains("finished"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // 4 s at 24 kHz: 50 frames of 1920 reach the upsampler.
+    let up = out.lines().find(|l| l.starts_with("up ")).unwrap();
+    let frames: u64 = up.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!((49..=51).contains(&frames), "{out}");
+}
+
+#[test]
+fn a_missing_device_is_named_with_the_devices_there_are() {
+    let pa = Pulse::start();
+    let p = write(
+        pa.dir(),
+        "p.yaml",
+        "stages:\n  mic: { kind: mic, device: \"no such mic\" }\n  sink: { kind: null_sink }\nlinks: [mic -> sink]\n",
+    );
+    let o = pa
+        .duplex()
+        .args(["run", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("stage `mic`: audio input device \"no such mic\": not found (available:"),
+        "{err}"
+    );
+    assert!(err.contains("alsa:default"), "{err}");
+}
+
+fn lost_device_run(reconnect: bool) -> (std::process::Output, Pulse) {
+    let mut pa = Pulse::start();
+    let p = write(
+        pa.dir(),
+        "p.yaml",
+        &format!(
+            r#"
+stages:
+  tone: {{ kind: synth_source, rate: 48000, duration: 12, realtime: true }}
+  speaker: {{ kind: playback, device: default, reconnect: {reconnect} }}
+links: [tone -> speaker]
+"#
+        ),
+    );
+    let child = pa
+        .duplex()
+        .args(["run", p.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    // The sound server goes away and comes back.
+    pa.kill();
+    std::thread::sleep(Duration::from_millis(1000));
+    pa.spawn();
+    (child.wait_with_output().unwrap(), pa)
+}
+
+#[test]
+fn a_lost_device_is_reopened_when_reconnect_is_set() {
+    let (o, _pa) = lost_device_run(true);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("audio device lost; reopening"), "{err}");
+    assert!(err.contains("audio device reopened"), "{err}");
+    let s = playback_summary(&err);
+    assert!(
+        s["lost_frames"] > 0.0,
+        "frames are dropped while the device is away: {s:?}"
+    );
+    assert!(s["dropped"] > 0.0, "{s:?}");
+    assert!(s["played_s"] > 4.0, "playback resumed: {s:?}");
+}
+
+#[test]
+fn a_lost_device_stops_the_pipeline_without_reconnect() {
+    let (o, _pa) = lost_device_run(false);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("stage `speaker` failed"), "{err}");
+    assert!(
+        err.contains("was lost") && err.contains("set `reconnect: true`"),
+        "{err}"
+    );
+}
