@@ -28,6 +28,7 @@ lint: setup
 bench: setup
 	$(CARGO) bench --bench runtime
 	$(CARGO) bench --bench model
+	$(CARGO) bench --bench jitter
 
 clean:
 	$(CARGO) clean

@@ -79,3 +79,42 @@ fn the_counter_sees_allocations() {
     });
     assert_eq!(n, 1);
 }
+
+#[test]
+fn jitter_render_allocates_nothing_in_any_state() {
+    use duplex::audio::jitter::{jitter, JitterConfig};
+    use std::time::{Duration, Instant};
+    let mut cfg = JitterConfig::new(48_000);
+    cfg.stable = Duration::from_millis(300);
+    let (mut w, mut b) = jitter(&cfg);
+    let mut out = vec![0.0f32; 480];
+    let frame = vec![0.1f32; 960];
+    let t0 = Instant::now();
+    // Warm up once through every path.
+    w.push(&frame, t0);
+    b.render(&mut out, t0);
+    let n = count_allocs(|| {
+        let mut now = t0;
+        for i in 0..2000 {
+            // Mostly fed, with gaps (underruns, rebuffering, fades), bursts (overflow drops) and
+            // long stable stretches (target shrinking).
+            if i % 97 < 60 {
+                w.push(&frame, now);
+            }
+            if i % 500 == 0 {
+                for _ in 0..40 {
+                    w.push(&frame, now);
+                }
+            }
+            b.render(&mut out, now);
+            b.render(&mut out, now);
+            now += Duration::from_millis(20);
+        }
+    });
+    let s = b.stats().snapshot();
+    assert!(
+        s.underruns > 0 && s.dropped > 0 && s.played > 0,
+        "every path was taken: {s:?}"
+    );
+    assert_eq!(n, 0, "{n} allocations in 4000 renders");
+}
