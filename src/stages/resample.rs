@@ -79,7 +79,16 @@ impl Stage for Resample {
         }
         if self.inner.is_none() {
             let chunk = ((self.chunk_ms / 1000.0 * rate as f64).round() as usize).max(1);
-            self.inner = Some(StreamResampler::new(rate, self.to, chunk)?);
+            let r = StreamResampler::new(rate, self.to, chunk)?;
+            tracing::debug!(
+                from = rate,
+                to = self.to,
+                chunk = r.chunk(),
+                delay_samples = r.delay(),
+                delay_ms = format!("{:.2}", r.delay() as f64 * 1e3 / self.to as f64),
+                "resampler ready"
+            );
+            self.inner = Some(r);
         }
         self.last_origin = Some(frame.meta.origin);
         let Some(r) = self.inner.as_mut() else {
