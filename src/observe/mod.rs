@@ -4,4 +4,5 @@
 //! Every layer records through the `metrics` facade with these names, which are no-ops until an
 //! exporter is installed.
 
+pub mod diagnose;
 pub mod names;
