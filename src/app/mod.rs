@@ -115,7 +115,8 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
         sets: sets.to_vec(),
         env: None,
     };
-    let (_spec, builder) = build(file, &opts, &Registry::builtin())?;
+    let (spec, builder) = build(file, &opts, &Registry::builtin())?;
+    let builder = observe(builder, &spec.metrics);
     let pipeline = builder
         .build()
         .with_context(|| format!("building {}", file.display()))?;
@@ -127,6 +128,24 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
         return Err(anyhow::Error::new(e).context(format!("running {}", file.display())));
     }
     Ok(outcome.report)
+}
+
+/// Serves `/metrics` (once per process) and attaches the latency monitor.
+pub fn observe(builder: PipelineBuilder, m: &config::MetricsSettings) -> PipelineBuilder {
+    static EXPORTER: std::sync::Once = std::sync::Once::new();
+    if let Some(addr) = m.address {
+        EXPORTER.call_once(|| match crate::observe::exporter::install(addr) {
+            Ok(()) => tracing::info!("metrics on http://{addr}/metrics"),
+            Err(e) => tracing::warn!("{e}: metrics are not exported (set metrics.address)"),
+        });
+    }
+    let cfg = crate::observe::diagnose::DiagnosisConfig {
+        window: m.window,
+        every: m.every,
+        ..Default::default()
+    };
+    let monitor = crate::observe::monitor::Monitor::new(&builder.stage_names(), cfg);
+    builder.observer(std::sync::Arc::new(monitor))
 }
 
 /// Stops a pipeline on SIGINT/SIGTERM: the first signal drains, a second aborts. The handler

@@ -17,7 +17,8 @@ mod pipeline;
 pub use error::{ConfigError, ConfigErrorKind};
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
-    load, KindCatalog, LinkSpec, LoadOptions, PipelineSpec, RuntimeSettings, StageSpec,
+    load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RuntimeSettings,
+    StageSpec,
 };
 
 /// The built-in defaults every pipeline file is layered over (the text of `configs/default.yaml`).

@@ -68,6 +68,19 @@ pub struct PipelineSpec {
     pub runtime: RuntimeSettings,
     /// `ort.library`, when set.
     pub ort_library: Option<PathBuf>,
+    /// The `metrics` section.
+    pub metrics: MetricsSettings,
+}
+
+/// Where metrics are served and how latency is diagnosed.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsSettings {
+    /// `/metrics` address; `None` = no exporter.
+    pub address: Option<std::net::SocketAddr>,
+    /// Diagnosis window, frames.
+    pub window: usize,
+    /// Diagnosis evaluated every this many frames.
+    pub every: usize,
 }
 
 /// Extra layers over the file.
@@ -86,6 +99,7 @@ const TOP_KEYS: &[&str] = &[
     "defaults",
     "runtime",
     "ort",
+    "metrics",
 ];
 
 /// Loads and checks a pipeline file.
@@ -225,6 +239,26 @@ pub fn load(
         .and_then(|(_, v)| as_string(v))
         .filter(|s| !s.is_empty())
         .map(PathBuf::from);
+
+    // metrics
+    let ms = section("metrics")?;
+    only_keys("metrics", &ms, &["address", "window", "every"])?;
+    let address = match ms.iter().find(|(k, _)| k == "address").and_then(|(_, v)| as_string(v)) {
+        None => None,
+        Some(a) if a.trim().is_empty() => None,
+        Some(a) => Some(a.trim().parse::<std::net::SocketAddr>().map_err(|err| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("{a:?} is not an address like 127.0.0.1:9187 ({err}); empty disables the exporter"),
+            )
+            .key("metrics.address")
+        })?),
+    };
+    let metrics = MetricsSettings {
+        address,
+        window: int_key("metrics", &ms, "window", 16)? as usize,
+        every: int_key("metrics", &ms, "every", 1)? as usize,
+    };
 
     let description = root.get("description").and_then(as_string);
 
@@ -411,6 +445,7 @@ pub fn load(
         links,
         runtime,
         ort_library,
+        metrics,
     })
 }
 

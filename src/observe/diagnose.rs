@@ -10,7 +10,8 @@
 //!   absolute terms (≥ 1 ms).
 //! - **bimodality**: a two-cluster gap test on the detrended times. Frames more than 6 robust
 //!   deviations above the trend, and at least 25 % of the median above it, form the upper
-//!   cluster; the window shows *contention* when it holds at least 1 % of the frames (and 3).
+//!   cluster (and at least 2 ms above it, so that a cheap stage's scheduling noise does not
+//!   count); the window shows *contention* when it holds at least 1 % of the frames (and 3).
 //!   The exported bimodality is the upper cluster's centre over the lower's (1 when there is no
 //!   upper cluster).
 //!
@@ -69,6 +70,9 @@ pub struct DiagnosisConfig {
     pub outlier_devs: f64,
     /// Contention: … and this fraction of the median above it.
     pub min_separation: f64,
+    /// Contention: … and at least this many seconds above it (microsecond scheduling noise of
+    /// a cheap stage is not contention).
+    pub min_separation_abs: f64,
     /// Contention: the upper cluster holds at least this fraction of the window.
     pub min_outlier_fraction: f64,
 }
@@ -83,6 +87,7 @@ impl Default for DiagnosisConfig {
             min_rise_abs: 0.001,
             outlier_devs: 6.0,
             min_separation: 0.25,
+            min_separation_abs: 0.002,
             min_outlier_fraction: 0.01,
         }
     }
@@ -201,18 +206,26 @@ impl Diagnoser {
         let slope = median(&mut self.scratch);
         let mut level: Vec<f64> = ys.iter().zip(&xs).map(|(y, x)| y - slope * x).collect();
         let intercept = median(&mut level);
-        let resid: Vec<f64> = ys.iter().zip(&xs).map(|(y, x)| y - (slope * x + intercept)).collect();
+        let resid: Vec<f64> = ys
+            .iter()
+            .zip(&xs)
+            .map(|(y, x)| y - (slope * x + intercept))
+            .collect();
         let mut abs: Vec<f64> = resid.iter().map(|r| r.abs()).collect();
         let dev = (1.4826 * median(&mut abs)).max(1e-9);
         let mut sorted_y = ys.clone();
         let med_y = median(&mut sorted_y);
-        let (xmin, xmax) = xs.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+        let (xmin, xmax) = xs
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
         let rise = slope * (xmax - xmin);
         let growth = rise >= self.cfg.noise_k * dev
             && rise >= self.cfg.min_rise_rel * med_y
             && rise >= self.cfg.min_rise_abs;
         // Two clusters on the detrended times.
-        let threshold = (self.cfg.outlier_devs * dev).max(self.cfg.min_separation * med_y);
+        let threshold = (self.cfg.outlier_devs * dev)
+            .max(self.cfg.min_separation * med_y)
+            .max(self.cfg.min_separation_abs);
         let upper: Vec<f64> = resid.iter().copied().filter(|&r| r > threshold).collect();
         let frac = upper.len() as f64 / n as f64;
         let contention = upper.len() >= 3 && frac >= self.cfg.min_outlier_fraction;
@@ -306,7 +319,25 @@ mod tests {
         }
         let (p, _, saw_contention, _) = run(&spiky);
         assert_eq!(p, Pattern::Growth, "a ramp with spikes is growth");
-        assert!(saw_contention, "... and its spikes are flagged as contention too");
+        assert!(
+            saw_contention,
+            "... and its spikes are flagged as contention too"
+        );
+    }
+
+    #[test]
+    fn microsecond_noise_of_a_cheap_stage_is_not_contention() {
+        let mut rng = Rng(7);
+        let t: Vec<f64> = (0..1500)
+            .map(|_| {
+                if rng.uniform() < 0.05 {
+                    150e-6
+                } else {
+                    40e-6 + 5e-6 * rng.normal()
+                }
+            })
+            .collect();
+        assert_eq!(run(&t).0, Pattern::Steady);
     }
 
     #[test]
@@ -335,7 +366,9 @@ mod tests {
             let mut t = flat(&mut rng, 500);
             t.extend(contention(&mut rng, 1000));
             match run(&t) {
-                (Pattern::Contention, _, _, Some(i)) => latency_contention.push(i.saturating_sub(500)),
+                (Pattern::Contention, _, _, Some(i)) => {
+                    latency_contention.push(i.saturating_sub(500))
+                }
                 _ => wrong[3] += 1,
             }
         }

@@ -33,3 +33,19 @@ pub const PLAYBACK_CONCEALED: &str = "duplex_playback_concealed_samples_total";
 pub const PLAYBACK_DROPPED: &str = "duplex_playback_dropped_samples_total";
 /// Counter, label `device`: times a capture device was lost and reopened.
 pub const DEVICE_ERRORS: &str = "duplex_device_errors_total";
+/// Gauge: the busiest stage's utilization over the last second (service time / wall time). At
+/// or above 1 the pipeline cannot keep up.
+pub const REALTIME_FACTOR: &str = "duplex_realtime_factor";
+/// Gauge, label `stage`: the stage's utilization over the last second.
+pub const STAGE_UTILIZATION: &str = "duplex_stage_utilization";
+/// Gauge, labels `stage`, `pattern` (`steady|growth|contention`): 1 for the current verdict.
+pub const LATENCY_PATTERN: &str = "duplex_latency_pattern";
+/// Gauge, label `stage`: Theil–Sen slope of service time, seconds per 1000 frames.
+pub const LATENCY_TREND: &str = "duplex_latency_trend_seconds_per_1k_frames";
+/// Gauge, label `stage`: upper cluster centre / lower cluster centre (1 = unimodal).
+pub const LATENCY_BIMODALITY: &str = "duplex_latency_bimodality";
+/// Gauge, label `stage`: fraction of the window in the slow cluster.
+pub const LATENCY_OUTLIERS: &str = "duplex_latency_outlier_fraction";
+/// Histogram, labels `stage`, `context`: step time of a stage whose cost may grow with the
+/// conversation, by KV-length bucket (`0-374`, `375-749`, … frames).
+pub const STAGE_SERVICE_BY_CONTEXT: &str = "duplex_stage_service_by_context_seconds";

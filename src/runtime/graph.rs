@@ -322,6 +322,7 @@ pub struct PipelineBuilder {
     nodes: Vec<Node>,
     links: Vec<Link>,
     options: RunOptions,
+    observer: Option<std::sync::Arc<dyn super::Observer>>,
 }
 
 impl PipelineBuilder {
@@ -340,6 +341,17 @@ impl PipelineBuilder {
     pub fn options(mut self, options: RunOptions) -> Self {
         self.options = options;
         self
+    }
+
+    /// Sets the observer that receives every service time.
+    pub fn observer(mut self, observer: std::sync::Arc<dyn super::Observer>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Names of the stages added so far, in order.
+    pub fn stage_names(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.name.clone()).collect()
     }
 
     /// Adds a stage.
@@ -575,6 +587,7 @@ impl PipelineBuilder {
             nodes: self.nodes,
             links,
             options: self.options,
+            observer: self.observer,
         })
     }
 

@@ -60,3 +60,12 @@ pub use graph::{
 pub use pipeline::{Pipeline, RunError, RunOutcome, Running, StopHandle};
 pub use stage::{Context, Flow, Input, Source, Stage, StageError, StageResult};
 pub use stats::{EdgeReport, LatencyHistogram, RunReport, StageReport};
+
+/// Receives every stage's service time as it is measured (a monitor, a diagnosis).
+///
+/// Called on the stage's own thread after each `process` (or `produce` that emitted): keep it
+/// short.
+pub trait Observer: Send + Sync {
+    /// Stage `stage` (declaration order) spent `took` on its `frame`-th frame.
+    fn service(&self, stage: usize, frame: u64, took: std::time::Duration);
+}

@@ -36,6 +36,7 @@ pub struct Pipeline {
     pub(crate) nodes: Vec<Node>,
     pub(crate) links: Vec<ResolvedLink>,
     pub(crate) options: RunOptions,
+    pub(crate) observer: Option<Arc<dyn super::Observer>>,
 }
 
 /// Why a run failed.
@@ -199,6 +200,7 @@ struct Actor {
     feedback: Vec<Option<EdgeRx>>,
     stats: Arc<StageStats>,
     signals: Signals,
+    observer: Option<Arc<dyn super::Observer>>,
 }
 
 impl Actor {
@@ -264,6 +266,7 @@ impl Pipeline {
                 body: n.body,
                 stats,
                 signals: signals.clone(),
+                observer: self.observer.clone(),
             });
         }
         let mut edge_stats = Vec::new();
@@ -344,8 +347,13 @@ fn record(a: &Actor, m: &StageMetrics, elapsed: Duration, blocked: Duration, fra
         h.record(service);
     }
     m.service.record(service.as_secs_f64());
-    a.stats.frames.fetch_add(frames, Ordering::Relaxed);
+    let n = a.stats.frames.fetch_add(frames, Ordering::Relaxed);
     m.frames.increment(frames);
+    if frames > 0 {
+        if let Some(o) = &a.observer {
+            o.service(a.index, n, service);
+        }
+    }
     a.stats
         .blocked_ns
         .fetch_add(blocked.as_nanos() as u64, Ordering::Relaxed);

@@ -9,6 +9,7 @@
 mod codes_source;
 mod depformer;
 mod framer;
+mod inject_delay;
 mod mic;
 mod mimi_decode;
 mod mimi_encode;
@@ -88,6 +89,7 @@ impl Registry {
                 token_sink::KIND,
                 mic::KIND,
                 playback::KIND,
+                inject_delay::KIND,
             ],
         }
     }

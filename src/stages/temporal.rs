@@ -230,9 +230,19 @@ impl TemporalStage {
         text: Option<i64>,
         agent: Option<&[i64]>,
     ) -> StageResult<Option<crate::model::lmgen::AgentFrame>> {
+        let context = self.half.temporal.kv_len();
+        let t0 = Instant::now();
         let Some(step) = self.half.begin(user, text, agent)? else {
             return Ok(None);
         };
+        // Step time by KV length: a cost that grows with the conversation shows up here.
+        let bucket = context / 375 * 375;
+        metrics::histogram!(
+            names::STAGE_SERVICE_BY_CONTEXT,
+            "stage" => "temporal",
+            "context" => format!("{}-{}", bucket, bucket + 374)
+        )
+        .record(t0.elapsed().as_secs_f64());
         cx.emit(0, origin, step)?;
         let Some(tokens) = cx.recv_feedback::<Sampled>(1)? else {
             return Err(StageError::msg("the depformer stage ended its stream"));
