@@ -7,13 +7,14 @@
 #   - cmake and g++ (the SentencePiece library is built from source by its crate)
 #   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
 #     real, paced sound device without a sound card
+#   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -28,7 +29,7 @@ for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  cmd="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y ${missing[*]}"
+  cmd="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${missing[*]}"
   if [[ $(id -u) -eq 0 ]]; then
     say "installing ${missing[*]}"
     bash -c "$cmd" >/dev/null

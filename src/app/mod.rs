@@ -115,6 +115,10 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
         sets: sets.to_vec(),
         env: None,
     };
+    // The exporter goes first: metric handles that stages create while they are built must be
+    // bound to the real recorder.
+    let spec = config::load(file, &opts, &Registry::builtin())?;
+    serve_metrics(&spec.metrics);
     let (spec, builder) = build(file, &opts, &Registry::builtin())?;
     let builder = observe(builder, &spec.metrics);
     let pipeline = builder
@@ -130,8 +134,9 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
     Ok(outcome.report)
 }
 
-/// Serves `/metrics` (once per process) and attaches the latency monitor.
-pub fn observe(builder: PipelineBuilder, m: &config::MetricsSettings) -> PipelineBuilder {
+/// Serves `/metrics` on the configured address, once per process (later calls do nothing). A
+/// busy address is logged, not fatal: the pipeline runs without an exporter.
+pub fn serve_metrics(m: &config::MetricsSettings) {
     static EXPORTER: std::sync::Once = std::sync::Once::new();
     if let Some(addr) = m.address {
         EXPORTER.call_once(|| match crate::observe::exporter::install(addr) {
@@ -139,6 +144,10 @@ pub fn observe(builder: PipelineBuilder, m: &config::MetricsSettings) -> Pipelin
             Err(e) => tracing::warn!("{e}: metrics are not exported (set metrics.address)"),
         });
     }
+}
+
+/// Attaches the latency monitor (diagnosis and real-time factor) to a pipeline.
+pub fn observe(builder: PipelineBuilder, m: &config::MetricsSettings) -> PipelineBuilder {
     let cfg = crate::observe::diagnose::DiagnosisConfig {
         window: m.window,
         every: m.every,

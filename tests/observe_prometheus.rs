@@ -1,0 +1,259 @@
+//! The metrics as an operator sees them: a real Prometheus (the Debian package) scrapes a running
+//! `duplex run` with contention or growth injected; every PromQL expression of the Grafana
+//! dashboard and of the rules evaluates without error (and with data where the pipeline has
+//! it), and the verdict series shows the injected pattern. `promtool` checks the deployment
+//! files and runs their unit tests.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+}
+
+fn query(port: u16, expr: &str) -> serde_json::Value {
+    let body =
+        get(port, &format!("/api/v1/query?query={}", encode(expr))).expect("prometheus answers");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+struct Kill(Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn promtool(args: &[&str]) {
+    let o = Command::new("promtool")
+        .args(args)
+        .current_dir(root().join("deploy/prometheus"))
+        .output()
+        .expect("promtool (run `make setup`)");
+    assert!(
+        o.status.success(),
+        "promtool {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn promtool_accepts_the_config_and_the_rules_and_their_tests_pass() {
+    promtool(&["check", "config", "prometheus.yml"]);
+    promtool(&["check", "rules", "rules.yml"]);
+    promtool(&["test", "rules", "rules_test.yml"]);
+}
+
+/// Every expression of the dashboard (with `$stage` as all stages) and of the rules.
+fn expressions() -> (Vec<String>, Vec<String>, Vec<String>) {
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("deploy/grafana/dashboards/duplex.json")).unwrap(),
+    )
+    .unwrap();
+    let mut panels = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            panels.push(t["expr"].as_str().unwrap().replace("$stage", ".*"));
+        }
+    }
+    let rules = std::fs::read_to_string(root().join("deploy/prometheus/rules.yml")).unwrap();
+    let (mut records, mut alerts) = (Vec::new(), Vec::new());
+    let mut kind = "";
+    for line in rules.lines() {
+        let l = line.trim();
+        if l.starts_with("- record:") {
+            kind = "record";
+        } else if l.starts_with("- alert:") {
+            kind = "alert";
+        } else if let Some(e) = l.strip_prefix("expr: ") {
+            if kind == "record" {
+                records.push(e.to_string());
+            } else {
+                alerts.push(e.to_string());
+            }
+        }
+    }
+    assert!(panels.len() >= 20 && records.len() >= 5 && alerts.len() == 4);
+    (panels, records, alerts)
+}
+
+fn pipeline(dir: &Path, injected: &str) -> PathBuf {
+    let pack = packs::pack("tiny-gqa");
+    let pk = pack.display();
+    let text = format!(
+        r#"
+stages:
+  tone: {{ kind: synth_source, rate: 24000, duration: 600, realtime: true, chunk_ms: 80 }}
+  work: {{ kind: inject_delay, {injected} }}
+  framer: {{ kind: framer }}
+  encode: {{ kind: mimi_encode, pack: {pk} }}
+  temporal: {{ kind: temporal, pack: {pk} }}
+  depformer: {{ kind: depformer, pack: {pk} }}
+  decode: {{ kind: mimi_decode, pack: {pk} }}
+  speaker: {{ kind: playback, device: virtual }}
+links:
+  - tone -> work
+  - work -> framer
+  - framer -> encode
+  - encode -> temporal.codes
+  - temporal.step -> depformer
+  - {{ from: depformer, to: temporal.tokens, feedback: true }}
+  - temporal.agent -> decode
+  - decode -> speaker
+metrics:
+  window: 64
+  every: 8
+"#
+    );
+    let p = dir.join("p.yaml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn scrape_run(injected: &str, want: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mport, pport) = (free_port(), free_port());
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: duplex\n    static_configs:\n      - targets: [\"127.0.0.1:{mport}\"]\n",
+        root().join("deploy/prometheus/rules.yml").display()
+    );
+    std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
+    let _prom = Kill(
+        Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.path().join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (run `make setup`)"),
+    );
+    let p = pipeline(dir.path(), injected);
+    let _duplex = Kill(
+        Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args([
+                "run",
+                p.to_str().unwrap(),
+                "--set",
+                &format!("metrics.address=127.0.0.1:{mport}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Wait until the verdict shows up (or give up after 60 s).
+    let verdict = format!("duplex_latency_pattern{{stage=\"work\",pattern=\"{want}\"}} == 1");
+    let t0 = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let r = get(pport, &format!("/api/v1/query?query={}", encode(&verdict)));
+        let found = r
+            .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+            .is_some_and(|v| {
+                v["data"]["result"]
+                    .as_array()
+                    .is_some_and(|a| !a.is_empty())
+            });
+        if found && t0.elapsed() > Duration::from_secs(12) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no {want} verdict for stage `work` within 60 s"
+        );
+    }
+    let (panels, records, alerts) = expressions();
+    for e in panels.iter().chain(&records) {
+        let v = query(pport, e);
+        assert_eq!(v["status"], "success", "{e}: {v}");
+        let n = v["data"]["result"].as_array().map(|a| a.len()).unwrap_or(0);
+        assert!(n > 0, "no data for {e}");
+    }
+    for e in &alerts {
+        let v = query(pport, e);
+        assert_eq!(v["status"], "success", "{e}: {v}");
+    }
+    // The other verdict is not set on the injected stage, and cheap stages stay steady.
+    let other = if want == "growth" {
+        "contention"
+    } else {
+        "growth"
+    };
+    let v = query(
+        pport,
+        &format!("duplex_latency_pattern{{stage=\"work\",pattern=\"{other}\"}} == 1"),
+    );
+    assert_eq!(
+        v["data"]["result"].as_array().map(|a| a.len()),
+        Some(0),
+        "{v}"
+    );
+    let v = query(
+        pport,
+        "duplex_latency_pattern{stage=\"tone\",pattern=\"steady\"} == 1",
+    );
+    assert_eq!(
+        v["data"]["result"].as_array().map(|a| a.len()),
+        Some(1),
+        "{v}"
+    );
+}
+
+#[test]
+fn prometheus_sees_contention() {
+    scrape_run(
+        "mode: bimodal, base_ms: 4, slow_ms: 24, slow_fraction: 0.08",
+        "contention",
+    );
+}
+
+#[test]
+fn prometheus_sees_growth() {
+    scrape_run(
+        "mode: ramp, base_ms: 2, ramp_to_ms: 40, ramp_frames: 600",
+        "growth",
+    );
+}
