@@ -86,17 +86,6 @@ impl duplex::runtime::Source for Late {
     }
 }
 
-fn value(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn a_late_pipeline_underruns_and_the_buffer_adapts() {
     use duplex::runtime::*;
@@ -106,31 +95,15 @@ fn a_late_pipeline_underruns_and_the_buffer_adapts() {
         .build_recorder();
     let handle = recorder.handle();
     metrics::set_global_recorder(recorder).unwrap();
-    let reg = duplex::stages::Registry::builtin();
-    let kind = reg.get("playback").unwrap();
-    let raw: Vec<(String, config::Value)> = [
-        ("device", "virtual"),
-        ("target_ms", "40"),
-        ("max_target_ms", "200"),
-    ]
-    .iter()
-    .map(|(k, v)| {
-        (
-            k.to_string(),
-            config::Value::new(None, config::ValueKind::String(v.to_string())),
-        )
-    })
-    .collect();
-    let params =
-        duplex::config::params::check("test", "out", "playback", kind.params, &raw).unwrap();
-    let body = (kind.build)(
-        &duplex::stages::BuildContext {
-            stage: "out",
-            file: "test",
-        },
-        &params,
-    )
-    .unwrap();
+    let speaker = support::build_stage(
+        "playback",
+        "out",
+        &[
+            ("device", "virtual"),
+            ("target_ms", "40"),
+            ("max_target_ms", "200"),
+        ],
+    );
     PipelineBuilder::new()
         .source(
             "late",
@@ -141,13 +114,7 @@ fn a_late_pipeline_underruns_and_the_buffer_adapts() {
                 next: Instant::now(),
             },
         )
-        .node(Node {
-            name: "out".into(),
-            kind: "playback".into(),
-            inputs: (kind.inputs)(),
-            outputs: vec![],
-            body,
-        })
+        .node(speaker)
         .link(Link::new("late", "out"))
         .build()
         .unwrap()
@@ -156,18 +123,18 @@ fn a_late_pipeline_underruns_and_the_buffer_adapts() {
         .into_result()
         .unwrap();
     let text = handle.render();
-    let underruns = value(&text, "duplex_playback_underruns_total{device=\"virtual\"}");
-    let concealed = value(
+    let underruns = support::metric(&text, "duplex_playback_underruns_total{device=\"virtual\"}");
+    let concealed = support::metric(
         &text,
         "duplex_playback_concealed_samples_total{device=\"virtual\"}",
     );
-    let target = value(&text, "duplex_playback_target_seconds{device=\"virtual\"}");
+    let target = support::metric(&text, "duplex_playback_target_seconds{device=\"virtual\"}");
     assert!(underruns >= 3.0, "{text}");
     assert!(concealed >= underruns * 480.0, "{text}");
     // The target grew after the underruns, and stayed under its cap.
     assert!(target > 0.04 && target <= 0.2, "{text}");
     assert!(
-        value(
+        support::metric(
             &text,
             "duplex_frame_latency_seconds_count{path=\"mouth_to_ear\"}"
         ) > 50.0

@@ -10,17 +10,6 @@ use duplex::runtime::*;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use support::*;
 
-fn value(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("no line starting with {prefix} in\n{text}"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn drops_frames_and_service_times_are_exported() {
     let recorder = PrometheusBuilder::new()
@@ -50,29 +39,29 @@ fn drops_frames_and_service_times_are_exported() {
     assert!(dropped > 0);
     assert_eq!(seen.values().len() as u64 + dropped, 200);
     assert_eq!(
-        value(
+        support::metric(
             &text,
             "duplex_edge_dropped_total{edge=\"src.out -> sink.in\"}"
         ),
         dropped as f64
     );
     assert_eq!(
-        value(&text, "duplex_stage_frames_total{stage=\"sink\"}"),
+        support::metric(&text, "duplex_stage_frames_total{stage=\"sink\"}"),
         seen.values().len() as f64
     );
     assert_eq!(
-        value(&text, "duplex_stage_service_seconds_count{stage=\"sink\"}"),
+        support::metric(&text, "duplex_stage_service_seconds_count{stage=\"sink\"}"),
         seen.values().len() as f64
     );
     assert_eq!(
-        value(
+        support::metric(
             &text,
             "duplex_edge_wait_seconds_count{edge=\"src.out -> sink.in\"}"
         ),
         seen.values().len() as f64
     );
     assert_eq!(
-        value(
+        support::metric(
             &text,
             "duplex_completion_interval_seconds_count{stage=\"sink\"}"
         ),

@@ -2,6 +2,7 @@
 
 #[path = "support/packs.rs"]
 mod packs;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -141,7 +142,7 @@ fn replay_with_persona_text_equals_replay_with_its_tokens() {
 #[test]
 fn token_sink_writes_the_piece_when_there_is_one() {
     use duplex::runtime::*;
-    use duplex::stages::{AgentTokens, Registry};
+    use duplex::stages::AgentTokens;
     struct Src(Vec<AgentTokens>);
     impl Source for Src {
         fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
@@ -155,22 +156,7 @@ fn token_sink_writes_the_piece_when_there_is_one() {
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("t.jsonl");
-    let reg = Registry::builtin();
-    let kind = reg.get("token_sink").unwrap();
-    let raw = vec![(
-        "path".to_string(),
-        config::Value::new(None, config::ValueKind::String(out.display().to_string())),
-    )];
-    let params =
-        duplex::config::params::check("test", "sink", "token_sink", kind.params, &raw).unwrap();
-    let body = (kind.build)(
-        &duplex::stages::BuildContext {
-            stage: "sink",
-            file: "test",
-        },
-        &params,
-    )
-    .unwrap();
+    let sink = support::build_stage("token_sink", "sink", &[("path", out.to_str().unwrap())]);
     let frames = vec![
         AgentTokens {
             index: 0,
@@ -192,13 +178,7 @@ fn token_sink_writes_the_piece_when_there_is_one() {
             vec![PortSpec::new::<AgentTokens>("out")],
             Src(frames),
         )
-        .node(Node {
-            name: "sink".into(),
-            kind: "token_sink".into(),
-            inputs: (kind.inputs)(),
-            outputs: vec![],
-            body,
-        })
+        .node(sink)
         .link(Link::new("src", "sink"))
         .build()
         .unwrap()

@@ -1,3 +1,5 @@
+//! The audio layer's error type.
+
 use std::path::PathBuf;
 
 /// What went wrong in an audio building block. Messages name the file (or the rates) involved.

@@ -1,3 +1,5 @@
+//! The configuration layer's error type: what is wrong, in which file, stage and key.
+
 use std::fmt;
 
 /// What kind of mistake a [`ConfigError`] reports.

@@ -12,7 +12,7 @@ use super::error::ModelError;
 use super::pack::{check_depformer, Graph, LmGraphInfo, Pack};
 use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
-use super::tensors::{element, read_floats, write_floats, Buffer};
+use super::tensors::{element, read_floats, write_floats, Buffer, PingPong};
 
 /// What the depformer works from for one frame.
 #[derive(Debug, Clone, Copy)]
@@ -35,7 +35,7 @@ pub struct Depformer {
     pub info: LmGraphInfo,
     /// The execution provider in use.
     pub provider: Provider,
-    bufs: [Vec<Buffer>; 2],
+    kv: PingPong,
     hidden: Buffer,
     prev: Buffer,
     substep: Buffer,
@@ -84,7 +84,7 @@ impl Depformer {
             scratch: Vec::with_capacity(info.vocab),
             session: os.session,
             provider: os.provider,
-            bufs,
+            kv: PingPong { sets: bufs },
             alloc,
             steps,
             text_limit: m.text_vocab + 1,
@@ -172,28 +172,9 @@ impl Depformer {
             }
             self.prev.as_slice::<i64>()[0] = prev;
             self.substep.as_slice::<i64>()[0] = cb as i64;
-            let (a, b) = self.bufs.split_at_mut(1);
-            let (src, dst) = if cb % 2 == 0 {
-                (&mut a[0], &mut b[0])
-            } else {
-                (&mut b[0], &mut a[0])
-            };
-            for i in 0..self.info.layers {
-                for (j, kv) in ["key", "value"].iter().enumerate() {
-                    let past = src[2 * i + j]
-                        .view(&self.alloc, &[1, h, cb as i64, d])
-                        .map_err(e)?;
-                    let present = dst[2 * i + j]
-                        .view(&self.alloc, &[1, h, cb as i64 + 1, d])
-                        .map_err(e)?;
-                    self.binding
-                        .bind_input(format!("past_key_values.{i}.{kv}"), &past)
-                        .map_err(e)?;
-                    self.binding
-                        .bind_output(format!("present.{i}.{kv}"), present)
-                        .map_err(e)?;
-                }
-            }
+            self.kv
+                .bind(&mut self.binding, &self.alloc, cb % 2, h, cb as i64, d)
+                .map_err(e)?;
             drop(self.session.run_binding(&self.binding).map_err(e)?);
             read_floats(&mut self.logits, self.info.vocab, &mut self.scratch);
             let tok = sampler.sample(&self.scratch, params) as i64;

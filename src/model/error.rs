@@ -1,3 +1,5 @@
+//! The model layer's error type: what is wrong, in which graph (and input or channel).
+
 use std::path::PathBuf;
 
 /// What went wrong in the model layer. Messages name the graph (and the input or channel).

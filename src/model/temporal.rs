@@ -25,7 +25,7 @@ use ort::value::TensorElementType;
 use super::error::ModelError;
 use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
 use super::session::{open, report, Provider, SessionOptions};
-use super::tensors::{element, read_floats, Buffer};
+use super::tensors::{element, read_floats, Buffer, PingPong};
 
 /// How the KV cache is held between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,8 +74,8 @@ pub struct Temporal {
     /// The execution provider in use.
     pub provider: Provider,
     kv: Kv,
-    /// Per layer: K then V. For ping-pong, two sets (`bufs[0]`, `bufs[1]`).
-    bufs: [Vec<Buffer>; 2],
+    /// Per layer: K then V; one set in place (GQA), two for ping-pong (standard).
+    cache: PingPong,
     frame: Buffer,
     mask: Buffer,
     pos_ids: Option<Buffer>,
@@ -140,7 +140,7 @@ impl Temporal {
                 (KvMode::Resident, Variant::Gqa) => Kv::InPlace,
                 (KvMode::Resident, Variant::Standard) => Kv::PingPong { cur: 0 },
             },
-            bufs,
+            cache: PingPong { sets: bufs },
             frame: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, channels as i64, 1])
                 .map_err(&e)?,
             mask,
@@ -210,7 +210,7 @@ impl Temporal {
             for i in 0..self.info.layers {
                 for (j, kv) in ["key", "value"].iter().enumerate() {
                     let shape = [1, self.info.heads as i64, rows, self.info.head_dim as i64];
-                    let buf = &mut self.bufs[0][2 * i + j];
+                    let buf = &mut self.cache.sets[0][2 * i + j];
                     let past = buf.view(&self.alloc, &shape).map_err(&e)?;
                     let present = buf.view(&self.alloc, &shape).map_err(&e)?;
                     self.binding
@@ -324,28 +324,9 @@ impl Temporal {
         match &mut self.kv {
             Kv::InPlace => {}
             Kv::PingPong { cur } => {
-                let (a, b) = self.bufs.split_at_mut(1);
-                let (src, dst) = if *cur == 0 {
-                    (&mut a[0], &mut b[0])
-                } else {
-                    (&mut b[0], &mut a[0])
-                };
-                for i in 0..self.info.layers {
-                    for (j, kv) in ["key", "value"].iter().enumerate() {
-                        let past = src[2 * i + j]
-                            .view(&self.alloc, &[1, h, self.len as i64, d])
-                            .map_err(&e)?;
-                        let present = dst[2 * i + j]
-                            .view(&self.alloc, &[1, h, total, d])
-                            .map_err(&e)?;
-                        self.binding
-                            .bind_input(format!("past_key_values.{i}.{kv}"), &past)
-                            .map_err(&e)?;
-                        self.binding
-                            .bind_output(format!("present.{i}.{kv}"), present)
-                            .map_err(&e)?;
-                    }
-                }
+                self.cache
+                    .bind(&mut self.binding, &self.alloc, *cur, h, self.len as i64, d)
+                    .map_err(&e)?;
             }
             Kv::Host { past } => {
                 let kv_ty = element(self.info.kv);
@@ -419,7 +400,7 @@ impl Temporal {
             if self.len > self.window - 1 {
                 // Keep the newest `window - 1` rows: copy them into the other buffer.
                 let keep = self.window - 1;
-                let (a, b) = self.bufs.split_at_mut(1);
+                let (a, b) = self.cache.sets.split_at_mut(1);
                 let (src, dst) = if *cur == 0 {
                     (&mut a[0], &mut b[0])
                 } else {
@@ -460,7 +441,7 @@ impl Temporal {
             Kv::InPlace => self.capacity,
             _ => return None,
         };
-        let buf = self.bufs[0].get_mut(2 * layer)?;
+        let buf = self.cache.sets[0].get_mut(2 * layer)?;
         let idx = row.min(rows - 1) * self.info.head_dim;
         match self.info.kv {
             super::pack::FloatType::F32 => buf.as_slice::<f32>().get(idx).copied(),

@@ -120,6 +120,42 @@ impl Buffer {
     }
 }
 
+/// Ping-pong KV cache buffers: per layer a K and a V buffer in each of two sets.
+pub(crate) struct PingPong {
+    pub sets: [Vec<Buffer>; 2],
+}
+
+impl PingPong {
+    /// Binds a view of `rows` rows of set `from` as every layer's `past_key_values.*` and a view
+    /// of `rows + 1` rows of the other set as its `present.*`: the graph reads one buffer and
+    /// writes the other, with no copy by us and no allocation of cache memory.
+    pub fn bind(
+        &mut self,
+        binding: &mut ort::session::IoBinding,
+        alloc: &Allocator,
+        from: usize,
+        heads: i64,
+        rows: i64,
+        head_dim: i64,
+    ) -> ort::Result<()> {
+        let (a, b) = self.sets.split_at_mut(1);
+        let (src, dst) = if from == 0 {
+            (&mut a[0], &mut b[0])
+        } else {
+            (&mut b[0], &mut a[0])
+        };
+        for (i, (s, d)) in src.chunks_mut(2).zip(dst.chunks_mut(2)).enumerate() {
+            for (j, kv) in ["key", "value"].iter().enumerate() {
+                let past = s[j].view(alloc, &[1, heads, rows, head_dim])?;
+                let present = d[j].view(alloc, &[1, heads, rows + 1, head_dim])?;
+                binding.bind_input(format!("past_key_values.{i}.{kv}"), &past)?;
+                binding.bind_output(format!("present.{i}.{kv}"), present)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Reads a float tensor (f32 or f16) into `out` as f32.
 pub(crate) fn read_floats(buf: &mut Buffer, n: usize, out: &mut Vec<f32>) {
     out.clear();

@@ -126,3 +126,48 @@ impl Stage for Add {
 pub fn num(name: &'static str) -> PortSpec {
     PortSpec::new::<Num>(name)
 }
+
+/// A built-in stage built from string params, as a pipeline file would give them.
+pub fn build_stage(kind: &str, name: &str, params: &[(&str, &str)]) -> Node {
+    let reg = duplex::stages::Registry::builtin();
+    let k = reg
+        .get(kind)
+        .unwrap_or_else(|| panic!("no stage kind {kind}"));
+    let raw: Vec<(String, config::Value)> = params
+        .iter()
+        .map(|(key, v)| {
+            (
+                key.to_string(),
+                config::Value::new(None, config::ValueKind::String(v.to_string())),
+            )
+        })
+        .collect();
+    let p = duplex::config::params::check("test", name, kind, k.params, &raw).unwrap();
+    let body = (k.build)(
+        &duplex::stages::BuildContext {
+            stage: name,
+            file: "test",
+        },
+        &p,
+    )
+    .unwrap();
+    Node {
+        name: name.into(),
+        kind: kind.into(),
+        inputs: (k.inputs)(),
+        outputs: (k.outputs)(),
+        body,
+    }
+}
+
+/// The value of the first line of a Prometheus rendering that starts with `prefix`.
+pub fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starting with {prefix} in\n{text}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
