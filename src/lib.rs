@@ -8,7 +8,8 @@
 //! - [`model`]: building blocks for models: finding and loading ONNX Runtime.
 //! - [`config`]: YAML pipeline files → a validated, typed pipeline description.
 //! - [`stages`]: one file per stage kind, adapting a building block to the runtime's `Stage`.
-//! - [`observe`]: metric names.
+//! - [`observe`]: metric names and buckets, the exporter, the latency diagnosis.
+//! - [`control`]: switches and requests a control surface sets and stages read.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
 //!
 //! Run a pipeline file from Rust:
@@ -23,6 +24,7 @@
 pub mod app;
 pub mod audio;
 pub mod config;
+pub mod control;
 pub mod model;
 pub mod observe;
 pub mod runtime;

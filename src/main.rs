@@ -79,6 +79,25 @@ enum Cmd {
     },
     /// List sound devices (inputs and outputs) with their supported configurations.
     Devices,
+    /// Run the live assistant (mic -> model -> speaker) until stopped.
+    Daemon {
+        /// Configuration file (default: $XDG_CONFIG_HOME/duplex/daemon.yaml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Check the configuration and the pipeline, then exit.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Send a command to the running daemon: status, reset, persona TEXT, mute, unmute, pause,
+    /// resume.
+    Ctl {
+        /// Control socket (default: $XDG_RUNTIME_DIR/duplex/control.sock, or the config's).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The command and its argument.
+        #[arg(required = true, num_args = 1..)]
+        command: Vec<String>,
+    },
     /// Check the environment: ONNX Runtime library and version.
     Doctor {
         /// Path of libonnxruntime to use instead of discovering it.
@@ -156,6 +175,34 @@ fn main() -> ExitCode {
                 kv,
             })?;
             eprintln!("{}", app::timing_table(&report));
+            Ok(())
+        }
+        Cmd::Daemon { config, check } => {
+            if check {
+                let c = app::daemon::check(config.as_deref())?;
+                println!(
+                    "{}: ok (pipeline {}, control socket {})",
+                    c.file,
+                    c.pipeline.display(),
+                    c.control_socket.display()
+                );
+                return Ok(());
+            }
+            app::daemon::run(config.as_deref())
+        }
+        Cmd::Ctl { socket, command } => {
+            let socket = match socket {
+                Some(s) => s,
+                None => app::daemon::load_config(None, None)?.control_socket,
+            };
+            let reply = app::control::send(&socket, &command.join(" "))?;
+            println!("{reply}");
+            let ok = serde_json::from_str::<serde_json::Value>(&reply)
+                .map(|v| v["ok"] == true)
+                .unwrap_or(false);
+            if !ok {
+                anyhow::bail!("the daemon refused the command");
+            }
             Ok(())
         }
         Cmd::Devices => {

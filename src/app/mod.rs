@@ -2,6 +2,8 @@
 //! signal, and report. Knows no model internals; stage kinds come from the
 //! [`Registry`](crate::stages::Registry).
 
+pub mod control;
+pub mod daemon;
 mod replay;
 mod report;
 
@@ -137,9 +139,17 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
 /// Serves `/metrics` on the configured address, once per process (later calls do nothing). A
 /// busy address is logged, not fatal: the pipeline runs without an exporter.
 pub fn serve_metrics(m: &config::MetricsSettings) {
+    serve_metrics_at(m.address, None);
+}
+
+/// Serves `/metrics` and `/healthz` (with `health`) on `address`, once per process.
+pub fn serve_metrics_at(
+    address: Option<std::net::SocketAddr>,
+    health: Option<crate::observe::exporter::Health>,
+) {
     static EXPORTER: std::sync::Once = std::sync::Once::new();
-    if let Some(addr) = m.address {
-        EXPORTER.call_once(|| match crate::observe::exporter::install(addr) {
+    if let Some(addr) = address {
+        EXPORTER.call_once(|| match crate::observe::exporter::install(addr, health) {
             Ok(()) => tracing::info!("metrics on http://{addr}/metrics"),
             Err(e) => tracing::warn!("{e}: metrics are not exported (set metrics.address)"),
         });
@@ -167,6 +177,13 @@ pub struct SignalGuard {
 impl SignalGuard {
     /// Installs the handler for `handle`.
     pub fn install(handle: StopHandle) -> Self {
+        Self::install_with_reload(handle, || {
+            tracing::info!("SIGHUP ignored: nothing to reload");
+        })
+    }
+
+    /// Installs the handler for `handle`; SIGHUP calls `reload`.
+    pub fn install_with_reload(handle: StopHandle, reload: impl Fn() + Send + 'static) -> Self {
         let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("duplex:signals".into())
@@ -183,12 +200,21 @@ impl SignalGuard {
                     else {
                         return;
                     };
+                    let Ok(mut hup) =
+                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                    else {
+                        return;
+                    };
                     let mut count = 0;
                     loop {
                         tokio::select! {
                             _ = &mut rx => return,
                             _ = tokio::signal::ctrl_c() => {}
                             _ = term.recv() => {}
+                            _ = hup.recv() => {
+                                reload();
+                                continue;
+                            }
                         }
                         count += 1;
                         if count == 1 {

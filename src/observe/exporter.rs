@@ -1,8 +1,15 @@
-//! The Prometheus exporter: `/metrics` over HTTP, with explicit histogram buckets.
+//! The HTTP endpoint of a duplex process: `/metrics` (Prometheus text format, with explicit
+//! histogram buckets) and `/healthz` (readiness and health as JSON, 200 or 503).
+//!
+//! A small HTTP/1.1 server of our own on a tokio runtime thread, so that both paths share the
+//! metrics address; the recorder itself is metrics-exporter-prometheus's.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Histogram buckets, in seconds, for every duplex histogram: fine steps around the 80 ms frame
 /// budget, with a boundary at exactly 0.08.
@@ -11,19 +18,111 @@ pub const BUCKETS: &[f64] = &[
     0.075, 0.08, 0.085, 0.09, 0.1, 0.11, 0.12, 0.14, 0.16, 0.2, 0.3, 0.5, 1.0, 2.5,
 ];
 
-/// Serves `/metrics` on `addr` and installs the process-wide recorder.
+/// Answers `/healthz`: whether the process is healthy, and details.
+pub type Health = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
+
+/// Installs the process-wide recorder and serves `/metrics` and `/healthz` on `addr`.
 ///
 /// # Errors
 ///
 /// A message naming the address when it cannot be bound, or when a recorder is already
 /// installed.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), String> {
+    let listener =
+        std::net::TcpListener::bind(addr).map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+    let handle = PrometheusBuilder::new()
         .set_buckets(BUCKETS)
         .map_err(|e| e.to_string())?
-        .install()
-        .map_err(|e| format!("serving metrics on {addr}: {e}"))
+        .install_recorder()
+        .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+    std::thread::Builder::new()
+        .name("duplex:http".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(serve(listener, handle, health));
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn serve(listener: std::net::TcpListener, handle: PrometheusHandle, health: Option<Health>) {
+    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+        return;
+    };
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let handle = handle.clone();
+        let health = health.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 8192];
+            let mut n = 0;
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                while n < buf.len() {
+                    match sock.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            n += k;
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                break;
+                            }
+                        }
+                    }
+                }
+            })
+            .await;
+            if read.is_err() {
+                return;
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let path = head.split_whitespace().nth(1).unwrap_or("");
+            let (status, ctype, body) = match path.split('?').next().unwrap_or("") {
+                "/metrics" => ("200 OK", "text/plain; version=0.0.4", handle.render()),
+                "/healthz" => match &health {
+                    Some(h) => {
+                        let (ok, detail) = h();
+                        (
+                            if ok {
+                                "200 OK"
+                            } else {
+                                "503 Service Unavailable"
+                            },
+                            "application/json",
+                            detail.to_string(),
+                        )
+                    }
+                    None => ("200 OK", "application/json", "{\"ok\":true}".to_string()),
+                },
+                _ => (
+                    "404 Not Found",
+                    "text/plain",
+                    "not found: try /metrics or /healthz\n".to_string(),
+                ),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
 }
 
 #[cfg(test)]

@@ -85,6 +85,7 @@ impl Observer for Monitor {
                     .map(|x| f64::from_bits(x.utilization.load(Ordering::Relaxed)))
                     .fold(0.0, f64::max);
                 self.rtf.set(max);
+                crate::control::publish("realtime_factor", (max * 1000.0).round() / 1000.0);
             }
         }
         let Ok(mut d) = s.diag.lock() else { return };
@@ -93,6 +94,9 @@ impl Observer for Monitor {
             s.slope.set(r.slope_per_1k);
             s.bimodality.set(r.bimodality);
             s.outliers.set(r.outlier_fraction);
+            if r.pattern != before || d.pattern() != Pattern::Steady {
+                crate::control::publish(&format!("pattern.{}", s.name), r.pattern.name());
+            }
             if r.pattern != before {
                 for (g, p) in s.pattern.iter().zip(Pattern::ALL) {
                     g.set(if p == r.pattern { 1.0 } else { 0.0 });

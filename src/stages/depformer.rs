@@ -107,6 +107,30 @@ struct DepformerStage {
 impl Stage for DepformerStage {
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let step = input.take::<LmStep>()?;
+        if let Some(s) = crate::control::take("depformer.sampling") {
+            // "text_temperature text_top_k audio_temperature audio_top_k"
+            let v: Vec<f64> = s
+                .split_whitespace()
+                .filter_map(|t| t.parse().ok())
+                .collect();
+            if let [tt, tk, at, ak] = v[..] {
+                self.half.config.text = SamplingParams {
+                    temperature: tt as f32,
+                    top_k: tk as usize,
+                };
+                self.half.config.audio = SamplingParams {
+                    temperature: at as f32,
+                    top_k: ak as usize,
+                };
+                tracing::info!(
+                    text_temperature = tt,
+                    text_top_k = tk,
+                    audio_temperature = at,
+                    audio_top_k = ak,
+                    "sampling changed"
+                );
+            }
+        }
         let tokens = self.half.sample(&step.data)?;
         cx.emit(0, step.meta.origin, tokens)
     }

@@ -170,6 +170,7 @@ impl Source for Mic {
                 self.position = 0;
             }
             let status = self.cap.handle.status();
+            crate::control::publish("mic.device", format!("{:?}", status.state()).to_lowercase());
             if status.state() == DeviceState::Failed {
                 return Err(StageError::msg(format!(
                     "microphone {:?} was lost: {} (set `reconnect: true` to reopen it)",
@@ -197,6 +198,9 @@ impl Source for Mic {
                     .map(|r| r.samples.pop_slice(&mut samples))
                     .unwrap_or(0);
                 samples.truncate(n);
+                if crate::control::is_set("mic.mute") {
+                    samples.fill(0.0);
+                }
                 self.consumed += n as u64;
                 self.position += n as u64;
                 let origin = self.origin(self.position);

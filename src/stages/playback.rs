@@ -159,6 +159,8 @@ impl Playback {
             .increment(s.concealed - self.last.concealed);
         self.m_dropped.increment(s.dropped - self.last.dropped);
         self.last = s;
+        crate::control::publish("speaker.underruns", s.underruns);
+        crate::control::publish("speaker.depth_ms", (s.depth as f64 / rate * 1e3).round());
     }
 }
 
@@ -175,6 +177,10 @@ impl Stage for Playback {
             )));
         }
         if let Some(status) = self.player.status() {
+            crate::control::publish(
+                "speaker.device",
+                format!("{:?}", status.state()).to_lowercase(),
+            );
             match status.state() {
                 DeviceState::Failed => {
                     return Err(StageError::msg(format!(

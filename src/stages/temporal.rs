@@ -198,6 +198,8 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         index: 0,
         manifest: m,
         tokenizer,
+        voice,
+        silence_frames: p.int("silence_frames") as usize,
         transcript: Transcript::new(),
         line: String::new(),
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
@@ -213,6 +215,8 @@ struct TemporalStage {
     index: u64,
     manifest: PackManifest,
     tokenizer: Option<Tokenizer>,
+    voice: Option<Vec<Vec<i64>>>,
+    silence_frames: usize,
     transcript: Transcript,
     /// Transcript text not logged yet.
     line: String,
@@ -250,6 +254,41 @@ impl TemporalStage {
         Ok(self.half.commit(&tokens.data)?)
     }
 
+    /// A new persona (text, or comma-separated token ids) replaces the priming script.
+    fn new_persona(&mut self, persona: &str) -> Result<(), String> {
+        let ids: Vec<i64> = if persona
+            .chars()
+            .all(|c| c.is_ascii_digit() || c == ',' || c == ' ')
+            && !persona.trim().is_empty()
+        {
+            persona
+                .split(',')
+                .filter(|t| !t.trim().is_empty())
+                .map(|t| t.trim().parse::<i64>().map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?
+        } else if persona.trim().is_empty() {
+            Vec::new()
+        } else {
+            match &self.tokenizer {
+                Some(t) => t.encode_persona(persona).map_err(|e| e.to_string())?,
+                None => return Err("persona text needs a tokenizer".into()),
+            }
+        };
+        if let Some(t) = ids
+            .iter()
+            .find(|t| !(0..self.manifest.text_vocab).contains(*t))
+        {
+            return Err(format!("persona token {t} is out of range"));
+        }
+        self.script = priming_script(
+            &self.manifest,
+            self.voice.as_deref(),
+            &ids,
+            self.silence_frames,
+        );
+        Ok(())
+    }
+
     fn prime(&mut self, cx: &mut Context<'_>) -> StageResult {
         let script = std::mem::take(&mut self.script);
         let r = script.iter().try_for_each(|s| {
@@ -281,11 +320,31 @@ impl Stage for TemporalStage {
             positions_left = self.half.temporal.positions_left(),
             "LM warmed up and primed"
         );
+        crate::control::publish("temporal.ready", true);
         Ok(())
     }
 
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Codes>()?;
+        // Requests from a control surface, applied at this frame boundary.
+        if let Some(persona) = crate::control::take("temporal.persona") {
+            match self.new_persona(&persona) {
+                Ok(()) => {
+                    tracing::info!("persona changed: new conversation, primed again");
+                    self.half.reset(false);
+                    self.prime(cx)?;
+                }
+                Err(e) => tracing::error!("persona not changed: {e}"),
+            }
+        }
+        if crate::control::take("temporal.reset").is_some() {
+            tracing::info!("conversation reset on request");
+            self.half.reset(false);
+            self.prime(cx)?;
+        }
+        if crate::control::is_set("temporal.pause") {
+            return Ok(());
+        }
         if self.half.temporal.positions_left() == 0 {
             if self.stop_at_limit {
                 tracing::warn!(
@@ -305,6 +364,7 @@ impl Stage for TemporalStage {
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
         self.context.set(self.half.temporal.kv_len() as f64);
+        crate::control::publish("temporal.context", self.half.temporal.kv_len());
         if let Some(a) = out {
             let piece = self
                 .tokenizer
@@ -324,6 +384,7 @@ impl Stage for TemporalStage {
                 piece,
             };
             self.index += 1;
+            crate::control::publish("temporal.agent_frames", self.index);
             cx.emit(1, f.meta.origin, tokens)?;
         }
         Ok(())

@@ -1,0 +1,175 @@
+//! The daemon's control socket and the `duplex ctl` client.
+//!
+//! A Unix socket (mode 0600) taking one command per line and answering one JSON line:
+//! `status`, `reset`, `persona <text or ids>`, `mute`, `unmute`, `pause`, `resume`. Anything
+//! else, a line too long or not UTF-8 gets `{"ok": false, "error": …}`; nothing a client sends
+//! can stop the server.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What `status` answers.
+pub type Status = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// A running control socket; dropping it removes the socket.
+pub struct ControlServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop.
+        let _ = UnixStream::connect(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Answers one command line.
+pub fn answer(line: &str, status: &Status) -> serde_json::Value {
+    let line = line.trim();
+    let (cmd, arg) = line
+        .split_once(' ')
+        .map(|(a, b)| (a, b.trim()))
+        .unwrap_or((line, ""));
+    let ok = |what: &str| serde_json::json!({ "ok": true, "done": what });
+    match (cmd, arg) {
+        ("status", "") => {
+            let mut s = status();
+            if let Some(m) = s.as_object_mut() {
+                m.insert("ok".into(), true.into());
+            }
+            s
+        }
+        ("reset", "") => {
+            crate::control::post("temporal.reset", "");
+            ok("the conversation restarts at the next frame")
+        }
+        ("persona", p) if !p.is_empty() => {
+            let p = p.trim_matches('"');
+            crate::control::post("temporal.persona", p);
+            ok("the persona changes at the next frame")
+        }
+        ("mute", "") | ("unmute", "") => {
+            crate::control::set("mic.mute", cmd == "mute");
+            ok(cmd)
+        }
+        ("pause", "") | ("resume", "") => {
+            crate::control::set("temporal.pause", cmd == "pause");
+            ok(cmd)
+        }
+        _ => serde_json::json!({
+            "ok": false,
+            "error": format!(
+                "unknown or malformed command {:?}; commands: status, reset, persona <text>, mute, unmute, pause, resume",
+                line.chars().take(80).collect::<String>()
+            ),
+        }),
+    }
+}
+
+fn handle(stream: UnixStream, status: &Status) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+    let mut reader = BufReader::new(stream.take(4096));
+    let mut buf = Vec::new();
+    let reply = match reader.read_until(b'\n', &mut buf) {
+        Ok(_) => match std::str::from_utf8(&buf) {
+            Ok(line) if buf.len() < 4096 => answer(line, status),
+            Ok(_) => {
+                serde_json::json!({ "ok": false, "error": "command too long (4096 bytes at most)" })
+            }
+            Err(_) => serde_json::json!({ "ok": false, "error": "command is not UTF-8" }),
+        },
+        Err(e) => serde_json::json!({ "ok": false, "error": format!("reading the command: {e}") }),
+    };
+    let mut s = reader.into_inner().into_inner();
+    let _ = writeln!(s, "{reply}");
+}
+
+impl ControlServer {
+    /// Binds `path` (creating its directory, 0700) with mode 0600 and serves it on a thread.
+    ///
+    /// # Errors
+    ///
+    /// When the socket cannot be created (a message naming the path).
+    pub fn start(path: &Path, status: Status) -> anyhow::Result<ControlServer> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        }
+        if path.exists() {
+            // A socket left by a previous run: refuse only if something answers on it.
+            if UnixStream::connect(path).is_ok() {
+                anyhow::bail!(
+                    "{}: another daemon is already listening there",
+                    path.display()
+                );
+            }
+            let _ = std::fs::remove_file(path);
+        }
+        let listener =
+            UnixListener::bind(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let sp = stop.clone();
+        std::thread::Builder::new()
+            .name("duplex:control".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if sp.load(Ordering::Acquire) {
+                        break;
+                    }
+                    if let Ok(s) = conn {
+                        handle(s, &status);
+                    }
+                }
+            })?;
+        tracing::info!(socket = %path.display(), "control socket ready");
+        Ok(ControlServer {
+            path: path.to_path_buf(),
+            stop,
+        })
+    }
+}
+
+/// `duplex ctl`: sends one command, returns the reply line.
+///
+/// # Errors
+///
+/// When the daemon cannot be reached (a message naming the socket).
+pub fn send(path: &Path, command: &str) -> anyhow::Result<String> {
+    let mut s = UnixStream::connect(path)
+        .map_err(|e| anyhow::anyhow!("{}: {e} (is `duplex daemon` running?)", path.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    writeln!(s, "{command}")?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply)?;
+    Ok(reply.trim_end().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_gets_an_error_reply() {
+        let status: Status = Arc::new(|| serde_json::json!({ "ready": true }));
+        assert_eq!(answer("status\n", &status)["ready"], true);
+        for bad in ["", "bogus", "persona", "mute now", "\u{0}\u{1}"] {
+            let r = answer(bad, &status);
+            assert_eq!(r["ok"], false, "{bad:?}: {r}");
+        }
+        assert_eq!(answer("mute", &status)["ok"], true);
+        assert!(crate::control::is_set("mic.mute"));
+        answer("unmute", &status);
+        assert!(!crate::control::is_set("mic.mute"));
+    }
+}

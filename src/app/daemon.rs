@@ -1,0 +1,544 @@
+//! `duplex daemon`: the live full-duplex pipeline for one person at their desk, unattended.
+//!
+//! Configuration is layered: `configs/daemon.yaml` (built in), the user's file
+//! (`--config`, `$XDG_CONFIG_HOME/duplex/daemon.yaml`, `~/.config/duplex/daemon.yaml`), then
+//! `DUPLEX__…` environment variables. The daemon turns it into overrides of its pipeline file,
+//! runs it, reports readiness once the models are loaded and warmed up (`READY=1` to systemd
+//! when `NOTIFY_SOCKET` is set, with watchdog pings), answers a control socket, stops gracefully
+//! on SIGINT/SIGTERM and reloads on SIGHUP: persona and sampling apply at the next frame
+//! boundary; an invalid new configuration is rejected and the pipeline keeps running.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use config::{Config, Environment, File, FileFormat, Value, ValueKind};
+
+use crate::config::params::{as_f64, as_i64, as_string, describe, suggest};
+use crate::config::{ConfigError, ConfigErrorKind, LoadOptions};
+use crate::stages::Registry;
+
+/// The defaults (the text of `configs/daemon.yaml`).
+pub const DEFAULTS_YAML: &str = include_str!("../../configs/daemon.yaml");
+
+/// Sampling settings of the daemon.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Text temperature.
+    pub text_temperature: f64,
+    /// Text top-k.
+    pub text_top_k: i64,
+    /// Audio temperature.
+    pub audio_temperature: f64,
+    /// Audio top-k.
+    pub audio_top_k: i64,
+    /// Seed.
+    pub seed: i64,
+}
+
+/// A checked daemon configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DaemonConfig {
+    /// Where the user's settings came from (`defaults` when there is no file).
+    pub file: String,
+    /// The live pipeline file.
+    pub pipeline: PathBuf,
+    /// The model pack.
+    pub pack: String,
+    /// Input device.
+    pub input_device: String,
+    /// Output device.
+    pub output_device: String,
+    /// Persona text.
+    pub persona: String,
+    /// Persona token ids.
+    pub persona_tokens: Vec<i64>,
+    /// SentencePiece model.
+    pub tokenizer: String,
+    /// Voice prompt WAV.
+    pub voice: String,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Long-session policy.
+    pub long_session: String,
+    /// `/metrics` and `/healthz`.
+    pub metrics_address: Option<std::net::SocketAddr>,
+    /// Control socket path.
+    pub control_socket: PathBuf,
+}
+
+const KEYS: &[&str] = &[
+    "pipeline",
+    "pack",
+    "input_device",
+    "output_device",
+    "persona",
+    "persona_tokens",
+    "tokenizer",
+    "voice",
+    "sampling",
+    "long_session",
+    "metrics_address",
+    "control_socket",
+];
+
+/// The user's config file: `explicit`, else `$XDG_CONFIG_HOME/duplex/daemon.yaml`, else
+/// `~/.config/duplex/daemon.yaml`, when it exists.
+pub fn config_path(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    let xdg = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from);
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config"));
+    [xdg, home]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("duplex/daemon.yaml"))
+        .find(|p| p.is_file())
+}
+
+fn default_socket() -> PathBuf {
+    let run = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("duplex-{}", unsafe_uid())));
+    run.join("duplex/control.sock")
+}
+
+fn unsafe_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0)
+}
+
+/// Loads and checks the daemon configuration.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file and the key.
+pub fn load_config(
+    explicit: Option<&Path>,
+    env: Option<HashMap<String, String>>,
+) -> Result<DaemonConfig, ConfigError> {
+    let path = config_path(explicit);
+    let fname = path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "defaults".into());
+    let e = |k, m: String| ConfigError::new(&fname, k, m);
+    let mut b = Config::builder().add_source(File::from_str(DEFAULTS_YAML, FileFormat::Yaml));
+    if let Some(p) = &path {
+        if !p.is_file() {
+            return Err(e(ConfigErrorKind::Read, "no such file".into()));
+        }
+        b = b.add_source(File::new(&p.display().to_string(), FileFormat::Yaml).required(true));
+    }
+    b = b.add_source(
+        Environment::with_prefix("DUPLEX")
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .source(env.map(|m| m.into_iter().collect())),
+    );
+    let cfg = b
+        .build()
+        .map_err(|err| e(ConfigErrorKind::Syntax, err.to_string()))?;
+    let ValueKind::Table(root) = cfg.cache.kind else {
+        return Err(e(ConfigErrorKind::Syntax, "not a YAML map".into()));
+    };
+    for k in root.keys() {
+        if !KEYS.contains(&k.as_str()) {
+            let hint = suggest(k, KEYS.iter().copied())
+                .map(|s| format!(" (did you mean `{s}`?)"))
+                .unwrap_or_default();
+            return Err(e(
+                ConfigErrorKind::UnknownKey,
+                format!("unknown key{hint}; expected: {}", KEYS.join(", ")),
+            )
+            .key(k.clone()));
+        }
+    }
+    let get = |k: &str| {
+        root.get(k)
+            .cloned()
+            .unwrap_or_else(|| Value::new(None, ValueKind::Nil))
+    };
+    let string = |k: &str| -> Result<String, ConfigError> {
+        let v = get(k);
+        match v.kind {
+            ValueKind::Nil => Ok(String::new()),
+            _ => as_string(&v).ok_or_else(|| {
+                e(
+                    ConfigErrorKind::WrongType,
+                    format!("expected a string, got {}", describe(&v)),
+                )
+                .key(k)
+            }),
+        }
+    };
+    let tokens = match get("persona_tokens").kind {
+        ValueKind::Nil => Vec::new(),
+        ValueKind::Array(a) => a
+            .iter()
+            .map(|v| {
+                as_i64(v).ok_or_else(|| {
+                    e(
+                        ConfigErrorKind::WrongType,
+                        format!("expected integers, got {}", describe(v)),
+                    )
+                    .key("persona_tokens")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        ValueKind::String(s) => s
+            .split(',')
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| {
+                t.trim().parse().map_err(|_| {
+                    e(
+                        ConfigErrorKind::WrongType,
+                        format!("{t:?} is not an integer"),
+                    )
+                    .key("persona_tokens")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(e(
+                ConfigErrorKind::WrongType,
+                "expected a list of integers".into(),
+            )
+            .key("persona_tokens"))
+        }
+    };
+    let ValueKind::Table(s) = get("sampling").kind else {
+        return Err(e(ConfigErrorKind::WrongType, "expected a map".into()).key("sampling"));
+    };
+    let num = |k: &str, min: f64, max: f64| -> Result<f64, ConfigError> {
+        let key = format!("sampling.{k}");
+        let v = s
+            .get(k)
+            .ok_or_else(|| e(ConfigErrorKind::Missing, "missing".into()).key(key.clone()))?;
+        let x = as_f64(v).ok_or_else(|| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("expected a number, got {}", describe(v)),
+            )
+            .key(key.clone())
+        })?;
+        if !(min..=max).contains(&x) {
+            return Err(e(
+                ConfigErrorKind::OutOfRange,
+                format!("{x} is out of range {min}..={max}"),
+            )
+            .key(key));
+        }
+        Ok(x)
+    };
+    for k in s.keys() {
+        if ![
+            "text_temperature",
+            "text_top_k",
+            "audio_temperature",
+            "audio_top_k",
+            "seed",
+        ]
+        .contains(&k.as_str())
+        {
+            return Err(
+                e(ConfigErrorKind::UnknownKey, "unknown key".into()).key(format!("sampling.{k}"))
+            );
+        }
+    }
+    let sampling = Sampling {
+        text_temperature: num("text_temperature", 0.0, 100.0)?,
+        text_top_k: num("text_top_k", 0.0, 1e6)? as i64,
+        audio_temperature: num("audio_temperature", 0.0, 100.0)?,
+        audio_top_k: num("audio_top_k", 0.0, 1e6)? as i64,
+        seed: num("seed", 0.0, 9e15)? as i64,
+    };
+    let long_session = string("long_session")?;
+    if !["reset_and_reprime", "stop"].contains(&long_session.as_str()) {
+        return Err(e(
+            ConfigErrorKind::OutOfRange,
+            format!("{long_session:?} is not one of reset_and_reprime, stop"),
+        )
+        .key("long_session"));
+    }
+    let addr = string("metrics_address")?;
+    let metrics_address = if addr.trim().is_empty() {
+        None
+    } else {
+        Some(addr.trim().parse().map_err(|err| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("{addr:?} is not an address like 127.0.0.1:9187 ({err})"),
+            )
+            .key("metrics_address")
+        })?)
+    };
+    let sock = string("control_socket")?;
+    let pipeline = PathBuf::from(string("pipeline")?);
+    if !pipeline.is_file() {
+        return Err(e(
+            ConfigErrorKind::Read,
+            format!("pipeline file {} not found", pipeline.display()),
+        )
+        .key("pipeline"));
+    }
+    Ok(DaemonConfig {
+        file: fname.clone(),
+        pipeline,
+        pack: string("pack")?,
+        input_device: string("input_device")?,
+        output_device: string("output_device")?,
+        persona: string("persona")?,
+        persona_tokens: tokens,
+        tokenizer: string("tokenizer")?,
+        voice: string("voice")?,
+        sampling,
+        long_session,
+        metrics_address,
+        control_socket: if sock.is_empty() {
+            default_socket()
+        } else {
+            PathBuf::from(sock)
+        },
+    })
+}
+
+impl DaemonConfig {
+    /// The overrides of the pipeline file this configuration stands for.
+    pub fn sets(&self) -> Vec<(String, String)> {
+        let mut v = vec![
+            ("stages.mic.device".into(), self.input_device.clone()),
+            ("stages.speaker.device".into(), self.output_device.clone()),
+            (
+                "stages.temporal.long_session".into(),
+                self.long_session.clone(),
+            ),
+            ("metrics.address".into(), String::new()),
+        ];
+        for s in ["encode", "temporal", "depformer", "decode"] {
+            v.push((format!("stages.{s}.pack"), self.pack.clone()));
+        }
+        for (k, val) in [
+            ("persona", &self.persona),
+            ("tokenizer", &self.tokenizer),
+            ("voice", &self.voice),
+        ] {
+            if !val.is_empty() {
+                v.push((format!("stages.temporal.{k}"), val.clone()));
+            }
+        }
+        if !self.persona_tokens.is_empty() {
+            let t: Vec<String> = self.persona_tokens.iter().map(|t| t.to_string()).collect();
+            v.push(("stages.temporal.persona_tokens".into(), t.join(",")));
+        }
+        let s = &self.sampling;
+        v.push((
+            "stages.depformer.text_temperature".into(),
+            s.text_temperature.to_string(),
+        ));
+        v.push((
+            "stages.depformer.text_top_k".into(),
+            s.text_top_k.to_string(),
+        ));
+        v.push((
+            "stages.depformer.audio_temperature".into(),
+            s.audio_temperature.to_string(),
+        ));
+        v.push((
+            "stages.depformer.audio_top_k".into(),
+            s.audio_top_k.to_string(),
+        ));
+        v.push(("stages.depformer.seed".into(), s.seed.to_string()));
+        v
+    }
+}
+
+/// `duplex daemon --check`: the configuration and the pipeline it stands for, checked.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file and key.
+pub fn check(explicit: Option<&Path>) -> Result<DaemonConfig, ConfigError> {
+    let c = load_config(explicit, None)?;
+    let opts = LoadOptions {
+        sets: c.sets(),
+        env: Some(HashMap::new()),
+    };
+    crate::config::load(&c.pipeline, &opts, &Registry::builtin())?;
+    Ok(c)
+}
+
+/// Sends a systemd notification when `NOTIFY_SOCKET` is set (no-op otherwise).
+pub fn sd_notify(msg: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
+    let p = path.to_string_lossy();
+    let r = if let Some(abs) = p.strip_prefix('@') {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(abs.as_bytes())
+            .and_then(|a| sock.send_to_addr(msg.as_bytes(), &a))
+    } else {
+        sock.send_to(msg.as_bytes(), &*p)
+    };
+    if let Err(e) = r {
+        tracing::debug!("sd_notify: {e}");
+    }
+}
+
+struct Shared {
+    started: Instant,
+    ready: AtomicBool,
+    config: Mutex<DaemonConfig>,
+}
+
+/// Runs the daemon until stopped.
+///
+/// # Errors
+///
+/// Configuration errors (exit 2) and pipeline failures (exit 1).
+pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
+    let c = check(explicit)?;
+    tracing::info!(config = %c.file, pipeline = %c.pipeline.display(), "starting");
+    let shared = Arc::new(Shared {
+        started: Instant::now(),
+        ready: AtomicBool::new(false),
+        config: Mutex::new(c.clone()),
+    });
+    let health_shared = shared.clone();
+    let health: crate::observe::exporter::Health = Arc::new(move || {
+        let ready = health_shared.ready.load(Ordering::Acquire);
+        let board = crate::control::snapshot();
+        let devices = ["mic.device", "speaker.device"]
+            .iter()
+            .all(|k| board[*k].as_str().is_none_or(|s| s == "running"));
+        let rtf = board["realtime_factor"].as_f64().unwrap_or(0.0);
+        let ok = ready && devices && rtf < 1.0;
+        (
+            ok,
+            serde_json::json!({ "ok": ok, "ready": ready, "devices_alive": devices, "realtime_factor": rtf, "status": board }),
+        )
+    });
+    super::serve_metrics_at(c.metrics_address, Some(health));
+    let opts = LoadOptions {
+        sets: c.sets(),
+        env: Some(HashMap::new()),
+    };
+    let (spec, builder) = super::build(&c.pipeline, &opts, &Registry::builtin())?;
+    let builder = super::observe(builder, &spec.metrics);
+    let pipeline = builder.build()?;
+    let running = pipeline.start();
+    let control =
+        super::control::ControlServer::start(&c.control_socket, shared_status(shared.clone()))?;
+    let reload_shared = shared.clone();
+    let explicit = explicit_owned(explicit);
+    let _signals = super::SignalGuard::install_with_reload(running.stop_handle(), move || {
+        reload(&reload_shared, explicit.clone())
+    });
+    // Readiness: models loaded (build) and warmed up (the LM reports it after priming).
+    let t0 = Instant::now();
+    let ready_shared = shared.clone();
+    let watchdog = std::thread::Builder::new()
+        .name("duplex:ready".into())
+        .spawn(move || {
+            while !crate::control::snapshot()["temporal.ready"]
+                .as_bool()
+                .unwrap_or(false)
+            {
+                if t0.elapsed() > Duration::from_secs(120) {
+                    tracing::error!("the model did not warm up within 120 s");
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            ready_shared.ready.store(true, Ordering::Release);
+            tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
+            sd_notify("READY=1");
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                sd_notify("WATCHDOG=1");
+            }
+        });
+    let _ = watchdog;
+    let outcome = running.wait();
+    drop(control);
+    sd_notify("STOPPING=1");
+    match outcome.error {
+        Some(e) => Err(anyhow::Error::new(e).context("daemon pipeline")),
+        None => Ok(()),
+    }
+}
+
+fn explicit_owned(p: Option<&Path>) -> Option<PathBuf> {
+    p.map(Path::to_path_buf)
+}
+
+fn shared_status(shared: Arc<Shared>) -> super::control::Status {
+    Arc::new(move || {
+        let c = shared.config.lock().map(|c| c.clone()).ok();
+        serde_json::json!({
+            "ready": shared.ready.load(Ordering::Acquire),
+            "uptime_s": shared.started.elapsed().as_secs_f64(),
+            "config": c.as_ref().map(|c| c.file.clone()),
+            "devices": c.as_ref().map(|c| serde_json::json!({"input": c.input_device, "output": c.output_device})),
+            "execution_provider": "cpu",
+            "board": crate::control::snapshot(),
+        })
+    })
+}
+
+/// SIGHUP: read the configuration again; apply persona and sampling at the next frame
+/// boundary; reject an invalid configuration and keep running.
+fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
+    let new = match check(explicit.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("reload rejected, keeping the running configuration: {e}");
+            return;
+        }
+    };
+    let Ok(mut cur) = shared.config.lock() else {
+        return;
+    };
+    if new.persona != cur.persona || new.persona_tokens != cur.persona_tokens {
+        let p = if new.persona_tokens.is_empty() {
+            new.persona.clone()
+        } else {
+            new.persona_tokens
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        crate::control::post("temporal.persona", p);
+        tracing::info!("reload: persona changes at the next frame");
+    }
+    if new.sampling != cur.sampling {
+        let s = &new.sampling;
+        crate::control::post(
+            "depformer.sampling",
+            format!(
+                "{} {} {} {}",
+                s.text_temperature, s.text_top_k, s.audio_temperature, s.audio_top_k
+            ),
+        );
+        tracing::info!("reload: sampling changes at the next frame");
+    }
+    let restart_needed = new.pack != cur.pack
+        || new.input_device != cur.input_device
+        || new.output_device != cur.output_device
+        || new.pipeline != cur.pipeline;
+    if restart_needed {
+        tracing::warn!("reload: pack, pipeline or device changes take effect after a restart");
+    }
+    *cur = new;
+}

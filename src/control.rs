@@ -1,0 +1,65 @@
+//! Process-wide switches and requests: what a control surface (the daemon's socket, a signal)
+//! asks of running stages, and what stages report back.
+//!
+//! Stages read switches and take requests at frame boundaries; nothing here blocks a stage for
+//! longer than an uncontended lock. Keys are `stage.what` (`mic.mute`, `temporal.reset`,
+//! `temporal.persona`, `depformer.sampling`). This module knows no stage and no socket.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+
+#[derive(Default)]
+struct Board {
+    switches: BTreeMap<String, bool>,
+    requests: BTreeMap<String, String>,
+    status: BTreeMap<String, serde_json::Value>,
+}
+
+fn board() -> &'static Mutex<Board> {
+    static B: OnceLock<Mutex<Board>> = OnceLock::new();
+    B.get_or_init(|| Mutex::new(Board::default()))
+}
+
+fn with<T>(f: impl FnOnce(&mut Board) -> T) -> Option<T> {
+    board().lock().ok().map(|mut b| f(&mut b))
+}
+
+/// Sets a switch (`mic.mute`, `temporal.pause`).
+pub fn set(key: &str, on: bool) {
+    with(|b| b.switches.insert(key.to_string(), on));
+}
+
+/// Reads a switch (false when never set).
+pub fn is_set(key: &str) -> bool {
+    with(|b| b.switches.get(key).copied().unwrap_or(false)).unwrap_or(false)
+}
+
+/// Posts a request with a payload; a newer request replaces an unread one.
+pub fn post(key: &str, payload: impl Into<String>) {
+    with(|b| b.requests.insert(key.to_string(), payload.into()));
+}
+
+/// Takes the pending request for `key`, if any.
+pub fn take(key: &str) -> Option<String> {
+    with(|b| b.requests.remove(key)).flatten()
+}
+
+/// Publishes a status value (`temporal.context`, `speaker.underruns`).
+pub fn publish(key: &str, value: impl Into<serde_json::Value>) {
+    with(|b| b.status.insert(key.to_string(), value.into()));
+}
+
+/// Every published status value and switch.
+pub fn snapshot() -> serde_json::Value {
+    with(|b| {
+        let mut m = serde_json::Map::new();
+        for (k, v) in &b.status {
+            m.insert(k.clone(), v.clone());
+        }
+        for (k, v) in &b.switches {
+            m.insert(k.clone(), (*v).into());
+        }
+        serde_json::Value::Object(m)
+    })
+    .unwrap_or(serde_json::Value::Null)
+}

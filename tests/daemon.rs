@@ -1,0 +1,289 @@
+//! `duplex daemon` against a private PulseAudio null sink and the tiny pack: readiness, the
+//! control socket, reload on SIGHUP, recovery from a lost device, graceful stop.
+
+#[path = "support/packs.rs"]
+mod packs;
+#[path = "support/pulse.rs"]
+mod pulse;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pulse::Pulse;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Daemon {
+    child: Option<Child>,
+    socket: PathBuf,
+    config: PathBuf,
+    pa: Pulse,
+    log: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn config_text(d: &Path, extra: &str) -> String {
+    format!(
+        "pipeline: {}\npack: {}\nmetrics_address: \"127.0.0.1:{}\"\ncontrol_socket: {}/control.sock\n{extra}",
+        root().join("pipelines/daemon.yaml").display(),
+        packs::pack("tiny-gqa").display(),
+        free_port(),
+        d.display()
+    )
+}
+
+impl Daemon {
+    fn start(extra: &str) -> Daemon {
+        let pa = Pulse::start();
+        let d = pa.dir().to_path_buf();
+        let config = d.join("daemon.yaml");
+        std::fs::write(&config, config_text(&d, extra)).unwrap();
+        let log = d.join("daemon.log");
+        let child = pa
+            .duplex()
+            .args(["daemon", "--config", config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let dm = Daemon {
+            child: Some(child),
+            socket: d.join("control.sock"),
+            config,
+            pa,
+            log,
+        };
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = dm.status() {
+                if s["ready"] == true {
+                    break;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "not ready: {}",
+                dm.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        dm
+    }
+
+    fn ctl(&self, cmd: &[&str]) -> (bool, String) {
+        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["ctl", "--socket", self.socket.to_str().unwrap()])
+            .args(cmd)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        )
+    }
+
+    fn status(&self) -> Option<serde_json::Value> {
+        let (ok, out) = self.ctl(&["status"]);
+        if !ok {
+            return None;
+        }
+        serde_json::from_str(&out).ok()
+    }
+
+    fn frames(&self) -> u64 {
+        self.status()
+            .and_then(|s| s["board"]["temporal.agent_frames"].as_u64())
+            .unwrap_or(0)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    fn wait_log(&self, needle: &str) {
+        let t0 = Instant::now();
+        while !self.log().contains(needle) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no {needle:?} in\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn check_names_the_file_and_key_of_a_bad_config() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, want) in [
+        (
+            "input_devise: mic\n",
+            "`input_devise`: unknown key (did you mean `input_device`?)",
+        ),
+        (
+            "sampling:\n  seed: -3\n",
+            "`sampling.seed`: -3 is out of range",
+        ),
+        (
+            "long_session: forever\n",
+            "`long_session`: \"forever\" is not one of",
+        ),
+        (
+            "pipeline: /nonexistent.yaml\n",
+            "`pipeline`: pipeline file /nonexistent.yaml not found",
+        ),
+    ] {
+        let p = dir.path().join("bad.yaml");
+        std::fs::write(&p, text).unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["daemon", "--check", "--config", p.to_str().unwrap()])
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&p.display().to_string()) && err.contains(want),
+            "{want}: {err}"
+        );
+    }
+    // The defaults are valid.
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["daemon", "--check"])
+        .env("XDG_CONFIG_HOME", dir.path())
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn daemon_serves_control_reloads_and_stops_cleanly() {
+    let mut d = Daemon::start("");
+    // status answers and frames flow in real time.
+    let f0 = d.frames();
+    std::thread::sleep(Duration::from_secs(2));
+    let f1 = d.frames();
+    assert!(f1 >= f0 + 15, "frames flow: {f0} -> {f1}");
+    // The socket is private and refuses garbage without dying.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let (ok, out) = d.ctl(&["launch", "missiles"]);
+    assert!(!ok && out.contains("unknown or malformed command"), "{out}");
+    {
+        use std::io::Write;
+        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        s.write_all(&[0xff, 0xfe, 0x00, b'\n']).unwrap();
+        let mut reply = String::new();
+        std::io::Read::read_to_string(&mut s, &mut reply).unwrap();
+        assert!(reply.contains("\"ok\":false"), "{reply}");
+    }
+    assert!(d.status().is_some(), "still alive after garbage");
+    // mute, pause and resume answer.
+    for c in ["mute", "unmute", "pause", "resume", "reset"] {
+        assert!(d.ctl(&[c]).0, "{c}");
+    }
+    // SIGHUP with a new persona: applied without a restart.
+    std::fs::write(
+        &d.config,
+        config_text(d.pa.dir(), "persona_tokens: [10, 20, 30]\n"),
+    )
+    .unwrap();
+    d.signal("-HUP");
+    d.wait_log("persona changed: new conversation, primed again");
+    // An invalid config is rejected and the daemon keeps running.
+    std::fs::write(&d.config, "sampling: [this is not a map\n").unwrap();
+    d.signal("-HUP");
+    d.wait_log("reload rejected, keeping the running configuration");
+    let f2 = d.frames();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(d.frames() > f2, "still running");
+    // SIGTERM: a clean exit 0 within a bounded time.
+    d.signal("-TERM");
+    let mut child = d.child.take().unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "did not stop: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0), "{}", d.log());
+    assert!(!d.socket.exists(), "the socket is removed");
+}
+
+#[test]
+fn daemon_recovers_when_the_null_sink_is_unloaded_and_loaded_again() {
+    let d = Daemon::start("");
+    let out = d.pa.pactl(&["list", "short", "modules"]);
+    let modules = String::from_utf8_lossy(&out.stdout).to_string();
+    let id = modules
+        .lines()
+        .find(|l| l.contains("module-null-sink"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    assert!(d.pa.pactl(&["unload-module", &id]).status.success());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(d
+        .pa
+        .pactl(&["load-module", "module-null-sink", "sink_name=nullsink"])
+        .status
+        .success());
+    assert!(d
+        .pa
+        .pactl(&["set-default-source", "nullsink.monitor"])
+        .status
+        .success());
+    assert!(d
+        .pa
+        .pactl(&["set-default-sink", "nullsink"])
+        .status
+        .success());
+    std::thread::sleep(Duration::from_secs(3));
+    let f0 = d.frames();
+    std::thread::sleep(Duration::from_secs(2));
+    let f1 = d.frames();
+    assert!(
+        f1 >= f0 + 15,
+        "frames flow again: {f0} -> {f1}\n{}",
+        d.log()
+    );
+    let s = d.status().unwrap();
+    assert_eq!(s["ready"], true);
+}
