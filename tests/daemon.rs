@@ -287,3 +287,45 @@ fn daemon_recovers_when_the_null_sink_is_unloaded_and_loaded_again() {
     let s = d.status().unwrap();
     assert_eq!(s["ready"], true);
 }
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
+    let d = Daemon::start("");
+    let pid = d.child.as_ref().unwrap().id();
+    // After start-up (the first 20 s), sample memory every 10 s.
+    std::thread::sleep(Duration::from_secs(20));
+    let f0 = d.frames();
+    let u0 = d.status().unwrap()["board"]["speaker.underruns"]
+        .as_u64()
+        .unwrap_or(0);
+    let mut rss = vec![rss_kb(pid)];
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_secs(10));
+        rss.push(rss_kb(pid));
+    }
+    let f1 = d.frames();
+    let s = d.status().unwrap();
+    let u1 = s["board"]["speaker.underruns"].as_u64().unwrap_or(0);
+    let growth_mb = (*rss.last().unwrap() as f64 - rss[0] as f64) / 1024.0;
+    eprintln!(
+        "100 s at real time: {} agent frames, RSS {:.1} MB -> {:.1} MB ({growth_mb:+.2} MB), underruns {u0} -> {u1}, real-time factor {}",
+        f1 - f0,
+        rss[0] as f64 / 1024.0,
+        *rss.last().unwrap() as f64 / 1024.0,
+        s["board"]["realtime_factor"]
+    );
+    // 100 s at 12.5 frames/s.
+    assert!((1230..=1270).contains(&(f1 - f0)), "{} frames", f1 - f0);
+    assert_eq!(u1, u0, "no underruns after start-up");
+    assert!(growth_mb.abs() < 4.0, "memory {rss:?} kB");
+}
