@@ -194,6 +194,10 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     std::thread::sleep(Duration::from_secs(2));
     let f1 = d.frames();
     assert!(f1 >= f0 + 15, "frames flow: {f0} -> {f1}");
+    // The execution provider each graph really runs on.
+    let s = d.status().unwrap();
+    assert_eq!(s["board"]["model.temporal"], "cpu f32", "{s}");
+    assert_eq!(s["board"]["model.mimi_decoder"], "cpu f32", "{s}");
     // The socket is private and refuses garbage without dying.
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;

@@ -490,7 +490,6 @@ fn shared_status(shared: Arc<Shared>) -> super::control::Status {
             "uptime_s": shared.started.elapsed().as_secs_f64(),
             "config": c.as_ref().map(|c| c.file.clone()),
             "devices": c.as_ref().map(|c| serde_json::json!({"input": c.input_device, "output": c.output_device})),
-            "execution_provider": "cpu",
             "board": crate::control::snapshot(),
         })
     })

@@ -128,6 +128,10 @@ pub fn report(graph: &str, provider: Provider, dtype: &str) {
         dtype,
         "session ready"
     );
+    crate::control::publish(
+        &format!("model.{graph}"),
+        format!("{} {dtype}", provider.name()),
+    );
     metrics::gauge!(
         names::MODEL_INFO,
         "graph" => graph.to_string(),
