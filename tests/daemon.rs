@@ -225,6 +225,32 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     .unwrap();
     d.signal("-HUP");
     d.wait_log("persona changed: new conversation, primed again");
+    // A different output device: the pipeline is rebuilt in the running process.
+    std::fs::write(
+        &d.config,
+        config_text(
+            d.pa.dir(),
+            "persona_tokens: [10, 20, 30]\noutput_device: \"alsa:pulse\"\n",
+        ),
+    )
+    .unwrap();
+    d.signal("-HUP");
+    d.wait_log("restarting the pipeline with the new configuration");
+    d.wait_log("device=alsa:pulse");
+    let t0 = Instant::now();
+    while d.status().is_none_or(|s| s["ready"] != true) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "not ready again: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let s = d.status().unwrap();
+    assert_eq!(s["devices"]["output"], "alsa:pulse", "{s}");
+    let fa = d.frames();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(d.frames() >= fa + 15, "frames flow after the rebuild");
     // An invalid config is rejected and the daemon keeps running.
     std::fs::write(&d.config, "sampling: [this is not a map\n").unwrap();
     d.signal("-HUP");

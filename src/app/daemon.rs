@@ -6,7 +6,8 @@
 //! runs it, reports readiness once the models are loaded and warmed up (`READY=1` to systemd
 //! when `NOTIFY_SOCKET` is set, with watchdog pings), answers a control socket, stops gracefully
 //! on SIGINT/SIGTERM and reloads on SIGHUP: persona and sampling apply at the next frame
-//! boundary; an invalid new configuration is rejected and the pipeline keeps running.
+//! boundary; a new pack, pipeline or device rebuilds the pipeline in the running process; an
+//! invalid new configuration is rejected and the pipeline keeps running.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -399,6 +400,12 @@ struct Shared {
     started: Instant,
     ready: AtomicBool,
     config: Mutex<DaemonConfig>,
+    /// Stops the pipeline running now.
+    current: Mutex<Option<crate::runtime::StopHandle>>,
+    /// The pipeline stops to be rebuilt with a new configuration.
+    restart: AtomicBool,
+    /// The daemon is stopping for good.
+    shutdown: AtomicBool,
 }
 
 /// Runs the daemon until stopped.
@@ -413,6 +420,9 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         started: Instant::now(),
         ready: AtomicBool::new(false),
         config: Mutex::new(c.clone()),
+        current: Mutex::new(None),
+        restart: AtomicBool::new(false),
+        shutdown: AtomicBool::new(false),
     });
     let health_shared = shared.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
@@ -429,53 +439,99 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         )
     });
     super::serve_metrics_at(c.metrics_address, Some(health));
-    let opts = LoadOptions {
-        sets: c.sets(),
-        env: Some(HashMap::new()),
-    };
-    let (spec, builder) = super::build(&c.pipeline, &opts, &Registry::builtin())?;
-    let builder = super::observe(builder, &spec.metrics);
-    let pipeline = builder.build()?;
-    let running = pipeline.start();
     let control =
         super::control::ControlServer::start(&c.control_socket, shared_status(shared.clone()))?;
+    let stop_shared = shared.clone();
     let reload_shared = shared.clone();
     let explicit = explicit_owned(explicit);
-    let _signals = super::SignalGuard::install_with_reload(running.stop_handle(), move || {
-        reload(&reload_shared, explicit.clone())
-    });
-    // Readiness: models loaded (build) and warmed up (the LM reports it after priming).
-    let t0 = Instant::now();
-    let ready_shared = shared.clone();
-    let watchdog = std::thread::Builder::new()
-        .name("duplex:ready".into())
-        .spawn(move || {
-            while !crate::control::snapshot()["temporal.ready"]
-                .as_bool()
-                .unwrap_or(false)
-            {
-                if t0.elapsed() > Duration::from_secs(120) {
-                    tracing::error!("the model did not warm up within 120 s");
-                    return;
+    let _signals = super::SignalGuard::install_hooks(
+        move |count| {
+            stop_shared.shutdown.store(true, Ordering::Release);
+            if let Ok(g) = stop_shared.current.lock() {
+                if let Some(h) = g.as_ref() {
+                    if count == 1 {
+                        tracing::warn!(
+                            "stop requested: draining the pipeline (signal again to abort)"
+                        );
+                        h.stop();
+                    } else {
+                        h.abort();
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(50));
             }
-            ready_shared.ready.store(true, Ordering::Release);
-            tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
-            sd_notify("READY=1");
-            loop {
-                std::thread::sleep(Duration::from_secs(5));
-                sd_notify("WATCHDOG=1");
-            }
-        });
-    let _ = watchdog;
-    let outcome = running.wait();
+        },
+        move || reload(&reload_shared, explicit.clone()),
+    );
+    let mut notified = false;
+    let result = loop {
+        let c = match shared.config.lock() {
+            Ok(g) => g.clone(),
+            Err(_) => break Err(anyhow::anyhow!("configuration lock poisoned")),
+        };
+        crate::control::publish("temporal.ready", false);
+        let opts = LoadOptions {
+            sets: c.sets(),
+            env: Some(HashMap::new()),
+        };
+        let (spec, builder) = super::build(&c.pipeline, &opts, &Registry::builtin())?;
+        let builder = super::observe(builder, &spec.metrics);
+        let running = builder.build()?.start();
+        if let Ok(mut g) = shared.current.lock() {
+            *g = Some(running.stop_handle());
+        }
+        if shared.shutdown.load(Ordering::Acquire) {
+            running.stop_handle().stop();
+        }
+        // Readiness: models loaded (build) and warmed up (the LM reports it after priming).
+        let t0 = Instant::now();
+        let ready_shared = shared.clone();
+        let first = !notified;
+        notified = true;
+        let _ = std::thread::Builder::new()
+            .name("duplex:ready".into())
+            .spawn(move || {
+                while !crate::control::snapshot()["temporal.ready"]
+                    .as_bool()
+                    .unwrap_or(false)
+                {
+                    if t0.elapsed() > Duration::from_secs(120) {
+                        tracing::error!("the model did not warm up within 120 s");
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                ready_shared.ready.store(true, Ordering::Release);
+                tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
+                if first {
+                    sd_notify("READY=1");
+                    loop {
+                        std::thread::sleep(Duration::from_secs(5));
+                        sd_notify("WATCHDOG=1");
+                    }
+                }
+            });
+        let outcome = running.wait();
+        if let Ok(mut g) = shared.current.lock() {
+            *g = None;
+        }
+        shared.ready.store(false, Ordering::Release);
+        if shared.shutdown.load(Ordering::Acquire) {
+            break outcome.error.map_or(Ok(()), |e| {
+                Err(anyhow::Error::new(e).context("daemon pipeline"))
+            });
+        }
+        if shared.restart.swap(false, Ordering::AcqRel) {
+            tracing::info!("restarting the pipeline with the new configuration");
+            continue;
+        }
+        break match outcome.error {
+            Some(e) => Err(anyhow::Error::new(e).context("daemon pipeline")),
+            None => Ok(()),
+        };
+    };
     drop(control);
     sd_notify("STOPPING=1");
-    match outcome.error {
-        Some(e) => Err(anyhow::Error::new(e).context("daemon pipeline")),
-        None => Ok(()),
-    }
+    result
 }
 
 fn explicit_owned(p: Option<&Path>) -> Option<PathBuf> {
@@ -536,8 +592,16 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         || new.input_device != cur.input_device
         || new.output_device != cur.output_device
         || new.pipeline != cur.pipeline;
-    if restart_needed {
-        tracing::warn!("reload: pack, pipeline or device changes take effect after a restart");
-    }
     *cur = new;
+    drop(cur);
+    if restart_needed {
+        // Devices, pack or pipeline: drain the running pipeline and build it again.
+        tracing::warn!("reload: pack, pipeline or devices changed: rebuilding the pipeline");
+        shared.restart.store(true, Ordering::Release);
+        if let Ok(g) = shared.current.lock() {
+            if let Some(h) = g.as_ref() {
+                h.stop();
+            }
+        }
+    }
 }

@@ -184,6 +184,26 @@ impl SignalGuard {
 
     /// Installs the handler for `handle`; SIGHUP calls `reload`.
     pub fn install_with_reload(handle: StopHandle, reload: impl Fn() + Send + 'static) -> Self {
+        Self::install_hooks(
+            move |count| {
+                if count == 1 {
+                    tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
+                    handle.stop();
+                } else {
+                    tracing::warn!("second stop request: aborting");
+                    handle.abort();
+                }
+            },
+            reload,
+        )
+    }
+
+    /// Installs handlers: SIGINT/SIGTERM call `stop` with the number of stop signals so far,
+    /// SIGHUP calls `reload`.
+    pub fn install_hooks(
+        stop: impl Fn(u32) + Send + 'static,
+        reload: impl Fn() + Send + 'static,
+    ) -> Self {
         let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("duplex:signals".into())
@@ -217,15 +237,7 @@ impl SignalGuard {
                             }
                         }
                         count += 1;
-                        if count == 1 {
-                            tracing::warn!(
-                                "stop requested: draining the pipeline (signal again to abort)"
-                            );
-                            handle.stop();
-                        } else {
-                            tracing::warn!("second stop request: aborting");
-                            handle.abort();
-                        }
+                        stop(count);
                     }
                 });
             })
