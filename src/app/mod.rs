@@ -30,6 +30,19 @@ pub fn build(
     registry: &Registry,
 ) -> Result<(PipelineSpec, PipelineBuilder), ConfigError> {
     let spec = config::load(file, opts, registry)?;
+    let b = build_spec(&spec, registry)?;
+    Ok((spec, b))
+}
+
+/// Builds (but does not start) the pipeline of an already loaded spec.
+///
+/// # Errors
+///
+/// As [`build`], for the stages and the graph.
+pub fn build_spec(
+    spec: &PipelineSpec,
+    registry: &Registry,
+) -> Result<PipelineBuilder, ConfigError> {
     let mut b = PipelineBuilder::new()
         .origin(spec.file.clone())
         .options(RunOptions {
@@ -79,7 +92,7 @@ pub fn build(
             .to_string();
         e
     })?;
-    Ok((spec, b))
+    Ok(b)
 }
 
 /// `duplex validate`: the resolved graph as text.
@@ -119,9 +132,10 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
     };
     // The exporter goes first: metric handles that stages create while they are built must be
     // bound to the real recorder.
-    let spec = config::load(file, &opts, &Registry::builtin())?;
+    let registry = Registry::builtin();
+    let spec = config::load(file, &opts, &registry)?;
     serve_metrics(&spec.metrics);
-    let (spec, builder) = build(file, &opts, &Registry::builtin())?;
+    let builder = build_spec(&spec, &registry)?;
     let builder = observe(builder, &spec.metrics);
     let pipeline = builder
         .build()
