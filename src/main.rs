@@ -45,38 +45,7 @@ enum Cmd {
     /// List the stage kinds with their ports and params.
     Stages,
     /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out.
-    Replay {
-        /// Model pack directory (a bare exporter directory works with PersonaPlex defaults).
-        #[arg(long)]
-        pack: PathBuf,
-        /// User codes: a JSON array of frames, each an array of 8 ints.
-        #[arg(long)]
-        codes: PathBuf,
-        /// Output: one JSON line per agent frame.
-        #[arg(long)]
-        out: PathBuf,
-        /// Sampling seed.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Argmax instead of sampling.
-        #[arg(long)]
-        greedy: bool,
-        /// Persona text as token ids, comma-separated, forced while priming.
-        #[arg(long, value_delimiter = ',')]
-        persona_tokens: Vec<i64>,
-        /// Persona text, tokenized with `--tokenizer` and forced while priming.
-        #[arg(long)]
-        persona: Option<String>,
-        /// SentencePiece model for `--persona` and the transcript (the `piece` of each line).
-        #[arg(long)]
-        tokenizer: Option<PathBuf>,
-        /// Silence spacer frames while priming (default 6).
-        #[arg(long)]
-        silence_frames: Option<u64>,
-        /// KV cache handling: resident (default) or host.
-        #[arg(long)]
-        kv: Option<String>,
-    },
+    Replay(app::ReplayArgs),
     /// List sound devices (inputs and outputs) with their supported configurations.
     Devices,
     /// Run the live assistant (mic -> model -> speaker) until stopped.
@@ -150,30 +119,8 @@ fn main() -> ExitCode {
             print!("{}", app::validate(&file, &opts, &Registry::builtin())?);
             Ok(())
         }
-        Cmd::Replay {
-            pack,
-            codes,
-            out,
-            seed,
-            greedy,
-            persona_tokens,
-            persona,
-            tokenizer,
-            silence_frames,
-            kv,
-        } => {
-            let report = app::replay(&app::ReplayArgs {
-                pack,
-                codes,
-                out,
-                seed,
-                greedy,
-                persona_tokens,
-                persona,
-                tokenizer,
-                silence_frames,
-                kv,
-            })?;
+        Cmd::Replay(args) => {
+            let report = app::replay(&args)?;
             eprintln!("{}", app::timing_table(&report));
             Ok(())
         }

@@ -10,27 +10,37 @@ use crate::runtime::{Link, Node, PipelineBuilder, RunReport};
 use crate::stages::{BuildContext, Registry};
 
 /// Flags of `duplex replay`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct ReplayArgs {
-    /// Pack directory (a bare exporter directory works: PersonaPlex defaults).
+    /// Model pack directory (a bare exporter directory works with PersonaPlex defaults).
+    #[arg(long)]
     pub pack: PathBuf,
-    /// User codes, JSON.
+    /// User codes: a JSON array of frames, each an array of 8 ints.
+    #[arg(long)]
     pub codes: PathBuf,
-    /// Agent tokens, JSON Lines.
+    /// Output: one JSON line per agent frame.
+    #[arg(long)]
     pub out: PathBuf,
     /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Argmax everywhere.
+    /// Argmax instead of sampling.
+    #[arg(long)]
     pub greedy: bool,
-    /// Persona text as token ids.
+    /// Persona text as token ids, comma-separated, forced while priming.
+    #[arg(long, value_delimiter = ',')]
     pub persona_tokens: Vec<i64>,
-    /// Persona text (needs `tokenizer`).
+    /// Persona text, tokenized with `--tokenizer` and forced while priming.
+    #[arg(long)]
     pub persona: Option<String>,
-    /// SentencePiece model for `persona` and transcripts.
+    /// SentencePiece model for `--persona` and the transcript (the `piece` of each line).
+    #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Silence spacer frames while priming.
+    /// Silence spacer frames while priming (default 6).
+    #[arg(long)]
     pub silence_frames: Option<u64>,
-    /// `resident` or `host`.
+    /// KV cache handling: resident (default) or host.
+    #[arg(long)]
     pub kv: Option<String>,
 }
 
