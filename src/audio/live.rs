@@ -56,6 +56,14 @@ fn dev_err(dir: Direction, name: &str, detail: String) -> AudioError {
     }
 }
 
+fn unsupported_format(dir: Direction, name: &str, format: cpal::SampleFormat) -> AudioError {
+    dev_err(
+        dir,
+        name,
+        format!("sample format {format:?} is not supported (f32 or i16)"),
+    )
+}
+
 fn pick_config(
     dir: Direction,
     d: &cpal::Device,
@@ -170,13 +178,7 @@ pub fn open_capture(
                     err,
                     None,
                 ),
-                other => {
-                    return Err(dev_err(
-                        Direction::Input,
-                        &spec,
-                        format!("sample format {other:?} is not supported (f32 or i16)"),
-                    ))
-                }
+                other => return Err(unsupported_format(Direction::Input, &spec, other)),
             }
             .map_err(|e| dev_err(Direction::Input, &spec, format!("opening the stream: {e}")))?;
             let _ = tx.try_send(CaptureRing {
@@ -334,13 +336,7 @@ pub fn open_playback(
                     err,
                     None,
                 ),
-                other => {
-                    return Err(dev_err(
-                        Direction::Output,
-                        &spec,
-                        format!("sample format {other:?} is not supported (f32 or i16)"),
-                    ))
-                }
+                other => return Err(unsupported_format(Direction::Output, &spec, other)),
             }
             .map_err(|e| dev_err(Direction::Output, &spec, format!("opening the stream: {e}")))?;
             let _ = tx.try_send(writer);
