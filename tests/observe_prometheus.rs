@@ -245,7 +245,7 @@ fn scrape_run(injected: &str, want: &str) {
 #[test]
 fn prometheus_sees_contention() {
     scrape_run(
-        "mode: bimodal, base_ms: 4, slow_ms: 24, slow_fraction: 0.08",
+        "mode: bimodal, base_ms: 4, slow_ms: 40, slow_fraction: 0.08",
         "contention",
     );
 }

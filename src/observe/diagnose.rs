@@ -11,8 +11,10 @@
 //! - **bimodality**: a two-cluster gap test on the detrended times. Frames more than 6 robust
 //!   deviations above the trend, and at least 25 % of the median above it, form the upper
 //!   cluster (and at least 2 ms above it, so that a cheap stage's scheduling noise does not
-//!   count); the window shows *contention* when it holds at least 1 % of the frames (and 3).
-//!   The exported bimodality is the upper cluster's centre over the lower's (1 when there is no
+//!   count); the window shows *contention* when it holds at least 1 % of the frames (and 3)
+//!   and, when the stage's frame period is known ([`Diagnoser::set_period`]), when its frames
+//!   take at least 25 % of that period: a cheap stage preempted for a few milliseconds now
+//!   and then is not what makes a frame late. The exported bimodality is the upper cluster's centre over the lower's (1 when there is no
 //!   upper cluster).
 //!
 //! The verdict is `growth` if the trend says so (contention is still reported separately),
@@ -75,6 +77,9 @@ pub struct DiagnosisConfig {
     pub min_separation_abs: f64,
     /// Contention: the upper cluster holds at least this fraction of the window.
     pub min_outlier_fraction: f64,
+    /// Contention: the upper cluster's frames take at least this fraction of the stage's frame
+    /// period (when it is known).
+    pub min_period_share: f64,
 }
 
 impl Default for DiagnosisConfig {
@@ -89,6 +94,7 @@ impl Default for DiagnosisConfig {
             min_separation: 0.25,
             min_separation_abs: 0.002,
             min_outlier_fraction: 0.01,
+            min_period_share: 0.25,
         }
     }
 }
@@ -122,6 +128,7 @@ pub struct Diagnoser {
     current: Pattern,
     pending: Option<Pattern>,
     scratch: Vec<f64>,
+    period: Option<f64>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -143,8 +150,15 @@ impl Diagnoser {
             current: Pattern::Steady,
             pending: None,
             scratch: Vec::new(),
+            period: None,
             cfg,
         }
+    }
+
+    /// The stage's frame period in seconds (the time between its frames): slow frames count
+    /// as contention only when they take a real share of it.
+    pub fn set_period(&mut self, seconds: f64) {
+        self.period = (seconds.is_finite() && seconds > 0.0).then_some(seconds);
     }
 
     /// The current verdict.
@@ -228,14 +242,17 @@ impl Diagnoser {
             .max(self.cfg.min_separation_abs);
         let upper: Vec<f64> = resid.iter().copied().filter(|&r| r > threshold).collect();
         let frac = upper.len() as f64 / n as f64;
-        let contention = upper.len() >= 3 && frac >= self.cfg.min_outlier_fraction;
-        let bimodality = if upper.is_empty() {
-            1.0
+        let centre = if upper.is_empty() {
+            med_y
         } else {
             let mut up = upper.clone();
-            let centre = med_y + median(&mut up);
-            centre / med_y.max(1e-12)
+            med_y + median(&mut up)
         };
+        let significant = self
+            .period
+            .is_none_or(|p| centre >= self.cfg.min_period_share * p);
+        let contention = upper.len() >= 3 && frac >= self.cfg.min_outlier_fraction && significant;
+        let bimodality = centre / med_y.max(1e-12);
         Diagnosis {
             pattern: self.current,
             slope_per_1k: slope * 1000.0,
@@ -338,6 +355,32 @@ mod tests {
             })
             .collect();
         assert_eq!(run(&t).0, Pattern::Steady);
+    }
+
+    /// A 20 ms-period stage that works for 0.2 ms and is preempted for 3-5 ms now and then
+    /// (seen on a 2-core machine), against an LM stage at an 80 ms period whose slow mode takes
+    /// 30 ms. Only the second makes frames late.
+    #[test]
+    fn slow_frames_count_as_contention_only_when_they_take_a_share_of_the_period() {
+        let verdict = |period: Option<f64>, base: f64, slow: f64| {
+            let mut rng = Rng(11);
+            let mut d = Diagnoser::new(DiagnosisConfig::default());
+            if let Some(p) = period {
+                d.set_period(p);
+            }
+            for i in 0..1500 {
+                let y = if rng.uniform() < 0.03 {
+                    slow + 0.001 * rng.uniform()
+                } else {
+                    base * (1.0 + 0.05 * rng.normal())
+                };
+                d.push(i as f64, y);
+            }
+            d.pattern()
+        };
+        assert_eq!(verdict(None, 200e-6, 0.003), Pattern::Contention);
+        assert_eq!(verdict(Some(0.020), 200e-6, 0.003), Pattern::Steady);
+        assert_eq!(verdict(Some(0.080), 0.004, 0.030), Pattern::Contention);
     }
 
     #[test]

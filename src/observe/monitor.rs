@@ -13,6 +13,8 @@ struct StageMon {
     name: String,
     diag: Mutex<Diagnoser>,
     busy: Mutex<(Instant, Duration)>,
+    /// Frames seen in the current 1 s utilization window (for the frame period).
+    frames: AtomicU64,
     utilization: AtomicU64,
     slope: metrics::Gauge,
     bimodality: metrics::Gauge,
@@ -42,6 +44,7 @@ impl Monitor {
                     name: n.clone(),
                     diag: Mutex::new(Diagnoser::new(cfg)),
                     busy: Mutex::new((Instant::now(), Duration::ZERO)),
+                    frames: AtomicU64::new(0),
                     utilization: AtomicU64::new(0f64.to_bits()),
                     slope: metrics::gauge!(names::LATENCY_TREND, &l),
                     bimodality: metrics::gauge!(names::LATENCY_BIMODALITY, &l),
@@ -71,11 +74,15 @@ impl Observer for Monitor {
             return;
         };
         // Utilization over 1 s windows; the real-time factor is the busiest stage's.
+        let mut period = None;
         if let Ok(mut b) = s.busy.lock() {
             b.1 += took;
+            let n = s.frames.fetch_add(1, Ordering::Relaxed) + 1;
             let wall = b.0.elapsed();
             if wall >= Duration::from_secs(1) {
                 let u = b.1.as_secs_f64() / wall.as_secs_f64();
+                period = Some(wall.as_secs_f64() / n as f64);
+                s.frames.store(0, Ordering::Relaxed);
                 *b = (Instant::now(), Duration::ZERO);
                 s.utilization.store(u.to_bits(), Ordering::Relaxed);
                 s.util_gauge.set(u);
@@ -89,6 +96,9 @@ impl Observer for Monitor {
             }
         }
         let Ok(mut d) = s.diag.lock() else { return };
+        if let Some(p) = period {
+            d.set_period(p);
+        }
         let before = d.pattern();
         if let Some(r) = d.push(frame as f64, took.as_secs_f64()) {
             s.slope.set(r.slope_per_1k);
