@@ -49,6 +49,12 @@ pub fn publish(key: &str, value: impl Into<serde_json::Value>) {
     with(|b| b.status.insert(key.to_string(), value.into()));
 }
 
+/// Forgets every pending request (a new pipeline is about to start: what the old one was
+/// asked no longer applies). Switches are the user's and stay.
+pub fn clear_requests() {
+    with(|b| b.requests.clear());
+}
+
 /// Every published status value and switch.
 pub fn snapshot() -> serde_json::Value {
     with(|b| {

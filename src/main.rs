@@ -46,8 +46,12 @@ enum Cmd {
     Stages,
     /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out.
     Replay(app::ReplayArgs),
-    /// List sound devices (inputs and outputs) with their supported configurations.
-    Devices,
+    /// List sound devices (inputs and outputs) with their default configuration.
+    Devices {
+        /// Also list every configuration each device supports.
+        #[arg(long, short)]
+        verbose: bool,
+    },
     /// Run the live assistant (mic -> model -> speaker) until stopped.
     Daemon {
         /// Configuration file (default: $XDG_CONFIG_HOME/duplex/daemon.yaml).
@@ -152,7 +156,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Cmd::Devices => {
+        Cmd::Devices { verbose } => {
             let list = duplex::audio::device::list();
             if list.is_empty() {
                 println!("no sound devices (is a sound server running?)");
@@ -172,8 +176,10 @@ fn main() -> ExitCode {
                 if let Some(c) = &d.default_config {
                     println!("         default: {c}");
                 }
-                for c in &d.configs {
-                    println!("         supports: {c}");
+                if verbose {
+                    for c in &d.configs {
+                        println!("         supports: {c}");
+                    }
                 }
             }
             Ok(())

@@ -225,20 +225,74 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     .unwrap();
     d.signal("-HUP");
     d.wait_log("persona changed: new conversation, primed again");
-    // A different output device: the pipeline is rebuilt in the running process.
+    // Different devices: only the stages that own them move; the models are not loaded again
+    // and the conversation goes on.
+    let loads = |d: &Daemon| d.log().matches("session ready").count();
+    let loads0 = loads(&d);
+    assert_eq!(loads0, 4, "{}", d.log());
+    let fa = d.frames();
     std::fs::write(
         &d.config,
         config_text(
             d.pa.dir(),
-            "persona_tokens: [10, 20, 30]\noutput_device: \"alsa:pulse\"\n",
+            "persona_tokens: [10, 20, 30]\ninput_device: \"alsa:pulse\"\noutput_device: \"alsa:pulse\"\n",
         ),
     )
     .unwrap();
     d.signal("-HUP");
+    d.wait_log("output switched");
+    d.wait_log("microphone switched");
+    let s = d.status().unwrap();
+    assert_eq!(s["board"]["mic.name"], "alsa:pulse", "{s}");
+    assert_eq!(s["board"]["speaker.name"], "alsa:pulse", "{s}");
+    assert_eq!(s["devices"]["output"], "alsa:pulse", "{s}");
+    assert_eq!(s["ready"], true, "{s}");
+    let fb = d.frames();
+    std::thread::sleep(Duration::from_secs(2));
+    let fc = d.frames();
+    assert!(
+        fb >= fa && fc >= fb + 15,
+        "frames go on counting: {fa} -> {fb} -> {fc}"
+    );
+    assert!(!d.log().contains("restarting the pipeline"), "{}", d.log());
+    assert_eq!(loads(&d), loads0, "no model was loaded again");
+    // A device that does not exist: rejected, naming it; the running one stays.
+    std::fs::write(
+        &d.config,
+        config_text(
+            d.pa.dir(),
+            "persona_tokens: [10, 20, 30]\noutput_device: \"no-such-speaker\"\n",
+        ),
+    )
+    .unwrap();
+    d.signal("-HUP");
+    d.wait_log("reload rejected");
+    assert!(d.log().contains("no-such-speaker"), "{}", d.log());
+    assert_eq!(d.status().unwrap()["board"]["speaker.name"], "alsa:pulse");
+    // A pack that cannot be loaded: the new pipeline is built beside the running one, fails,
+    // and the running one goes on.
+    let with_pack = |p: &Path| {
+        config_text(d.pa.dir(), "").replace(
+            &packs::pack("tiny-gqa").display().to_string(),
+            &p.display().to_string(),
+        )
+    };
+    let broken = d.pa.dir().join("broken-pack");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(&d.config, with_pack(&broken)).unwrap();
+    d.signal("-HUP");
+    d.wait_log("the new one could not be built");
+    assert!(d.log().contains("broken-pack"), "{}", d.log());
+    let f3 = d.frames();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(d.frames() > f3, "still running on the old pack");
+    assert!(!d.log().contains("restarting the pipeline"), "{}", d.log());
+    // A different pack: the new pipeline is built, then replaces the running one.
+    std::fs::write(&d.config, with_pack(&packs::pack("tiny"))).unwrap();
+    d.signal("-HUP");
     d.wait_log("restarting the pipeline with the new configuration");
-    d.wait_log("device=alsa:pulse");
     let t0 = Instant::now();
-    while d.status().is_none_or(|s| s["ready"] != true) {
+    while d.status().is_none_or(|s| s["ready"] != true) || loads(&d) < loads0 + 4 {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "not ready again: {}",
@@ -246,11 +300,14 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let s = d.status().unwrap();
-    assert_eq!(s["devices"]["output"], "alsa:pulse", "{s}");
     let fa = d.frames();
     std::thread::sleep(Duration::from_secs(2));
-    assert!(d.frames() >= fa + 15, "frames flow after the rebuild");
+    let fb = d.frames();
+    assert!(
+        fb >= fa + 15,
+        "frames flow after the rebuild: {fa} -> {fb}\n{}",
+        d.log()
+    );
     // An invalid config is rejected and the daemon keeps running.
     std::fs::write(&d.config, "sampling: [this is not a map\n").unwrap();
     d.signal("-HUP");

@@ -6,8 +6,10 @@
 //! runs it, reports readiness once the models are loaded and warmed up (`READY=1` to systemd
 //! when `NOTIFY_SOCKET` is set, with watchdog pings), answers a control socket, stops gracefully
 //! on SIGINT/SIGTERM and reloads on SIGHUP: persona and sampling apply at the next frame
-//! boundary; a new pack, pipeline or device rebuilds the pipeline in the running process; an
-//! invalid new configuration is rejected and the pipeline keeps running.
+//! boundary; a new input or output device moves only the stage that owns it (models and
+//! conversation untouched); a new pack or pipeline rebuilds the pipeline in the running
+//! process; an invalid new configuration (including a device that does not exist) is rejected
+//! and the pipeline keeps running.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -402,8 +404,12 @@ struct Shared {
     config: Mutex<DaemonConfig>,
     /// Stops the pipeline running now.
     current: Mutex<Option<crate::runtime::StopHandle>>,
-    /// The pipeline stops to be rebuilt with a new configuration.
+    /// The pipeline stops to be replaced by `next`.
     restart: AtomicBool,
+    /// A pipeline built for a new configuration beside the running one, waiting to start.
+    next: Mutex<Option<crate::runtime::Pipeline>>,
+    /// A new pipeline is being built.
+    rebuilding: AtomicBool,
     /// The daemon is stopping for good.
     shutdown: AtomicBool,
 }
@@ -422,6 +428,8 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         config: Mutex::new(c.clone()),
         current: Mutex::new(None),
         restart: AtomicBool::new(false),
+        next: Mutex::new(None),
+        rebuilding: AtomicBool::new(false),
         shutdown: AtomicBool::new(false),
     });
     let health_shared = shared.clone();
@@ -463,19 +471,18 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         move || reload(&reload_shared, explicit.clone()),
     );
     let mut notified = false;
+    let mut prepared = None;
     let result = loop {
-        let c = match shared.config.lock() {
-            Ok(g) => g.clone(),
-            Err(_) => break Err(anyhow::anyhow!("configuration lock poisoned")),
+        let pipeline = match prepared.take() {
+            Some(p) => p,
+            None => match shared.config.lock() {
+                Ok(g) => build_pipeline(&g.clone())?,
+                Err(_) => break Err(anyhow::anyhow!("configuration lock poisoned")),
+            },
         };
+        crate::control::clear_requests();
         crate::control::publish("temporal.ready", false);
-        let opts = LoadOptions {
-            sets: c.sets(),
-            env: Some(HashMap::new()),
-        };
-        let (spec, builder) = super::build(&c.pipeline, &opts, &Registry::builtin())?;
-        let builder = super::observe(builder, &spec.metrics);
-        let running = builder.build()?.start();
+        let running = pipeline.start();
         if let Ok(mut g) = shared.current.lock() {
             *g = Some(running.stop_handle());
         }
@@ -521,6 +528,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
             });
         }
         if shared.restart.swap(false, Ordering::AcqRel) {
+            prepared = shared.next.lock().ok().and_then(|mut n| n.take());
             tracing::info!("restarting the pipeline with the new configuration");
             continue;
         }
@@ -532,6 +540,17 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     drop(control);
     sd_notify("STOPPING=1");
     result
+}
+
+/// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.
+fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<crate::runtime::Pipeline> {
+    let opts = LoadOptions {
+        sets: c.sets(),
+        env: Some(HashMap::new()),
+    };
+    let (spec, builder) = super::build(&c.pipeline, &opts, &Registry::builtin())?;
+    let builder = super::observe(builder, &spec.metrics);
+    Ok(builder.build()?)
 }
 
 fn explicit_owned(p: Option<&Path>) -> Option<PathBuf> {
@@ -551,19 +570,102 @@ fn shared_status(shared: Arc<Shared>) -> super::control::Status {
     })
 }
 
+/// A new pack or pipeline: builds the new pipeline beside the running one (models loaded,
+/// devices open), then stops the running one and hands the new one over. When the new one
+/// cannot be built, the running one keeps going with its configuration.
+fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
+    if shared.rebuilding.swap(true, Ordering::AcqRel) {
+        tracing::error!(
+            "reload rejected: a new pipeline is still being built; reload again when it is running"
+        );
+        return;
+    }
+    tracing::warn!(
+        "reload: pack or pipeline changed: building the new pipeline beside the running one"
+    );
+    let sh = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name("duplex:rebuild".into())
+        .spawn(move || {
+            let shared = sh;
+            let t0 = Instant::now();
+            match build_pipeline(&new) {
+                Ok(p) if !shared.shutdown.load(Ordering::Acquire) => {
+                    tracing::info!(
+                        after_ms = t0.elapsed().as_millis() as u64,
+                        "new pipeline built; replacing the running one"
+                    );
+                    if let Ok(mut n) = shared.next.lock() {
+                        *n = Some(p);
+                    }
+                    if let Ok(mut c) = shared.config.lock() {
+                        *c = new;
+                    }
+                    shared.restart.store(true, Ordering::Release);
+                    if let Ok(g) = shared.current.lock() {
+                        if let Some(h) = g.as_ref() {
+                            h.stop();
+                        }
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!(
+                    "reload rejected, keeping the running pipeline: the new one could not be built: {e:#}"
+                ),
+            }
+            shared.rebuilding.store(false, Ordering::Release);
+        });
+    if let Err(e) = spawned {
+        tracing::error!("reload rejected: {e}");
+        shared.rebuilding.store(false, Ordering::Release);
+    }
+}
+
+/// The configured devices exist (`virtual` always does).
+fn check_devices(c: &DaemonConfig) -> Result<(), crate::audio::AudioError> {
+    use crate::audio::device::{find, Direction};
+    for (dir, spec) in [
+        (Direction::Input, &c.input_device),
+        (Direction::Output, &c.output_device),
+    ] {
+        if spec != "virtual" {
+            find(dir, spec)?;
+        }
+    }
+    Ok(())
+}
+
 /// SIGHUP: read the configuration again; apply persona and sampling at the next frame
 /// boundary; reject an invalid configuration and keep running.
 fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
-    let new = match check(explicit.as_deref()) {
+    let new = match check(explicit.as_deref())
+        .map_err(anyhow::Error::new)
+        .and_then(|c| {
+            check_devices(&c)?;
+            Ok(c)
+        }) {
         Ok(c) => c,
         Err(e) => {
-            tracing::error!("reload rejected, keeping the running configuration: {e}");
+            tracing::error!("reload rejected, keeping the running configuration: {e:#}");
             return;
         }
     };
     let Ok(mut cur) = shared.config.lock() else {
         return;
     };
+    let mut new = new;
+    if new.metrics_address != cur.metrics_address || new.control_socket != cur.control_socket {
+        tracing::warn!(
+            "reload: `metrics_address` and `control_socket` are bound at start-up; the new values apply after a restart"
+        );
+        new.metrics_address = cur.metrics_address;
+        new.control_socket = cur.control_socket.clone();
+    }
+    if new.pack != cur.pack || new.pipeline != cur.pipeline {
+        drop(cur);
+        rebuild(shared, new);
+        return;
+    }
     if new.persona != cur.persona || new.persona_tokens != cur.persona_tokens {
         let p = if new.persona_tokens.is_empty() {
             new.persona.clone()
@@ -588,20 +690,21 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         );
         tracing::info!("reload: sampling changes at the next frame");
     }
-    let restart_needed = new.pack != cur.pack
-        || new.input_device != cur.input_device
-        || new.output_device != cur.output_device
-        || new.pipeline != cur.pipeline;
-    *cur = new;
-    drop(cur);
-    if restart_needed {
-        // Devices, pack or pipeline: drain the running pipeline and build it again.
-        tracing::warn!("reload: pack, pipeline or devices changed: rebuilding the pipeline");
-        shared.restart.store(true, Ordering::Release);
-        if let Ok(g) = shared.current.lock() {
-            if let Some(h) = g.as_ref() {
-                h.stop();
-            }
+    // A new device: only the stage that owns it moves, at its next frame; the models and the
+    // conversation are untouched.
+    for (what, key, old, spec) in [
+        ("input", "mic.switch", &cur.input_device, &new.input_device),
+        (
+            "output",
+            "speaker.switch",
+            &cur.output_device,
+            &new.output_device,
+        ),
+    ] {
+        if old != spec {
+            tracing::info!("reload: {what} device {old:?} -> {spec:?} at the next frame");
+            crate::control::post(key, spec.clone());
         }
     }
+    *cur = new;
 }

@@ -80,20 +80,40 @@ pub fn list() -> Vec<DeviceInfo> {
         .map(|d| device_id(&d));
         for d in devices(dir) {
             let id = device_id(&d);
-            let (default_config, configs) = match dir {
+            let (default_config, ranges) = match dir {
                 Direction::Input => (
-                    d.default_input_config().ok().map(|c| format!("{c:?}")),
+                    d.default_input_config().ok(),
                     d.supported_input_configs()
-                        .map(|c| c.map(|x| format!("{x:?}")).collect())
+                        .map(|c| c.collect::<Vec<_>>())
                         .unwrap_or_default(),
                 ),
                 Direction::Output => (
-                    d.default_output_config().ok().map(|c| format!("{c:?}")),
+                    d.default_output_config().ok(),
                     d.supported_output_configs()
-                        .map(|c| c.map(|x| format!("{x:?}")).collect())
+                        .map(|c| c.collect::<Vec<_>>())
                         .unwrap_or_default(),
                 ),
             };
+            let default_config = default_config.map(|c| {
+                format!(
+                    "{} ch, {} Hz, {:?}",
+                    c.channels(),
+                    c.sample_rate(),
+                    c.sample_format()
+                )
+            });
+            let configs = ranges
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} ch, {}-{} Hz, {:?}",
+                        r.channels(),
+                        r.min_sample_rate(),
+                        r.max_sample_rate(),
+                        r.sample_format()
+                    )
+                })
+                .collect();
             out.push(DeviceInfo {
                 direction: dir,
                 is_default: default.as_deref() == Some(id.as_str()),

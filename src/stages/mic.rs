@@ -1,5 +1,10 @@
 //! `mic`: captures a sound device (down-mixed to mono, at its native rate), in chunks stamped
 //! with the capture instant of their newest sample. Put `resample` (to: 24000) after it.
+//!
+//! A `mic.switch` request on the [control board](crate::control) (a device spec) moves the
+//! stage to another device at the next chunk boundary, at the same sample rate, without
+//! stopping the pipeline; when the new device cannot be opened the old one is kept and the
+//! error is logged and published as `mic.switch_error`.
 
 use std::time::{Duration, Instant};
 
@@ -87,7 +92,9 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         _ => None,
     };
     let labels = [("device", cap.handle.status().name.clone())];
+    crate::control::publish("mic.name", cap.handle.status().name.clone());
     Ok(Body::Source(Box::new(Mic {
+        reconnect: p.bool("reconnect"),
         position: 0,
         ring: None,
         skip_startup: true,
@@ -102,6 +109,7 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
 
 struct Mic {
     cap: Capture,
+    reconnect: bool,
     /// Position in the current ring's stream (what the callback marks count), which differs
     /// from `consumed` by what was skipped and across reconnects.
     position: u64,
@@ -116,6 +124,40 @@ struct Mic {
 }
 
 impl Mic {
+    /// Moves to device `spec` at the current rate; keeps the current device when that fails.
+    fn switch(&mut self, spec: &str) {
+        let old = self.cap.handle.status().name.clone();
+        let opened = open_capture(
+            spec,
+            Some(self.cap.rate),
+            self.reconnect,
+            Duration::from_secs(2),
+        );
+        let cap = match opened {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(device = %old, "keeping the current microphone: {e}");
+                crate::control::publish("mic.switch_error", e.to_string());
+                return;
+            }
+        };
+        if !cap.wait_ready(Duration::from_secs(5)) {
+            tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
+        }
+        let name = cap.handle.status().name.clone();
+        tracing::info!(from = %old, to = %name, rate = cap.rate, "microphone switched");
+        crate::control::publish("mic.name", name.clone());
+        crate::control::publish("mic.switch_error", serde_json::Value::Null);
+        self.lost = metrics::counter!(names::DEVICE_ERRORS, "device" => name);
+        // The old stream closes when its handle drops; what the new one captured while
+        // starting is discarded like at start-up.
+        self.cap = cap;
+        self.ring = None;
+        self.last_mark = None;
+        self.position = 0;
+        self.skip_startup = true;
+    }
+
     /// The capture instant of sample `pos` (1-based end position), from the callbacks' marks.
     fn origin(&mut self, end: u64) -> Instant {
         if let Some(r) = self.ring.as_mut() {
@@ -159,6 +201,9 @@ impl Source for Mic {
                 if self.consumed >= l {
                     return Ok(Flow::Done);
                 }
+            }
+            if let Some(spec) = crate::control::take("mic.switch") {
+                self.switch(&spec);
             }
             // A reopened device comes with new rings.
             while let Ok(r) = self.cap.rings.try_recv() {

@@ -2,6 +2,11 @@
 //! (`device: virtual`) for headless pipelines. Reports depth, target, underruns, concealed and
 //! dropped samples, and mouth-to-ear latency (capture instant of a frame → the instant its first
 //! sample reaches the device).
+//!
+//! A `speaker.switch` request on the [control board](crate::control) (a device spec, or
+//! `virtual`) moves the stage to another device at the next frame, at the same sample rate,
+//! without stopping the pipeline; when the new device cannot be opened the old one is kept and
+//! the error is logged and published as `speaker.switch_error`.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -94,53 +99,112 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         0 => None,
         r => Some(r as u32),
     };
-    let player = if p.str("device") == "virtual" {
-        let capture = p.opt_str("capture").map(PathBuf::from);
-        open_virtual(
-            rate.unwrap_or(24_000),
-            Duration::from_secs_f64(p.float("period_ms") / 1000.0),
-            cfg,
-            capture,
-        )
-    } else {
-        open_playback(p.str("device"), rate, p.bool("reconnect"), cfg)
-    }
-    .map_err(|e| e.to_string())?;
-    if player.device.is_some() && !player.wait_ready(Duration::from_secs(5)) {
-        tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
-    }
-    tracing::info!(device = %player.name, rate = player.rate, "playback open");
-    let labels = [("device", player.name.clone())];
+    let opener = Opener {
+        jitter: cfg,
+        reconnect: p.bool("reconnect"),
+        period: Duration::from_secs_f64(p.float("period_ms") / 1000.0),
+    };
+    let capture = p.opt_str("capture").map(PathBuf::from);
+    let player = opener
+        .open(p.str("device"), rate, capture)
+        .map_err(|e| e.to_string())?;
+    let m = PlaybackMetrics::new(&player.name);
     Ok(Body::Stage(Box::new(Playback {
         writer: None,
         latency: LatencyHistogram::new(),
         m_latency: metrics::histogram!(names::FRAME_LATENCY, "path" => "mouth_to_ear"),
-        m_depth: metrics::gauge!(names::PLAYBACK_DEPTH, &labels),
-        m_target: metrics::gauge!(names::PLAYBACK_TARGET, &labels),
-        m_underruns: metrics::counter!(names::PLAYBACK_UNDERRUNS, &labels),
-        m_concealed: metrics::counter!(names::PLAYBACK_CONCEALED, &labels),
-        m_dropped: metrics::counter!(names::PLAYBACK_DROPPED, &labels),
+        m,
         last: Default::default(),
         lost_frames: 0,
+        opener,
         player,
     })))
 }
 
+/// How this stage opens players (at build, and again on a switch).
+struct Opener {
+    jitter: JitterConfig,
+    reconnect: bool,
+    period: Duration,
+}
+
+impl Opener {
+    fn open(
+        &self,
+        device: &str,
+        rate: Option<u32>,
+        capture: Option<PathBuf>,
+    ) -> Result<Player, crate::audio::AudioError> {
+        let player = if device == "virtual" {
+            open_virtual(rate.unwrap_or(24_000), self.period, self.jitter, capture)
+        } else {
+            open_playback(device, rate, self.reconnect, self.jitter)
+        }?;
+        if player.device.is_some() && !player.wait_ready(Duration::from_secs(5)) {
+            tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
+        }
+        tracing::info!(device = %player.name, rate = player.rate, "playback open");
+        crate::control::publish("speaker.name", player.name.clone());
+        Ok(player)
+    }
+}
+
+/// The per-device series.
+struct PlaybackMetrics {
+    depth: metrics::Gauge,
+    target: metrics::Gauge,
+    underruns: metrics::Counter,
+    concealed: metrics::Counter,
+    dropped: metrics::Counter,
+}
+
+impl PlaybackMetrics {
+    fn new(device: &str) -> Self {
+        let labels = [("device", device.to_string())];
+        PlaybackMetrics {
+            depth: metrics::gauge!(names::PLAYBACK_DEPTH, &labels),
+            target: metrics::gauge!(names::PLAYBACK_TARGET, &labels),
+            underruns: metrics::counter!(names::PLAYBACK_UNDERRUNS, &labels),
+            concealed: metrics::counter!(names::PLAYBACK_CONCEALED, &labels),
+            dropped: metrics::counter!(names::PLAYBACK_DROPPED, &labels),
+        }
+    }
+}
+
 struct Playback {
     player: Player,
+    opener: Opener,
     writer: Option<JitterWriter>,
     latency: LatencyHistogram,
     m_latency: metrics::Histogram,
-    m_depth: metrics::Gauge,
-    m_target: metrics::Gauge,
-    m_underruns: metrics::Counter,
-    m_concealed: metrics::Counter,
-    m_dropped: metrics::Counter,
+    m: PlaybackMetrics,
     last: crate::audio::jitter::JitterSnapshot,
     lost_frames: u64,
 }
 
 impl Playback {
+    /// Moves to device `spec` at the current rate; keeps the current device when that fails.
+    fn switch(&mut self, spec: &str) {
+        let old = self.player.name.clone();
+        match self.opener.open(spec, Some(self.player.rate), None) {
+            Ok(player) => {
+                tracing::info!(from = %old, to = %player.name, rate = player.rate, "output switched");
+                crate::control::publish("speaker.switch_error", serde_json::Value::Null);
+                self.observe();
+                self.m = PlaybackMetrics::new(&player.name);
+                // The new player counts from zero; what the old one still held is not played.
+                let mut old_player = std::mem::replace(&mut self.player, player);
+                old_player.close();
+                self.writer = None;
+                self.last = Default::default();
+            }
+            Err(e) => {
+                tracing::error!(device = %old, "keeping the current output: {e}");
+                crate::control::publish("speaker.switch_error", e.to_string());
+            }
+        }
+    }
+
     fn observe(&mut self) {
         if let Some(w) = self.writer.as_mut() {
             let (h, m) = (&mut self.latency, &self.m_latency);
@@ -151,13 +215,17 @@ impl Playback {
         }
         let s = self.player.stats.snapshot();
         let rate = self.player.rate as f64;
-        self.m_depth.set(s.depth as f64 / rate);
-        self.m_target.set(s.target as f64 / rate);
-        self.m_underruns
-            .increment(s.underruns - self.last.underruns);
-        self.m_concealed
-            .increment(s.concealed - self.last.concealed);
-        self.m_dropped.increment(s.dropped - self.last.dropped);
+        self.m.depth.set(s.depth as f64 / rate);
+        self.m.target.set(s.target as f64 / rate);
+        self.m
+            .underruns
+            .increment(s.underruns.saturating_sub(self.last.underruns));
+        self.m
+            .concealed
+            .increment(s.concealed.saturating_sub(self.last.concealed));
+        self.m
+            .dropped
+            .increment(s.dropped.saturating_sub(self.last.dropped));
         self.last = s;
         crate::control::publish("speaker.underruns", s.underruns);
         crate::control::publish("speaker.depth_ms", (s.depth as f64 / rate * 1e3).round());
@@ -167,6 +235,9 @@ impl Playback {
 impl Stage for Playback {
     fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Pcm>()?;
+        if let Some(spec) = crate::control::take("speaker.switch") {
+            self.switch(&spec);
+        }
         while let Ok(w) = self.player.writers.try_recv() {
             self.writer = Some(w);
         }
@@ -192,7 +263,7 @@ impl Stage for Playback {
                 DeviceState::Reconnecting | DeviceState::Opening => {
                     // Dropped and counted, not queued without bound.
                     self.lost_frames += 1;
-                    self.m_dropped.increment(f.data.valid().len() as u64);
+                    self.m.dropped.increment(f.data.valid().len() as u64);
                     return Ok(());
                 }
                 _ => {}

@@ -320,6 +320,8 @@ impl Stage for TemporalStage {
             positions_left = self.half.temporal.positions_left(),
             "LM warmed up and primed"
         );
+        crate::control::publish("temporal.agent_frames", self.index);
+        crate::control::publish("temporal.context", self.half.temporal.kv_len());
         crate::control::publish("temporal.ready", true);
         Ok(())
     }
