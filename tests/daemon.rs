@@ -390,6 +390,45 @@ fn memory_kb(pid: u32) -> (u64, u64) {
     (field("Rss:"), field("Anonymous:"))
 }
 
+/// The unit file, pointed at this checkout as the install steps say, passes
+/// `systemd-analyze verify` (unknown keys, bad values and a missing ExecStart binary fail it).
+#[test]
+fn the_systemd_unit_verifies() {
+    let unit = std::fs::read_to_string(root().join("deploy/systemd/duplex.service")).unwrap();
+    assert!(unit.contains("Type=notify") && unit.contains("ExecReload=/bin/kill -HUP $MAINPID"));
+    let exe = env!("CARGO_BIN_EXE_duplex");
+    let unit = unit
+        .replace("%h/duplex/target/release/duplex", exe)
+        .replace(
+            "WorkingDirectory=%h/duplex",
+            &format!("WorkingDirectory={}", root().display()),
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let verify = |text: &str| {
+        let path = dir.path().join("duplex.service");
+        std::fs::write(&path, text).unwrap();
+        Command::new("systemd-analyze")
+            .args(["verify", "--user", path.to_str().unwrap()])
+            .env("XDG_RUNTIME_DIR", &run)
+            .output()
+            .expect("systemd-analyze (run `make setup`)")
+    };
+    let o = verify(&unit);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.trim().is_empty(), "{err}");
+    // The check is real: a misspelt service type is reported.
+    let o = verify(&unit.replace("Type=notify", "Type=notfy"));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("notfy"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 #[test]
 fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
     let d = Daemon::start("");

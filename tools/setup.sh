@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
