@@ -198,6 +198,29 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     let s = d.status().unwrap();
     assert_eq!(s["board"]["model.temporal"], "cpu f32", "{s}");
     assert_eq!(s["board"]["model.mimi_decoder"], "cpu f32", "{s}");
+    // Uptime, real-time factor, a verdict for every stage, devices, context length.
+    assert!(s["uptime_s"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(s["board"]["realtime_factor"].as_f64().is_some(), "{s}");
+    for stage in [
+        "mic",
+        "framer",
+        "encode",
+        "temporal",
+        "depformer",
+        "decode",
+        "speaker",
+    ] {
+        let v = s["board"][format!("pattern.{stage}")]
+            .as_str()
+            .unwrap_or("");
+        assert!(
+            ["steady", "growth", "contention"].contains(&v),
+            "{stage}: {s}"
+        );
+    }
+    assert_eq!(s["board"]["mic.device"], "running", "{s}");
+    assert_eq!(s["board"]["speaker.device"], "running", "{s}");
+    assert!(s["board"]["temporal.context"].as_u64().unwrap() > 0, "{s}");
     // The socket is private and refuses garbage without dying.
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;

@@ -7,9 +7,10 @@
 //! when `NOTIFY_SOCKET` is set, with watchdog pings), answers a control socket, stops gracefully
 //! on SIGINT/SIGTERM and reloads on SIGHUP: persona and sampling apply at the next frame
 //! boundary; a new input or output device moves only the stage that owns it (models and
-//! conversation untouched); a new pack or pipeline rebuilds the pipeline in the running
-//! process; an invalid new configuration (including a device that does not exist) is rejected
-//! and the pipeline keeps running.
+//! conversation untouched); a new pack, pipeline, voice, tokenizer, long-session policy or seed
+//! builds a new pipeline beside the running one, which it then replaces; an invalid new
+//! configuration (a bad key, a device that does not exist, a pack that cannot be loaded) is
+//! rejected and the pipeline keeps running.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -661,7 +662,15 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         new.metrics_address = cur.metrics_address;
         new.control_socket = cur.control_socket.clone();
     }
-    if new.pack != cur.pack || new.pipeline != cur.pipeline {
+    // What the models are built with (the voice and the tokenizer are read when the LM stage
+    // is built, the seed starts its random stream): a rebuild, built beside the running one.
+    if new.pack != cur.pack
+        || new.pipeline != cur.pipeline
+        || new.voice != cur.voice
+        || new.tokenizer != cur.tokenizer
+        || new.long_session != cur.long_session
+        || new.sampling.seed != cur.sampling.seed
+    {
         drop(cur);
         rebuild(shared, new);
         return;

@@ -40,6 +40,7 @@ impl Monitor {
                     metrics::gauge!(names::LATENCY_PATTERN, "stage" => n.clone(), "pattern" => p.name())
                 });
                 pattern[0].set(1.0);
+                crate::control::publish(&format!("pattern.{n}"), Pattern::Steady.name());
                 StageMon {
                     name: n.clone(),
                     diag: Mutex::new(Diagnoser::new(cfg)),
