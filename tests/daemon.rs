@@ -24,6 +24,28 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `GET path` on 127.0.0.1:port: (status code, body).
+fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    );
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (code, body)
+}
+
 struct Daemon {
     child: Option<Child>,
     socket: PathBuf,
@@ -107,6 +129,35 @@ impl Daemon {
             return None;
         }
         serde_json::from_str(&out).ok()
+    }
+
+    /// The metrics port of the configuration the daemon started with.
+    fn metrics_port(&self) -> u16 {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        text.split("127.0.0.1:")
+            .nth(1)
+            .and_then(|t| t.split('"').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap()
+    }
+
+    /// Waits up to `secs` for `ok(status)`.
+    fn wait_status(&self, secs: u64, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.status() {
+                if ok(&s) {
+                    return;
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(secs),
+                "{what}: {:?}\n{}",
+                self.status(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn frames(&self) -> u64 {
@@ -396,6 +447,49 @@ fn daemon_recovers_when_the_null_sink_is_unloaded_and_loaded_again() {
     );
     let s = d.status().unwrap();
     assert_eq!(s["ready"], true);
+}
+
+/// The sound server dies and comes back: the daemon keeps answering, reports the devices as
+/// down (status, /healthz 503, logs, metrics), reopens them with backoff and talks again.
+#[test]
+fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
+    let mut d = Daemon::start("");
+    let port = d.metrics_port();
+    let (code, body) = http_get(port, "/healthz");
+    assert_eq!(code, 200, "{body}");
+    let h: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(h["ok"], true, "{h}");
+    assert_eq!(h["devices_alive"], true, "{h}");
+    d.pa.kill();
+    let down = |s: &serde_json::Value| {
+        ["mic.device", "speaker.device"]
+            .iter()
+            .any(|k| s["board"][*k] != "running")
+    };
+    d.wait_status(15, "devices reported down", down);
+    let (code, body) = http_get(port, "/healthz");
+    assert_eq!(code, 503, "{body}");
+    let h: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(h["devices_alive"], false, "{h}");
+    d.pa.spawn();
+    d.wait_status(30, "devices running again", |s| {
+        !down(s) && s["ready"] == true
+    });
+    // A new PulseAudio stream may stall for a second or two before it runs at its rate.
+    let f0 = d.frames();
+    d.wait_status(15, "frames flow again", |s| {
+        s["board"]["temporal.agent_frames"].as_u64().unwrap_or(0) >= f0 + 25
+    });
+    let (code, body) = http_get(port, "/healthz");
+    assert_eq!(code, 200, "{body}");
+    let (_, metrics) = http_get(port, "/metrics");
+    let errors: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("duplex_device_errors_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(errors >= 1.0, "device errors counted:\n{metrics}");
+    assert!(d.log().contains("audio device reopened"), "{}", d.log());
 }
 
 /// `(resident, anonymous)` memory of a process in kB: resident includes the pages of mapped
