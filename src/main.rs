@@ -101,12 +101,7 @@ fn main() -> ExitCode {
         .clone()
         .or_else(|| std::env::var("RUST_LOG").ok())
         .unwrap_or_else(|| "info".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    app::logging::init(&filter);
 
     let result: anyhow::Result<()> = (|| match cli.cmd {
         Cmd::Run { file, sets } => {
@@ -204,7 +199,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            app::logging::final_error(&format!("{e:#}"));
             ExitCode::from(app::exit_code(&e) as u8)
         }
     }

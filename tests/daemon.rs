@@ -492,6 +492,66 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     assert!(d.log().contains("audio device reopened"), "{}", d.log());
 }
 
+/// Under systemd (stderr is the journal stream named by `JOURNAL_STREAM`) every line carries
+/// its syslog priority and no timestamp; anywhere else the usual timestamped lines.
+#[test]
+fn logs_carry_journal_priorities_when_stderr_is_the_journal() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("stderr.log");
+    let run = |args: &[&str], journal: Option<String>| {
+        let file = std::fs::File::create(&log).unwrap();
+        let stream = journal.unwrap_or_else(|| {
+            let m = std::fs::metadata(&log).unwrap();
+            format!("{}:{}", m.dev(), m.ino())
+        });
+        let status = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(args)
+            .current_dir(root())
+            .env("JOURNAL_STREAM", stream)
+            .stdout(Stdio::null())
+            .stderr(file)
+            .status()
+            .unwrap();
+        (status.code(), std::fs::read_to_string(&log).unwrap())
+    };
+    let wav = dir.path().join("tone.wav");
+    let set = format!("stages.out.path={}", wav.display());
+    let tone = [
+        "run",
+        "pipelines/make-tone.yaml",
+        "--set",
+        &set,
+        "--set",
+        "metrics.address=",
+    ];
+    let (code, text) = run(&tone, None);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        !text.is_empty() && text.lines().all(|l| l.starts_with("<6>")),
+        "{text}"
+    );
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "bogus: 1\n").unwrap();
+    let (code, text) = run(
+        &["daemon", "--check", "--config", bad.to_str().unwrap()],
+        None,
+    );
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.starts_with("<3>error: ") && text.contains("bogus"),
+        "{text}"
+    );
+    // A journal stream that is not our stderr (inherited by a child, say): plain lines.
+    let (code, text) = run(&tone, Some("1:2".into()));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.lines()
+            .all(|l| l.starts_with("20") && l.contains(" INFO ")),
+        "{text}"
+    );
+}
+
 /// `(resident, anonymous)` memory of a process in kB: resident includes the pages of mapped
 /// files (the ONNX Runtime library, the graphs) faulted in as new code paths run; anonymous is
 /// the heap and stacks, where a leak would show.
