@@ -75,6 +75,10 @@ fn config_text(d: &Path, extra: &str) -> String {
 
 impl Daemon {
     fn start(extra: &str) -> Daemon {
+        Daemon::start_with(extra, &[])
+    }
+
+    fn start_with(extra: &str, env: &[(&str, &str)]) -> Daemon {
         let pa = Pulse::start();
         let d = pa.dir().to_path_buf();
         let config = d.join("daemon.yaml");
@@ -83,6 +87,7 @@ impl Daemon {
         let child = pa
             .duplex()
             .args(["daemon", "--config", config.to_str().unwrap()])
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -490,6 +495,63 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
         .sum();
     assert!(errors >= 1.0, "device errors counted:\n{metrics}");
     assert!(d.log().contains("audio device reopened"), "{}", d.log());
+}
+
+/// The systemd notification protocol: READY=1 once warmed up, WATCHDOG=1 at half the
+/// watchdog timeout while frames flow, none while the pipeline is stuck (the sound server
+/// frozen with SIGSTOP: the devices look open but nothing moves), again once it moves, and
+/// STOPPING=1 on SIGTERM.
+#[test]
+fn systemd_is_told_ready_fed_the_watchdog_while_frames_flow_and_told_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    // Messages received within `secs`.
+    let recv_for = |secs: f64| {
+        let mut got = Vec::new();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 256];
+        while t0.elapsed().as_secs_f64() < secs {
+            if let Ok(n) = sock.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..n]).to_string());
+            }
+        }
+        got
+    };
+    let mut d = Daemon::start_with(
+        "",
+        &[
+            ("NOTIFY_SOCKET", path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "2000000"),
+        ],
+    );
+    let got = recv_for(3.0);
+    assert_eq!(got.first().map(String::as_str), Some("READY=1"), "{got:?}");
+    assert!(
+        got.iter().filter(|m| *m == "WATCHDOG=1").count() >= 2,
+        "{got:?}"
+    );
+    d.pa.signal("-STOP");
+    recv_for(2.5);
+    let stuck = recv_for(3.0);
+    assert!(!stuck.contains(&"WATCHDOG=1".to_string()), "{stuck:?}");
+    d.pa.signal("-CONT");
+    let again = recv_for(4.0);
+    assert!(
+        again.contains(&"WATCHDOG=1".to_string()),
+        "{again:?}\n{}",
+        d.log()
+    );
+    d.wait_log("not feeding the watchdog");
+    d.wait_log("frames again: feeding the watchdog");
+    d.signal("-TERM");
+    let end = recv_for(2.0);
+    assert!(end.contains(&"STOPPING=1".to_string()), "{end:?}");
+    let status = d.child.take().unwrap().wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{}", d.log());
 }
 
 /// Under systemd (stderr is the journal stream named by `JOURNAL_STREAM`) every line carries

@@ -399,6 +399,57 @@ pub fn sd_notify(msg: &str) {
     }
 }
 
+/// Half the watchdog timeout systemd set for this process (`WATCHDOG_USEC`, `WATCHDOG_PID`),
+/// when it set one.
+fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Ok(pid) = std::env::var("WATCHDOG_PID") {
+        if pid.parse::<u32>().ok()? != std::process::id() {
+            return None;
+        }
+    }
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
+/// Feeds the systemd watchdog every `every` while the daemon does its job: frames come out of
+/// the LM, or none are expected (not ready yet or being rebuilt, paused, a device away and
+/// being reopened). A pipeline that is stuck stops feeding it, and systemd restarts the
+/// service (`Restart=on-failure`).
+fn watchdog(shared: &Shared, every: Duration) {
+    let mut last = None;
+    let mut stalled_since: Option<Instant> = None;
+    loop {
+        std::thread::sleep(every);
+        if shared.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let board = crate::control::snapshot();
+        let frames = board["temporal.agent_frames"].as_u64();
+        let devices_up = ["mic.device", "speaker.device"]
+            .iter()
+            .all(|k| board[*k].as_str().is_none_or(|s| s == "running"));
+        let expected = shared.ready.load(Ordering::Acquire)
+            && devices_up
+            && !crate::control::is_set("temporal.pause");
+        if !expected || frames != last {
+            sd_notify("WATCHDOG=1");
+            if let Some(t) = stalled_since.take() {
+                tracing::info!(
+                    after_s = format!("{:.1}", t.elapsed().as_secs_f64()),
+                    "frames again: feeding the watchdog"
+                );
+            }
+        } else if stalled_since.is_none() {
+            stalled_since = Some(Instant::now());
+            tracing::warn!(
+                "no new frame from the LM for {:.1} s: not feeding the watchdog until frames come again",
+                every.as_secs_f64()
+            );
+        }
+        last = frames;
+    }
+}
+
 struct Shared {
     started: Instant,
     ready: AtomicBool,
@@ -456,6 +507,9 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     let _signals = super::SignalGuard::install_hooks(
         move |count| {
             stop_shared.shutdown.store(true, Ordering::Release);
+            if count == 1 {
+                sd_notify("STOPPING=1");
+            }
             if let Ok(g) = stop_shared.current.lock() {
                 if let Some(h) = g.as_ref() {
                     if count == 1 {
@@ -512,9 +566,8 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                 tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
                 if first {
                     sd_notify("READY=1");
-                    loop {
-                        std::thread::sleep(Duration::from_secs(5));
-                        sd_notify("WATCHDOG=1");
+                    if let Some(every) = watchdog_interval() {
+                        watchdog(&ready_shared, every);
                     }
                 }
             });
@@ -539,7 +592,6 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         };
     };
     drop(control);
-    sd_notify("STOPPING=1");
     result
 }
 

@@ -61,6 +61,21 @@ impl Pulse {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
 
+    /// Sends `sig` (`-STOP`, `-CONT`) to the server.
+    pub fn signal(&self, sig: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .expect("server running")
+            .id()
+            .to_string();
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
     /// Kills the server (as a crash or a restart of the sound server would).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
