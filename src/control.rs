@@ -12,6 +12,7 @@ use std::sync::{Mutex, OnceLock};
 struct Board {
     switches: BTreeMap<String, bool>,
     requests: BTreeMap<String, String>,
+    replies: BTreeMap<String, Result<String, String>>,
     status: BTreeMap<String, serde_json::Value>,
 }
 
@@ -39,6 +40,34 @@ pub fn post(key: &str, payload: impl Into<String>) {
     with(|b| b.requests.insert(key.to_string(), payload.into()));
 }
 
+/// Posts a request and waits up to `timeout` for the stage that takes it to [`reply`]: `None`
+/// when no stage answered in time (the request stays pending until one takes it).
+pub fn ask(
+    key: &str,
+    payload: impl Into<String>,
+    timeout: std::time::Duration,
+) -> Option<Result<String, String>> {
+    with(|b| {
+        b.replies.remove(key);
+        b.requests.insert(key.to_string(), payload.into());
+    });
+    let end = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(r) = with(|b| b.replies.remove(key)).flatten() {
+            return Some(r);
+        }
+        if std::time::Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Answers the request last taken for `key` (see [`ask`]).
+pub fn reply(key: &str, result: Result<String, String>) {
+    with(|b| b.replies.insert(key.to_string(), result));
+}
+
 /// Takes the pending request for `key`, if any.
 pub fn take(key: &str) -> Option<String> {
     with(|b| b.requests.remove(key)).flatten()
@@ -52,7 +81,10 @@ pub fn publish(key: &str, value: impl Into<serde_json::Value>) {
 /// Forgets every pending request (a new pipeline is about to start: what the old one was
 /// asked no longer applies). Switches are the user's and stay.
 pub fn clear_requests() {
-    with(|b| b.requests.clear());
+    with(|b| {
+        b.requests.clear();
+        b.replies.clear();
+    });
 }
 
 /// Every published status value and switch.

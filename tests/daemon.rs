@@ -296,6 +296,15 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     for c in ["mute", "unmute", "pause", "resume", "reset"] {
         assert!(d.ctl(&[c]).0, "{c}");
     }
+    // A persona is answered once the LM has applied it, or refused with the reason.
+    let (ok, out) = d.ctl(&["persona", "5,6,7"]);
+    assert!(ok && out.contains("persona changed"), "{out}");
+    let (ok, out) = d.ctl(&["persona", "You are kind."]);
+    assert!(!ok && out.contains("needs a tokenizer"), "{out}");
+    let (ok, out) = d.ctl(&["persona", "1,2,99999999"]);
+    assert!(!ok && out.contains("out of range"), "{out}");
+    let (ok, out) = d.ctl(&["reset"]);
+    assert!(ok && out.contains("new conversation"), "{out}");
     // SIGHUP with a new persona: applied without a restart.
     std::fs::write(
         &d.config,

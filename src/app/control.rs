@@ -9,9 +9,12 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Commands served at once.
+const MAX_CLIENTS: usize = 8;
 
 /// What `status` answers.
 pub type Status = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
@@ -31,6 +34,19 @@ impl Drop for ControlServer {
     }
 }
 
+/// How long a command waits for the LM stage to apply it (it does at its next frame, 80 ms).
+const STAGE_ANSWER: Duration = Duration::from_secs(2);
+
+/// The reply to a command a stage applies: its answer, or "pending" when no frame came in time
+/// (paused, a device away, the pipeline being rebuilt): the request then applies at the next one.
+fn applied(answer: Option<Result<String, String>>, pending: &str) -> serde_json::Value {
+    match answer {
+        Some(Ok(done)) => serde_json::json!({ "ok": true, "done": done }),
+        Some(Err(e)) => serde_json::json!({ "ok": false, "error": e }),
+        None => serde_json::json!({ "ok": true, "pending": pending }),
+    }
+}
+
 /// Answers one command line.
 pub fn answer(line: &str, status: &Status) -> serde_json::Value {
     let line = line.trim();
@@ -47,15 +63,14 @@ pub fn answer(line: &str, status: &Status) -> serde_json::Value {
             }
             s
         }
-        ("reset", "") => {
-            crate::control::post("temporal.reset", "");
-            ok("the conversation restarts at the next frame")
-        }
-        ("persona", p) if !p.is_empty() => {
-            let p = p.trim_matches('"');
-            crate::control::post("temporal.persona", p);
-            ok("the persona changes at the next frame")
-        }
+        ("reset", "") => applied(
+            crate::control::ask("temporal.reset", "", STAGE_ANSWER),
+            "the conversation restarts at the next frame",
+        ),
+        ("persona", p) if !p.is_empty() => applied(
+            crate::control::ask("temporal.persona", p.trim_matches('"'), STAGE_ANSWER),
+            "the persona changes at the next frame",
+        ),
         ("mute", "") | ("unmute", "") => {
             crate::control::set("mic.mute", cmd == "mute");
             ok(cmd)
@@ -123,12 +138,32 @@ impl ControlServer {
         std::thread::Builder::new()
             .name("duplex:control".into())
             .spawn(move || {
+                // A command may wait for a frame boundary: each connection gets a thread, a
+                // few at a time, so that `status` answers meanwhile.
+                let busy = Arc::new(AtomicUsize::new(0));
                 for conn in listener.incoming() {
                     if sp.load(Ordering::Acquire) {
                         break;
                     }
-                    if let Ok(s) = conn {
-                        handle(s, &status);
+                    let Ok(mut s) = conn else { continue };
+                    if busy.load(Ordering::Acquire) >= MAX_CLIENTS {
+                        let _ = writeln!(
+                            s,
+                            "{}",
+                            serde_json::json!({ "ok": false, "error": "busy: too many commands at once" })
+                        );
+                        continue;
+                    }
+                    busy.fetch_add(1, Ordering::AcqRel);
+                    let (st, b) = (status.clone(), busy.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("duplex:control-client".into())
+                        .spawn(move || {
+                            handle(s, &st);
+                            b.fetch_sub(1, Ordering::AcqRel);
+                        });
+                    if spawned.is_err() {
+                        busy.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })?;

@@ -335,14 +335,28 @@ impl Stage for TemporalStage {
                     tracing::info!("persona changed: new conversation, primed again");
                     self.half.reset(false);
                     self.prime(cx)?;
+                    crate::control::reply(
+                        "temporal.persona",
+                        Ok("persona changed: new conversation, primed again".into()),
+                    );
                 }
-                Err(e) => tracing::error!("persona not changed: {e}"),
+                Err(e) => {
+                    tracing::error!("persona not changed: {e}");
+                    crate::control::reply(
+                        "temporal.persona",
+                        Err(format!("persona not changed: {e}")),
+                    );
+                }
             }
         }
         if crate::control::take("temporal.reset").is_some() {
             tracing::info!("conversation reset on request");
             self.half.reset(false);
             self.prime(cx)?;
+            crate::control::reply(
+                "temporal.reset",
+                Ok("new conversation, primed again".into()),
+            );
         }
         if crate::control::is_set("temporal.pause") {
             return Ok(());
