@@ -31,12 +31,15 @@ fn element_size(ty: TensorElementType) -> usize {
     }
 }
 
-static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
-/// Buffers allocated by this module since the process started (KV caches, bound inputs and
-/// outputs): a resident step allocates none.
+/// Buffers allocated by this module on the calling thread since it started (KV caches, bound
+/// inputs and outputs): a resident step allocates none. Per thread, so that models stepping on
+/// other threads do not count.
 pub fn buffer_allocations() -> u64 {
-    ALLOCATIONS.load(std::sync::atomic::Ordering::Relaxed)
+    ALLOCATIONS.with(|a| a.get())
 }
 
 /// A buffer allocated once, with its capacity in elements.
@@ -49,7 +52,7 @@ pub(crate) struct Buffer {
 impl Buffer {
     /// A zero-filled CPU buffer of `shape`.
     pub fn zeros(alloc: &Allocator, ty: TensorElementType, shape: &[i64]) -> ort::Result<Buffer> {
-        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ALLOCATIONS.with(|a| a.set(a.get() + 1));
         let mut tensor = DynTensor::new(alloc, ty, shape.to_vec())?;
         let capacity = shape.iter().product::<i64>().max(0) as usize;
         let bytes = capacity * element_size(ty);
