@@ -102,6 +102,7 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         consumed: 0,
         limit,
         last_mark: None,
+        published: None,
         lost: metrics::counter!(names::DEVICE_ERRORS, &labels),
         cap,
     })))
@@ -120,6 +121,8 @@ struct Mic {
     consumed: u64,
     limit: Option<u64>,
     last_mark: Option<(u64, Instant)>,
+    /// The device state last published (this loop polls every 2 ms: publish changes only).
+    published: Option<DeviceState>,
     lost: metrics::Counter,
 }
 
@@ -215,7 +218,13 @@ impl Source for Mic {
                 self.position = 0;
             }
             let status = self.cap.handle.status();
-            crate::control::publish("mic.device", format!("{:?}", status.state()).to_lowercase());
+            if self.published != Some(status.state()) {
+                self.published = Some(status.state());
+                crate::control::publish(
+                    "mic.device",
+                    format!("{:?}", status.state()).to_lowercase(),
+                );
+            }
             if status.state() == DeviceState::Failed {
                 return Err(StageError::msg(format!(
                     "microphone {:?} was lost: {} (set `reconnect: true` to reopen it)",
