@@ -530,10 +530,14 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     let result = loop {
         let pipeline = match prepared.take() {
             Some(p) => p,
-            None => match shared.config.lock() {
-                Ok(g) => build_pipeline(&g.clone())?,
-                Err(_) => break Err(anyhow::anyhow!("configuration lock poisoned")),
-            },
+            None => {
+                // Not under the lock: loading a large pack takes a while, and `status` and
+                // SIGHUP read the configuration meanwhile.
+                let Some(c) = shared.config.lock().ok().map(|g| g.clone()) else {
+                    break Err(anyhow::anyhow!("configuration lock poisoned"));
+                };
+                build_pipeline(&c)?
+            }
         };
         crate::control::clear_requests();
         crate::control::publish("temporal.ready", false);
