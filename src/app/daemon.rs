@@ -462,6 +462,9 @@ struct Shared {
     next: Mutex<Option<crate::runtime::Pipeline>>,
     /// A new pipeline is being built.
     rebuilding: AtomicBool,
+    /// The configuration of the pipeline running before a reload whose pipeline could not be
+    /// built beside it: what to go back to when it cannot be built alone either.
+    fallback: Mutex<Option<DaemonConfig>>,
     /// The daemon is stopping for good.
     shutdown: AtomicBool,
 }
@@ -482,6 +485,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         restart: AtomicBool::new(false),
         next: Mutex::new(None),
         rebuilding: AtomicBool::new(false),
+        fallback: Mutex::new(None),
         shutdown: AtomicBool::new(false),
     });
     let health_shared = shared.clone();
@@ -536,7 +540,20 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                 let Some(c) = shared.config.lock().ok().map(|g| g.clone()) else {
                     break Err(anyhow::anyhow!("configuration lock poisoned"));
                 };
-                build_pipeline(&c)?
+                let previous = shared.fallback.lock().ok().and_then(|mut f| f.take());
+                match (build_pipeline(&c), previous) {
+                    (Ok(p), _) => p,
+                    (Err(e), Some(old)) => {
+                        tracing::error!(
+                            "reload rejected: the new pipeline could not be built on its own either: {e:#}; going back to the previous configuration"
+                        );
+                        if let Ok(mut g) = shared.config.lock() {
+                            *g = old.clone();
+                        }
+                        build_pipeline(&old)?
+                    }
+                    (Err(e), None) => return Err(e),
+                }
             }
         };
         crate::control::clear_requests();
@@ -628,8 +645,11 @@ fn shared_status(shared: Arc<Shared>) -> super::control::Status {
 }
 
 /// A new pack or pipeline: builds the new pipeline beside the running one (models loaded,
-/// devices open), then stops the running one and hands the new one over. When the new one
-/// cannot be built, the running one keeps going with its configuration.
+/// devices open), then stops the running one and hands the new one over. A directory that is
+/// not a pack is rejected first, and the running pipeline keeps going. When the new pipeline
+/// cannot be built beside the running one (two packs may not fit in memory), the running one is
+/// stopped and the new one built alone; when that fails too, the old configuration is built
+/// again.
 fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
     if shared.rebuilding.swap(true, Ordering::AcqRel) {
         tracing::error!(
@@ -640,6 +660,12 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
     tracing::warn!(
         "reload: pack or pipeline changed: building the new pipeline beside the running one"
     );
+    // A pack that is not one is rejected before anything is built.
+    if let Err(e) = crate::model::pack::Pack::open(Path::new(&new.pack)) {
+        tracing::error!("reload rejected, keeping the running pipeline: {e}");
+        shared.rebuilding.store(false, Ordering::Release);
+        return;
+    }
     let sh = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("duplex:rebuild".into())
@@ -666,9 +692,26 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
                     }
                 }
                 Ok(_) => {}
-                Err(e) => tracing::error!(
-                    "reload rejected, keeping the running pipeline: the new one could not be built: {e:#}"
-                ),
+                Err(e) => {
+                    // Two packs may not fit in memory at once (one GPU): stop the running
+                    // pipeline to free what it holds and build the new one alone; the main loop
+                    // goes back to the old configuration if that fails too.
+                    tracing::warn!(
+                        "the new pipeline could not be built beside the running one ({e:#}); stopping the running one and building the new one alone"
+                    );
+                    if let Ok(mut c) = shared.config.lock() {
+                        let old = std::mem::replace(&mut *c, new);
+                        if let Ok(mut f) = shared.fallback.lock() {
+                            *f = Some(old);
+                        }
+                    }
+                    shared.restart.store(true, Ordering::Release);
+                    if let Ok(g) = shared.current.lock() {
+                        if let Some(h) = g.as_ref() {
+                            h.stop();
+                        }
+                    }
+                }
             }
             shared.rebuilding.store(false, Ordering::Release);
         });
