@@ -491,11 +491,18 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     let h: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(h["ok"], true, "{h}");
     assert_eq!(h["devices_alive"], true, "{h}");
+    let up = |s: &serde_json::Value| {
+        ["mic.device", "speaker.device"]
+            .iter()
+            .all(|k| s["board"][*k] == "running")
+    };
+    d.wait_status(10, "devices running", up);
     d.pa.kill();
+    // Reported down: a device state other than running (not yet published is not down).
     let down = |s: &serde_json::Value| {
         ["mic.device", "speaker.device"]
             .iter()
-            .any(|k| s["board"][*k] != "running")
+            .any(|k| s["board"][*k].as_str().is_some_and(|v| v != "running"))
     };
     d.wait_status(15, "devices reported down", down);
     let (code, body) = http_get(port, "/healthz");
@@ -503,9 +510,7 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     let h: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(h["devices_alive"], false, "{h}");
     d.pa.spawn();
-    d.wait_status(30, "devices running again", |s| {
-        !down(s) && s["ready"] == true
-    });
+    d.wait_status(30, "devices running again", |s| up(s) && s["ready"] == true);
     // A new PulseAudio stream may stall for a second or two before it runs at its rate.
     let f0 = d.frames();
     d.wait_status(15, "frames flow again", |s| {
