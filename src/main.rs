@@ -57,7 +57,7 @@ enum Cmd {
         /// Configuration file (default: $XDG_CONFIG_HOME/duplex/daemon.yaml).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Check the configuration and the pipeline, then exit.
+        /// Check the configuration, its pipeline, the pack and the devices, then exit.
         #[arg(long)]
         check: bool,
     },
@@ -125,11 +125,14 @@ fn main() -> ExitCode {
         }
         Cmd::Daemon { config, check } => {
             if check {
-                let c = app::daemon::check(config.as_deref())?;
+                let c = app::daemon::check_all(config.as_deref())?;
                 println!(
-                    "{}: ok (pipeline {}, control socket {})",
+                    "{}: ok (pipeline {}, pack {}, input {}, output {}, control socket {})",
                     c.file,
                     c.pipeline.display(),
+                    c.pack,
+                    c.input_device,
+                    c.output_device,
                     c.control_socket.display()
                 );
                 return Ok(());

@@ -217,6 +217,14 @@ fn check_names_the_file_and_key_of_a_bad_config() {
             "pipeline: /nonexistent.yaml\n",
             "`pipeline`: pipeline file /nonexistent.yaml not found",
         ),
+        (
+            "pack: /nonexistent-pack\n",
+            "`pack`: /nonexistent-pack: model pack directory not found",
+        ),
+        (
+            "output_device: no-such-speaker\n",
+            "`output_device`: audio output device \"no-such-speaker\": not found",
+        ),
     ] {
         let p = dir.path().join("bad.yaml");
         std::fs::write(&p, text).unwrap();

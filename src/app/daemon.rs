@@ -378,6 +378,29 @@ pub fn check(explicit: Option<&Path>) -> Result<DaemonConfig, ConfigError> {
     Ok(c)
 }
 
+/// `duplex daemon --check`, all of it: the configuration and its pipeline ([`check`]), the
+/// pack (a directory holding the four graphs and a valid manifest) and the devices (they exist
+/// now). Errors name the file and key.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file and the key (`pack`, `input_device`, `output_device`).
+pub fn check_all(explicit: Option<&Path>) -> Result<DaemonConfig, ConfigError> {
+    let c = check(explicit)?;
+    let e = |key: &str, m: String| ConfigError::new(&c.file, ConfigErrorKind::Read, m).key(key);
+    crate::model::pack::Pack::open(Path::new(&c.pack)).map_err(|err| e("pack", err.to_string()))?;
+    use crate::audio::device::{find, Direction};
+    for (key, dir, spec) in [
+        ("input_device", Direction::Input, &c.input_device),
+        ("output_device", Direction::Output, &c.output_device),
+    ] {
+        if spec != "virtual" {
+            find(dir, spec).map_err(|err| e(key, err.to_string()))?;
+        }
+    }
+    Ok(c)
+}
+
 /// Sends a systemd notification when `NOTIFY_SOCKET` is set (no-op otherwise).
 pub fn sd_notify(msg: &str) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
@@ -475,7 +498,7 @@ struct Shared {
 ///
 /// Configuration errors (exit 2) and pipeline failures (exit 1).
 pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
-    let c = check(explicit)?;
+    let c = check_all(explicit)?;
     tracing::info!(config = %c.file, pipeline = %c.pipeline.display(), "starting");
     let shared = Arc::new(Shared {
         started: Instant::now(),
