@@ -2,8 +2,8 @@
 //! with the capture instant of their newest sample. Put `resample` (to: 24000) after it.
 //!
 //! A `mic.switch` request on the [control board](crate::control) (a device spec) moves the
-//! stage to another device at the next chunk boundary, at the same sample rate, without
-//! stopping the pipeline; when the new device cannot be opened the old one is kept and the
+//! stage to another device at the next chunk boundary, at the same sample rate if the device
+//! has it (else at its own: `resample` follows rate changes), without stopping the pipeline; when the new device cannot be opened the old one is kept and the
 //! error is logged and published as `mic.switch_error`.
 
 use std::time::{Duration, Instant};
@@ -87,10 +87,8 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         "microphone open"
     );
     let chunk = ((p.float("chunk_ms") / 1000.0 * cap.rate as f64).round() as usize).max(1);
-    let limit = match p.float("duration") {
-        d if d > 0.0 => Some((d * cap.rate as f64) as u64),
-        _ => None,
-    };
+    // Seconds, not samples: a device switch may change the rate.
+    let limit = (p.float("duration") > 0.0).then(|| p.float("duration"));
     let labels = [("device", cap.handle.status().name.clone())];
     crate::control::publish("mic.name", cap.handle.status().name.clone());
     Ok(Body::Source(Box::new(Mic {
@@ -99,7 +97,9 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         ring: None,
         skip_startup: true,
         chunk,
+        chunk_ms: p.float("chunk_ms"),
         consumed: 0,
+        consumed_before: 0.0,
         limit,
         last_mark: None,
         published: None,
@@ -118,8 +118,13 @@ struct Mic {
     skip_startup: bool,
     ring: Option<CaptureRing>,
     chunk: usize,
+    chunk_ms: f64,
+    /// Samples delivered from the current device.
     consumed: u64,
-    limit: Option<u64>,
+    /// Seconds delivered from devices before a switch.
+    consumed_before: f64,
+    /// Seconds to deliver in all.
+    limit: Option<f64>,
     last_mark: Option<(u64, Instant)>,
     /// The device state last published (this loop polls every 2 ms: publish changes only).
     published: Option<DeviceState>,
@@ -127,15 +132,18 @@ struct Mic {
 }
 
 impl Mic {
-    /// Moves to device `spec` at the current rate; keeps the current device when that fails.
+    /// Seconds delivered so far.
+    fn seconds(&self) -> f64 {
+        self.consumed_before + self.consumed as f64 / self.cap.rate as f64
+    }
+
+    /// Moves to device `spec` at the current rate (or the device's own when it lacks it);
+    /// keeps the current device when that fails.
     fn switch(&mut self, spec: &str) {
         let old = self.cap.handle.status().name.clone();
-        let opened = open_capture(
-            spec,
-            Some(self.cap.rate),
-            self.reconnect,
-            Duration::from_secs(2),
-        );
+        let ring = Duration::from_secs(2);
+        let opened = open_capture(spec, Some(self.cap.rate), self.reconnect, ring)
+            .or_else(|first| open_capture(spec, None, self.reconnect, ring).map_err(|_| first));
         let cap = match opened {
             Ok(c) => c,
             Err(e) => {
@@ -154,6 +162,9 @@ impl Mic {
         self.lost = metrics::counter!(names::DEVICE_ERRORS, "device" => name);
         // The old stream closes when its handle drops; what the new one captured while
         // starting is discarded like at start-up.
+        self.chunk = ((self.chunk_ms / 1000.0 * cap.rate as f64).round() as usize).max(1);
+        self.consumed_before = self.seconds();
+        self.consumed = 0;
         self.cap = cap;
         self.ring = None;
         self.last_mark = None;
@@ -187,7 +198,7 @@ impl Source for Mic {
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
         tracing::info!(
             device = %self.cap.handle.status().name,
-            captured_s = format!("{:.2}", self.consumed as f64 / self.cap.rate as f64),
+            captured_s = format!("{:.2}", self.seconds()),
             capture_delay_ms = format!(
                 "{:.1}",
                 self.cap.capture_delay_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6
@@ -201,7 +212,8 @@ impl Source for Mic {
     fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
         loop {
             if let Some(l) = self.limit {
-                if self.consumed >= l {
+                let left = ((l - self.consumed_before) * self.cap.rate as f64).round() as u64;
+                if self.consumed >= left {
                     return Ok(Flow::Done);
                 }
             }
