@@ -797,7 +797,9 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         rebuild(shared, new);
         return;
     }
+    let mut changed = false;
     if new.persona != cur.persona || new.persona_tokens != cur.persona_tokens {
+        changed = true;
         let p = if new.persona_tokens.is_empty() {
             new.persona.clone()
         } else {
@@ -811,6 +813,7 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         tracing::info!("reload: persona changes at the next frame");
     }
     if new.sampling != cur.sampling {
+        changed = true;
         let s = &new.sampling;
         crate::control::post(
             "depformer.sampling",
@@ -833,9 +836,13 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         ),
     ] {
         if old != spec {
+            changed = true;
             tracing::info!("reload: {what} device {old:?} -> {spec:?} at the next frame");
             crate::control::post(key, spec.clone());
         }
+    }
+    if !changed {
+        tracing::info!("reload: nothing to change");
     }
     *cur = new;
 }
