@@ -536,6 +536,48 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     assert!(d.log().contains("audio device reopened"), "{}", d.log());
 }
 
+/// SIGTERM while the models are still loading: nothing to drain; exit 0 at once (systemd
+/// waits 15 s for a stop, a large pack takes longer to load), the socket removed.
+#[test]
+fn a_stop_during_start_up_exits_at_once() {
+    let pa = Pulse::start();
+    let d = pa.dir().to_path_buf();
+    let config = d.join("daemon.yaml");
+    std::fs::write(&config, config_text(&d, "")).unwrap();
+    let log = d.join("daemon.log");
+    let mut child = pa
+        .duplex()
+        .args(["daemon", "--config", config.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let socket = d.join("control.sock");
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The microphone alone takes a second or two to start: the pipeline is still being built.
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let t1 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(5), "did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(status.code(), Some(0), "{text}");
+    assert!(text.contains("while the pipeline is being built"), "{text}");
+    assert!(!socket.exists(), "socket removed");
+}
+
 /// The systemd notification protocol: READY=1 once warmed up, WATCHDOG=1 at half the
 /// watchdog timeout while frames flow, none while the pipeline is stuck (the sound server
 /// frozen with SIGSTOP: the devices look open but nothing moves), again once it moves, and

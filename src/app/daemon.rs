@@ -490,6 +490,8 @@ struct Shared {
     fallback: Mutex<Option<DaemonConfig>>,
     /// The daemon is stopping for good.
     shutdown: AtomicBool,
+    /// The control socket, once this process has bound it.
+    socket: Mutex<Option<PathBuf>>,
 }
 
 /// Runs the daemon until stopped.
@@ -510,6 +512,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         rebuilding: AtomicBool::new(false),
         fallback: Mutex::new(None),
         shutdown: AtomicBool::new(false),
+        socket: Mutex::new(None),
     });
     let health_shared = shared.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
@@ -526,8 +529,6 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         )
     });
     super::serve_metrics_at(c.metrics_address, Some(health));
-    let control =
-        super::control::ControlServer::start(&c.control_socket, shared_status(shared.clone()))?;
     let stop_shared = shared.clone();
     let reload_shared = shared.clone();
     let explicit = explicit_owned(explicit);
@@ -538,20 +539,34 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                 sd_notify("STOPPING=1");
             }
             if let Ok(g) = stop_shared.current.lock() {
-                if let Some(h) = g.as_ref() {
-                    if count == 1 {
+                match g.as_ref() {
+                    Some(h) if count == 1 => {
                         tracing::warn!(
                             "stop requested: draining the pipeline (signal again to abort)"
                         );
                         h.stop();
-                    } else {
-                        h.abort();
+                    }
+                    Some(h) => h.abort(),
+                    None => {
+                        // Still loading models: nothing to drain, and loading a large pack can
+                        // take longer than systemd waits for a stop.
+                        tracing::warn!("stop requested while the pipeline is being built: exiting");
+                        if let Some(path) = stop_shared.socket.lock().ok().and_then(|p| p.clone()) {
+                            let _ = std::fs::remove_file(path);
+                        }
+                        std::process::exit(0);
                     }
                 }
             }
         },
         move || reload(&reload_shared, explicit.clone()),
     );
+    // After the signal hooks: a stop that comes as soon as the socket is there is handled.
+    let control =
+        super::control::ControlServer::start(&c.control_socket, shared_status(shared.clone()))?;
+    if let Ok(mut s) = shared.socket.lock() {
+        *s = Some(c.control_socket.clone());
+    }
     let mut notified = false;
     let mut prepared = None;
     let result = loop {
