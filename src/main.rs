@@ -145,10 +145,15 @@ fn main() -> ExitCode {
                 None => app::daemon::load_config(None, None)?.control_socket,
             };
             let reply = app::control::send(&socket, &command.join(" "))?;
-            println!("{reply}");
-            let ok = serde_json::from_str::<serde_json::Value>(&reply)
-                .map(|v| v["ok"] == true)
-                .unwrap_or(false);
+            let parsed = serde_json::from_str::<serde_json::Value>(&reply).ok();
+            match &parsed {
+                // Indented for a person at a terminal; one line for scripts.
+                Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => {
+                    println!("{}", serde_json::to_string_pretty(v).unwrap_or(reply.clone()))
+                }
+                _ => println!("{reply}"),
+            }
+            let ok = parsed.is_some_and(|v| v["ok"] == true);
             if !ok {
                 anyhow::bail!("the daemon refused the command");
             }
