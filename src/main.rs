@@ -149,7 +149,10 @@ fn main() -> ExitCode {
             match &parsed {
                 // Indented for a person at a terminal; one line for scripts.
                 Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => {
-                    println!("{}", serde_json::to_string_pretty(v).unwrap_or(reply.clone()))
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(v).unwrap_or(reply.clone())
+                    )
                 }
                 _ => println!("{reply}"),
             }

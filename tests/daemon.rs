@@ -285,6 +285,18 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     assert_eq!(s["board"]["mic.device"], "running", "{s}");
     assert_eq!(s["board"]["speaker.device"], "running", "{s}");
     assert!(s["board"]["temporal.context"].as_u64().unwrap() > 0, "{s}");
+    // The same, as headline figures.
+    assert!(s["frames"].as_u64().unwrap() > 0, "{s}");
+    assert!(s["context"].as_u64().unwrap() > 0, "{s}");
+    assert!(s["realtime_factor"].as_f64().is_some(), "{s}");
+    assert_eq!(s["devices"]["input"]["state"], "running", "{s}");
+    assert_eq!(s["devices"]["output"]["state"], "running", "{s}");
+    assert_eq!(s["execution_providers"]["temporal"], "cpu f32", "{s}");
+    assert!(s["verdicts"]["temporal"].is_string(), "{s}");
+    assert_eq!(
+        (s["muted"].clone(), s["paused"].clone()),
+        (false.into(), false.into())
+    );
     // The socket is private and refuses garbage without dying.
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
@@ -304,6 +316,10 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     for c in ["mute", "unmute", "pause", "resume", "reset"] {
         assert!(d.ctl(&[c]).0, "{c}");
     }
+    assert!(d.ctl(&["mute"]).0);
+    assert_eq!(d.status().unwrap()["muted"], true);
+    assert!(d.ctl(&["unmute"]).0);
+    assert_eq!(d.status().unwrap()["muted"], false);
     // A persona is answered once the LM has applied it, or refused with the reason.
     let (ok, out) = d.ctl(&["persona", "5,6,7"]);
     assert!(ok && out.contains("persona changed"), "{out}");
@@ -341,7 +357,9 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     let s = d.status().unwrap();
     assert_eq!(s["board"]["mic.name"], "alsa:pulse", "{s}");
     assert_eq!(s["board"]["speaker.name"], "alsa:pulse", "{s}");
-    assert_eq!(s["devices"]["output"], "alsa:pulse", "{s}");
+    assert_eq!(s["devices"]["output"]["configured"], "alsa:pulse", "{s}");
+    assert_eq!(s["devices"]["output"]["name"], "alsa:pulse", "{s}");
+    assert_eq!(s["devices"]["input"]["name"], "alsa:pulse", "{s}");
     assert_eq!(s["ready"], true, "{s}");
     let fb = d.frames();
     std::thread::sleep(Duration::from_secs(2));

@@ -669,15 +669,44 @@ fn explicit_owned(p: Option<&Path>) -> Option<PathBuf> {
     p.map(Path::to_path_buf)
 }
 
+/// What `duplex ctl status` answers: the headline figures, then everything the stages publish
+/// (`board`).
 fn shared_status(shared: Arc<Shared>) -> super::control::Status {
     Arc::new(move || {
         let c = shared.config.lock().map(|c| c.clone()).ok();
+        let board = crate::control::snapshot();
+        let prefixed = |prefix: &str| -> serde_json::Map<String, serde_json::Value> {
+            board
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v.clone())))
+                .collect()
+        };
+        let device = |stage: &str, configured: Option<&String>| {
+            serde_json::json!({
+                "configured": configured,
+                "name": board[format!("{stage}.name")],
+                "state": board[format!("{stage}.device")],
+            })
+        };
         serde_json::json!({
             "ready": shared.ready.load(Ordering::Acquire),
-            "uptime_s": shared.started.elapsed().as_secs_f64(),
+            "uptime_s": (shared.started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
             "config": c.as_ref().map(|c| c.file.clone()),
-            "devices": c.as_ref().map(|c| serde_json::json!({"input": c.input_device, "output": c.output_device})),
-            "board": crate::control::snapshot(),
+            "pack": c.as_ref().map(|c| c.pack.clone()),
+            "frames": board["temporal.agent_frames"],
+            "context": board["temporal.context"],
+            "realtime_factor": board["realtime_factor"],
+            "muted": crate::control::is_set("mic.mute"),
+            "paused": crate::control::is_set("temporal.pause"),
+            "devices": {
+                "input": device("mic", c.as_ref().map(|c| &c.input_device)),
+                "output": device("speaker", c.as_ref().map(|c| &c.output_device)),
+            },
+            "execution_providers": prefixed("model."),
+            "verdicts": prefixed("pattern."),
+            "board": board,
         })
     })
 }
