@@ -890,3 +890,68 @@ fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
     }
     *cur = new;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    /// Defaults, then the user's file, then `DUPLEX__…` variables, each over the one before.
+    #[test]
+    fn layers_defaults_file_and_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("daemon.yaml");
+        let pipeline = concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/daemon.yaml");
+        std::fs::write(
+            &file,
+            format!(
+                "pipeline: {pipeline}\ninput_device: from-file\noutput_device: from-file\nsampling:\n  seed: 3\n"
+            ),
+        )
+        .unwrap();
+        let c = load_config(
+            Some(&file),
+            env(&[
+                ("DUPLEX__INPUT_DEVICE", "from-env"),
+                ("DUPLEX__SAMPLING__SEED", "7"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.input_device, "from-env");
+        assert_eq!(c.output_device, "from-file");
+        assert_eq!(c.sampling.seed, 7);
+        // Untouched sampling keys keep their defaults.
+        assert_eq!(c.sampling.text_top_k, 25);
+        assert_eq!(c.long_session, "reset_and_reprime");
+        assert_eq!(c.file, file.display().to_string());
+        // A bad value from the environment names the key.
+        let e = load_config(Some(&file), env(&[("DUPLEX__SAMPLING__SEED", "soon")])).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("sampling.seed"), "{e}");
+        assert!(e.to_string().contains("daemon.yaml"), "{e}");
+        // And one the daemon does not know.
+        let e = load_config(Some(&file), env(&[("DUPLEX__INPUT_DEVISE", "x")])).unwrap_err();
+        assert!(e.to_string().contains("did you mean `input_device`"), "{e}");
+    }
+
+    /// The configuration becomes overrides of the pipeline file's stages.
+    #[test]
+    fn the_configuration_becomes_pipeline_overrides() {
+        let c = load_config(None, env(&[("DUPLEX__PERSONA_TOKENS", "1,2,3")])).unwrap();
+        let sets: HashMap<String, String> = c.sets().into_iter().collect();
+        assert_eq!(sets["stages.temporal.persona_tokens"], "1,2,3");
+        assert_eq!(sets["stages.encode.pack"], c.pack);
+        assert_eq!(sets["stages.speaker.device"], c.output_device);
+        assert_eq!(
+            sets["metrics.address"], "",
+            "the daemon serves metrics itself"
+        );
+    }
+}
