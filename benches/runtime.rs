@@ -107,7 +107,7 @@ fn chain(n: u64, every: Option<Duration>) -> (Duration, SinkState) {
         .link(Link::new(prev, "sink").capacity(4));
     let p = b.build().expect("valid chain");
     let t0 = Instant::now();
-    p.start().wait().into_result().expect("clean run");
+    p.run().expect("clean run");
     let took = t0.elapsed();
     let s = std::mem::take(&mut *state.lock().unwrap());
     (took, s)
@@ -174,9 +174,7 @@ fn overlap() -> (f64, f64, f64) {
         .link(Link::new("s3", "sink"))
         .build()
         .expect("valid chain")
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .expect("clean run");
     assert_eq!(state.lock().unwrap().count, n);
     let sum: f64 = ["s1", "s2", "s3"]

@@ -118,9 +118,7 @@ fn a_late_pipeline_underruns_and_the_buffer_adapts() {
         .link(Link::new("late", "out"))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     let text = handle.render();
     let underruns = support::metric(&text, "duplex_playback_underruns_total{device=\"virtual\"}");

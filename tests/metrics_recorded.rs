@@ -30,9 +30,7 @@ fn drops_frames_and_service_times_are_exported() {
         )
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     let text = handle.render();
     let dropped = report.edge("src", "sink").unwrap().dropped;

@@ -182,9 +182,7 @@ fn token_sink_writes_the_piece_when_there_is_one() {
         .link(Link::new("src", "sink"))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     let text = std::fs::read_to_string(&out).unwrap();
     let lines: Vec<&str> = text.lines().collect();

@@ -18,9 +18,7 @@ fn run_with_slow_consumer(policy: Overflow) -> (RunReport, Vec<u64>) {
         .link(Link::new("src", "sink").capacity(4).overflow(policy))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     (report, seen.values())
 }
@@ -72,9 +70,7 @@ fn fan_out_delivers_a_copy_to_every_consumer() {
         .link(Link::new("src", "b"))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     assert_eq!(seen_a.values(), (0..50).collect::<Vec<_>>());
     assert_eq!(seen_b.values(), (0..50).collect::<Vec<_>>());
@@ -121,9 +117,7 @@ fn feedback_edge_carries_step_t_into_step_t_plus_1() {
         .link(Link::new("sample", "sink"))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     // Reference: the same recurrence in a plain loop.
     let mut want = Vec::new();
@@ -232,9 +226,7 @@ fn edge_wait_and_service_time_are_measured() {
         .link(Link::new("src", "sink").capacity(8))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     let sink = report.stage("sink").unwrap();
     assert_eq!(sink.frames, 30);

@@ -200,9 +200,7 @@ fn end_of_stream_flows_through_and_every_stage_flushes() {
         .link(Link::new("b", "sink"))
         .build()
         .unwrap()
-        .start()
-        .wait()
-        .into_result()
+        .run()
         .unwrap();
     assert_eq!(seen.values(), vec![(1..=101).sum::<u64>()]);
     assert!(seen.finished());

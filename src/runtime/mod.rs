@@ -37,9 +37,7 @@
 //!     .link(Link::new("count", "sum"))
 //!     .build()
 //!     .unwrap()
-//!     .start()
-//!     .wait()
-//!     .into_result()
+//!     .run()
 //!     .unwrap();
 //! assert_eq!(total.load(std::sync::atomic::Ordering::SeqCst), 6);
 //! assert_eq!(report.stage("sum").unwrap().frames, 3);

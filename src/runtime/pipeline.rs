@@ -222,6 +222,16 @@ impl Pipeline {
         self.nodes.iter().map(|n| n.name.clone()).collect()
     }
 
+    /// Starts the pipeline and waits until it ends: [`start`](Self::start), then
+    /// [`Running::wait`], as a result.
+    ///
+    /// # Errors
+    ///
+    /// The run's [`RunError`].
+    pub fn run(self) -> Result<RunReport, RunError> {
+        self.start().wait().into_result()
+    }
+
     /// Starts one thread per stage and returns at once.
     pub fn start(self) -> Running {
         let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(0);
