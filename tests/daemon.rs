@@ -395,8 +395,14 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     std::fs::create_dir_all(&broken).unwrap();
     std::fs::write(&d.config, with_pack(&broken)).unwrap();
     d.signal("-HUP");
-    d.wait_log("reload rejected, keeping the running pipeline");
-    assert!(d.log().contains("broken-pack"), "{}", d.log());
+    let needle = format!("`pack`: {}", broken.display());
+    d.wait_log(&needle);
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains(&needle)).unwrap();
+    assert!(
+        line.contains("reload rejected, keeping the running configuration"),
+        "{line}"
+    );
     let f3 = d.frames();
     std::thread::sleep(Duration::from_secs(1));
     assert!(d.frames() > f3, "still running on the old pack");

@@ -422,6 +422,14 @@ pub fn sd_notify(msg: &str) {
     }
 }
 
+/// No device stage reports its device as anything but running (one that has not reported yet
+/// is not down).
+fn devices_running(board: &serde_json::Value) -> bool {
+    ["mic.device", "speaker.device"]
+        .iter()
+        .all(|k| board[*k].as_str().is_none_or(|s| s == "running"))
+}
+
 /// Half the watchdog timeout systemd set for this process (`WATCHDOG_USEC`, `WATCHDOG_PID`),
 /// when it set one.
 fn watchdog_interval() -> Option<Duration> {
@@ -448,9 +456,7 @@ fn watchdog(shared: &Shared, every: Duration) {
         }
         let board = crate::control::snapshot();
         let frames = board["temporal.agent_frames"].as_u64();
-        let devices_up = ["mic.device", "speaker.device"]
-            .iter()
-            .all(|k| board[*k].as_str().is_none_or(|s| s == "running"));
+        let devices_up = devices_running(&board);
         let expected = shared.ready.load(Ordering::Acquire)
             && devices_up
             && !crate::control::is_set("temporal.pause");
@@ -479,8 +485,6 @@ struct Shared {
     config: Mutex<DaemonConfig>,
     /// Stops the pipeline running now.
     current: Mutex<Option<crate::runtime::StopHandle>>,
-    /// The pipeline stops to be replaced by `next`.
-    restart: AtomicBool,
     /// A pipeline built for a new configuration beside the running one, waiting to start.
     next: Mutex<Option<crate::runtime::Pipeline>>,
     /// A new pipeline is being built.
@@ -507,7 +511,6 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         ready: AtomicBool::new(false),
         config: Mutex::new(c.clone()),
         current: Mutex::new(None),
-        restart: AtomicBool::new(false),
         next: Mutex::new(None),
         rebuilding: AtomicBool::new(false),
         fallback: Mutex::new(None),
@@ -518,9 +521,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     let health: crate::observe::exporter::Health = Arc::new(move || {
         let ready = health_shared.ready.load(Ordering::Acquire);
         let board = crate::control::snapshot();
-        let devices = ["mic.device", "speaker.device"]
-            .iter()
-            .all(|k| board[*k].as_str().is_none_or(|s| s == "running"));
+        let devices = devices_running(&board);
         let rtf = board["realtime_factor"].as_f64().unwrap_or(0.0);
         let ok = ready && devices && rtf < 1.0;
         (
@@ -640,8 +641,11 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                 Err(anyhow::Error::new(e).context("daemon pipeline"))
             });
         }
-        if shared.restart.swap(false, Ordering::AcqRel) {
-            prepared = shared.next.lock().ok().and_then(|mut n| n.take());
+        // Stopped for a reload: a pipeline built beside this one, or (when it could not be)
+        // the new configuration to build alone.
+        prepared = shared.next.lock().ok().and_then(|mut n| n.take());
+        let alone = shared.fallback.lock().is_ok_and(|f| f.is_some());
+        if prepared.is_some() || alone {
             tracing::info!("restarting the pipeline with the new configuration");
             continue;
         }
@@ -712,8 +716,7 @@ fn shared_status(shared: Arc<Shared>) -> super::control::Status {
 }
 
 /// A new pack or pipeline: builds the new pipeline beside the running one (models loaded,
-/// devices open), then stops the running one and hands the new one over. A directory that is
-/// not a pack is rejected first, and the running pipeline keeps going. When the new pipeline
+/// devices open), then stops the running one and hands the new one over. When the new pipeline
 /// cannot be built beside the running one (two packs may not fit in memory), the running one is
 /// stopped and the new one built alone; when that fails too, the old configuration is built
 /// again.
@@ -727,12 +730,6 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
     tracing::warn!(
         "reload: pack or pipeline changed: building the new pipeline beside the running one"
     );
-    // A pack that is not one is rejected before anything is built.
-    if let Err(e) = crate::model::pack::Pack::open(Path::new(&new.pack)) {
-        tracing::error!("reload rejected, keeping the running pipeline: {e}");
-        shared.rebuilding.store(false, Ordering::Release);
-        return;
-    }
     let sh = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("duplex:rebuild".into())
@@ -751,7 +748,6 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
                     if let Ok(mut c) = shared.config.lock() {
                         *c = new;
                     }
-                    shared.restart.store(true, Ordering::Release);
                     if let Ok(g) = shared.current.lock() {
                         if let Some(h) = g.as_ref() {
                             h.stop();
@@ -772,7 +768,6 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
                             *f = Some(old);
                         }
                     }
-                    shared.restart.store(true, Ordering::Release);
                     if let Ok(g) = shared.current.lock() {
                         if let Some(h) = g.as_ref() {
                             h.stop();
@@ -788,29 +783,10 @@ fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
     }
 }
 
-/// The configured devices exist (`virtual` always does).
-fn check_devices(c: &DaemonConfig) -> Result<(), crate::audio::AudioError> {
-    use crate::audio::device::{find, Direction};
-    for (dir, spec) in [
-        (Direction::Input, &c.input_device),
-        (Direction::Output, &c.output_device),
-    ] {
-        if spec != "virtual" {
-            find(dir, spec)?;
-        }
-    }
-    Ok(())
-}
-
 /// SIGHUP: read the configuration again; apply persona and sampling at the next frame
 /// boundary; reject an invalid configuration and keep running.
 fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
-    let new = match check(explicit.as_deref())
-        .map_err(anyhow::Error::new)
-        .and_then(|c| {
-            check_devices(&c)?;
-            Ok(c)
-        }) {
+    let new = match check_all(explicit.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!("reload rejected, keeping the running configuration: {e:#}");
