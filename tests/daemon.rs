@@ -46,6 +46,18 @@ fn http_get(port: u16, path: &str) -> (u16, String) {
     (code, body)
 }
 
+/// The child's exit status, if it exits within `limit`.
+fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
 struct Daemon {
     child: Option<Child>,
     socket: PathBuf,
@@ -99,20 +111,7 @@ impl Daemon {
             pa,
             log,
         };
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = dm.status() {
-                if s["ready"] == true {
-                    break;
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "not ready: {}",
-                dm.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        dm.wait_status(60, "not ready", |s| s["ready"] == true);
         dm
     }
 
@@ -455,18 +454,8 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     // SIGTERM: a clean exit 0 within a bounded time.
     d.signal("-TERM");
     let mut child = d.child.take().unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "did not stop: {}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_exit(&mut child, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("did not stop: {}", d.log()));
     assert_eq!(status.code(), Some(0), "{}", d.log());
     assert!(!d.socket.exists(), "the socket is removed");
 }
@@ -588,14 +577,7 @@ fn a_stop_during_start_up_exits_at_once() {
         .status()
         .unwrap()
         .success());
-    let t1 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t1.elapsed() < Duration::from_secs(5), "did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit(&mut child, Duration::from_secs(5)).expect("did not exit");
     let text = std::fs::read_to_string(&log).unwrap();
     assert_eq!(status.code(), Some(0), "{text}");
     assert!(text.contains("while the pipeline is being built"), "{text}");

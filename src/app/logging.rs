@@ -65,7 +65,7 @@ pub fn init(filter: &str) {
         .with_writer(std::io::stderr)
         .with_target(false);
     if stderr_is_journal() {
-        let inner = format()
+        let inner = format::Format::default()
             .without_time()
             .with_level(false)
             .with_target(false)
@@ -79,10 +79,6 @@ pub fn init(filter: &str) {
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
     }
-}
-
-fn format() -> format::Format {
-    format::Format::default()
 }
 
 /// Writes the final error of a command to stderr (with the error priority in the journal).

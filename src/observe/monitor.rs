@@ -12,9 +12,9 @@ use crate::runtime::Observer;
 struct StageMon {
     name: String,
     diag: Mutex<Diagnoser>,
-    busy: Mutex<(Instant, Duration)>,
-    /// Frames seen in the current 1 s utilization window (for the frame period).
-    frames: AtomicU64,
+    /// The current 1 s utilization window: its start, the time spent in the stage, and the
+    /// frames seen (for the frame period).
+    busy: Mutex<(Instant, Duration, u64)>,
     utilization: AtomicU64,
     slope: metrics::Gauge,
     bimodality: metrics::Gauge,
@@ -44,8 +44,7 @@ impl Monitor {
                 StageMon {
                     name: n.clone(),
                     diag: Mutex::new(Diagnoser::new(cfg)),
-                    busy: Mutex::new((Instant::now(), Duration::ZERO)),
-                    frames: AtomicU64::new(0),
+                    busy: Mutex::new((Instant::now(), Duration::ZERO, 0)),
                     utilization: AtomicU64::new(0f64.to_bits()),
                     slope: metrics::gauge!(names::LATENCY_TREND, &l),
                     bimodality: metrics::gauge!(names::LATENCY_BIMODALITY, &l),
@@ -78,13 +77,12 @@ impl Observer for Monitor {
         let mut period = None;
         if let Ok(mut b) = s.busy.lock() {
             b.1 += took;
-            let n = s.frames.fetch_add(1, Ordering::Relaxed) + 1;
+            b.2 += 1;
             let wall = b.0.elapsed();
             if wall >= Duration::from_secs(1) {
                 let u = b.1.as_secs_f64() / wall.as_secs_f64();
-                period = Some(wall.as_secs_f64() / n as f64);
-                s.frames.store(0, Ordering::Relaxed);
-                *b = (Instant::now(), Duration::ZERO);
+                period = Some(wall.as_secs_f64() / b.2 as f64);
+                *b = (Instant::now(), Duration::ZERO, 0);
                 s.utilization.store(u.to_bits(), Ordering::Relaxed);
                 s.util_gauge.set(u);
                 let max = self

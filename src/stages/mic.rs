@@ -12,7 +12,7 @@ use ringbuf::traits::{Consumer, Observer};
 
 use crate::audio::device::DeviceState;
 use crate::audio::live::{open_capture, Capture, CaptureRing};
-use crate::audio::Pcm;
+use crate::audio::{AudioError, Pcm};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageError, StageResult};
@@ -70,33 +70,21 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         0 => None,
         r => Some(r as u32),
     };
-    let cap = open_capture(
-        p.str("device"),
-        rate,
-        p.bool("reconnect"),
-        Duration::from_secs(2),
-    )
-    .map_err(|e| e.to_string())?;
-    if !cap.wait_ready(Duration::from_secs(5)) {
-        tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
-    }
+    let cap = open(p.str("device"), rate, p.bool("reconnect")).map_err(|e| e.to_string())?;
     tracing::info!(
         device = %cap.handle.status().name,
         rate = cap.rate,
         channels = cap.channels,
         "microphone open"
     );
-    let chunk = ((p.float("chunk_ms") / 1000.0 * cap.rate as f64).round() as usize).max(1);
     // Seconds, not samples: a device switch may change the rate.
     let limit = (p.float("duration") > 0.0).then(|| p.float("duration"));
     let labels = [("device", cap.handle.status().name.clone())];
-    crate::control::publish("mic.name", cap.handle.status().name.clone());
     Ok(Body::Source(Box::new(Mic {
         reconnect: p.bool("reconnect"),
         position: 0,
         ring: None,
         skip_startup: true,
-        chunk,
         chunk_ms: p.float("chunk_ms"),
         consumed: 0,
         consumed_before: 0.0,
@@ -108,6 +96,16 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
     })))
 }
 
+/// Opens the capture device (`rate`, or its own) and waits for it to deliver audio at its rate.
+fn open(spec: &str, rate: Option<u32>, reconnect: bool) -> Result<Capture, AudioError> {
+    let cap = open_capture(spec, rate, reconnect, Duration::from_secs(2))?;
+    if !cap.wait_ready(Duration::from_secs(5)) {
+        tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
+    }
+    crate::control::publish("mic.name", cap.handle.status().name.clone());
+    Ok(cap)
+}
+
 struct Mic {
     cap: Capture,
     reconnect: bool,
@@ -117,7 +115,6 @@ struct Mic {
     /// Discard what was captured before the pipeline started.
     skip_startup: bool,
     ring: Option<CaptureRing>,
-    chunk: usize,
     chunk_ms: f64,
     /// Samples delivered from the current device.
     consumed: u64,
@@ -132,6 +129,11 @@ struct Mic {
 }
 
 impl Mic {
+    /// Samples per frame at the current device's rate.
+    fn chunk(&self) -> usize {
+        ((self.chunk_ms / 1000.0 * self.cap.rate as f64).round() as usize).max(1)
+    }
+
     /// Seconds delivered so far.
     fn seconds(&self) -> f64 {
         self.consumed_before + self.consumed as f64 / self.cap.rate as f64
@@ -141,9 +143,8 @@ impl Mic {
     /// keeps the current device when that fails.
     fn switch(&mut self, spec: &str) {
         let old = self.cap.handle.status().name.clone();
-        let ring = Duration::from_secs(2);
-        let opened = open_capture(spec, Some(self.cap.rate), self.reconnect, ring)
-            .or_else(|first| open_capture(spec, None, self.reconnect, ring).map_err(|_| first));
+        let opened = open(spec, Some(self.cap.rate), self.reconnect)
+            .or_else(|first| open(spec, None, self.reconnect).map_err(|_| first));
         let cap = match opened {
             Ok(c) => c,
             Err(e) => {
@@ -152,17 +153,12 @@ impl Mic {
                 return;
             }
         };
-        if !cap.wait_ready(Duration::from_secs(5)) {
-            tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
-        }
         let name = cap.handle.status().name.clone();
         tracing::info!(from = %old, to = %name, rate = cap.rate, "microphone switched");
-        crate::control::publish("mic.name", name.clone());
         crate::control::publish("mic.switch_error", serde_json::Value::Null);
         self.lost = metrics::counter!(names::DEVICE_ERRORS, "device" => name);
         // The old stream closes when its handle drops; what the new one captured while
         // starting is discarded like at start-up.
-        self.chunk = ((self.chunk_ms / 1000.0 * cap.rate as f64).round() as usize).max(1);
         self.consumed_before = self.seconds();
         self.consumed = 0;
         self.cap = cap;
@@ -256,8 +252,9 @@ impl Source for Mic {
                 .as_ref()
                 .map(|r| r.samples.occupied_len())
                 .unwrap_or(0);
-            if ready >= self.chunk {
-                let mut samples = vec![0.0f32; self.chunk];
+            let chunk = self.chunk();
+            if ready >= chunk {
+                let mut samples = vec![0.0f32; chunk];
                 let n = self
                     .ring
                     .as_mut()
