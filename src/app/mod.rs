@@ -214,12 +214,14 @@ impl SignalGuard {
     }
 
     /// Installs handlers: SIGINT/SIGTERM call `stop` with the number of stop signals so far,
-    /// SIGHUP calls `reload`.
+    /// SIGHUP calls `reload`. Returns once they are in place, so that a signal sent from then
+    /// on reaches them rather than the default action.
     pub fn install_hooks(
         stop: impl Fn(u32) + Send + 'static,
         reload: impl Fn() + Send + 'static,
     ) -> Self {
         let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<()>(1);
         let thread = std::thread::Builder::new()
             .name("duplex:signals".into())
             .spawn(move || {
@@ -230,21 +232,20 @@ impl SignalGuard {
                     return;
                 };
                 rt.block_on(async move {
-                    let Ok(mut term) =
-                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    else {
+                    use tokio::signal::unix::{signal, SignalKind};
+                    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+                        signal(SignalKind::interrupt()),
+                        signal(SignalKind::terminate()),
+                        signal(SignalKind::hangup()),
+                    ) else {
                         return;
                     };
-                    let Ok(mut hup) =
-                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-                    else {
-                        return;
-                    };
+                    let _ = ready_tx.send(());
                     let mut count = 0;
                     loop {
                         tokio::select! {
                             _ = &mut rx => return,
-                            _ = tokio::signal::ctrl_c() => {}
+                            _ = int.recv() => {}
                             _ = term.recv() => {}
                             _ = hup.recv() => {
                                 reload();
@@ -257,6 +258,8 @@ impl SignalGuard {
                 });
             })
             .ok();
+        // Fails at once when the thread could not register them (its sender is gone).
+        let _ = ready_rx.recv_timeout(std::time::Duration::from_secs(5));
         SignalGuard {
             stop: Some(tx),
             thread,
