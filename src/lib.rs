@@ -25,6 +25,7 @@ pub mod app;
 pub mod audio;
 pub mod config;
 pub mod control;
+pub mod files;
 pub mod model;
 pub mod observe;
 pub mod runtime;

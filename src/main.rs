@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use duplex::app;
-use duplex::config::LoadOptions;
+use duplex::config::{LoadOptions, Override};
 use duplex::stages::Registry;
 
 #[derive(Parser)]
@@ -79,19 +79,27 @@ enum Cmd {
     },
 }
 
-fn parse_sets(sets: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+fn parse_sets(sets: &[String]) -> anyhow::Result<Vec<Override>> {
     sets.iter()
         .map(|s| match s.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
-            _ => Err(anyhow::Error::new(duplex::config::ConfigError {
-                file: "--set".into(),
-                stage: None,
-                key: None,
-                kind: duplex::config::ConfigErrorKind::Syntax,
-                message: format!("{s:?} is not KEY=VALUE"),
-            })),
+            Some((k, v)) if !k.trim().is_empty() => Ok(Override::set(k.trim(), v)),
+            _ => Err(anyhow::Error::new(duplex::config::ConfigError::new(
+                "--set",
+                duplex::config::ConfigErrorKind::Syntax,
+                format!("{s:?} is not KEY=VALUE (e.g. --set stages.source.path=in.wav)"),
+            ))),
         })
         .collect()
+}
+
+/// Writes to stdout. A closed or full stdout is an error of the command (exit 1, said on
+/// stderr), never a panic.
+fn out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    o.write_all(text.as_bytes())
+        .and_then(|()| o.flush())
+        .map_err(|e| anyhow::anyhow!("writing to standard output: {e}"))
 }
 
 fn main() -> ExitCode {
@@ -107,54 +115,50 @@ fn main() -> ExitCode {
         Cmd::Run { file, sets } => {
             let sets = parse_sets(&sets)?;
             let report = app::run_file(&file, &sets)?;
-            println!("{}", app::timing_table(&report));
-            Ok(())
+            out(&format!("{}\n", app::timing_table(&report)))
         }
         Cmd::Validate { file, sets } => {
             let opts = LoadOptions {
                 sets: parse_sets(&sets)?,
                 env: None,
             };
-            print!("{}", app::validate(&file, &opts, &Registry::builtin())?);
-            Ok(())
+            out(&app::validate(&file, &opts, &Registry::builtin())?)
         }
         Cmd::Replay(args) => {
             let report = app::replay(&args)?;
-            eprintln!("{}", app::timing_table(&report));
+            app::logging::report(&app::timing_table(&report));
             Ok(())
         }
         Cmd::Daemon { config, check } => {
             if check {
-                let c = app::daemon::check_all(config.as_deref())?;
-                println!(
-                    "{}: ok (pipeline {}, pack {}, input {}, output {}, control socket {})",
+                let c = app::daemon::check(config.as_deref())?;
+                return out(&format!(
+                    "{}: ok (pipeline {}, pack {}, input {}, output {}, control socket {})\n",
                     c.file,
                     c.pipeline.display(),
                     c.pack,
                     c.input_device,
                     c.output_device,
                     c.control_socket.display()
-                );
-                return Ok(());
+                ));
             }
             app::daemon::run(config.as_deref())
         }
         Cmd::Ctl { socket, command } => {
+            // Only the socket is looked up: `ctl` works from any directory.
             let socket = match socket {
                 Some(s) => s,
-                None => app::daemon::load_config(None, None)?.control_socket,
+                None => app::daemon::control_socket(None, None)?,
             };
             let reply = app::control::send(&socket, &command.join(" "))?;
             let parsed = serde_json::from_str::<serde_json::Value>(&reply).ok();
             match &parsed {
                 // Indented for a person at a terminal; one line for scripts.
-                Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(v).unwrap_or(reply.clone())
-                    )
-                }
-                _ => println!("{reply}"),
+                Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => out(&format!(
+                    "{}\n",
+                    serde_json::to_string_pretty(v).unwrap_or(reply.clone())
+                ))?,
+                _ => out(&format!("{reply}\n"))?,
             }
             let ok = parsed.is_some_and(|v| v["ok"] == true);
             if !ok {
@@ -163,13 +167,14 @@ fn main() -> ExitCode {
             Ok(())
         }
         Cmd::Devices { verbose } => {
-            let list = duplex::audio::device::list();
-            if list.is_empty() {
-                println!("no sound devices (is a sound server running?)");
+            let (list, noise) = duplex::audio::device::capture_stderr(duplex::audio::device::list);
+            for line in noise.iter().filter(|l| !l.trim().is_empty()) {
+                tracing::debug!(target: "duplex::sound_libraries", "{line}");
             }
-            for d in list {
-                println!(
-                    "{:<6} {}{}{}",
+            let mut text = String::new();
+            for d in &list {
+                text.push_str(&format!(
+                    "{:<6} {}{}{}\n",
                     d.direction.name(),
                     d.id,
                     if d.description.is_empty() || d.description == d.id {
@@ -178,33 +183,41 @@ fn main() -> ExitCode {
                         format!("  ({})", d.description)
                     },
                     if d.is_default { "  [default]" } else { "" }
-                );
+                ));
                 if let Some(c) = &d.default_config {
-                    println!("         default: {c}");
+                    text.push_str(&format!("         default: {c}\n"));
                 }
                 if verbose {
                     for c in &d.configs {
-                        println!("         supports: {c}");
+                        text.push_str(&format!("         supports: {c}\n"));
                     }
                 }
             }
+            out(&text)?;
+            // `alsa:null` always opens, and discards or invents everything: not a device.
+            if !list
+                .iter()
+                .any(|d| d.default_config.is_some() && d.id != "alsa:null")
+            {
+                anyhow::bail!(
+                    "no usable sound device (none opens, but alsa:null, which plays nothing and records silence){}",
+                    duplex::audio::device::server_hint()
+                );
+            }
             Ok(())
         }
-        Cmd::Stages => {
-            print!("{}", Registry::builtin().describe());
-            Ok(())
-        }
+        Cmd::Stages => out(&Registry::builtin().describe()),
         Cmd::Doctor { ort_lib } => {
             let lib = duplex::model::ortlib::environment(ort_lib.as_deref())?;
-            println!(
-                "onnxruntime: {} (found via {})",
+            let mut text = format!(
+                "onnxruntime: {} (found via {})\n",
                 lib.path.display(),
                 lib.origin
             );
             if let Some(info) = duplex::model::ortlib::build_info() {
-                println!("build: {info}");
+                text.push_str(&format!("build: {info}\n"));
             }
-            Ok(())
+            out(&text)
         }
     })();
     match result {

@@ -132,7 +132,9 @@ fn a_missing_device_is_named_with_the_devices_there_are() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("stage `mic`: audio input device \"no such mic\": not found (available:"),
+        err.contains(
+            "stage `mic`: `device`: audio input device \"no such mic\": not found (available:"
+        ),
         "{err}"
     );
     assert!(err.contains("alsa:default"), "{err}");

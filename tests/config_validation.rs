@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use duplex::app;
-use duplex::config::{ConfigErrorKind, LoadOptions};
+use duplex::config::{ConfigErrorKind, LoadOptions, Override};
 use duplex::runtime::{Body, PortSpec};
 use duplex::stages::{Registry, StageKind};
 
@@ -258,21 +258,23 @@ fn environment_and_set_override_the_file() {
     assert_eq!(spec.stages[1].params.int("to"), 8000);
     // --set wins over the environment.
     let opts = LoadOptions {
-        sets: vec![("stages.down.to".into(), "12000".into())],
+        sets: vec![Override::set("stages.down.to", "12000")],
         env: Some(env),
     };
     let (spec, _) = app::build(&p, &opts, &Registry::builtin()).unwrap();
     assert_eq!(spec.stages[1].params.int("to"), 12000);
-    // A mistyped value from the environment is reported as such.
+    // A mistyped value from the environment is reported as such: the variable leads.
     let opts = LoadOptions {
         sets: vec![],
         env: Some([("DUPLEX__STAGES__DOWN__TO".to_string(), "fast".to_string())].into()),
     };
     let e = app::validate(&p, &opts, &Registry::builtin()).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("got \"fast\" (a string) from the environment"),
-        "{e}"
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "environment variable DUPLEX__STAGES__DOWN__TO (over {}): stage `down`: `to`: expected integer 1000..=768000, got \"fast\" (a string)",
+            p.display()
+        )
     );
 }
 
@@ -283,7 +285,7 @@ fn a_stage_that_cannot_be_built_names_its_file() {
     );
     assert_eq!(e.kind, ConfigErrorKind::Build);
     assert!(
-        msg.starts_with("p.yaml: stage `src`: /nonexistent/in.wav: No such file"),
+        msg.starts_with("p.yaml: stage `src`: `path`: /nonexistent/in.wav: No such file"),
         "{msg}"
     );
 }

@@ -1,200 +1,19 @@
 //! `duplex daemon` against a private PulseAudio null sink and the tiny pack: readiness, the
 //! control socket, reload on SIGHUP, recovery from a lost device, graceful stop.
 
+#[path = "support/daemon.rs"]
+mod daemon;
 #[path = "support/packs.rs"]
 mod packs;
 #[path = "support/pulse.rs"]
 mod pulse;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use daemon::{config_text, http_get, root, wait_exit, Daemon};
 use pulse::Pulse;
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `GET path` on 127.0.0.1:port: (status code, body).
-fn http_get(port: u16, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    );
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    let code = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-    (code, body)
-}
-
-/// The child's exit status, if it exits within `limit`.
-fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        if let Some(s) = child.try_wait().unwrap() {
-            return Some(s);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
-}
-
-struct Daemon {
-    child: Option<Child>,
-    socket: PathBuf,
-    config: PathBuf,
-    pa: Pulse,
-    log: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn config_text(d: &Path, extra: &str) -> String {
-    format!(
-        "pipeline: {}\npack: {}\nmetrics_address: \"127.0.0.1:{}\"\ncontrol_socket: {}/control.sock\n{extra}",
-        root().join("pipelines/daemon.yaml").display(),
-        packs::pack("tiny-gqa").display(),
-        free_port(),
-        d.display()
-    )
-}
-
-impl Daemon {
-    fn start(extra: &str) -> Daemon {
-        Daemon::start_with(extra, &[])
-    }
-
-    fn start_with(extra: &str, env: &[(&str, &str)]) -> Daemon {
-        let pa = Pulse::start();
-        let d = pa.dir().to_path_buf();
-        let config = d.join("daemon.yaml");
-        std::fs::write(&config, config_text(&d, extra)).unwrap();
-        let log = d.join("daemon.log");
-        let child = pa
-            .duplex()
-            .args(["daemon", "--config", config.to_str().unwrap()])
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let dm = Daemon {
-            child: Some(child),
-            socket: d.join("control.sock"),
-            config,
-            pa,
-            log,
-        };
-        dm.wait_status(60, "not ready", |s| s["ready"] == true);
-        dm
-    }
-
-    fn ctl(&self, cmd: &[&str]) -> (bool, String) {
-        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
-            .args(["ctl", "--socket", self.socket.to_str().unwrap()])
-            .args(cmd)
-            .output()
-            .unwrap();
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        )
-    }
-
-    fn status(&self) -> Option<serde_json::Value> {
-        let (ok, out) = self.ctl(&["status"]);
-        if !ok {
-            return None;
-        }
-        serde_json::from_str(&out).ok()
-    }
-
-    /// The metrics port of the configuration the daemon started with.
-    fn metrics_port(&self) -> u16 {
-        let text = std::fs::read_to_string(&self.config).unwrap();
-        text.split("127.0.0.1:")
-            .nth(1)
-            .and_then(|t| t.split('"').next())
-            .and_then(|p| p.parse().ok())
-            .unwrap()
-    }
-
-    /// Waits up to `secs` for `ok(status)`.
-    fn wait_status(&self, secs: u64, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = self.status() {
-                if ok(&s) {
-                    return;
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(secs),
-                "{what}: {:?}\n{}",
-                self.status(),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn frames(&self) -> u64 {
-        self.status()
-            .and_then(|s| s["board"]["temporal.agent_frames"].as_u64())
-            .unwrap_or(0)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn signal(&self, sig: &str) {
-        let pid = self.child.as_ref().unwrap().id().to_string();
-        assert!(Command::new("kill")
-            .args([sig, &pid])
-            .status()
-            .unwrap()
-            .success());
-    }
-
-    fn wait_log(&self, needle: &str) {
-        let t0 = Instant::now();
-        while !self.log().contains(needle) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "no {needle:?} in\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
 
 #[test]
 fn check_names_the_file_and_key_of_a_bad_config() {
@@ -214,7 +33,7 @@ fn check_names_the_file_and_key_of_a_bad_config() {
         ),
         (
             "pipeline: /nonexistent.yaml\n",
-            "`pipeline`: pipeline file /nonexistent.yaml not found",
+            "`pipeline`: pipeline file /nonexistent.yaml: No such file",
         ),
         (
             "pack: /nonexistent-pack\n",
@@ -239,14 +58,240 @@ fn check_names_the_file_and_key_of_a_bad_config() {
             "{want}: {err}"
         );
     }
-    // The defaults are valid.
-    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+    // The defaults are valid (with a sound server: `--check` opens the devices).
+    let pa = Pulse::start();
+    let o = pa
+        .duplex()
         .args(["daemon", "--check"])
         .env("XDG_CONFIG_HOME", dir.path())
         .current_dir(root())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Regression: `--check` said "ok" for configurations the daemon then refused at start (exit
+/// 2), and errors named `pipelines/daemon.yaml` (or `defaults:`) instead of the daemon's file
+/// and key. Now `--check` runs every check start-up runs (it builds the pipeline), and each
+/// error names the daemon's file, or the variable, and the key.
+#[test]
+fn check_runs_every_check_that_start_up_runs() {
+    let pa = Pulse::start();
+    let d = pa.dir();
+    let empty_wav = d.join("empty.wav");
+    std::fs::write(&empty_wav, b"").unwrap();
+    let garbage = d.join("garbage.model");
+    std::fs::write(&garbage, b"this is not a SentencePiece model").unwrap();
+    let (_swapped_dir, swapped) = packs::variant("tiny-gqa", "");
+    for (a, b) in [("temporal", "depformer"), ("depformer", "temporal")] {
+        std::fs::remove_file(swapped.join(a)).unwrap();
+        std::os::unix::fs::symlink(packs::pack("tiny-gqa").join(b), swapped.join(a)).unwrap();
+    }
+    let config = d.join("daemon.yaml");
+    let check = |extra: &str, env: &[(&str, &str)]| {
+        std::fs::write(&config, config_text(d, extra)).unwrap();
+        let run = |args: &[&str]| {
+            let o = pa
+                .duplex()
+                .args(args)
+                .args(["--config", config.to_str().unwrap()])
+                .envs(env.iter().copied())
+                .current_dir(root())
+                .output()
+                .unwrap();
+            (
+                o.status.code(),
+                String::from_utf8_lossy(&o.stderr).to_string(),
+            )
+        };
+        (run(&["daemon", "--check"]), run(&["daemon"]))
+    };
+    let file = config.display().to_string();
+    for (extra, env, lead, want) in [
+        (
+            "persona_tokens: [10, 99999]\n",
+            &[][..],
+            file.clone(),
+            "`persona_tokens`: persona token 99999 is out of range 0..32000",
+        ),
+        (
+            "persona: \"You are kind.\"\n",
+            &[],
+            file.clone(),
+            "`persona`: `persona` text needs a tokenizer",
+        ),
+        (
+            &format!("voice: {}\n", empty_wav.display()),
+            &[],
+            file.clone(),
+            "`voice`: ",
+        ),
+        (
+            &format!("tokenizer: {}\n", garbage.display()),
+            &[],
+            file.clone(),
+            "`tokenizer`: ",
+        ),
+        (
+            "",
+            &[("DUPLEX__PACK", swapped.to_str().unwrap())],
+            "environment variable DUPLEX__PACK".into(),
+            "`pack`: temporal: missing input `input_frame`",
+        ),
+        (
+            "",
+            &[("DUPLEX__PERSONA_TOKENS", "[1, 99999]")],
+            "environment variable DUPLEX__PERSONA_TOKENS".into(),
+            "`persona_tokens`: persona token 99999 is out of range",
+        ),
+        (
+            "",
+            &[("PULSE_SERVER", "unix:/nonexistent/socket")],
+            "configs/daemon.yaml (built in): `input_device`".into(),
+            "audio input device \"alsa:default\": no usable configuration",
+        ),
+    ] {
+        let ((code, err), (start_code, start_err)) = check(extra, env);
+        assert_eq!(code, Some(2), "--check {extra:?} {env:?}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or(&err);
+        assert!(
+            line.starts_with(&format!("error: {lead}")) && line.contains(want),
+            "--check {extra:?} {env:?}: {want}: {err}"
+        );
+        // The daemon refuses it at start the same way: --check said no more, no less.
+        assert_eq!(start_code, Some(2), "{start_err}");
+        let start_line = start_err
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or(&start_err);
+        assert_eq!(start_line, line);
+    }
+}
+
+/// Regression: `control_socket:` naming an existing file replaced it with a socket (and
+/// removed it at exit), and one in an existing directory set that directory to 0700 for good;
+/// `--check` said ok.
+#[test]
+fn the_control_socket_never_harms_what_is_already_there() {
+    use std::os::unix::fs::PermissionsExt;
+    let pa = Pulse::start();
+    let d = &pa.dir().to_path_buf();
+    let precious = d.join("precious.txt");
+    std::fs::write(&precious, "keep me").unwrap();
+    let config = d.join("daemon.yaml");
+    let base = config_text(d, "");
+    let with_socket = |sock: &Path| {
+        base.lines()
+            .filter(|l| !l.starts_with("control_socket:"))
+            .chain([format!("control_socket: {}", sock.display()).as_str()])
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    std::fs::write(&config, with_socket(&precious)).unwrap();
+    for args in [&["daemon", "--check"][..], &["daemon"]] {
+        let o = pa
+            .duplex()
+            .args(args)
+            .args(["--config", config.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("`control_socket`") && err.contains("is a regular file, not a socket"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&precious).unwrap(), "keep me");
+    }
+    // An existing directory keeps its mode; the socket in it is private.
+    let shared = d.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sock = shared.join("x.sock");
+    let mut dm = Daemon::start_with_config(pa, &with_socket(&sock));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&shared), 0o755);
+    assert_eq!(mode(&sock), 0o600);
+    // A second daemon on the same socket is refused, and the first keeps it.
+    let o = dm
+        .pa
+        .duplex()
+        .args(["daemon", "--check", "--config", dm.config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("another daemon is already listening there"),
+        "{err}"
+    );
+    assert!(dm.status().is_some());
+    dm.signal("-TERM");
+    let status = wait_exit(dm.child.as_mut().unwrap(), Duration::from_secs(10)).unwrap();
+    assert_eq!(status.code(), Some(0), "{}", dm.log());
+    assert!(!sock.exists(), "its own socket is removed");
+    assert_eq!(mode(&shared), 0o755);
+    // Directories it creates are private.
+    let fresh = d.join("fresh/deeper/x.sock");
+    let second = Daemon::start_with_config(Pulse::start(), &with_socket(&fresh));
+    assert_eq!(mode(&d.join("fresh")), 0o700);
+    assert_eq!(mode(&d.join("fresh/deeper")), 0o700);
+    drop(second);
+    drop(dm);
+}
+
+/// Regression: `duplex ctl` failed outside the checkout (``defaults: `pipeline`: pipeline file
+/// pipelines/daemon.yaml not found``) while the daemon ran: finding the socket needed the
+/// pipeline file.
+#[test]
+fn ctl_finds_the_daemon_from_any_directory() {
+    let pa = Pulse::start();
+    let home = pa.dir().join("config");
+    std::fs::create_dir_all(home.join("duplex")).unwrap();
+    // The user's file with the default, relative pipeline path and the default socket.
+    let text = config_text(pa.dir(), "")
+        .lines()
+        .filter(|l| !l.starts_with("pipeline:") && !l.starts_with("control_socket:"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(home.join("duplex/daemon.yaml"), &text).unwrap();
+    let mut child = pa
+        .duplex()
+        .arg("daemon")
+        .env("XDG_CONFIG_HOME", &home)
+        .current_dir(root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let ctl = || {
+        pa.duplex()
+            .args(["ctl", "status"])
+            .env("XDG_CONFIG_HOME", &home)
+            .current_dir(elsewhere.path())
+            .output()
+            .unwrap()
+    };
+    let t0 = Instant::now();
+    let out = loop {
+        let o = ctl();
+        if o.status.success() {
+            break String::from_utf8_lossy(&o.stdout).to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(out.contains("\"ok\":true"), "{out}");
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]
@@ -311,6 +356,16 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
         assert!(reply.contains("\"ok\":false"), "{reply}");
     }
     assert!(d.status().is_some(), "still alive after garbage");
+    // A connection that sends nothing is told what to send, not given an OS error.
+    {
+        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        let mut reply = String::new();
+        std::io::Read::read_to_string(&mut s, &mut reply).unwrap();
+        assert!(
+            reply.contains("no command within 2 s: send one command per line"),
+            "{reply}"
+        );
+    }
     // mute, pause and resume answer.
     for c in ["mute", "unmute", "pause", "resume", "reset"] {
         assert!(d.ctl(&[c]).0, "{c}");
@@ -406,8 +461,8 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     std::thread::sleep(Duration::from_secs(1));
     assert!(d.frames() > f3, "still running on the old pack");
     assert!(!d.log().contains("restarting the pipeline"), "{}", d.log());
-    // A pack whose LM graph is corrupt: it cannot be built beside the running pipeline, nor
-    // alone once that is stopped; the daemon goes back to the previous configuration.
+    // A pack whose LM graph is corrupt: refused when the pack is checked, before anything is
+    // built; the running pipeline is not touched.
     let corrupt = d.pa.dir().join("corrupt-pack");
     assert!(Command::new("cp")
         .args(["-r"])
@@ -417,16 +472,20 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
         .unwrap()
         .success());
     std::fs::write(corrupt.join("temporal/model.onnx"), b"not a graph").unwrap();
-    std::fs::write(&d.config, with_pack(&corrupt)).unwrap();
-    d.signal("-HUP");
-    d.wait_log("going back to the previous configuration");
-    d.wait_status(30, "ready again on the previous pack", |s| {
-        s["ready"] == true && s["board"]["temporal.agent_frames"].as_u64().unwrap_or(0) > 10
-    });
-    let s = d.status().unwrap();
+    let outcome = d.reload(&with_pack(&corrupt));
     assert!(
-        !s.to_string().contains("corrupt-pack"),
-        "the previous configuration is back: {s}"
+        outcome.starts_with("rejected: ") && outcome.contains("not an ONNX model"),
+        "{outcome}"
+    );
+    let f4 = d.frames();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(d.frames() > f4, "still running on the old pack");
+    assert!(!d.log().contains("restarting the pipeline"), "{}", d.log());
+    let s = d.status().unwrap();
+    assert_eq!(
+        s["pack"].as_str(),
+        Some(packs::pack("tiny-gqa").to_str().unwrap()),
+        "the running configuration stays: {s}"
     );
     // A different pack: the new pipeline is built, then replaces the running one.
     let restarts = |d: &Daemon| d.log().matches("restarting the pipeline").count();

@@ -1,5 +1,8 @@
 //! Model packs that do not match the contract are refused with errors naming the graph and the
-//! input: a missing graph, a graph of the wrong kind, a renamed input, a wrong dtype.
+//! input: a missing graph, a graph of the wrong kind, a renamed input, a wrong dtype. Each is
+//! refused twice over: when the pack is opened (read from the files) and when a session is
+//! built (what ONNX Runtime reports). A `pack.yaml` that disagrees with its graphs is refused
+//! when the pack is opened, naming the key.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -8,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 use duplex::model::depformer::Depformer;
-use duplex::model::pack::Pack;
+use duplex::model::pack::{Pack, PackManifest};
 use duplex::model::session::SessionOptions;
 use duplex::model::temporal::{Temporal, TemporalOptions};
 
@@ -38,6 +41,14 @@ onnx.save(m, sys.argv[2], save_as_external_data=True, location="model.onnx.data"
     (dir, pack)
 }
 
+/// The pack without the checks of `Pack::open`, to reach the session-side checks.
+fn unchecked(dir: &Path) -> Pack {
+    Pack {
+        dir: dir.to_path_buf(),
+        manifest: PackManifest::default(),
+    }
+}
+
 #[test]
 fn a_missing_graph_is_named() {
     let (_d, pack) = packs::variant("tiny", "");
@@ -59,17 +70,14 @@ fn a_graph_of_the_wrong_kind_is_named() {
     std::fs::remove_file(pack.join("temporal")).unwrap();
     std::os::unix::fs::symlink(packs::pack("tiny").join("depformer"), pack.join("temporal"))
         .unwrap();
-    let pack = Pack::open(&pack).unwrap();
-    let e = Temporal::open(&pack, &TemporalOptions::default())
+    let want = "temporal: missing input `input_frame` (it has: hidden, prev_token, substep_index";
+    let e = Pack::open(&pack).unwrap_err().to_string();
+    assert!(e.starts_with(want), "{e}");
+    let e = Temporal::open(&unchecked(&pack), &TemporalOptions::default())
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.starts_with(
-            "temporal: missing input `input_frame` (it has: hidden, prev_token, substep_index"
-        ),
-        "{e}"
-    );
+    assert!(e.starts_with(want), "{e}");
     assert!(e.contains("is this the right graph?"), "{e}");
 }
 
@@ -87,15 +95,14 @@ for n in m.graph.node:
         if x == old: n.input[k] = new
 "#,
     );
-    let pack = Pack::open(&pack).unwrap();
-    let e = Temporal::open(&pack, &TemporalOptions::default())
+    let want = "temporal: missing input `attention_mask` (it has: input_frame, mask,";
+    let e = Pack::open(&pack).unwrap_err().to_string();
+    assert!(e.starts_with(want), "{e}");
+    let e = Temporal::open(&unchecked(&pack), &TemporalOptions::default())
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.starts_with("temporal: missing input `attention_mask` (it has: input_frame, mask,"),
-        "{e}"
-    );
+    assert!(e.starts_with(want), "{e}");
 }
 
 #[test]
@@ -114,15 +121,13 @@ for i in m.graph.input:
     if i.name == "prev_token": i.type.tensor_type.elem_type = onnx.TensorProto.INT32
 "#,
     );
-    let pack = Pack::open(&pack).unwrap();
-    let e = Depformer::open(&pack, &SessionOptions::default())
+    let want = "depformer: input `prev_token` has type int32, expected int64";
+    assert_eq!(Pack::open(&pack).unwrap_err().to_string(), want);
+    let e = Depformer::open(&unchecked(&pack), &SessionOptions::default())
         .err()
         .unwrap()
         .to_string();
-    assert_eq!(
-        e,
-        "depformer: input `prev_token` has type int32, expected int64"
-    );
+    assert_eq!(e, want);
 }
 
 #[test]
@@ -130,10 +135,159 @@ fn a_bad_manifest_is_named() {
     let (_d, pack) = packs::variant("tiny", "silence_codes: [1, 2, 3]\n");
     let e = Pack::open(&pack).unwrap_err().to_string();
     assert!(
-        e.contains("pack.yaml: `silence_codes` must hold 8 codes in 0..2048"),
+        e.contains("pack.yaml: `silence_codes`: must hold 8 codes in 0..2048"),
         "{e}"
     );
     let (_d, pack) = packs::variant("tiny", "delays: [0, 1]\n");
     let e = Pack::open(&pack).unwrap_err().to_string();
-    assert!(e.contains("`delays` has 2 entries, expected 17"), "{e}");
+    assert!(e.contains("`delays`: has 2 entries, expected 17"), "{e}");
+}
+
+/// Regression: these values were accepted when the pack was opened and failed later (at the
+/// first frame, after 33 s at frame 7989 with a raw ONNX Runtime message, or with
+/// `std::bad_alloc`), with exit code 1 and without naming `pack.yaml`.
+#[test]
+fn manifest_values_that_disagree_with_the_graphs_are_refused_naming_the_key() {
+    for (pack, extra, key, want) in [
+        (
+            "tiny",
+            "text_vocab: 100\n",
+            "text_vocab",
+            "whose text logits are 32000 wide",
+        ),
+        (
+            "tiny",
+            "initial_tokens:\n  text: 99999\n  audio: 2048\n",
+            "initial_tokens.text",
+            "outside the text table 0..=32000",
+        ),
+        (
+            "tiny",
+            "text_padding: 50000\n",
+            "text_padding",
+            "is not a text token",
+        ),
+        ("tiny", "frame_size: 0\n", "frame_size", "0 samples"),
+        (
+            "tiny",
+            "frame_size: 960\n",
+            "frame_size",
+            "the codec's frames are 1920 samples",
+        ),
+        (
+            "tiny-gqa",
+            "max_positions: 9000\n",
+            "max_positions",
+            "more than the temporal graph's RoPE table covers (8000)",
+        ),
+        (
+            "tiny",
+            "max_positions: 1e8\n",
+            "max_positions",
+            "RoPE table",
+        ),
+        (
+            "tiny",
+            "audio_vocab: -1\n",
+            "audio_vocab",
+            "at least one token",
+        ),
+        (
+            "tiny",
+            "audio_vocab: 4096\n",
+            "audio_vocab",
+            "does not match the temporal graph",
+        ),
+        (
+            "tiny",
+            "text_vocb: 32000\n",
+            "text_vocb",
+            "did you mean `text_vocab`?",
+        ),
+        (
+            "tiny",
+            "temporal:\n  layerz: 2\n",
+            "temporal.layerz",
+            "did you mean `layers`?",
+        ),
+        (
+            "tiny",
+            "variant: gqa\n",
+            "variant",
+            "the temporal graph is the standard variant",
+        ),
+        (
+            "tiny",
+            "sample_rate: 7\n",
+            "sample_rate",
+            "not a codec rate",
+        ),
+        ("tiny", "codebooks: [8]\n", "codebooks", "expected"),
+    ] {
+        let (_d, dir) = packs::variant(pack, extra);
+        let e = Pack::open(&dir).unwrap_err().to_string();
+        let at = format!("{}: `{key}`: ", dir.join("pack.yaml").display());
+        assert!(e.starts_with(&at) && e.contains(want), "{extra:?}: {e}");
+    }
+}
+
+/// Regression: a pack with its temporal and depformer graphs swapped passed every check made
+/// before sessions were built.
+#[test]
+fn swapped_graphs_are_refused_when_the_pack_is_opened() {
+    let (_d, pack) = packs::variant("tiny", "");
+    for (a, b) in [("temporal", "depformer"), ("depformer", "temporal")] {
+        std::fs::remove_file(pack.join(a)).unwrap();
+        std::os::unix::fs::symlink(packs::pack("tiny").join(b), pack.join(a)).unwrap();
+    }
+    let e = Pack::open(&pack).unwrap_err().to_string();
+    assert!(
+        e.starts_with("temporal: missing input `input_frame`"),
+        "{e}"
+    );
+}
+
+/// Weights cut short are named with their file, before ONNX Runtime reads them.
+#[test]
+fn a_truncated_weights_file_is_named() {
+    let (_d, pack) = packs::variant("tiny", "");
+    std::fs::remove_file(pack.join("depformer")).unwrap();
+    std::fs::create_dir(pack.join("depformer")).unwrap();
+    let src = packs::pack("tiny").join("depformer");
+    std::fs::copy(src.join("model.onnx"), pack.join("depformer/model.onnx")).unwrap();
+    let data = std::fs::read(src.join("model.onnx.data")).unwrap();
+    std::fs::write(
+        pack.join("depformer/model.onnx.data"),
+        &data[..data.len() / 2],
+    )
+    .unwrap();
+    let e = Pack::open(&pack).unwrap_err().to_string();
+    assert!(
+        e.contains("depformer/model.onnx.data") && e.contains("the file is cut short"),
+        "{e}"
+    );
+}
+
+/// A bad pack given to a command is a configuration error: exit 2, naming `pack.yaml`.
+#[test]
+fn a_bad_manifest_stops_a_command_before_it_starts() {
+    let (_d, pack) = packs::variant("tiny", "text_vocab: 100\n");
+    let dir = tempfile::tempdir().unwrap();
+    let codes = dir.path().join("codes.json");
+    std::fs::write(&codes, "[[1, 2, 3, 4, 5, 6, 7, 8]]").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["replay", "--pack"])
+        .arg(&pack)
+        .arg("--codes")
+        .arg(&codes)
+        .arg("--out")
+        .arg(dir.path().join("out.jsonl"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("pack.yaml: `text_vocab`: 100 does not match"),
+        "{err}"
+    );
 }

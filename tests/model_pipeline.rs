@@ -242,7 +242,7 @@ fn cuda_on_a_cpu_build_fails_clearly_unless_fallback_is_allowed() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("stage `temporal`: temporal: execution provider `cuda` is not available"),
+        err.contains("stage `temporal`: `execution_provider`: temporal: execution provider `cuda` is not available"),
         "{err}"
     );
     assert!(err.contains("allow_fallback"), "{err}");

@@ -22,15 +22,21 @@ pub type Status = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 /// A running control socket; dropping it removes the socket.
 pub struct ControlServer {
     path: PathBuf,
+    /// The socket's inode: only this socket is removed at the end, not whatever replaced it.
+    ino: Option<u64>,
     stop: Arc<AtomicBool>,
 }
 
 impl Drop for ControlServer {
     fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
         self.stop.store(true, Ordering::Release);
         // Wake the accept loop.
         let _ = UnixStream::connect(&self.path);
-        let _ = std::fs::remove_file(&self.path);
+        let ours = std::fs::symlink_metadata(&self.path).is_ok_and(|m| Some(m.ino()) == self.ino);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -102,37 +108,103 @@ fn handle(stream: UnixStream, status: &Status) {
             }
             Err(_) => serde_json::json!({ "ok": false, "error": "command is not UTF-8" }),
         },
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            serde_json::json!({ "ok": false, "error": "no command within 2 s: send one command per line, e.g. `status`" })
+        }
         Err(e) => serde_json::json!({ "ok": false, "error": format!("reading the command: {e}") }),
     };
     let mut s = reader.into_inner().into_inner();
     let _ = writeln!(s, "{reply}");
 }
 
+/// Whether a control socket can be bound at `path` without harming anything: nothing there, or
+/// a socket left by a process that is gone. A file, a directory or a live socket is refused.
+///
+/// # Errors
+///
+/// What is there, and what to do.
+pub fn check_socket_path(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                Err(format!(
+                    "{}: another daemon is already listening there",
+                    path.display()
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        Ok(m) => Err(format!(
+            "{} exists and is {}, not a socket: refusing to replace it (choose another `control_socket`, or remove it)",
+            path.display(),
+            crate::files::kind_of(m.file_type())
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // The nearest existing ancestor must be a directory to create it in.
+            match path.ancestors().skip(1).find(|a| a.exists()) {
+                Some(a) if !a.is_dir() && !a.as_os_str().is_empty() => Err(format!(
+                    "{}: {} is not a directory",
+                    path.display(),
+                    a.display()
+                )),
+                _ => Ok(()),
+            }
+        }
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Creates the missing directories above `path`, each private to this user (0700). Existing
+/// directories are left as they are: their mode is their owner's business.
+fn create_private_dirs(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    let missing: Vec<&Path> = dir.ancestors().take_while(|a| !a.exists()).collect();
+    for d in missing.iter().rev() {
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(d)
+            .or_else(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => Ok(()),
+                _ => Err(e),
+            })
+            .map_err(|e| anyhow::anyhow!("{}: {e}", d.display()))?;
+    }
+    Ok(())
+}
+
 impl ControlServer {
-    /// Binds `path` (creating its directory, 0700) with mode 0600 and serves it on a thread.
+    /// Binds `path` with mode 0600 and serves it on a thread. Missing directories above it are
+    /// created private (0700); existing ones are not touched. A stale socket (nothing listens
+    /// on it) is replaced; anything else already at `path` is refused.
     ///
     /// # Errors
     ///
     /// When the socket cannot be created (a message naming the path).
     pub fn start(path: &Path, status: Status) -> anyhow::Result<ControlServer> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
-            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-        }
-        if path.exists() {
-            // A socket left by a previous run: refuse only if something answers on it.
-            if UnixStream::connect(path).is_ok() {
-                anyhow::bail!(
-                    "{}: another daemon is already listening there",
-                    path.display()
-                );
-            }
+        check_socket_path(path).map_err(anyhow::Error::msg)?;
+        create_private_dirs(path)?;
+        if std::fs::symlink_metadata(path).is_ok() {
+            // A stale socket, checked above.
             let _ = std::fs::remove_file(path);
         }
         let listener =
             UnixListener::bind(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let ino = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::symlink_metadata(path).map(|m| m.ino()).ok()
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let sp = stop.clone();
         std::thread::Builder::new()
@@ -170,6 +242,7 @@ impl ControlServer {
         tracing::info!(socket = %path.display(), "control socket ready");
         Ok(ControlServer {
             path: path.to_path_buf(),
+            ino,
             stop,
         })
     }

@@ -82,12 +82,18 @@ pub fn init(filter: &str) {
 }
 
 /// Writes the final error of a command to stderr (with the error priority in the journal).
+/// A stderr that cannot be written is ignored: there is nowhere left to say it.
 pub fn final_error(message: &str) {
-    if stderr_is_journal() {
-        eprintln!("<3>error: {message}");
-    } else {
-        eprintln!("error: {message}");
-    }
+    use std::io::Write;
+    let prefix = if stderr_is_journal() { "<3>" } else { "" };
+    let _ = writeln!(std::io::stderr(), "{prefix}error: {message}");
+}
+
+/// Writes a command's report to stderr, ignoring a stderr that cannot be written (the
+/// report is a courtesy; the outcome is in the exit code).
+pub fn report(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{text}");
 }
 
 #[cfg(test)]

@@ -12,9 +12,11 @@ use std::path::Path;
 
 use anyhow::Context as _;
 
-use crate::config::{self, ConfigError, ConfigErrorKind, LoadOptions, PipelineSpec};
+use crate::config::{
+    self, ConfigError, ConfigErrorKind, LoadOptions, Override, Params, PipelineSpec,
+};
 use crate::runtime::{Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle};
-use crate::stages::{BuildContext, Registry};
+use crate::stages::{BuildContext, BuildError, BuildErrorKind, Registry};
 
 pub use replay::{run as replay, ReplayArgs};
 pub use report::timing_table;
@@ -44,6 +46,7 @@ pub fn build_spec(
     spec: &PipelineSpec,
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
+    load_ort(spec)?;
     let mut b = PipelineBuilder::new()
         .origin(spec.file.clone())
         .options(RunOptions {
@@ -62,9 +65,8 @@ pub fn build_spec(
             stage: &s.name,
             file: &spec.file,
         };
-        let body = (kind.build)(&cx, &s.params).map_err(|m| {
-            ConfigError::new(&spec.file, ConfigErrorKind::Build, m).stage(s.name.clone())
-        })?;
+        let body = (kind.build)(&cx, &s.params)
+            .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         b = b.node(Node {
             name: s.name.clone(),
             kind: s.kind.clone(),
@@ -94,6 +96,46 @@ pub fn build_spec(
         e
     })?;
     Ok(b)
+}
+
+/// A stage builder's error as a configuration error naming the file, the stage, the param and
+/// the layer its value came from (a `Unavailable` kind for what may work later).
+pub(crate) fn build_error(file: &str, stage: &str, params: &Params, e: BuildError) -> ConfigError {
+    let kind = match e.kind {
+        BuildErrorKind::Unavailable => ConfigErrorKind::Unavailable,
+        _ => ConfigErrorKind::Build,
+    };
+    let mut c = ConfigError::new(file, kind, e.message).stage(stage);
+    if let Some(k) = e.key {
+        c = c.key(k);
+        c.origin = params.origin(k).map(Into::into);
+    }
+    c
+}
+
+/// Loads ONNX Runtime from `ort.library` when the pipeline sets it, so that it comes before
+/// every other way of finding it. A process loads one library: a later pipeline asking for
+/// another is refused rather than silently given the first.
+fn load_ort(spec: &PipelineSpec) -> Result<(), ConfigError> {
+    let Some(want) = &spec.ort_library else {
+        return Ok(());
+    };
+    let e = |m: String| ConfigError::new(&spec.file, ConfigErrorKind::Build, m).key("ort.library");
+    let lib = crate::model::ortlib::environment(Some(want)).map_err(|err| e(err.to_string()))?;
+    let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    };
+    if !same(&lib.path, want) {
+        return Err(e(format!(
+            "this process already runs ONNX Runtime from {} ({}); one library per process: \
+             restart to use {}",
+            lib.path.display(),
+            lib.origin,
+            want.display()
+        )));
+    }
+    Ok(())
 }
 
 /// `duplex validate`: the resolved graph as text.
@@ -126,7 +168,7 @@ pub fn validate(
 ///
 /// A [`ConfigError`] (in the chain) when the file is wrong, a
 /// [`RunError`](crate::runtime::RunError) when a stage fails.
-pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunReport> {
+pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     let opts = LoadOptions {
         sets: sets.to_vec(),
         env: None,
@@ -145,7 +187,7 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
     let _signals = SignalGuard::install(running.stop_handle());
     let outcome = running.wait();
     if let Some(e) = outcome.error {
-        eprintln!("{}", timing_table(&outcome.report));
+        logging::report(&timing_table(&outcome.report));
         return Err(anyhow::Error::new(e).context(format!("running {}", file.display())));
     }
     Ok(outcome.report)
@@ -154,19 +196,21 @@ pub fn run_file(file: &Path, sets: &[(String, String)]) -> anyhow::Result<RunRep
 /// Serves `/metrics` on the configured address, once per process (later calls do nothing). A
 /// busy address is logged, not fatal: the pipeline runs without an exporter.
 pub fn serve_metrics(m: &config::MetricsSettings) {
-    serve_metrics_at(m.address, None);
+    serve_metrics_at(m.address, None, "metrics.address");
 }
 
-/// Serves `/metrics` and `/healthz` (with `health`) on `address`, once per process.
+/// Serves `/metrics` and `/healthz` (with `health`) on `address`, once per process; a failure
+/// names `key`, the setting that chose the address.
 pub fn serve_metrics_at(
     address: Option<std::net::SocketAddr>,
     health: Option<crate::observe::exporter::Health>,
+    key: &str,
 ) {
     static EXPORTER: std::sync::Once = std::sync::Once::new();
     if let Some(addr) = address {
         EXPORTER.call_once(|| match crate::observe::exporter::install(addr, health) {
             Ok(()) => tracing::info!("metrics on http://{addr}/metrics"),
-            Err(e) => tracing::warn!("{e}: metrics are not exported (set metrics.address)"),
+            Err(e) => tracing::warn!("{e}: metrics are not exported (set `{key}`)"),
         });
     }
 }

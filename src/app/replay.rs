@@ -69,7 +69,7 @@ fn node(
     let raw: Vec<(String, Value)> = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let p = params::check(file, name, kind, k.params, &raw)?;
     let body = (k.build)(&BuildContext { stage: name, file }, &p)
-        .map_err(|m| ConfigError::new(file, ConfigErrorKind::Build, m).stage(name))?;
+        .map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
         kind: kind.into(),

@@ -127,15 +127,78 @@ pub fn list() -> Vec<DeviceInfo> {
     out
 }
 
+/// Runs `f` with this process's stderr (fd 2) captured, and returns what was written there,
+/// line by line. The sound libraries cpal loads (alsa-lib, its JACK and PulseAudio plugins)
+/// print their own diagnostics straight to fd 2 while devices are enumerated: dozens of lines
+/// that say nothing to the user of `duplex devices`. The caller logs them at debug level.
+///
+/// Only for a moment when no other thread writes to stderr (the `duplex devices` command):
+/// whatever is written meanwhile is captured too.
+pub fn capture_stderr<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors `pipe` writes.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return (f(), Vec::new());
+    }
+    // SAFETY: both descriptors were just created by `pipe` and are owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: duplicating fd 2, which is open for the life of the process (or -1 if closed).
+    let saved = unsafe { libc::dup(2) };
+    if saved < 0 {
+        return (f(), Vec::new());
+    }
+    // SAFETY: `saved` was just returned by `dup` and is owned by nothing else.
+    let saved = unsafe { OwnedFd::from_raw_fd(saved) };
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::fs::File::from(read).read_to_string(&mut text);
+        text
+    });
+    use std::os::fd::AsRawFd;
+    // SAFETY: both are open descriptors; fd 2 now points at the pipe.
+    unsafe { libc::dup2(write.as_raw_fd(), 2) };
+    drop(write);
+    let value = f();
+    // SAFETY: restores fd 2 from the saved duplicate; this also closes the pipe's last writer,
+    // so the reader sees end of file.
+    unsafe { libc::dup2(saved.as_raw_fd(), 2) };
+    let text = reader.join().unwrap_or_default();
+    (value, text.lines().map(str::to_string).collect())
+}
+
+/// Why no sound device may be usable, when the reason can be seen: no sound server socket for
+/// this user (`; no sound server answers …`, to append to a message). Empty when a server
+/// seems to be there.
+pub fn server_hint() -> String {
+    let runtime = std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from);
+    let pulse = std::env::var_os("PULSE_SERVER").is_some()
+        || runtime
+            .as_ref()
+            .is_some_and(|r| r.join("pulse/native").exists() || r.join("pipewire-0").exists());
+    if pulse {
+        String::new()
+    } else {
+        format!(
+            "; no sound server answers (no PulseAudio or PipeWire socket in {}): start one, or \
+             name an ALSA hardware device (`hw:…`)",
+            runtime
+                .map(|r| r.display().to_string())
+                .unwrap_or_else(|| "$XDG_RUNTIME_DIR, which is unset".into())
+        )
+    }
+}
+
 /// Finds a device: `default`, an exact id or description, or else a regular expression matched
 /// against both.
 ///
 /// # Errors
 ///
-/// [`AudioError::Device`] naming what was asked for and listing the devices there are.
+/// [`AudioError::NoDevice`] naming what was asked for and listing the devices there are.
 pub fn find(dir: Direction, spec: &str) -> Result<(cpal::Device, String), AudioError> {
     let host = cpal::default_host();
-    let err = |detail: String| AudioError::Device {
+    let err = |detail: String| AudioError::NoDevice {
         direction: dir.name(),
         name: spec.to_string(),
         detail,

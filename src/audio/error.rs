@@ -7,13 +7,13 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum AudioError {
     /// The file could not be opened, read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (part of the message, so not also a `source`: a chain printed with
+        /// its causes would say it twice).
+        error: std::io::Error,
     },
     /// The file is not a WAV file (or its header is damaged). Give a RIFF/WAVE file.
     #[error("{}: not a readable WAV file: {detail}", path.display())]
@@ -49,7 +49,17 @@ pub enum AudioError {
         /// The parser's error.
         detail: String,
     },
-    /// An audio device cannot be found or opened. The message lists the devices there are.
+    /// No audio device matches what was asked for. The message lists the devices there are.
+    #[error("audio {direction} device {name:?}: {detail}")]
+    NoDevice {
+        /// `input` or `output`.
+        direction: &'static str,
+        /// The device asked for.
+        name: String,
+        /// Which devices exist.
+        detail: String,
+    },
+    /// An audio device exists but cannot be opened or started (busy, the server restarting).
     #[error("audio {direction} device {name:?}: {detail}")]
     Device {
         /// `input` or `output`.

@@ -74,7 +74,17 @@ fn pick_config(
         Direction::Input => d.default_input_config(),
         Direction::Output => d.default_output_config(),
     }
-    .map_err(|e| dev_err(dir, name, format!("no usable configuration: {e}")))?;
+    .map_err(|e| {
+        dev_err(
+            dir,
+            name,
+            format!(
+                "no usable configuration: {}{}",
+                e.to_string().trim_end_matches('.'),
+                super::device::server_hint()
+            ),
+        )
+    })?;
     let Some(rate) = rate else { return Ok(default) };
     let ranges: Vec<cpal::SupportedStreamConfigRange> = match dir {
         Direction::Input => d.supported_input_configs().map(|c| c.collect()),

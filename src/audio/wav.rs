@@ -19,16 +19,21 @@ pub struct WavReader {
     int_scale: Option<f32>,
     frames_total: u64,
     frames_read: u64,
+    /// Size of the file: what a header may claim is bounded by what the file can hold.
+    file_bytes: u64,
+    /// An error met after samples were read: reported by the next call, so that every sample
+    /// read before it is handed out first.
+    pending: Option<AudioError>,
     scratch_i: Vec<i32>,
     scratch_f: Vec<f32>,
 }
 
 fn not_wav(path: &Path, e: hound::Error) -> AudioError {
     match e {
-        hound::Error::IoError(source) if source.kind() != std::io::ErrorKind::UnexpectedEof => {
+        hound::Error::IoError(error) if error.kind() != std::io::ErrorKind::UnexpectedEof => {
             AudioError::Io {
                 path: path.into(),
-                source,
+                error,
             }
         }
         hound::Error::IoError(_) => AudioError::NotWav {
@@ -55,9 +60,10 @@ impl WavReader {
     /// WAV without samples, [`AudioError::NotWav`] when it is not a WAV file,
     /// [`AudioError::Unsupported`] for an encoding other than PCM integer or 32-bit float.
     pub fn open(path: &Path) -> Result<Self, AudioError> {
-        let file = File::open(path).map_err(|source| AudioError::Io {
+        // Not a plain open: a FIFO would block until some writer appeared.
+        let file = crate::files::open_regular(path).map_err(|error| AudioError::Io {
             path: path.into(),
-            source,
+            error,
         })?;
         let len = file.metadata().map(|m| m.len()).unwrap_or(0);
         if len == 0 {
@@ -110,6 +116,8 @@ impl WavReader {
             int_scale,
             frames_total,
             frames_read: 0,
+            file_bytes: len,
+            pending: None,
             reader,
             scratch_i: Vec::new(),
             scratch_f: Vec::new(),
@@ -148,21 +156,24 @@ impl WavReader {
     /// Reads up to `max_frames` frames, down-mixed to mono, appended to `out`. Returns the number
     /// of frames read: 0 at the end of the file.
     ///
+    /// When the data ends early or cannot be decoded, the frames read before the fault are
+    /// returned first and the error comes with the next call, so nothing readable is lost.
+    ///
     /// # Errors
     ///
     /// [`AudioError::Corrupt`] when the data ends before the header says or cannot be decoded.
     pub fn read(&mut self, max_frames: usize, out: &mut Vec<f32>) -> Result<usize, AudioError> {
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
         let want = (max_frames as u64).min(self.frames_total - self.frames_read) as usize;
         if want == 0 {
             return Ok(0);
         }
         let n = want * self.channels;
-        let corrupt = |frames, e: hound::Error| AudioError::Corrupt {
-            path: self.path.clone(),
-            frames,
-            detail: e.to_string(),
-        };
         let start = out.len();
+        let ch = self.channels;
+        let mut fault = None;
         match self.int_scale {
             Some(scale) => {
                 self.scratch_i.clear();
@@ -170,14 +181,11 @@ impl WavReader {
                     match s {
                         Ok(v) => self.scratch_i.push(v),
                         Err(e) => {
-                            return Err(corrupt(
-                                self.frames_read + (self.scratch_i.len() / self.channels) as u64,
-                                e,
-                            ))
+                            fault = Some(e);
+                            break;
                         }
                     }
                 }
-                let ch = self.channels;
                 let k = scale / ch as f32;
                 out.extend(self.scratch_i.chunks_exact(ch).map(|fr| {
                     if ch == 1 {
@@ -193,14 +201,11 @@ impl WavReader {
                     match s {
                         Ok(v) => self.scratch_f.push(v),
                         Err(e) => {
-                            return Err(corrupt(
-                                self.frames_read + (self.scratch_f.len() / self.channels) as u64,
-                                e,
-                            ))
+                            fault = Some(e);
+                            break;
                         }
                     }
                 }
-                let ch = self.channels;
                 out.extend(
                     self.scratch_f
                         .chunks_exact(ch)
@@ -210,15 +215,27 @@ impl WavReader {
         }
         let got = out.len() - start;
         self.frames_read += got as u64;
-        if got < want {
-            return Err(AudioError::Corrupt {
+        let error = match fault {
+            Some(e) => Some(AudioError::Corrupt {
+                path: self.path.clone(),
+                frames: self.frames_read,
+                detail: e.to_string(),
+            }),
+            None if got < want => Some(AudioError::Corrupt {
                 path: self.path.clone(),
                 frames: self.frames_read,
                 detail: format!(
                     "the header declares {} frames but the data ends early",
                     self.frames_total
                 ),
-            });
+            }),
+            None => None,
+        };
+        if let Some(e) = error {
+            if got == 0 {
+                return Err(e);
+            }
+            self.pending = Some(e);
         }
         Ok(got)
     }
@@ -229,7 +246,11 @@ impl WavReader {
     ///
     /// As [`read`](Self::read).
     pub fn read_all(&mut self) -> Result<Vec<f32>, AudioError> {
-        let mut v = Vec::with_capacity((self.frames_total - self.frames_read) as usize);
+        // The header's count, but no more than the file can hold: a damaged header may claim
+        // billions of frames.
+        let bytes_per_frame = (self.format().0 as u64).div_ceil(8).max(1) * self.channels as u64;
+        let room = self.file_bytes / bytes_per_frame;
+        let mut v = Vec::with_capacity((self.frames_total - self.frames_read).min(room) as usize);
         while self.read(1 << 16, &mut v)? > 0 {}
         Ok(v)
     }
@@ -274,9 +295,9 @@ impl WavWriter {
     ///
     /// [`AudioError::Io`] when the file cannot be created.
     pub fn create(path: &Path, rate: u32, format: WavFormat) -> Result<Self, AudioError> {
-        let io = |source| AudioError::Io {
+        let io = |error| AudioError::Io {
             path: path.into(),
-            source,
+            error,
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
@@ -308,7 +329,7 @@ impl WavWriter {
     fn err(&self, e: hound::Error) -> AudioError {
         AudioError::Io {
             path: self.path.clone(),
-            source: match e {
+            error: match e {
                 hound::Error::IoError(s) => s,
                 e => std::io::Error::other(e.to_string()),
             },
@@ -481,5 +502,53 @@ mod tests {
             e.contains("cut.wav") && e.contains("truncated after 800"),
             "{e}"
         );
+    }
+
+    /// Regression: a file cut inside the first chunk wrote nothing, one cut inside a later
+    /// chunk lost that chunk's samples.
+    #[test]
+    fn a_truncated_file_hands_out_every_sample_it_holds_before_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cut.wav");
+        let mut w = WavWriter::create(&p, 48_000, WavFormat::I16).unwrap();
+        let samples: Vec<f32> = (0..4800).map(|i| (i % 100) as f32 / 200.0).collect();
+        w.write(&samples).unwrap();
+        w.finalize().unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        for keep in [500usize, 1500] {
+            std::fs::write(&p, &bytes[..44 + 2 * keep]).unwrap();
+            let mut r = WavReader::open(&p).unwrap();
+            let mut got = Vec::new();
+            let e = loop {
+                match r.read(960, &mut got) {
+                    Ok(0) => panic!("the end of a truncated file is not an error"),
+                    Ok(_) => {}
+                    Err(e) => break e.to_string(),
+                }
+            };
+            assert_eq!(got.len(), keep, "{e}");
+            assert!((got[keep - 1] - samples[keep - 1]).abs() < 1e-4);
+            assert!(e.contains(&format!("truncated after {keep}")), "{e}");
+        }
+    }
+
+    /// A header claiming far more frames than the file holds does not make `read_all`
+    /// allocate for them.
+    #[test]
+    fn a_lying_header_does_not_reserve_memory_for_frames_the_file_cannot_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("liar.wav");
+        let mut w = WavWriter::create(&p, 8000, WavFormat::F32).unwrap();
+        w.write(&[0.5; 10]).unwrap();
+        w.finalize().unwrap();
+        let mut bytes = std::fs::read(&p).unwrap();
+        // data chunk size: 2^31 bytes of samples
+        let at = bytes.len() - 40 - 4;
+        bytes[at..at + 4].copy_from_slice(&(1u32 << 31).to_le_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        let mut r = WavReader::open(&p).unwrap();
+        assert!(r.frames() > 100_000_000);
+        let e = r.read_all().unwrap_err().to_string();
+        assert!(e.contains("truncated after 10"), "{e}");
     }
 }

@@ -26,11 +26,18 @@ pub enum ConfigErrorKind {
     Link,
     /// A stage could not be built from valid params (a file that cannot be opened…).
     Build,
+    /// A stage needs something that is not available now (memory, a device that exists but
+    /// cannot be opened): the configuration itself may be right.
+    Unavailable,
+    /// Valid values that cannot go together: two stages writing one file, a sink overwriting
+    /// a source's input.
+    Conflict,
 }
 
 /// A mistake in a pipeline file, with where it is.
 ///
-/// Rendered as `FILE: stage `NAME`: key `KEY`: MESSAGE`, omitting what does not apply.
+/// Rendered as `FILE: stage `NAME`: `KEY`: MESSAGE`, omitting what does not apply; a value
+/// that came from another layer leads with it: `environment variable DUPLEX__X (over FILE): …`.
 #[derive(Debug, Clone)]
 pub struct ConfigError {
     /// The pipeline file.
@@ -43,6 +50,9 @@ pub struct ConfigError {
     pub kind: ConfigErrorKind,
     /// What is wrong and, where possible, what to do.
     pub message: String,
+    /// The layer that supplied the offending value when it is not `file` itself: an
+    /// environment variable, a `--set` flag, the daemon's configuration file.
+    pub origin: Option<Box<str>>,
 }
 
 impl ConfigError {
@@ -54,7 +64,16 @@ impl ConfigError {
             key: None,
             kind,
             message: message.into(),
+            origin: None,
         }
+    }
+
+    /// Blames the layer `v` came from, when it is not the file itself.
+    pub fn from_value(mut self, v: &config::Value) -> Self {
+        if let Some(o) = super::layers::foreign_origin(v, &self.file) {
+            self.origin = Some(o.into());
+        }
+        self
     }
 
     /// Sets the stage.
@@ -72,7 +91,10 @@ impl ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.file)?;
+        match &self.origin {
+            Some(o) => write!(f, "{o} (over {})", self.file)?,
+            None => write!(f, "{}", self.file)?,
+        }
         if let Some(s) = &self.stage {
             write!(f, ": stage `{s}`")?;
         }

@@ -1,8 +1,10 @@
 //! Pipeline files: YAML → a typed, validated [`PipelineSpec`].
 //!
-//! A pipeline file is layered with the `config` crate: the built-in defaults
-//! (`configs/default.yaml`), then the file itself, then `DUPLEX__…` environment variables, then
-//! `--set key=value` overrides. Everything a user can get wrong is checked here, before anything
+//! A pipeline file is layered ([`layers`]): the built-in defaults (`configs/default.yaml`),
+//! then the file itself, then `DUPLEX__…` environment variables, then `--set key=value`
+//! overrides; every value remembers its layer, so errors blame the right one. Files are read
+//! at a bounded cost ([`yaml`]): size, nesting and alias expansion are limited before and while
+//! they are parsed. Everything a user can get wrong is checked here, before anything
 //! runs, and reported with the file, the stage and the key: unknown top-level keys, unknown stage
 //! kinds, unknown or mistyped params, malformed links. The structural checks (types, dangling
 //! links, cycles) belong to the runtime's graph builder.
@@ -11,10 +13,14 @@
 //! through the [`KindCatalog`] trait.
 
 mod error;
+pub mod layers;
 pub mod params;
+mod paths;
 mod pipeline;
+pub mod yaml;
 
 pub use error::{ConfigError, ConfigErrorKind};
+pub use layers::Override;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
     load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RuntimeSettings,
@@ -23,3 +29,6 @@ pub use pipeline::{
 
 /// The built-in defaults every pipeline file is layered over (the text of `configs/default.yaml`).
 pub const DEFAULTS_YAML: &str = include_str!("../../configs/default.yaml");
+
+/// The origin of the built-in defaults in messages.
+pub const DEFAULTS_ORIGIN: &str = "configs/default.yaml (built in)";

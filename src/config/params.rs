@@ -29,8 +29,12 @@ pub enum ParamType {
     },
     /// Any string.
     Str,
-    /// A file path.
+    /// A file the stage reads.
     Path,
+    /// A directory the stage reads (a model pack).
+    Dir,
+    /// A file the stage writes.
+    OutPath,
     /// One of a fixed set of strings.
     Choice(&'static [&'static str]),
     /// A list of integers.
@@ -44,7 +48,9 @@ impl fmt::Display for ParamType {
             ParamType::Int { min, max } => write!(f, "integer {min}..={max}"),
             ParamType::Float { min, max } => write!(f, "number {min}..={max}"),
             ParamType::Str => f.write_str("string"),
-            ParamType::Path => f.write_str("path"),
+            ParamType::Path => f.write_str("path (read)"),
+            ParamType::Dir => f.write_str("directory (read)"),
+            ParamType::OutPath => f.write_str("path (written)"),
             ParamType::Choice(c) => write!(f, "one of {}", c.join("|")),
             ParamType::IntList => f.write_str("list of integers"),
         }
@@ -125,6 +131,9 @@ impl fmt::Display for ParamValue {
 #[derive(Debug, Clone, Default)]
 pub struct Params {
     values: BTreeMap<String, ParamValue>,
+    /// Where each value set by a layer other than the file came from (see
+    /// [`layers`](super::layers)).
+    origins: BTreeMap<String, String>,
 }
 
 impl Params {
@@ -132,7 +141,14 @@ impl Params {
     pub fn from_pairs<I: IntoIterator<Item = (&'static str, ParamValue)>>(pairs: I) -> Self {
         Params {
             values: pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            origins: BTreeMap::new(),
         }
+    }
+
+    /// Where `name`'s value came from when not from the file itself (an environment variable,
+    /// a `--set` flag, the daemon's configuration), for messages.
+    pub fn origin(&self, name: &str) -> Option<&str> {
+        self.origins.get(name).map(String::as_str)
     }
 
     /// The value of `name`, if set.
@@ -204,10 +220,7 @@ pub(crate) fn describe(v: &Value) -> String {
         ValueKind::Table(_) => "a map".into(),
         ValueKind::Array(_) => "a list".into(),
     };
-    match v.origin() {
-        Some("the environment") => format!("{what} from the environment"),
-        _ => what,
-    }
+    what
 }
 
 pub(crate) fn as_i64(v: &Value) -> Option<i64> {
@@ -253,6 +266,14 @@ pub(crate) fn as_string(v: &Value) -> Option<String> {
     }
 }
 
+/// ` (did you mean `x`?)` when one of `candidates` is a likely typo of `word`, else nothing:
+/// what every "unknown key" message ends with.
+pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    suggest(word, candidates)
+        .map(|s| format!(" (did you mean `{s}`?)"))
+        .unwrap_or_default()
+}
+
 /// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
 pub(crate) fn suggest<'a>(
     word: &str,
@@ -292,17 +313,18 @@ pub fn check(
     specs: &[ParamSpec],
     raw: &[(String, Value)],
 ) -> Result<Params, ConfigError> {
-    let err = |key: &str, k: ConfigErrorKind, msg: String| {
-        ConfigError::new(file, k, msg).stage(stage).key(key)
+    let err = |key: &str, k: ConfigErrorKind, msg: String, v: &Value| {
+        ConfigError::new(file, k, msg)
+            .stage(stage)
+            .key(key)
+            .from_value(v)
     };
     let mut values = BTreeMap::new();
+    let mut origins = BTreeMap::new();
     for (key, v) in raw {
         let Some(spec) = specs.iter().find(|s| s.name == key) else {
             let names: Vec<&str> = specs.iter().map(|s| s.name).collect();
-            let hint = match suggest(key, names.iter().copied()) {
-                Some(s) => format!(" (did you mean `{s}`?)"),
-                None => String::new(),
-            };
+            let hint = did_you_mean(key, names.iter().copied());
             return Err(err(
                 key,
                 ConfigErrorKind::UnknownParam,
@@ -314,16 +336,22 @@ pub fn check(
                         names.join(", ")
                     }
                 ),
+                v,
             ));
         };
         let wrong = || {
+            let hint = match spec.ty {
+                ParamType::IntList => " (write a list, like [1, 2, 3], or 1,2,3)",
+                _ => "",
+            };
             err(
                 key,
                 ConfigErrorKind::WrongType,
-                format!("expected {}, got {}", spec.ty, describe(v)),
+                format!("expected {}, got {}{hint}", spec.ty, describe(v)),
+                v,
             )
         };
-        let range = |msg: String| err(key, ConfigErrorKind::OutOfRange, msg);
+        let range = |msg: String| err(key, ConfigErrorKind::OutOfRange, msg, v);
         let value = match spec.ty {
             ParamType::Bool => ParamValue::Bool(as_bool(v).ok_or_else(wrong)?),
             ParamType::Int { min, max } => {
@@ -340,7 +368,15 @@ pub fn check(
                 }
                 ParamValue::Float(x)
             }
-            ParamType::Str | ParamType::Path => ParamValue::Str(as_string(v).ok_or_else(wrong)?),
+            ParamType::Str => ParamValue::Str(as_string(v).ok_or_else(wrong)?),
+            ParamType::Path | ParamType::Dir | ParamType::OutPath => {
+                let p = as_string(v).ok_or_else(wrong)?;
+                // An optional path left empty is unset; a required one must name something.
+                if p.trim().is_empty() && matches!(spec.default, ParamDefault::Required) {
+                    return Err(range(format!("an empty path: name the {}", spec.ty)));
+                }
+                ParamValue::Str(p)
+            }
             ParamType::Choice(choices) => {
                 let s = as_string(v).ok_or_else(wrong)?;
                 if !choices.contains(&s.as_str()) {
@@ -357,6 +393,7 @@ pub fn check(
                                 &format!("{key}[{i}]"),
                                 ConfigErrorKind::WrongType,
                                 format!("expected an integer, got {}", describe(it)),
+                                it,
                             )
                         })?);
                     }
@@ -374,6 +411,9 @@ pub fn check(
             },
         };
         values.insert(key.clone(), value);
+        if let Some(o) = super::layers::foreign_origin(v, file) {
+            origins.insert(key.clone(), o);
+        }
     }
     for spec in specs {
         if values.contains_key(spec.name) {
@@ -381,11 +421,13 @@ pub fn check(
         }
         let v = match spec.default {
             ParamDefault::Required => {
-                return Err(err(
-                    spec.name,
+                return Err(ConfigError::new(
+                    file,
                     ConfigErrorKind::Missing,
                     format!("required param missing ({}: {})", spec.ty, spec.doc),
-                ))
+                )
+                .stage(stage)
+                .key(spec.name))
             }
             ParamDefault::None => continue,
             ParamDefault::Bool(b) => ParamValue::Bool(b),
@@ -395,7 +437,7 @@ pub fn check(
         };
         values.insert(spec.name.to_string(), v);
     }
-    Ok(Params { values })
+    Ok(Params { values, origins })
 }
 
 #[cfg(test)]

@@ -4,10 +4,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use config::{Config, Environment, File, FileFormat, Value, ValueKind};
+use config::{Value, ValueKind};
 
-use super::params::{as_bool, as_i64, as_string, check, describe, suggest, ParamSpec, Params};
-use super::{ConfigError, ConfigErrorKind, DEFAULTS_YAML};
+use super::layers::{self, Override};
+use super::params::{as_bool, as_i64, as_string, check, describe, did_you_mean, ParamSpec, Params};
+use super::yaml::{self, Limits};
+use super::{ConfigError, ConfigErrorKind, DEFAULTS_ORIGIN, DEFAULTS_YAML};
 use crate::runtime::Overflow;
 
 /// What the loader needs to know about stage kinds: their names and params.
@@ -86,8 +88,9 @@ pub struct MetricsSettings {
 /// Extra layers over the file.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
-    /// `key=value` overrides (highest priority), e.g. `stages.src.path=in.wav`.
-    pub sets: Vec<(String, String)>,
+    /// `key=value` overrides (highest priority), e.g. `stages.src.path=in.wav`, each with where
+    /// it came from.
+    pub sets: Vec<Override>,
     /// Environment to read `DUPLEX__…` overrides from; `None` reads the process environment.
     pub env: Option<HashMap<String, String>>,
 }
@@ -114,46 +117,17 @@ pub fn load(
 ) -> Result<PipelineSpec, ConfigError> {
     let fname = file.display().to_string();
     let e = |k, m: String| ConfigError::new(&fname, k, m);
-    let meta = std::fs::metadata(file).map_err(|io| e(ConfigErrorKind::Read, io.to_string()))?;
-    if !meta.is_file() {
-        return Err(e(ConfigErrorKind::Read, "not a file".into()));
-    }
-    let mut b = Config::builder()
-        .add_source(File::from_str(DEFAULTS_YAML, FileFormat::Yaml))
-        .add_source(File::new(&fname, FileFormat::Yaml).required(true))
-        .add_source(
-            Environment::with_prefix("DUPLEX")
-                .prefix_separator("__")
-                .separator("__")
-                .try_parsing(true)
-                .source(opts.env.clone().map(|m| m.into_iter().collect())),
-        );
-    for (k, v) in &opts.sets {
-        b = b
-            .set_override(k.as_str(), v.as_str())
-            .map_err(|err| e(ConfigErrorKind::Syntax, format!("--set {k}={v}: {err}")))?;
-    }
-    let cfg = b.build().map_err(|err| {
-        e(
-            ConfigErrorKind::Syntax,
-            strip_origin(&err.to_string(), &fname),
-        )
-    })?;
-    let root = match cfg.cache.kind {
-        ValueKind::Table(t) => t,
-        _ => {
-            return Err(e(
-                ConfigErrorKind::Syntax,
-                "the file is not a YAML map".into(),
-            ))
-        }
-    };
+    let text = yaml::read(file, Limits::FILES)?;
+    let root = layers::merge(vec![
+        yaml::parse(DEFAULTS_YAML, DEFAULTS_ORIGIN, Limits::FILES)?,
+        yaml::parse(&text, &fname, Limits::FILES)?,
+        layers::env_layer(opts.env.as_ref()),
+        layers::override_layer(&fname, &opts.sets)?,
+    ]);
 
     for k in root.keys() {
         if !TOP_KEYS.contains(&k.as_str()) {
-            let hint = suggest(k, TOP_KEYS.iter().copied())
-                .map(|s| format!(" (did you mean `{s}`?)"))
-                .unwrap_or_default();
+            let hint = did_you_mean(k, TOP_KEYS.iter().copied());
             return Err(e(
                 ConfigErrorKind::UnknownKey,
                 format!(
@@ -161,7 +135,8 @@ pub fn load(
                     TOP_KEYS.join(", ")
                 ),
             )
-            .key(k.clone()));
+            .key(k.clone())
+            .from_value(&root[k]));
         }
     }
 
@@ -171,7 +146,9 @@ pub fn load(
             Some(ValueKind::Table(t)) => {
                 Ok(t.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
             }
-            Some(_) => Err(e(ConfigErrorKind::WrongType, "expected a map".into()).key(name)),
+            Some(_) => Err(e(ConfigErrorKind::WrongType, "expected a map".into())
+                .key(name)
+                .from_value(&root[name])),
         }
     };
     let int_key =
@@ -185,24 +162,28 @@ pub fn load(
                 Some(i) if i >= min => Ok(i),
                 Some(i) => Err(
                     e(ConfigErrorKind::OutOfRange, format!("{i} is below {min}"))
-                        .key(format!("{sec}.{key}")),
+                        .key(format!("{sec}.{key}"))
+                        .from_value(v),
                 ),
                 None => Err(e(
                     ConfigErrorKind::WrongType,
                     format!("expected an integer, got {}", describe(v)),
                 )
-                .key(format!("{sec}.{key}"))),
+                .key(format!("{sec}.{key}"))
+                .from_value(v)),
             }
         };
     let only_keys =
         |sec: &str, entries: &[(String, Value)], allowed: &[&str]| -> Result<(), ConfigError> {
-            for (k, _) in entries {
+            for (k, v) in entries {
                 if !allowed.contains(&k.as_str()) {
+                    let hint = did_you_mean(k, allowed.iter().copied());
                     return Err(e(
                         ConfigErrorKind::UnknownKey,
-                        format!("unknown key; expected: {}", allowed.join(", ")),
+                        format!("unknown key{hint}; expected: {}", allowed.join(", ")),
                     )
-                    .key(format!("{sec}.{k}")));
+                    .key(format!("{sec}.{k}"))
+                    .from_value(v));
                 }
             }
             Ok(())
@@ -233,25 +214,48 @@ pub fn load(
     // ort
     let ort = section("ort")?;
     only_keys("ort", &ort, &["library"])?;
-    let ort_library = ort
-        .iter()
-        .find(|(k, _)| k == "library")
-        .and_then(|(_, v)| as_string(v))
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from);
+    let ort_library = match ort.iter().find(|(k, _)| k == "library") {
+        None => None,
+        Some((_, v)) => {
+            let lib = as_string(v).ok_or_else(|| {
+                e(
+                    ConfigErrorKind::WrongType,
+                    format!("expected a path, got {}", describe(v)),
+                )
+                .key("ort.library")
+                .from_value(v)
+            })?;
+            if lib.trim().is_empty() {
+                None
+            } else {
+                // Checked here, with the layer it came from: it is loaded before anything else.
+                crate::files::check_regular(Path::new(&lib)).map_err(|err| {
+                    e(
+                        ConfigErrorKind::Read,
+                        format!("ONNX Runtime library {lib}: {err} (empty = discover it)"),
+                    )
+                    .key("ort.library")
+                    .from_value(v)
+                })?;
+                Some(PathBuf::from(lib))
+            }
+        }
+    };
 
     // metrics
     let ms = section("metrics")?;
     only_keys("metrics", &ms, &["address", "window", "every"])?;
-    let address = match ms.iter().find(|(k, _)| k == "address").and_then(|(_, v)| as_string(v)) {
+    let address_v = ms.iter().find(|(k, _)| k == "address").map(|(_, v)| v);
+    let address = match address_v.and_then(|v| Some((v, as_string(v)?))) {
         None => None,
-        Some(a) if a.trim().is_empty() => None,
-        Some(a) => Some(a.trim().parse::<std::net::SocketAddr>().map_err(|err| {
+        Some((_, a)) if a.trim().is_empty() => None,
+        Some((v, a)) => Some(a.trim().parse::<std::net::SocketAddr>().map_err(|err| {
             e(
                 ConfigErrorKind::WrongType,
                 format!("{a:?} is not an address like 127.0.0.1:9187 ({err}); empty disables the exporter"),
             )
             .key("metrics.address")
+            .from_value(v)
         })?),
     };
     let metrics = MetricsSettings {
@@ -288,30 +292,33 @@ pub fn load(
                  that DUPLEX__STAGES__<NAME>__<PARAM> can override them)"
                     .into(),
             )
-            .stage(name.clone()));
+            .stage(name.clone())
+            .from_value(v));
         }
         let ValueKind::Table(t) = &v.kind else {
             return Err(e(
                 ConfigErrorKind::WrongType,
                 format!("expected a map with `kind` and params, got {}", describe(v)),
             )
-            .stage(name.clone()));
+            .stage(name.clone())
+            .from_value(v));
         };
         let Some(kind_v) = t.get("kind") else {
-            return Err(e(ConfigErrorKind::Missing, "missing `kind`".into()).stage(name.clone()));
+            return Err(e(ConfigErrorKind::Missing, "missing `kind`".into())
+                .stage(name.clone())
+                .from_value(v));
         };
         let Some(kind) = as_string(kind_v) else {
             return Err(e(
                 ConfigErrorKind::WrongType,
                 format!("`kind` must be a string, got {}", describe(kind_v)),
             )
-            .stage(name.clone()));
+            .stage(name.clone())
+            .from_value(kind_v));
         };
         let Some(specs) = catalog.params(&kind) else {
             let names = catalog.kind_names();
-            let hint = suggest(&kind, names.iter().copied())
-                .map(|s| format!(" (did you mean `{s}`?)"))
-                .unwrap_or_default();
+            let hint = did_you_mean(&kind, names.iter().copied());
             return Err(e(
                 ConfigErrorKind::UnknownKind,
                 format!(
@@ -320,7 +327,8 @@ pub fn load(
                 ),
             )
             .stage(name.clone())
-            .key("kind"));
+            .key("kind")
+            .from_value(kind_v));
         };
         let raw: Vec<(String, Value)> = t
             .iter()
@@ -334,6 +342,8 @@ pub fn load(
             params,
         });
     }
+
+    super::paths::check(&fname, &stages, catalog)?;
 
     // links
     let links_raw = match root.get("links").map(|v| &v.kind) {
@@ -350,7 +360,7 @@ pub fn load(
     let mut links = Vec::with_capacity(links_raw.len());
     for (i, v) in links_raw.iter().enumerate() {
         let key = format!("links[{i}]");
-        let le = |k, m: String| e(k, m).key(key.clone());
+        let le = |k, m: String| e(k, m).key(key.clone()).from_value(v);
         let link = match &v.kind {
             ValueKind::String(s) => {
                 let Some((a, b)) = s.split_once("->") else {
@@ -474,9 +484,4 @@ fn parse_overflow(
         )
         .key(key)
     })
-}
-
-/// The config crate prefixes some messages with the file name; ours already does.
-fn strip_origin(msg: &str, file: &str) -> String {
-    msg.replace(&format!(" in {file}"), "").to_string()
 }

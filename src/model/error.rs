@@ -17,6 +17,17 @@ pub enum ModelError {
         /// What is wrong.
         detail: String,
     },
+    /// A value in `pack.yaml` is malformed, unknown, or does not match the graphs. Fix the
+    /// manifest, or export the pack again.
+    #[error("{}: `{key}`: {detail}", path.display())]
+    Manifest {
+        /// The manifest.
+        path: PathBuf,
+        /// The key at fault.
+        key: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// A graph does not match the contract (wrong input name, dtype, rank, or the wrong kind of
     /// graph). Rebuild the pack with the exporter.
     #[error("{graph}: {detail}")]
@@ -48,7 +59,17 @@ pub enum ModelError {
         /// Why, and what to do.
         detail: String,
     },
-    /// ONNX Runtime failed while creating or running a session.
+    /// ONNX Runtime refused a graph file as invalid (an unknown operator, a malformed graph):
+    /// export the pack again.
+    #[error("{graph}: {detail}")]
+    Invalid {
+        /// Graph and file.
+        graph: String,
+        /// ONNX Runtime's message.
+        detail: String,
+    },
+    /// ONNX Runtime failed while creating or running a session (out of memory, a device
+    /// failure): the same graph may load another time.
     #[error("{graph}: {detail}")]
     Ort {
         /// Graph.

@@ -8,6 +8,7 @@ mod error;
 pub mod lm;
 pub mod lmgen;
 pub mod mimi;
+pub mod onnx;
 pub mod ortlib;
 pub mod pack;
 pub mod sampling;

@@ -227,10 +227,47 @@ pub fn environment(explicit: Option<&Path>) -> Result<&'static OrtLibrary, OrtLi
             detail,
         };
         let builder = ort::init_from(&lib.path).map_err(|e| load_err(e.to_string()))?;
+        // ONNX Runtime's own messages go through our logging (its default sink writes
+        // colour codes to stderr whether or not it is a terminal, and bypasses the journal's
+        // priorities).
         let env = builder
             .with_name("duplex")
+            .with_logger(std::sync::Arc::new(
+                |level: ort::logging::LogLevel,
+                 category: &str,
+                 _id: &str,
+                 at: &str,
+                 message: &str| {
+                    use ort::logging::LogLevel as L;
+                    match level {
+                        L::Fatal | L::Error => {
+                            tracing::error!(target: "onnxruntime", category, at, "{message}")
+                        }
+                        L::Warning => {
+                            tracing::warn!(target: "onnxruntime", category, at, "{message}")
+                        }
+                        // Its INFO narrates every graph transformation: detail, not news.
+                        L::Info => {
+                            tracing::debug!(target: "onnxruntime", category, at, "{message}")
+                        }
+                        L::Verbose => {
+                            tracing::debug!(target: "onnxruntime", category, at, "{message}")
+                        }
+                    }
+                },
+            ))
             .build()
             .map_err(|e| load_err(e.to_string()))?;
+        // Warnings and errors unless `ORT_LOG` asks for more (its INFO level narrates every
+        // graph transformation of every session).
+        use ort::logging::LogLevel;
+        env.set_log_level(match std::env::var("ORT_LOG").as_deref() {
+            Ok("verbose") => LogLevel::Verbose,
+            Ok("info") => LogLevel::Info,
+            Ok("error") => LogLevel::Error,
+            Ok("fatal") => LogLevel::Fatal,
+            _ => LogLevel::Warning,
+        });
         tracing::info!(path = %lib.path.display(), origin = %lib.origin, "loaded ONNX Runtime");
         Ok((lib, env))
     });

@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use super::error::ModelError;
 use super::lmgen::StreamLayout;
+use super::onnx::{Elem, GraphFile, Initializer};
 
 /// The four graphs of a pack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +81,58 @@ pub struct PackManifest {
     pub max_positions: usize,
     /// SentencePiece model for persona text and transcripts, relative to the pack.
     pub tokenizer: Option<PathBuf>,
+    /// What the exporter says it built (checked against the graphs when given): `standard`
+    /// or `gqa`.
+    pub variant: Option<String>,
+    /// `f32` or `f16` (checked against the temporal graph when given).
+    pub dtype: Option<String>,
+    /// Which codec the pack holds (`tiny`, `full`; informational).
+    pub mimi: Option<String>,
+    /// Special text tokens (informational).
+    pub special_text_ids: Option<std::collections::BTreeMap<String, i64>>,
+    /// The temporal transformer's shape (checked against the graph when given).
+    pub temporal: Option<LmShape>,
+    /// The depformer's shape (checked against the graph when given).
+    pub depformer: Option<LmShape>,
 }
+
+/// A transformer's shape as the manifest states it.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct LmShape {
+    /// Model width.
+    pub dim: Option<usize>,
+    /// Layers.
+    pub layers: Option<usize>,
+    /// KV heads.
+    pub heads: Option<usize>,
+    /// Head size.
+    pub head_dim: Option<usize>,
+}
+
+/// Every key `pack.yaml` may hold, with the keys of its maps.
+const MANIFEST_KEYS: &[(&str, &[&str])] = &[
+    ("name", &[]),
+    ("variant", &[]),
+    ("dtype", &[]),
+    ("mimi", &[]),
+    ("sample_rate", &[]),
+    ("frame_size", &[]),
+    ("codebooks", &[]),
+    ("text_vocab", &[]),
+    ("audio_vocab", &[]),
+    ("delays", &[]),
+    ("initial_tokens", &["text", "audio"]),
+    ("text_padding", &[]),
+    ("special_text_ids", &["epad", "bos", "eos", "pad"]),
+    ("silence_codes", &[]),
+    ("sine_codes", &[]),
+    ("context", &[]),
+    ("max_positions", &[]),
+    ("temporal", &["dim", "layers", "heads", "head_dim"]),
+    ("depformer", &["dim", "layers", "heads", "head_dim"]),
+    ("tokenizer", &[]),
+];
 
 impl Default for PackManifest {
     fn default() -> Self {
@@ -100,6 +152,12 @@ impl Default for PackManifest {
             context: 3000,
             max_positions: 8000,
             tokenizer: None,
+            variant: None,
+            dtype: None,
+            mimi: None,
+            special_text_ids: None,
+            temporal: None,
+            depformer: None,
         }
     }
 }
@@ -149,11 +207,16 @@ pub struct Pack {
 }
 
 impl Pack {
-    /// Opens `dir`: checks that it holds the four graphs and reads `pack.yaml` if present.
+    /// Opens `dir` and checks it whole, before any session is built: the four graphs exist and
+    /// match the contract (read from the files, not from ONNX Runtime), their external weight
+    /// files are complete, and `pack.yaml` (when present) holds only known keys with values
+    /// that agree with the graphs: vocabularies with the logits and the embedding tables, the
+    /// codebook count and frame size with the codec, `max_positions` with the RoPE table.
     ///
     /// # Errors
     ///
-    /// [`ModelError::Pack`] naming the missing directory or file, or the bad manifest key.
+    /// [`ModelError::Pack`] naming the missing directory or file, [`ModelError::Manifest`]
+    /// naming `pack.yaml` and the key, [`ModelError::Contract`] naming the graph and input.
     pub fn open(dir: &Path) -> Result<Pack, ModelError> {
         let err = |path: &Path, detail: String| ModelError::Pack {
             path: path.to_path_buf(),
@@ -162,12 +225,7 @@ impl Pack {
         if !dir.is_dir() {
             return Err(err(dir, "model pack directory not found".into()));
         }
-        for g in [
-            Graph::MimiEncoder,
-            Graph::MimiDecoder,
-            Graph::Temporal,
-            Graph::Depformer,
-        ] {
+        for g in Graph::ALL {
             let p = dir.join(g.dir()).join("model.onnx");
             if !p.is_file() {
                 return Err(err(
@@ -177,50 +235,352 @@ impl Pack {
             }
         }
         let mf = dir.join("pack.yaml");
-        let manifest = if mf.is_file() {
-            let text = std::fs::read_to_string(&mf).map_err(|e| err(&mf, e.to_string()))?;
-            let m: PackManifest = config::Config::builder()
-                .add_source(config::File::from_str(&text, config::FileFormat::Yaml))
-                .build()
-                .and_then(|c| c.try_deserialize())
-                .map_err(|e| err(&mf, e.to_string()))?;
-            m
+        let manifest = if mf.exists() {
+            read_manifest(&mf)?
         } else {
             PackManifest::default()
         };
-        let l = manifest.layout();
-        if manifest.delays.len() != 1 + 2 * manifest.codebooks {
-            return Err(err(
-                &mf,
+        let pack = Pack {
+            dir: dir.to_path_buf(),
+            manifest,
+        };
+        pack.check_manifest(&mf)?;
+        pack.check_graphs(&mf)?;
+        pack.check_relations(&mf)?;
+        Ok(pack)
+    }
+
+    /// The manifest's values on their own.
+    fn check_manifest(&self, mf: &Path) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        if !(8000..=384_000).contains(&m.sample_rate) {
+            return Err(bad(
+                "sample_rate",
                 format!(
-                    "`delays` has {} entries, expected {} (1 text + 2 × {} codebooks)",
-                    manifest.delays.len(),
-                    1 + 2 * manifest.codebooks,
-                    manifest.codebooks
+                    "{} Hz is not a codec rate (Mimi runs at 24000)",
+                    m.sample_rate
+                ),
+            ));
+        }
+        if m.frame_size == 0 {
+            return Err(bad(
+                "frame_size",
+                "0 samples: a frame holds the samples of one model step (1920)".into(),
+            ));
+        }
+        if !(1..=64).contains(&m.codebooks) {
+            return Err(bad(
+                "codebooks",
+                format!("{} is not in 1..=64", m.codebooks),
+            ));
+        }
+        for (key, v) in [("text_vocab", m.text_vocab), ("audio_vocab", m.audio_vocab)] {
+            if v < 1 {
+                return Err(bad(
+                    key,
+                    format!("{v}: a vocabulary holds at least one token"),
+                ));
+            }
+        }
+        if m.delays.len() != 1 + 2 * m.codebooks {
+            return Err(bad(
+                "delays",
+                format!(
+                    "has {} entries, expected {} (1 text + 2 × {} codebooks)",
+                    m.delays.len(),
+                    1 + 2 * m.codebooks,
+                    m.codebooks
+                ),
+            ));
+        }
+        if let Some(d) = m.delays.iter().find(|&&d| d > 64) {
+            return Err(bad(
+                "delays",
+                format!("a delay of {d} steps is not a Moshi layout"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The manifest's values that depend on each other (checked after the vocabularies have
+    /// been checked against the graphs, so that a wrong vocabulary is named as such).
+    fn check_relations(&self, mf: &Path) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        if !(0..=m.text_vocab).contains(&m.initial_tokens.text) {
+            return Err(bad(
+                "initial_tokens.text",
+                format!(
+                    "{} is outside the text table 0..={} (the last row, {}, is the initial token)",
+                    m.initial_tokens.text, m.text_vocab, m.text_vocab
+                ),
+            ));
+        }
+        if !(0..=m.audio_vocab).contains(&m.initial_tokens.audio) {
+            return Err(bad(
+                "initial_tokens.audio",
+                format!(
+                    "{} is outside the audio tables 0..={}",
+                    m.initial_tokens.audio, m.audio_vocab
+                ),
+            ));
+        }
+        if !(0..m.text_vocab).contains(&m.text_padding) {
+            return Err(bad(
+                "text_padding",
+                format!(
+                    "{} is not a text token (0..{})",
+                    m.text_padding, m.text_vocab
                 ),
             ));
         }
         for (key, v) in [
-            ("silence_codes", &manifest.silence_codes),
-            ("sine_codes", &manifest.sine_codes),
+            ("silence_codes", &m.silence_codes),
+            ("sine_codes", &m.sine_codes),
         ] {
-            if v.len() != manifest.codebooks
-                || v.iter().any(|&c| c < 0 || c >= manifest.audio_vocab)
-            {
-                return Err(err(
-                    &mf,
-                    format!(
-                        "`{key}` must hold {} codes in 0..{}",
-                        manifest.codebooks, manifest.audio_vocab
-                    ),
+            if v.len() != m.codebooks || v.iter().any(|&c| c < 0 || c >= m.audio_vocab) {
+                return Err(bad(
+                    key,
+                    format!("must hold {} codes in 0..{}", m.codebooks, m.audio_vocab),
                 ));
             }
         }
-        debug_assert_eq!(l.channels(), manifest.delays.len());
-        Ok(Pack {
-            dir: dir.to_path_buf(),
-            manifest,
-        })
+        if m.context == 0 {
+            return Err(bad(
+                "context",
+                "0 frames: the model attends to at least one".into(),
+            ));
+        }
+        if m.max_positions <= m.delays.iter().copied().max().unwrap_or(0) + 1 {
+            return Err(bad(
+                "max_positions",
+                format!(
+                    "{} positions leave no room for a conversation",
+                    m.max_positions
+                ),
+            ));
+        }
+        debug_assert_eq!(m.layout().channels(), m.delays.len());
+        Ok(())
+    }
+
+    /// The graphs against the contract and the manifest, from the files themselves.
+    fn check_graphs(&self, mf: &Path) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        let read = |g: Graph| -> Result<Option<GraphFile>, ModelError> {
+            let path = self.graph_path(g);
+            let file = GraphFile::read(&path).map_err(|e| ModelError::Pack {
+                path: e.path,
+                detail: e.detail,
+            })?;
+            if let Some(f) = &file {
+                f.check_external_data().map_err(|e| ModelError::Pack {
+                    path: e.path,
+                    detail: e.detail,
+                })?;
+            }
+            Ok(file)
+        };
+        let rows =
+            |f: &GraphFile, name: &str| f.initializer(name).and_then(|i| i.dims.first().copied());
+
+        if let Some(f) = read(Graph::Temporal)? {
+            let info = check_temporal_io(&Io::from_file(&f, "temporal"), m.delays.len())?;
+            if info.vocab as i64 != m.text_vocab {
+                return Err(bad(
+                    "text_vocab",
+                    format!(
+                        "{} does not match the temporal graph, whose text logits are {} wide",
+                        m.text_vocab, info.vocab
+                    ),
+                ));
+            }
+            if let Some(r) = rows(&f, "embed.text_emb.weight") {
+                if r != m.text_vocab + 1 {
+                    return Err(bad(
+                        "text_vocab",
+                        format!("{} does not match the temporal graph's text embedding table ({r} rows: the vocabulary and the initial token)", m.text_vocab),
+                    ));
+                }
+            }
+            let audio: Vec<&Initializer> = f
+                .initializers
+                .iter()
+                .filter(|i| i.name.starts_with("embed.emb.") && i.name.ends_with(".weight"))
+                .collect();
+            if !audio.is_empty() && audio.len() != 2 * m.codebooks {
+                return Err(bad(
+                    "codebooks",
+                    format!(
+                        "{} codebooks need {} audio embedding tables; the temporal graph has {}",
+                        m.codebooks,
+                        2 * m.codebooks,
+                        audio.len()
+                    ),
+                ));
+            }
+            if let Some(t) = audio
+                .iter()
+                .find(|t| t.dims.first() != Some(&(m.audio_vocab + 1)))
+            {
+                return Err(bad(
+                    "audio_vocab",
+                    format!(
+                        "{} does not match the temporal graph's audio embedding table `{}` ({} rows: the codebook and the initial token)",
+                        m.audio_vocab,
+                        t.name,
+                        t.dims.first().copied().unwrap_or(0)
+                    ),
+                ));
+            }
+            if let Some(cos) = f
+                .initializers
+                .iter()
+                .find(|i| i.name.ends_with("rotary_emb.cos_cache"))
+            {
+                let table = cos.dims.first().copied().unwrap_or(0);
+                if m.max_positions as i64 > table {
+                    return Err(bad(
+                        "max_positions",
+                        format!(
+                            "{} positions are more than the temporal graph's RoPE table covers ({table})",
+                            m.max_positions
+                        ),
+                    ));
+                }
+            }
+            if let Some(v) = m.variant.as_deref() {
+                // The exporter's names: standard, gqa, gqa-fp16 (attention kind, then dtype).
+                let said = match v {
+                    "standard" => Variant::Standard,
+                    "gqa" | "gqa-fp16" => Variant::Gqa,
+                    other => {
+                        return Err(bad(
+                            "variant",
+                            format!("{other:?} is not one of standard, gqa, gqa-fp16"),
+                        ))
+                    }
+                };
+                if said != info.variant {
+                    return Err(bad(
+                        "variant",
+                        format!(
+                            "{v:?}, but the temporal graph is the {} variant",
+                            match info.variant {
+                                Variant::Gqa => "gqa",
+                                Variant::Standard => "standard",
+                            }
+                        ),
+                    ));
+                }
+            }
+            if let Some(d) = m.dtype.as_deref().filter(|d| *d != info.kv.name()) {
+                return Err(bad(
+                    "dtype",
+                    format!(
+                        "{d:?}, but the temporal graph's cache is {}",
+                        info.kv.name()
+                    ),
+                ));
+            }
+            check_shape(mf, "temporal", m.temporal.as_ref(), &info)?;
+        }
+        if let Some(f) = read(Graph::Depformer)? {
+            let info = check_depformer_io(&Io::from_file(&f, "depformer"))?;
+            if info.vocab as i64 != m.audio_vocab {
+                return Err(bad(
+                    "audio_vocab",
+                    format!(
+                        "{} does not match the depformer graph, whose logits are {} wide",
+                        m.audio_vocab, info.vocab
+                    ),
+                ));
+            }
+            if let Some(t) = f.initializer("audio_emb") {
+                if t.dims.get(1) != Some(&(m.audio_vocab + 1)) {
+                    return Err(bad(
+                        "audio_vocab",
+                        format!(
+                            "{} does not match the depformer's audio embedding tables ({:?})",
+                            m.audio_vocab, t.dims
+                        ),
+                    ));
+                }
+            }
+            if let Some(r) = rows(&f, "text_emb.weight") {
+                if r != m.text_vocab + 1 {
+                    return Err(bad(
+                        "text_vocab",
+                        format!(
+                            "{} does not match the depformer's text embedding table ({r} rows)",
+                            m.text_vocab
+                        ),
+                    ));
+                }
+            }
+            check_shape(mf, "depformer", m.depformer.as_ref(), &info)?;
+        }
+        for (g, encoder) in [(Graph::MimiEncoder, true), (Graph::MimiDecoder, false)] {
+            let Some(f) = read(g)? else { continue };
+            let io = Io::from_file(&f, g.dir());
+            check_mimi_io(&io, encoder)?;
+            let codes = io.find(encoder, "codes")?;
+            if let Some(&n) = codes.shape.get(1).filter(|&&n| n > 0) {
+                if n as usize != m.codebooks {
+                    return Err(bad(
+                        "codebooks",
+                        format!(
+                            "{} does not match the {} graph, which has {n}",
+                            m.codebooks,
+                            g.dir()
+                        ),
+                    ));
+                }
+            }
+            if let Some(t) = f
+                .initializers
+                .iter()
+                .find(|i| i.name.ends_with("_codebook.embedding.weight"))
+            {
+                if t.dims.first() != Some(&m.audio_vocab) {
+                    return Err(bad(
+                        "audio_vocab",
+                        format!(
+                            "{} does not match the {} graph's codebooks ({} entries)",
+                            m.audio_vocab,
+                            g.dir(),
+                            t.dims.first().copied().unwrap_or(0)
+                        ),
+                    ));
+                }
+            }
+            // The decoder's output length is written `N*sequence_len`: N samples per frame.
+            if !encoder {
+                let hop = f
+                    .outputs
+                    .iter()
+                    .find(|o| o.name == "waveform")
+                    .and_then(|o| o.dims.get(2))
+                    .and_then(|d| match d {
+                        super::onnx::Dim::Symbol(s) => {
+                            s.split_once('*')?.0.trim().parse::<usize>().ok()
+                        }
+                        _ => None,
+                    });
+                if let Some(hop) = hop.filter(|&h| h != m.frame_size) {
+                    return Err(bad(
+                        "frame_size",
+                        format!(
+                            "{} samples, but the codec's frames are {hop} samples (one model step)",
+                            m.frame_size
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Path of a graph's `model.onnx`.
@@ -232,6 +592,103 @@ impl Pack {
     pub fn tokenizer(&self) -> Option<PathBuf> {
         self.manifest.tokenizer.as_ref().map(|t| self.dir.join(t))
     }
+}
+
+impl Graph {
+    /// The four graphs of a pack.
+    pub const ALL: [Graph; 4] = [
+        Graph::MimiEncoder,
+        Graph::MimiDecoder,
+        Graph::Temporal,
+        Graph::Depformer,
+    ];
+}
+
+fn manifest_error(mf: &Path, key: &str, detail: String) -> ModelError {
+    ModelError::Manifest {
+        path: mf.to_path_buf(),
+        key: key.to_string(),
+        detail,
+    }
+}
+
+/// Reads `pack.yaml`: bounded, unknown keys refused (with a suggestion), types checked.
+fn read_manifest(mf: &Path) -> Result<PackManifest, ModelError> {
+    use crate::config::yaml::{self, Limits};
+    let origin = mf.display().to_string();
+    let pack_err = |e: crate::config::ConfigError| ModelError::Pack {
+        path: mf.to_path_buf(),
+        detail: e.message,
+    };
+    let text = yaml::read(mf, Limits::FILES).map_err(pack_err)?;
+    let root = yaml::parse(&text, &origin, Limits::FILES).map_err(pack_err)?;
+    let names: Vec<&str> = MANIFEST_KEYS.iter().map(|(k, _)| *k).collect();
+    let unknown = |key: String, known: &[&str]| {
+        let last = key.rsplit('.').next().unwrap_or(&key).to_string();
+        let hint = crate::config::params::did_you_mean(&last, known.iter().copied());
+        manifest_error(
+            mf,
+            &key,
+            format!("unknown key{hint}; a pack.yaml holds: {}", known.join(", ")),
+        )
+    };
+    for (k, v) in &root {
+        let Some((_, sub)) = MANIFEST_KEYS.iter().find(|(n, _)| n == k) else {
+            return Err(unknown(k.clone(), &names));
+        };
+        if let config::ValueKind::Table(t) = &v.kind {
+            if let Some(sk) = t.keys().find(|sk| !sub.contains(&sk.as_str())) {
+                return Err(unknown(format!("{k}.{sk}"), sub));
+            }
+        }
+    }
+    config::Value::new(None, config::ValueKind::Table(root))
+        .try_deserialize::<PackManifest>()
+        .map_err(|e| match e {
+            config::ConfigError::Type {
+                unexpected,
+                expected,
+                key,
+                ..
+            } => manifest_error(
+                mf,
+                key.as_deref().unwrap_or("?"),
+                format!("expected {expected}, got {unexpected}"),
+            ),
+            other => ModelError::Pack {
+                path: mf.to_path_buf(),
+                detail: other.to_string(),
+            },
+        })
+}
+
+/// A shape the manifest states against the one the graph has.
+fn check_shape(
+    mf: &Path,
+    graph: &str,
+    said: Option<&LmShape>,
+    info: &LmGraphInfo,
+) -> Result<(), ModelError> {
+    let Some(s) = said else { return Ok(()) };
+    // Heads are not compared: the graph shows the KV heads, which grouped-query attention
+    // makes fewer than the attention heads a manifest may state. The depformer's `dim` is
+    // its own width, not the hidden state it takes.
+    let dim = (graph == "temporal").then_some(info.hidden_dim);
+    for (key, said, has) in [
+        ("layers", s.layers, Some(info.layers)),
+        ("head_dim", s.head_dim, Some(info.head_dim)),
+        ("dim", s.dim, dim),
+    ] {
+        let Some(has) = has else { continue };
+        if let Some(v) = said.filter(|&v| v != has) {
+            return Err(manifest_error(
+                mf,
+                &format!("{graph}.{key}"),
+                format!("{v}, but the {graph} graph has {has}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Element type of a floating-point tensor in a graph.
@@ -287,33 +744,59 @@ pub struct LmGraphInfo {
     pub vocab: usize,
 }
 
-/// ONNX's name of an element type (`float`, `float16`, `int64`, …).
-fn type_name(ty: TensorElementType) -> String {
-    match ty {
-        TensorElementType::Float32 => "float".into(),
-        TensorElementType::Float16 => "float16".into(),
-        TensorElementType::Float64 => "double".into(),
-        TensorElementType::Int64 => "int64".into(),
-        TensorElementType::Int32 => "int32".into(),
-        TensorElementType::Int16 => "int16".into(),
-        TensorElementType::Int8 => "int8".into(),
-        TensorElementType::Uint8 => "uint8".into(),
-        TensorElementType::Bool => "bool".into(),
-        other => format!("{other}"),
+/// A graph input or output as the contract checks see it, from ONNX Runtime or from the file.
+struct Sig {
+    /// Element type (None: not a tensor).
+    elem: Option<Elem>,
+    /// Its name in messages (`float`, `int64`, …).
+    elem_name: String,
+    /// Dimensions; -1 where free.
+    shape: Vec<i64>,
+}
+
+impl Sig {
+    fn describe(&self) -> String {
+        format!("{} {:?}", self.elem_name, self.shape)
     }
 }
 
-fn describe(v: &ValueType) -> String {
+fn elem_of(ty: TensorElementType) -> Elem {
+    match ty {
+        TensorElementType::Float32 => Elem::F32,
+        TensorElementType::Float16 => Elem::F16,
+        TensorElementType::Float64 => Elem::F64,
+        TensorElementType::Int64 => Elem::I64,
+        TensorElementType::Int32 => Elem::I32,
+        TensorElementType::Bool => Elem::Bool,
+        _ => Elem::Other(-1),
+    }
+}
+
+fn sig_of(v: &ValueType) -> Sig {
     match v {
-        ValueType::Tensor { ty, shape, .. } => format!("{} {:?}", type_name(*ty), &shape[..]),
-        other => format!("{other:?}"),
+        ValueType::Tensor { ty, shape, .. } => {
+            let elem = elem_of(*ty);
+            Sig {
+                elem_name: match elem {
+                    Elem::Other(_) => format!("{ty}"),
+                    e => e.name(),
+                },
+                elem: Some(elem),
+                shape: shape.to_vec(),
+            }
+        }
+        other => Sig {
+            elem: None,
+            elem_name: format!("{other:?}"),
+            shape: Vec::new(),
+        },
     }
 }
 
 struct Io<'a> {
     graph: &'a str,
-    inputs: Vec<(String, ValueType)>,
-    outputs: Vec<(String, ValueType)>,
+    inputs: Vec<(String, Sig)>,
+    outputs: Vec<(String, Sig)>,
 }
 
 impl<'a> Io<'a> {
@@ -323,24 +806,40 @@ impl<'a> Io<'a> {
             inputs: session
                 .inputs()
                 .iter()
-                .map(|o| (o.name().to_string(), o.dtype().clone()))
+                .map(|o| (o.name().to_string(), sig_of(o.dtype())))
                 .collect(),
             outputs: session
                 .outputs()
                 .iter()
-                .map(|o| (o.name().to_string(), o.dtype().clone()))
+                .map(|o| (o.name().to_string(), sig_of(o.dtype())))
                 .collect(),
         }
     }
 
-    fn names(list: &[(String, ValueType)]) -> String {
+    fn from_file(f: &GraphFile, graph: &'a str) -> Self {
+        let sig = |v: &super::onnx::ValueInfo| Sig {
+            elem: v.elem,
+            elem_name: v
+                .elem
+                .map(|e| e.name())
+                .unwrap_or_else(|| "not a tensor".into()),
+            shape: v.dims.iter().map(|d| d.value()).collect(),
+        };
+        Io {
+            graph,
+            inputs: f.inputs.iter().map(|v| (v.name.clone(), sig(v))).collect(),
+            outputs: f.outputs.iter().map(|v| (v.name.clone(), sig(v))).collect(),
+        }
+    }
+
+    fn names(list: &[(String, Sig)]) -> String {
         list.iter()
             .map(|(n, _)| n.as_str())
             .collect::<Vec<_>>()
             .join(", ")
     }
 
-    fn find(&self, output: bool, name: &str) -> Result<&ValueType, ModelError> {
+    fn find(&self, output: bool, name: &str) -> Result<&Sig, ModelError> {
         let list = if output { &self.outputs } else { &self.inputs };
         list.iter()
             .find(|(n, _)| n == name)
@@ -367,19 +866,19 @@ impl<'a> Io<'a> {
     ) -> Result<(Vec<i64>, Option<FloatType>), ModelError> {
         let v = self.find(output, name)?;
         let what = if output { "output" } else { "input" };
-        let ValueType::Tensor { ty, shape, .. } = v else {
+        let Some(elem) = v.elem else {
             return Err(ModelError::contract(
                 self.graph,
-                format!("{what} `{name}` is {}, expected a tensor", describe(v)),
+                format!("{what} `{name}` is {}, expected a tensor", v.describe()),
             ));
         };
-        let float = match ty {
-            TensorElementType::Float32 => Some(FloatType::F32),
-            TensorElementType::Float16 => Some(FloatType::F16),
+        let float = match elem {
+            Elem::F32 => Some(FloatType::F32),
+            Elem::F16 => Some(FloatType::F16),
             _ => None,
         };
         let ok = match want {
-            Want::I64 => *ty == TensorElementType::Int64,
+            Want::I64 => elem == Elem::I64,
             Want::Float => float.is_some(),
             Want::F32 => float == Some(FloatType::F32),
         };
@@ -388,22 +887,22 @@ impl<'a> Io<'a> {
                 self.graph,
                 format!(
                     "{what} `{name}` has type {}, expected {}",
-                    type_name(*ty),
+                    v.elem_name,
                     want.name()
                 ),
             ));
         }
-        if shape.len() != rank {
+        if v.shape.len() != rank {
             return Err(ModelError::contract(
                 self.graph,
                 format!(
                     "{what} `{name}` has rank {} ({:?}), expected {rank}",
-                    shape.len(),
-                    &shape[..]
+                    v.shape.len(),
+                    &v.shape[..]
                 ),
             ));
         }
-        Ok((shape.to_vec(), float))
+        Ok((v.shape.clone(), float))
     }
 }
 
@@ -488,7 +987,11 @@ pub fn check_temporal(
     graph: &str,
     channels: usize,
 ) -> Result<LmGraphInfo, ModelError> {
-    let io = Io::of(session, graph);
+    check_temporal_io(&Io::of(session, graph), channels)
+}
+
+fn check_temporal_io(io: &Io<'_>, channels: usize) -> Result<LmGraphInfo, ModelError> {
+    let graph = io.graph;
     let (frame, _) = io.tensor(false, "input_frame", Want::I64, 3)?;
     if frame[1] > 0 && frame[1] as usize != channels {
         return Err(ModelError::contract(
@@ -506,7 +1009,7 @@ pub fn check_temporal(
     } else {
         Variant::Gqa
     };
-    let (layers, heads, head_dim, kv) = kv_layers(&io)?;
+    let (layers, heads, head_dim, kv) = kv_layers(io)?;
     let (hs, hidden) = io.tensor(true, "hidden", Want::Float, 3)?;
     let (ls, logits) = io.tensor(true, "text_logits", Want::Float, 3)?;
     Ok(LmGraphInfo {
@@ -529,11 +1032,15 @@ pub fn check_temporal(
 ///
 /// [`ModelError::Contract`] naming the graph and the input or output.
 pub fn check_depformer(session: &Session, graph: &str) -> Result<LmGraphInfo, ModelError> {
-    let io = Io::of(session, graph);
+    check_depformer_io(&Io::of(session, graph))
+}
+
+fn check_depformer_io(io: &Io<'_>) -> Result<LmGraphInfo, ModelError> {
+    let graph = io.graph;
     let (hs, hidden) = io.tensor(false, "hidden", Want::Float, 3)?;
     io.tensor(false, "prev_token", Want::I64, 2)?;
     io.tensor(false, "substep_index", Want::I64, 0)?;
-    let (layers, heads, head_dim, kv) = kv_layers(&io)?;
+    let (layers, heads, head_dim, kv) = kv_layers(io)?;
     let (ls, logits) = io.tensor(true, "logits", Want::Float, 3)?;
     Ok(LmGraphInfo {
         graph: graph.into(),
@@ -555,7 +1062,10 @@ pub fn check_depformer(session: &Session, graph: &str) -> Result<LmGraphInfo, Mo
 ///
 /// [`ModelError::Contract`] naming the graph and the input or output.
 pub fn check_mimi(session: &Session, graph: &str, encoder: bool) -> Result<(), ModelError> {
-    let io = Io::of(session, graph);
+    check_mimi_io(&Io::of(session, graph), encoder)
+}
+
+fn check_mimi_io(io: &Io<'_>, encoder: bool) -> Result<(), ModelError> {
     if encoder {
         io.tensor(false, "waveform", Want::F32, 3)?;
         io.tensor(true, "codes", Want::I64, 3)?;

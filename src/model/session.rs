@@ -175,8 +175,22 @@ pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSessi
             }
         },
     };
-    let session = b
-        .commit_from_file(path)
-        .map_err(|e| ModelError::ort(&format!("{graph} ({})", path.display()), e))?;
+    let session = b.commit_from_file(path).map_err(|e| {
+        use ort::error::ErrorCode as C;
+        let graph = format!("{graph} ({})", path.display());
+        match e.code() {
+            // The file itself is wrong: nothing to retry.
+            C::InvalidArgument
+            | C::NoSuchFile
+            | C::NoModel
+            | C::InvalidProtobuf
+            | C::NotImplemented
+            | C::InvalidGraph => ModelError::Invalid {
+                graph,
+                detail: e.to_string(),
+            },
+            _ => ModelError::ort(&graph, e),
+        }
+    })?;
     Ok(OpenSession { session, provider })
 }

@@ -109,7 +109,8 @@ impl Tokenizer {
             path: path.to_path_buf(),
             detail,
         };
-        let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+        // Bounded, and a FIFO refused rather than waited on; the real models are under 1 MiB.
+        let bytes = crate::files::read_limited(path, 64 << 20).map_err(|e| err(e.to_string()))?;
         let sp = SentencePieceProcessor::from_serialized_proto(&bytes)
             .map_err(|e| err(format!("not a SentencePiece model: {e}")))?;
         let pieces = read_pieces(&bytes)

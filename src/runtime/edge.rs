@@ -221,7 +221,10 @@ impl EdgeTx {
                             env = back;
                             if let Some(spill) = &self.spill {
                                 match spill.try_recv() {
-                                    Ok(_) => sh.count_drop(),
+                                    Ok(_) => {
+                                        sh.stats.evicted.fetch_add(1, Ordering::Relaxed);
+                                        sh.count_drop()
+                                    }
                                     // The consumer emptied the queue meanwhile: retry.
                                     Err(TryRecvError::Empty) => {}
                                     Err(TryRecvError::Disconnected) => {
@@ -247,6 +250,7 @@ impl EdgeRx {
     pub fn received(&self, env: &Envelope) {
         let wait = env.sent_at.elapsed();
         let sh = &self.shared;
+        sh.stats.received.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut h) = sh.stats.wait.lock() {
             h.record(wait);
         }

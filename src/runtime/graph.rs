@@ -216,6 +216,16 @@ pub enum GraphErrorKind {
         /// The link as written.
         link: String,
     },
+    /// A stage cannot take what a link brings it (known before start, see
+    /// [`Caps`](super::Caps)).
+    Caps {
+        /// The link, as `from.port -> to.port` (the stage's first input when several).
+        link: String,
+        /// The consuming stage.
+        stage: String,
+        /// What it needs and what it gets.
+        reason: String,
+    },
 }
 
 /// A pipeline that cannot be built, with where it came from.
@@ -239,6 +249,21 @@ impl fmt::Display for GraphError {
             UnknownStage { link, stage } => {
                 write!(f, "link `{link}`: there is no stage named `{stage}`")
             }
+            UnknownPort {
+                link,
+                stage,
+                dir,
+                port: _,
+                available,
+            } if available.is_empty() => write!(
+                f,
+                "link `{link}`: stage `{stage}` has no {dir} port: it {}",
+                if *dir == "input" {
+                    "is a source, nothing can be linked into it"
+                } else {
+                    "is a sink, it emits nothing"
+                }
+            ),
             UnknownPort {
                 link,
                 stage,
@@ -287,6 +312,11 @@ impl fmt::Display for GraphError {
             ),
             Feedback { link, reason } => write!(f, "link `{link}`: {reason}"),
             ZeroCapacity { link } => write!(f, "link `{link}`: capacity must be at least 1"),
+            Caps {
+                link,
+                stage,
+                reason,
+            } => write!(f, "link `{link}`: stage `{stage}` cannot take these frames: {reason}"),
         }
     }
 }
@@ -511,7 +541,57 @@ impl PipelineBuilder {
                 path: path.iter().map(|&i| self.nodes[i].name.clone()).collect(),
             }));
         }
+        self.negotiate(&resolved)?;
         Ok(resolved)
+    }
+
+    /// Propagates [`Caps`](super::Caps) from the sources along the (acyclic once feedback links
+    /// are set aside) graph, letting each stage refuse what it cannot take.
+    fn negotiate(&self, links: &[ResolvedLink]) -> Result<(), GraphError> {
+        use super::Caps;
+        let n = self.nodes.len();
+        let mut out_caps: Vec<Option<Vec<Caps>>> = vec![None; n];
+        let forward: Vec<&ResolvedLink> = links.iter().filter(|l| !l.feedback).collect();
+        // Kahn's order: a stage once all its forward producers are known.
+        let mut pending: Vec<usize> = (0..n)
+            .map(|i| forward.iter().filter(|l| l.to == i).count())
+            .collect();
+        let mut ready: Vec<usize> = (0..n).filter(|&i| pending[i] == 0).collect();
+        while let Some(i) = ready.pop() {
+            let node = &self.nodes[i];
+            let inputs: Vec<Caps> = (0..node.inputs.len())
+                .map(|p| {
+                    forward
+                        .iter()
+                        .find(|l| l.to == i && l.to_port == p)
+                        .and_then(|l| out_caps[l.from].as_ref()?.get(l.from_port).cloned())
+                        .unwrap_or_default()
+                })
+                .collect();
+            let caps = match &node.body {
+                Body::Source(s) => s.caps(),
+                Body::Stage(s) => s.caps(&inputs).map_err(|reason| {
+                    let link = forward
+                        .iter()
+                        .find(|l| l.to == i)
+                        .map(|l| l.name.clone())
+                        .unwrap_or_else(|| node.name.clone());
+                    self.err(GraphErrorKind::Caps {
+                        link,
+                        stage: node.name.clone(),
+                        reason,
+                    })
+                })?,
+            };
+            out_caps[i] = Some(caps);
+            for l in forward.iter().filter(|l| l.from == i) {
+                pending[l.to] -= 1;
+                if pending[l.to] == 0 {
+                    ready.push(l.to);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn resolve_port(

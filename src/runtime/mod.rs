@@ -43,6 +43,7 @@
 //! assert_eq!(report.stage("sum").unwrap().frames, 3);
 //! ```
 
+mod caps;
 mod edge;
 mod frame;
 mod graph;
@@ -50,6 +51,7 @@ mod pipeline;
 mod stage;
 mod stats;
 
+pub use caps::Caps;
 pub use edge::Overflow;
 pub use frame::{Frame, FrameData, FrameMeta, FrameType, Payload, PortSpec};
 pub use graph::{

@@ -62,6 +62,14 @@ pub enum RunError {
     },
     /// A thread could not be started.
     Spawn(String),
+    /// The run was aborted (a second stop request, or a drain that did not finish in time)
+    /// before everything was delivered.
+    Aborted {
+        /// Frames that were still queued between stages and were thrown away.
+        discarded: u64,
+        /// The edges that held them, with their counts.
+        edges: Vec<(String, u64)>,
+    },
 }
 
 impl std::fmt::Display for RunError {
@@ -93,6 +101,15 @@ impl std::fmt::Display for RunError {
                 stages.join(", ")
             ),
             RunError::Spawn(e) => write!(f, "starting a stage thread: {e}"),
+            RunError::Aborted { discarded, edges } => {
+                write!(f, "aborted: {discarded} queued frame(s) discarded")?;
+                if !edges.is_empty() {
+                    let list: Vec<String> =
+                        edges.iter().map(|(e, n)| format!("{n} on {e}")).collect();
+                    write!(f, " ({})", list.join(", "))?;
+                }
+                write!(f, "; what sinks had written before is kept")
+            }
         }
     }
 }
@@ -647,6 +664,17 @@ impl Running {
             })
         } else if !hung.is_empty() {
             Some(RunError::Hung { stages: hung })
+        } else if aborting {
+            let edges: Vec<(String, u64)> = report
+                .edges
+                .iter()
+                .filter(|e| e.queued > 0)
+                .map(|e| (e.name.clone(), e.queued))
+                .collect();
+            Some(RunError::Aborted {
+                discarded: edges.iter().map(|(_, n)| n).sum(),
+                edges,
+            })
         } else {
             None
         };

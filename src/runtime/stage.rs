@@ -133,6 +133,18 @@ pub trait Stage: Send {
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
         Ok(())
     }
+
+    /// Before start: what this stage emits on each output (in declared order) given what it
+    /// receives on each input (feedback inputs: nothing known). Fewer entries than outputs
+    /// leave the rest unknown. The default knows nothing and accepts anything.
+    ///
+    /// # Errors
+    ///
+    /// A message saying what the stage needs that its inputs do not give (`samples per frame:
+    /// needs 1920, gets 960`); the runtime adds the link.
+    fn caps(&self, _inputs: &[super::Caps]) -> Result<Vec<super::Caps>, String> {
+        Ok(Vec::new())
+    }
 }
 
 /// A stage without inputs.
@@ -144,6 +156,11 @@ pub trait Source: Send {
     /// Called once after the last `produce` (also when the pipeline is drained early).
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
         Ok(())
+    }
+
+    /// Before start: what this source emits on each output (see [`Stage::caps`]).
+    fn caps(&self) -> Vec<super::Caps> {
+        Vec::new()
     }
 }
 

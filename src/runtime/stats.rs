@@ -134,6 +134,10 @@ pub struct EdgeStats {
     pub wait: Mutex<LatencyHistogram>,
     /// Largest depth observed at enqueue.
     pub max_depth: AtomicU64,
+    /// Frames taken out by the consumer.
+    pub received: AtomicU64,
+    /// Accepted frames pushed out again by `drop_oldest` (also counted in `dropped`).
+    pub evicted: AtomicU64,
 }
 
 /// A consistent copy of one stage's statistics.
@@ -168,6 +172,9 @@ pub struct EdgeReport {
     pub wait: LatencyHistogram,
     /// Largest depth seen.
     pub max_depth: u64,
+    /// Frames still queued (accepted, neither received nor evicted): after an abort, what was
+    /// discarded.
+    pub queued: u64,
 }
 
 /// Statistics of a whole run, readable while it runs and returned when it ends.
@@ -232,6 +239,9 @@ impl StatsRegistry {
                     dropped: e.dropped.load(Ordering::Relaxed),
                     wait: lock(&e.wait),
                     max_depth: e.max_depth.load(Ordering::Relaxed),
+                    queued: e.sent.load(Ordering::Relaxed).saturating_sub(
+                        e.received.load(Ordering::Relaxed) + e.evicted.load(Ordering::Relaxed),
+                    ),
                 })
                 .collect(),
             wall,

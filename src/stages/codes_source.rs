@@ -4,10 +4,10 @@
 use std::path::Path;
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageResult};
+use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
-use super::{BuildContext, Codes, StageKind};
+use super::{caps, BuildContext, BuildError, Codes, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "codes_source",
@@ -52,7 +52,11 @@ pub(super) const KIND: StageKind = StageKind {
 ///
 /// A message naming the file and, for a bad frame, its index.
 pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i64>>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Bounded (two hours of frames take about 5 MB), and a FIFO refused rather than waited on.
+    let bytes = crate::files::read_limited(path, 256 << 20)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| format!("{}: not UTF-8 text (expected JSON)", path.display()))?;
     let frames: Vec<Vec<i64>> = serde_json::from_str(&text).map_err(|e| {
         format!(
             "{}: not a JSON array of frames of {codebooks} integer codes: {e}",
@@ -80,13 +84,16 @@ pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i
     Ok(frames)
 }
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let frames = read_codes(
         Path::new(p.str("path")),
         p.int("codebooks") as usize,
         p.int("vocab"),
-    )?;
+    )
+    .map_err(|m| BuildError::invalid(m).key("path"))?;
     Ok(Body::Source(Box::new(CodesSource {
+        codebooks: p.int("codebooks") as usize,
+        vocab: p.int("vocab"),
         frames: frames.into_iter(),
         // One code frame stands for 1920 samples at 24 kHz.
         pacer: Pacer::new(p.bool("realtime"), 24_000),
@@ -94,11 +101,19 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
 }
 
 struct CodesSource {
+    codebooks: usize,
+    vocab: i64,
     frames: std::vec::IntoIter<Vec<i64>>,
     pacer: Pacer,
 }
 
 impl Source for CodesSource {
+    fn caps(&self) -> Vec<Caps> {
+        vec![Caps::new()
+            .with(caps::CODEBOOKS, self.codebooks as i64)
+            .with(caps::VOCAB, self.vocab)]
+    }
+
     fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
         let Some(f) = self.frames.next() else {
             return Ok(Flow::Done);

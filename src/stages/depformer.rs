@@ -9,7 +9,7 @@ use crate::model::sampling::SamplingParams;
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
 
 use super::model_params::{model_params, open_pack, session_options};
-use super::{BuildContext, LmStep, Sampled, StageKind};
+use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "depformer",
@@ -92,9 +92,9 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
     }
 }
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let dep = Depformer::open(&pack, &session_options(p)).map_err(|e| e.to_string())?;
+    let dep = Depformer::open(&pack, &session_options(p))?;
     Ok(Body::Stage(Box::new(DepformerStage {
         half: SamplingHalf::new(dep, sampling_config(p)),
     })))

@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use crate::audio::{Framer, Pcm, FRAME_SAMPLES, MODEL_RATE};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "framer",
@@ -37,7 +37,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(FramerStage {
         framer: Framer::new(p.int("size") as usize),
         rate: p.int("rate") as u32,
@@ -54,6 +54,23 @@ struct FramerStage {
 }
 
 impl Stage for FramerStage {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        let rate = match (self.rate, inputs[0].get(caps::RATE)) {
+            (0, r) => r,
+            (want, _) => {
+                inputs[0]
+                    .require(caps::RATE, want as i64, "sample rate (Hz)")
+                    .map_err(|e| format!("{e}: put a `resample` stage (to: {want}) before it"))?;
+                Some(want as i64)
+            }
+        };
+        let mut out = Caps::new().with(caps::SAMPLES, self.framer.size() as i64);
+        if let Some(r) = rate {
+            out = out.with(caps::RATE, r);
+        }
+        Ok(vec![out])
+    }
+
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let frame = input.take::<Pcm>()?;
         let rate = frame.data.rate;

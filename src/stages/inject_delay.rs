@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "inject_delay",
@@ -87,7 +87,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(InjectDelay {
         mode: p.str("mode").to_string(),
         base: p.float("base_ms") / 1e3,
@@ -114,6 +114,10 @@ struct InjectDelay {
 }
 
 impl Stage for InjectDelay {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        Ok(inputs.to_vec())
+    }
+
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Pcm>()?;
         let noise = self.jitter * self.rng.next_f64();

@@ -15,9 +15,9 @@ use crate::audio::live::{open_capture, Capture, CaptureRing};
 use crate::audio::{AudioError, Pcm};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
-use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageError, StageResult};
+use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageError, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mic",
@@ -65,12 +65,18 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let rate = match p.int("rate") {
         0 => None,
+        r if r < 8000 => {
+            return Err(BuildError::invalid(format!(
+                "{r} Hz is not an audio rate: give 8000 or more, or 0 for the device's own"
+            ))
+            .key("rate"))
+        }
         r => Some(r as u32),
     };
-    let cap = open(p.str("device"), rate, p.bool("reconnect")).map_err(|e| e.to_string())?;
+    let cap = open(p.str("device"), rate, p.bool("reconnect"))?;
     tracing::info!(
         device = %cap.handle.status().name,
         rate = cap.rate,
@@ -191,6 +197,10 @@ impl Mic {
 }
 
 impl Source for Mic {
+    fn caps(&self) -> Vec<Caps> {
+        vec![Caps::new().with(caps::RATE, self.cap.rate as i64)]
+    }
+
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
         tracing::info!(
             device = %self.cap.handle.status().name,

@@ -4,10 +4,10 @@
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::mimi::MimiDecoder;
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
 use super::model_params::{model_params, open_pack, session_options};
-use super::{AgentTokens, BuildContext, StageKind};
+use super::{caps, AgentTokens, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mimi_decode",
@@ -23,13 +23,13 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let dec = MimiDecoder::open(&pack, &session_options(p), p.int("window") as usize)
-        .map_err(|e| e.to_string())?;
+    let dec = MimiDecoder::open(&pack, &session_options(p), p.int("window") as usize)?;
     Ok(Body::Stage(Box::new(MimiDecode {
         dec,
         rate: pack.manifest.sample_rate,
+        frame: pack.manifest.frame_size,
         silence: pack.manifest.silence_codes.clone(),
         vocab: pack.manifest.audio_vocab,
     })))
@@ -38,11 +38,19 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
 struct MimiDecode {
     dec: MimiDecoder,
     rate: u32,
+    frame: usize,
     silence: Vec<i64>,
     vocab: i64,
 }
 
 impl Stage for MimiDecode {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        caps::require_codes(&inputs[0], self.silence.len(), self.vocab)?;
+        Ok(vec![Caps::new()
+            .with(caps::RATE, self.rate as i64)
+            .with(caps::SAMPLES, self.frame as i64)])
+    }
+
     fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
         self.dec.push(&self.silence, self.vocab)?;
         self.dec.reset();

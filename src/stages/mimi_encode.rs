@@ -3,10 +3,10 @@
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::mimi::MimiEncoder;
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
 use super::model_params::{model_params, open_pack, session_options};
-use super::{BuildContext, Codes, StageKind};
+use super::{caps, BuildContext, BuildError, Codes, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mimi_encode",
@@ -22,14 +22,15 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let enc = MimiEncoder::open(&pack, &session_options(p), p.int("window") as usize)
-        .map_err(|e| e.to_string())?;
+    let enc = MimiEncoder::open(&pack, &session_options(p), p.int("window") as usize)?;
     Ok(Body::Stage(Box::new(MimiEncode {
         enc,
         rate: pack.manifest.sample_rate,
         frame: pack.manifest.frame_size,
+        codebooks: pack.manifest.codebooks,
+        vocab: pack.manifest.audio_vocab,
     })))
 }
 
@@ -37,9 +38,18 @@ struct MimiEncode {
     enc: MimiEncoder,
     rate: u32,
     frame: usize,
+    codebooks: usize,
+    vocab: i64,
 }
 
 impl Stage for MimiEncode {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        caps::require_pcm(&inputs[0], self.rate, Some(self.frame))?;
+        Ok(vec![Caps::new()
+            .with(caps::CODEBOOKS, self.codebooks as i64)
+            .with(caps::VOCAB, self.vocab)])
+    }
+
     fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
         // The first run of a graph is slow: pay it before the first real frame.
         self.enc.push(&vec![0.0; self.frame])?;

@@ -41,6 +41,111 @@ pub struct BuildContext<'a> {
     pub file: &'a str,
 }
 
+/// Why a stage could not be built, so that the caller can tell a mistake in the configuration
+/// (fix it; exit code 2) from something that is not available now (memory, a busy device: it
+/// may work later, or built alone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildError {
+    /// Which of the two.
+    pub kind: BuildErrorKind,
+    /// The param at fault, when one is.
+    pub key: Option<&'static str>,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+/// What a [`BuildError`] means for the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BuildErrorKind {
+    /// The configuration is wrong (a file that is not what it should be, a value the model
+    /// refuses, a device that does not exist): rejected; fix it.
+    Invalid,
+    /// Something the stage needs cannot be had now (memory, a device that exists but cannot
+    /// be opened, a session ONNX Runtime cannot create): the same configuration may build
+    /// later or on its own.
+    Unavailable,
+}
+
+impl BuildError {
+    /// A mistake in the configuration.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        BuildError {
+            kind: BuildErrorKind::Invalid,
+            key: None,
+            message: message.into(),
+        }
+    }
+
+    /// Something not available now.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        BuildError {
+            kind: BuildErrorKind::Unavailable,
+            key: None,
+            message: message.into(),
+        }
+    }
+
+    /// Names the param at fault.
+    pub fn key(mut self, key: &'static str) -> Self {
+        self.key = Some(key);
+        self
+    }
+}
+
+impl std::fmt::Display for BuildError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for BuildError {}
+
+impl From<String> for BuildError {
+    fn from(message: String) -> Self {
+        BuildError::invalid(message)
+    }
+}
+
+impl From<&str> for BuildError {
+    fn from(message: &str) -> Self {
+        BuildError::invalid(message)
+    }
+}
+
+impl From<crate::model::ModelError> for BuildError {
+    fn from(e: crate::model::ModelError) -> Self {
+        use crate::model::ModelError as M;
+        let unavailable = matches!(e, M::Ort { .. });
+        let key = match &e {
+            M::Manifest { .. } | M::Pack { .. } | M::Contract { .. } => Some("pack"),
+            M::Provider { .. } => Some("execution_provider"),
+            _ => None,
+        };
+        BuildError {
+            kind: if unavailable {
+                BuildErrorKind::Unavailable
+            } else {
+                BuildErrorKind::Invalid
+            },
+            key,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<crate::audio::AudioError> for BuildError {
+    fn from(e: crate::audio::AudioError) -> Self {
+        use crate::audio::AudioError as A;
+        match e {
+            // Found but not opened: busy, or the server is restarting.
+            A::Device { .. } => BuildError::unavailable(e.to_string()).key("device"),
+            A::NoDevice { .. } => BuildError::invalid(e.to_string()).key("device"),
+            e => BuildError::invalid(e.to_string()),
+        }
+    }
+}
+
 /// A stage kind: its name, docs, params, ports and builder.
 #[derive(Clone, Copy)]
 pub struct StageKind {
@@ -54,8 +159,9 @@ pub struct StageKind {
     pub inputs: fn() -> Vec<PortSpec>,
     /// Output ports.
     pub outputs: fn() -> Vec<PortSpec>,
-    /// Builds the stage from checked params. The error message should say what to fix.
-    pub build: fn(&BuildContext<'_>, &Params) -> Result<Body, String>,
+    /// Builds the stage from checked params. The error should say what to fix, and which
+    /// param is at fault.
+    pub build: fn(&BuildContext<'_>, &Params) -> Result<Body, BuildError>,
 }
 
 /// The set of known stage kinds.

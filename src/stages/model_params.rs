@@ -6,13 +6,15 @@ use crate::config::Params;
 use crate::model::pack::Pack;
 use crate::model::session::{Provider, SessionOptions};
 
+use super::BuildError;
+
 /// Expands to a `&'static [ParamSpec]` of the given specs followed by the pack and session
 /// params every model stage takes.
 macro_rules! model_params {
     ($($spec:expr),* $(,)?) => {
         &[
             $($spec,)*
-            ParamSpec { name: "pack", ty: T::Path, default: D::Required, doc: "model pack directory" },
+            ParamSpec { name: "pack", ty: T::Dir, default: D::Required, doc: "model pack directory" },
             ParamSpec { name: "execution_provider", ty: T::Choice(&["cpu", "cuda"]), default: D::Str("cpu"), doc: "where the graph runs" },
             ParamSpec { name: "device_id", ty: T::Int { min: 0, max: 64 }, default: D::Int(0), doc: "GPU index (cuda)" },
             ParamSpec { name: "allow_fallback", ty: T::Bool, default: D::Bool(false), doc: "run on the CPU (with a warning) when cuda cannot take effect" },
@@ -39,6 +41,6 @@ pub(super) fn session_options(p: &Params) -> SessionOptions {
 }
 
 /// Opens the `pack` param's directory.
-pub(super) fn open_pack(p: &Params) -> Result<Pack, String> {
-    Pack::open(Path::new(p.str("pack"))).map_err(|e| e.to_string())
+pub(super) fn open_pack(p: &Params) -> Result<Pack, BuildError> {
+    Ok(Pack::open(Path::new(p.str("pack")))?)
 }

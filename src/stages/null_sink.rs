@@ -3,7 +3,7 @@
 use crate::config::Params;
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "null_sink",
@@ -14,7 +14,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, _: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, _: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(NullSink)))
 }
 

@@ -19,10 +19,10 @@ use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Context, Input, LatencyHistogram, PortSpec, Stage, StageError, StageResult,
+    Body, Caps, Context, Input, LatencyHistogram, PortSpec, Stage, StageError, StageResult,
 };
 
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "playback",
@@ -41,7 +41,7 @@ pub(super) const KIND: StageKind = StageKind {
                 max: 768_000,
             },
             default: D::Int(0),
-            doc: "sample rate (0 = the device's; `virtual`: the input's, 24000 until known)",
+            doc: "sample rate (0 = the device's; `virtual`: 24000)",
         },
         ParamSpec {
             name: "target_ms",
@@ -72,7 +72,7 @@ pub(super) const KIND: StageKind = StageKind {
         },
         ParamSpec {
             name: "capture",
-            ty: T::Path,
+            ty: T::OutPath,
             default: D::None,
             doc: "`virtual`: write what is played to this WAV file",
         },
@@ -88,15 +88,30 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let mut cfg = JitterConfig::new(24_000);
     cfg.target = Duration::from_secs_f64(p.float("target_ms") / 1000.0);
-    cfg.max_target = Duration::from_secs_f64(p.float("max_target_ms") / 1000.0).max(cfg.target);
+    if p.float("max_target_ms") < p.float("target_ms") {
+        return Err(BuildError::invalid(format!(
+            "{} ms is below `target_ms` ({} ms): the jitter buffer may grow from its target up \
+             to this, not shrink",
+            p.float("max_target_ms"),
+            p.float("target_ms")
+        ))
+        .key("max_target_ms"));
+    }
+    cfg.max_target = Duration::from_secs_f64(p.float("max_target_ms") / 1000.0);
     cfg.max_depth = cfg
         .max_depth
         .max(cfg.max_target + Duration::from_millis(120));
     let rate = match p.int("rate") {
         0 => None,
+        r if r < 8000 => {
+            return Err(BuildError::invalid(format!(
+                "{r} Hz is not an audio rate: give 8000 or more, or 0 for the device's own"
+            ))
+            .key("rate"))
+        }
         r => Some(r as u32),
     };
     let opener = Opener {
@@ -105,9 +120,7 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         period: Duration::from_secs_f64(p.float("period_ms") / 1000.0),
     };
     let capture = p.opt_str("capture").map(PathBuf::from);
-    let player = opener
-        .open(p.str("device"), rate, capture)
-        .map_err(|e| e.to_string())?;
+    let player = opener.open(p.str("device"), rate, capture)?;
     let m = PlaybackMetrics::new(&player.name);
     Ok(Body::Stage(Box::new(Playback {
         writer: None,
@@ -233,6 +246,12 @@ impl Playback {
 }
 
 impl Stage for Playback {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        caps::require_pcm(&inputs[0], self.player.rate, None)
+            .map_err(|e| format!("device {:?}: {e}", self.player.name))?;
+        Ok(Vec::new())
+    }
+
     fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Pcm>()?;
         if let Some(spec) = crate::control::take("speaker.switch") {

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use crate::audio::{Pcm, StreamResampler};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "resample",
@@ -40,7 +40,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(Resample {
         to: p.int("to") as u32,
         chunk_ms: p.float("chunk_ms"),
@@ -70,6 +70,10 @@ impl Resample {
 }
 
 impl Stage for Resample {
+    fn caps(&self, _inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        Ok(vec![Caps::new().with(caps::RATE, self.to as i64)])
+    }
+
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let frame = input.take::<Pcm>()?;
         let rate = frame.data.rate;

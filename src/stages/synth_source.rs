@@ -2,10 +2,10 @@
 
 use crate::audio::{Pcm, Synth, Waveform};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageResult};
+use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "synth_source",
@@ -74,7 +74,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let rate = p.int("rate") as u32;
     let amplitude = p.float("amplitude") as f32;
     let waveform = match p.str("waveform") {
@@ -107,6 +107,10 @@ struct SynthSource {
 }
 
 impl Source for SynthSource {
+    fn caps(&self) -> Vec<Caps> {
+        vec![Caps::new().with(caps::RATE, self.rate as i64)]
+    }
+
     fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
         if self.remaining == 0 {
             return Ok(Flow::Done);

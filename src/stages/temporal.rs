@@ -12,17 +12,17 @@ use std::time::Instant;
 
 use crate::audio::{StreamResampler, WavReader};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::lm::{priming_script, ForcedStep, TemporalHalf};
+use crate::model::lm::{persona_tokens, priming_script, ForcedStep, TemporalHalf};
 use crate::model::lmgen::LmGen;
 use crate::model::mimi::MimiEncoder;
 use crate::model::pack::PackManifest;
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::{Tokenizer, Transcript};
 use crate::observe::names;
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
 use super::model_params::{model_params, open_pack, session_options};
-use super::{AgentTokens, BuildContext, Codes, LmStep, Sampled, StageKind};
+use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "temporal",
@@ -106,9 +106,10 @@ fn voice_codes(
     path: &Path,
     pack: &crate::model::pack::Pack,
     p: &Params,
-) -> Result<Vec<Vec<i64>>, String> {
-    let mut r = WavReader::open(path).map_err(|e| e.to_string())?;
-    let mut pcm = r.read_all().map_err(|e| e.to_string())?;
+) -> Result<Vec<Vec<i64>>, BuildError> {
+    let voice = |e: String| BuildError::invalid(e).key("voice");
+    let mut r = WavReader::open(path).map_err(|e| voice(e.to_string()))?;
+    let mut pcm = r.read_all().map_err(|e| voice(e.to_string()))?;
     let rate = pack.manifest.sample_rate;
     if r.rate() != rate {
         let mut rs = StreamResampler::new(r.rate(), rate, r.rate() as usize / 50)
@@ -119,18 +120,18 @@ fn voice_codes(
         pcm = out;
     }
     if pcm.len() < pack.manifest.frame_size {
-        return Err(format!(
+        return Err(voice(format!(
             "{}: the voice prompt is shorter than one frame ({} samples at {rate} Hz)",
             path.display(),
             pack.manifest.frame_size
-        ));
+        )));
     }
-    let mut enc = MimiEncoder::open(pack, &session_options(p), 1).map_err(|e| e.to_string())?;
+    let mut enc = MimiEncoder::open(pack, &session_options(p), 1)?;
     enc.encode(&pcm)
-        .map_err(|e| format!("{}: {e}", path.display()))
+        .map_err(|e| voice(format!("{}: {e}", path.display())))
 }
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
     let m = pack.manifest.clone();
     let voice = match p.opt_str("voice") {
@@ -142,28 +143,19 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
         .map(PathBuf::from)
         .or_else(|| pack.tokenizer())
     {
-        Some(path) => Some(Tokenizer::open(&path).map_err(|e| e.to_string())?),
+        Some(path) => Some(
+            Tokenizer::open(&path)
+                .map_err(|e| BuildError::invalid(e.to_string()).key("tokenizer"))?,
+        ),
         None => None,
     };
-    let persona = match (p.opt_str("persona"), p.int_list("persona_tokens")) {
-        (Some(_), [_, ..]) => return Err("give `persona` or `persona_tokens`, not both".into()),
-        (Some(text), _) => match &tokenizer {
-            Some(t) => t.encode_persona(text).map_err(|e| e.to_string())?,
-            None => {
-                return Err(
-                    "`persona` text needs a tokenizer: set `tokenizer:` (a SentencePiece .model) or give `persona_tokens`"
-                        .into(),
-                )
-            }
-        },
-        (None, ids) => ids.to_vec(),
-    };
-    if let Some(t) = persona.iter().find(|t| !(0..m.text_vocab).contains(*t)) {
-        return Err(format!(
-            "persona token {t} is out of range 0..{}",
-            m.text_vocab
-        ));
-    }
+    let persona = persona_tokens(
+        &m,
+        tokenizer.as_ref(),
+        p.opt_str("persona"),
+        p.int_list("persona_tokens"),
+    )
+    .map_err(|e| BuildError::invalid(e.to_string()).key(e.key()))?;
     let script = priming_script(
         &m,
         voice.as_deref(),
@@ -182,13 +174,14 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
             n => n as usize,
         },
     };
-    let temporal = Temporal::open(&pack, &opts).map_err(|e| e.to_string())?;
+    let temporal = Temporal::open(&pack, &opts)?;
     let cap = temporal.positions_left();
     if cap <= script.len() + 1 {
-        return Err(format!(
+        return Err(BuildError::invalid(format!(
             "max_positions ({cap}) must exceed the priming length ({} steps) + 1",
             script.len()
-        ));
+        ))
+        .key("max_positions"));
     }
     Ok(Body::Stage(Box::new(TemporalStage {
         half: TemporalHalf::new(LmGen::new(m.layout()), temporal),
@@ -256,30 +249,24 @@ impl TemporalStage {
 
     /// A new persona (text, or comma-separated token ids) replaces the priming script.
     fn new_persona(&mut self, persona: &str) -> Result<(), String> {
-        let ids: Vec<i64> = if persona
+        let as_ids = persona
             .chars()
-            .all(|c| c.is_ascii_digit() || c == ',' || c == ' ')
-            && !persona.trim().is_empty()
-        {
-            persona
+            .all(|c| c.is_ascii_digit() || c == ',' || c == ' ');
+        let ids: Vec<i64> = if as_ids {
+            let tokens = persona
                 .split(',')
                 .filter(|t| !t.trim().is_empty())
-                .map(|t| t.trim().parse::<i64>().map_err(|e| e.to_string()))
-                .collect::<Result<_, _>>()?
-        } else if persona.trim().is_empty() {
-            Vec::new()
+                .map(|t| {
+                    t.trim()
+                        .parse::<i64>()
+                        .map_err(|_| format!("{:?} is not a token id", t.trim()))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            persona_tokens(&self.manifest, None, None, &tokens)
         } else {
-            match &self.tokenizer {
-                Some(t) => t.encode_persona(persona).map_err(|e| e.to_string())?,
-                None => return Err("persona text needs a tokenizer".into()),
-            }
-        };
-        if let Some(t) = ids
-            .iter()
-            .find(|t| !(0..self.manifest.text_vocab).contains(*t))
-        {
-            return Err(format!("persona token {t} is out of range"));
+            persona_tokens(&self.manifest, self.tokenizer.as_ref(), Some(persona), &[])
         }
+        .map_err(|e| e.to_string())?;
         self.script = priming_script(
             &self.manifest,
             self.voice.as_deref(),
@@ -301,6 +288,15 @@ impl TemporalStage {
 }
 
 impl Stage for TemporalStage {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        let m = &self.manifest;
+        caps::require_codes(&inputs[0], m.codebooks, m.audio_vocab)?;
+        let agent = Caps::new()
+            .with(caps::CODEBOOKS, m.codebooks as i64)
+            .with(caps::VOCAB, m.audio_vocab);
+        Ok(vec![Caps::new(), agent])
+    }
+
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
         if !self.line.trim().is_empty() {
             tracing::info!(transcript = %self.line.trim(), "agent");

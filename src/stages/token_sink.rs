@@ -9,14 +9,14 @@ use std::path::PathBuf;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
 
-use super::{AgentTokens, BuildContext, StageKind};
+use super::{AgentTokens, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "token_sink",
     doc: "writes the agent's tokens as JSON Lines: {\"frame\", \"text\", \"audio\"}",
     params: &[ParamSpec {
         name: "path",
-        ty: T::Path,
+        ty: T::OutPath,
         default: D::Required,
         doc: "output file (parent directories are created)",
     }],
@@ -25,7 +25,7 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let path = PathBuf::from(p.str("path"));
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;

@@ -41,3 +41,59 @@ pub struct AgentTokens {
 impl FrameData for AgentTokens {
     const NAME: &'static str = "AgentTokens";
 }
+
+/// The [`Caps`](crate::runtime::Caps) properties stage kinds declare, so that mismatches are
+/// refused before start.
+pub mod caps {
+    /// Sample rate of `Pcm` frames, Hz.
+    pub const RATE: &str = "rate";
+    /// Samples per `Pcm` frame (when every frame has the same number).
+    pub const SAMPLES: &str = "samples";
+    /// Codes per frame of `Codes` and `AgentTokens`.
+    pub const CODEBOOKS: &str = "codebooks";
+    /// Codes are below this.
+    pub const VOCAB: &str = "vocab";
+
+    /// Checks a Pcm input against a rate and, when `samples` is given, a frame size; `fix`
+    /// says what to put before the stage.
+    pub fn require_pcm(
+        c: &crate::runtime::Caps,
+        rate: u32,
+        samples: Option<usize>,
+    ) -> Result<(), String> {
+        let fix = |what: String| {
+            match samples {
+            Some(n) => format!(
+                "{what}: put `resample` (to: {rate}) and `framer` (size: {n}, rate: {rate}) before it"
+            ),
+            None => format!("{what}: put a `resample` stage (to: {rate}) before it"),
+        }
+        };
+        c.require(RATE, rate as i64, "sample rate (Hz)")
+            .map_err(fix)?;
+        if let Some(n) = samples {
+            c.require(SAMPLES, n as i64, "samples per frame")
+                .map_err(fix)?;
+        }
+        Ok(())
+    }
+
+    /// Checks a codes input against a codebook count and vocabulary.
+    pub fn require_codes(
+        c: &crate::runtime::Caps,
+        codebooks: usize,
+        vocab: i64,
+    ) -> Result<(), String> {
+        c.require(
+            CODEBOOKS,
+            codebooks as i64,
+            "codes per frame (the pack's codebooks)",
+        )?;
+        match c.get(VOCAB) {
+            Some(v) if v > vocab => Err(format!(
+                "codes up to {v} may come, but the pack's codebooks hold {vocab} entries"
+            )),
+            _ => Ok(()),
+        }
+    }
+}

@@ -11,7 +11,7 @@ use crate::audio::{Pcm, WavFormat, WavWriter};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::{BuildContext, StageKind};
+use super::{BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "wav_sink",
@@ -19,7 +19,7 @@ pub(super) const KIND: StageKind = StageKind {
     params: &[
         ParamSpec {
             name: "path",
-            ty: T::Path,
+            ty: T::OutPath,
             default: D::Required,
             doc: "output file (parent directories are created)",
         },
@@ -53,10 +53,13 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let path = PathBuf::from(p.str("path"));
     if path.is_dir() {
-        return Err(format!("{} is a directory, not a file", path.display()));
+        return Err(
+            BuildError::invalid(format!("{} is a directory, not a file", path.display()))
+                .key("path"),
+        );
     }
     Ok(Body::Stage(Box::new(WavSink {
         path,

@@ -5,10 +5,10 @@ use std::path::Path;
 
 use crate::audio::{Pcm, WavReader};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Context, Flow, PortSpec, Source, StageResult};
+use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
-use super::{BuildContext, StageKind};
+use super::{caps, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "wav_source",
@@ -41,9 +41,10 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, String> {
+fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     // Opened here, so a missing or bad file is reported before the pipeline starts.
-    let reader = WavReader::open(Path::new(p.str("path"))).map_err(|e| e.to_string())?;
+    let reader =
+        WavReader::open(Path::new(p.str("path"))).map_err(|e| BuildError::from(e).key("path"))?;
     let rate = reader.rate();
     let chunk = ((p.float("chunk_ms") / 1000.0 * rate as f64).round() as usize).max(1);
     tracing::debug!(
@@ -67,6 +68,10 @@ struct WavSource {
 }
 
 impl Source for WavSource {
+    fn caps(&self) -> Vec<Caps> {
+        vec![Caps::new().with(caps::RATE, self.reader.rate() as i64)]
+    }
+
     fn produce(&mut self, cx: &mut Context<'_>) -> StageResult<Flow> {
         let mut samples = Vec::with_capacity(self.chunk);
         let n = self.reader.read(self.chunk, &mut samples)?;

@@ -26,13 +26,24 @@ pub fn variant(name: &str, extra: &str) -> (tempfile::TempDir, PathBuf) {
         std::os::unix::fs::symlink(src.join(g), dst.join(g)).unwrap();
     }
     let mut yaml = std::fs::read_to_string(src.join("pack.yaml")).unwrap();
-    // Drop keys that `extra` sets again.
+    // Drop keys that `extra` sets again, with their indented lines.
     for line in extra.lines() {
         if let Some((k, _)) = line.split_once(':') {
             if !line.starts_with(' ') {
+                let mut dropping = false;
                 yaml = yaml
                     .lines()
-                    .filter(|l| !l.starts_with(&format!("{k}:")))
+                    .filter(|l| {
+                        if l.starts_with(&format!("{k}:")) {
+                            dropping = true;
+                            return false;
+                        }
+                        if dropping && l.starts_with(' ') {
+                            return false;
+                        }
+                        dropping = false;
+                        true
+                    })
                     .collect::<Vec<_>>()
                     .join("\n");
                 yaml.push('\n');

@@ -1,0 +1,637 @@
+//! The daemon's configuration: where it is read from, what each key means, and every check
+//! that start-up, `--check` and a reload run on it before anything is touched.
+//!
+//! Layers (each over the one before): `configs/daemon.yaml` (built in), the user's file
+//! (`--config`, `$XDG_CONFIG_HOME/duplex/daemon.yaml`, `~/.config/duplex/daemon.yaml`),
+//! `DUPLEX__…` environment variables. The configuration becomes overrides of the live
+//! pipeline file ([`DaemonConfig::sets`]) whose origin is the daemon key they stand for, so a
+//! value the pipeline refuses is reported against the daemon's file and key. Knows nothing of
+//! how the daemon runs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use config::{Map, Value, ValueKind};
+
+use crate::config::params::{as_f64, as_i64, as_string, describe, did_you_mean};
+use crate::config::yaml::{self, Limits};
+use crate::config::{layers, ConfigError, ConfigErrorKind, LoadOptions, Override, PipelineSpec};
+use crate::stages::Registry;
+
+/// The defaults (the text of `configs/daemon.yaml`).
+pub const DEFAULTS_YAML: &str = include_str!("../../../configs/daemon.yaml");
+
+/// The origin of the built-in defaults in messages.
+const DEFAULTS_ORIGIN: &str = "configs/daemon.yaml (built in)";
+
+/// Sampling settings of the daemon.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Text temperature.
+    pub text_temperature: f64,
+    /// Text top-k.
+    pub text_top_k: i64,
+    /// Audio temperature.
+    pub audio_temperature: f64,
+    /// Audio top-k.
+    pub audio_top_k: i64,
+    /// Seed.
+    pub seed: i64,
+}
+
+/// A checked daemon configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DaemonConfig {
+    /// Where the user's settings came from (`defaults` when there is no file).
+    pub file: String,
+    /// The live pipeline file.
+    pub pipeline: PathBuf,
+    /// The model pack.
+    pub pack: String,
+    /// Input device.
+    pub input_device: String,
+    /// Output device.
+    pub output_device: String,
+    /// Persona text.
+    pub persona: String,
+    /// Persona token ids.
+    pub persona_tokens: Vec<i64>,
+    /// SentencePiece model.
+    pub tokenizer: String,
+    /// Voice prompt WAV.
+    pub voice: String,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Long-session policy.
+    pub long_session: String,
+    /// `/metrics` and `/healthz`.
+    pub metrics_address: Option<std::net::SocketAddr>,
+    /// Control socket path.
+    pub control_socket: PathBuf,
+    /// Where each key's value came from, in words (`FILE: `persona``, `environment variable
+    /// DUPLEX__PACK`), for messages.
+    pub origins: BTreeMap<String, String>,
+}
+
+const KEYS: &[&str] = &[
+    "pipeline",
+    "pack",
+    "input_device",
+    "output_device",
+    "persona",
+    "persona_tokens",
+    "tokenizer",
+    "voice",
+    "sampling",
+    "long_session",
+    "metrics_address",
+    "control_socket",
+];
+
+const SAMPLING_KEYS: &[&str] = &[
+    "text_temperature",
+    "text_top_k",
+    "audio_temperature",
+    "audio_top_k",
+    "seed",
+];
+
+/// The user's config file: `explicit`, else `$XDG_CONFIG_HOME/duplex/daemon.yaml`, else
+/// `~/.config/duplex/daemon.yaml`, when it exists.
+pub fn config_path(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    let xdg = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from);
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config"));
+    [xdg, home]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("duplex/daemon.yaml"))
+        .find(|p| p.is_file())
+}
+
+fn default_socket() -> PathBuf {
+    let run = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("duplex-{}", uid())));
+    run.join("duplex/control.sock")
+}
+
+fn uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0)
+}
+
+/// The layers merged: (file name for messages, root map).
+fn layered(
+    explicit: Option<&Path>,
+    env: Option<&HashMap<String, String>>,
+) -> Result<(String, Map<String, Value>), ConfigError> {
+    let path = config_path(explicit);
+    let fname = path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "defaults".into());
+    let mut parts = vec![yaml::parse(DEFAULTS_YAML, DEFAULTS_ORIGIN, Limits::FILES)?];
+    if let Some(p) = &path {
+        let text = yaml::read(p, Limits::FILES)?;
+        parts.push(yaml::parse(&text, &fname, Limits::FILES)?);
+    }
+    parts.push(layers::env_layer(env));
+    Ok((fname, layers::merge(parts)))
+}
+
+/// Where a value came from, in words: the file and key, or the variable.
+fn origin_of(v: &Value, fname: &str, key: &str) -> String {
+    match v.origin() {
+        Some(o) if o == fname || o == DEFAULTS_ORIGIN => format!("{o}: `{key}`"),
+        Some(o) => o.to_string(),
+        None => format!("{fname}: `{key}`"),
+    }
+}
+
+/// The control socket the configuration names, without checking anything else (what
+/// `duplex ctl` needs, from any directory, even when other keys are wrong).
+///
+/// # Errors
+///
+/// When the configuration file cannot be read or parsed, or `control_socket` is not a string.
+pub fn control_socket(
+    explicit: Option<&Path>,
+    env: Option<&HashMap<String, String>>,
+) -> Result<PathBuf, ConfigError> {
+    let (fname, root) = layered(explicit, env)?;
+    match root.get("control_socket") {
+        None => Ok(default_socket()),
+        Some(v) => match (&v.kind, as_string(v)) {
+            (ValueKind::Nil, _) => Ok(default_socket()),
+            (_, Some(s)) if s.trim().is_empty() => Ok(default_socket()),
+            (_, Some(s)) => Ok(PathBuf::from(s)),
+            (_, None) => Err(ConfigError::new(
+                &fname,
+                ConfigErrorKind::WrongType,
+                format!("expected a path, got {}", describe(v)),
+            )
+            .key("control_socket")
+            .from_value(v)),
+        },
+    }
+}
+
+/// Loads and checks the daemon configuration.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file (or the environment variable) and the key.
+pub fn load_config(
+    explicit: Option<&Path>,
+    env: Option<HashMap<String, String>>,
+) -> Result<DaemonConfig, ConfigError> {
+    let (fname, root) = layered(explicit, env.as_ref())?;
+    let e = |k, m: String| ConfigError::new(&fname, k, m);
+    for (k, v) in &root {
+        if !KEYS.contains(&k.as_str()) {
+            let hint = did_you_mean(k, KEYS.iter().copied());
+            return Err(e(
+                ConfigErrorKind::UnknownKey,
+                format!("unknown key{hint}; expected: {}", KEYS.join(", ")),
+            )
+            .key(k.clone())
+            .from_value(v));
+        }
+    }
+    let nil = Value::new(None, ValueKind::Nil);
+    let get = |k: &str| root.get(k).unwrap_or(&nil);
+    let mut origins = BTreeMap::new();
+    for (k, v) in &root {
+        origins.insert(k.clone(), origin_of(v, &fname, k));
+    }
+    let string = |k: &str| -> Result<String, ConfigError> {
+        let v = get(k);
+        match v.kind {
+            ValueKind::Nil => Ok(String::new()),
+            _ => as_string(v).ok_or_else(|| {
+                e(
+                    ConfigErrorKind::WrongType,
+                    format!("expected a string, got {}", describe(v)),
+                )
+                .key(k)
+                .from_value(v)
+            }),
+        }
+    };
+    let tokens_v = get("persona_tokens");
+    let bad_tokens = |m: String| {
+        e(ConfigErrorKind::WrongType, m)
+            .key("persona_tokens")
+            .from_value(tokens_v)
+    };
+    let tokens = match &tokens_v.kind {
+        ValueKind::Nil => Vec::new(),
+        ValueKind::Array(a) => a
+            .iter()
+            .map(|v| {
+                as_i64(v).ok_or_else(|| {
+                    bad_tokens(format!(
+                        "expected integers, like [10, 20], got {}",
+                        describe(v)
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        ValueKind::String(s) => s
+            .split(',')
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| {
+                t.trim().parse().map_err(|_| {
+                    bad_tokens(format!(
+                        "{:?} is not an integer (write a list, like [10, 20], or 10,20)",
+                        t.trim()
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(bad_tokens(format!(
+                "expected a list of integers, like [10, 20], got {}",
+                describe(tokens_v)
+            )))
+        }
+    };
+    let sampling_v = get("sampling");
+    let ValueKind::Table(s) = &sampling_v.kind else {
+        return Err(e(ConfigErrorKind::WrongType, "expected a map".into())
+            .key("sampling")
+            .from_value(sampling_v));
+    };
+    for (k, v) in s {
+        if !SAMPLING_KEYS.contains(&k.as_str()) {
+            let hint = did_you_mean(k, SAMPLING_KEYS.iter().copied());
+            return Err(e(
+                ConfigErrorKind::UnknownKey,
+                format!("unknown key{hint}; expected: {}", SAMPLING_KEYS.join(", ")),
+            )
+            .key(format!("sampling.{k}"))
+            .from_value(v));
+        }
+        origins.insert(
+            format!("sampling.{k}"),
+            origin_of(v, &fname, &format!("sampling.{k}")),
+        );
+    }
+    let num = |k: &str, min: f64, max: f64| -> Result<f64, ConfigError> {
+        let key = format!("sampling.{k}");
+        let v = s
+            .get(k)
+            .ok_or_else(|| e(ConfigErrorKind::Missing, "missing".into()).key(key.clone()))?;
+        let x = as_f64(v).ok_or_else(|| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("expected a number, got {}", describe(v)),
+            )
+            .key(key.clone())
+            .from_value(v)
+        })?;
+        // `contains` is false for NaN, so `.nan` is refused here too.
+        if !(min..=max).contains(&x) {
+            return Err(e(
+                ConfigErrorKind::OutOfRange,
+                format!("{x} is out of range {min}..={max}"),
+            )
+            .key(key)
+            .from_value(v));
+        }
+        Ok(x)
+    };
+    let sampling = Sampling {
+        text_temperature: num("text_temperature", 0.0, 100.0)?,
+        text_top_k: num("text_top_k", 0.0, 1e6)? as i64,
+        audio_temperature: num("audio_temperature", 0.0, 100.0)?,
+        audio_top_k: num("audio_top_k", 0.0, 1e6)? as i64,
+        seed: num("seed", 0.0, 9e15)? as i64,
+    };
+    let long_session = string("long_session")?;
+    if !["reset_and_reprime", "stop"].contains(&long_session.as_str()) {
+        return Err(e(
+            ConfigErrorKind::OutOfRange,
+            format!("{long_session:?} is not one of reset_and_reprime, stop"),
+        )
+        .key("long_session")
+        .from_value(get("long_session")));
+    }
+    let addr = string("metrics_address")?;
+    let metrics_address = if addr.trim().is_empty() {
+        None
+    } else {
+        Some(addr.trim().parse().map_err(|err| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("{addr:?} is not an address like 127.0.0.1:9187 ({err})"),
+            )
+            .key("metrics_address")
+            .from_value(get("metrics_address"))
+        })?)
+    };
+    let sock = string("control_socket")?;
+    let pipeline = PathBuf::from(string("pipeline")?);
+    if let Err(err) = crate::files::check_regular(&pipeline) {
+        return Err(e(
+            ConfigErrorKind::Read,
+            format!("pipeline file {}: {err}", pipeline.display()),
+        )
+        .key("pipeline")
+        .from_value(get("pipeline")));
+    }
+    Ok(DaemonConfig {
+        file: fname.clone(),
+        pipeline,
+        pack: string("pack")?,
+        input_device: string("input_device")?,
+        output_device: string("output_device")?,
+        persona: string("persona")?,
+        persona_tokens: tokens,
+        tokenizer: string("tokenizer")?,
+        voice: string("voice")?,
+        sampling,
+        long_session,
+        metrics_address,
+        control_socket: if sock.trim().is_empty() {
+            default_socket()
+        } else {
+            PathBuf::from(sock)
+        },
+        origins,
+    })
+}
+
+impl DaemonConfig {
+    /// Where `key`'s value came from, in words.
+    pub fn origin(&self, key: &str) -> String {
+        self.origins
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| format!("{}: `{key}`", self.file))
+    }
+
+    /// The overrides of the pipeline file this configuration stands for, each blaming the
+    /// daemon key it comes from.
+    pub fn sets(&self) -> Vec<Override> {
+        let set = |daemon_key: &str, key: &str, value: String| {
+            Override::from(self.origin(daemon_key), key, value)
+        };
+        let mut v = vec![
+            set(
+                "input_device",
+                "stages.mic.device",
+                self.input_device.clone(),
+            ),
+            set(
+                "output_device",
+                "stages.speaker.device",
+                self.output_device.clone(),
+            ),
+            set(
+                "long_session",
+                "stages.temporal.long_session",
+                self.long_session.clone(),
+            ),
+            // The daemon serves metrics itself.
+            Override::from("duplex daemon", "metrics.address", String::new()),
+        ];
+        for s in ["encode", "temporal", "depformer", "decode"] {
+            v.push(set("pack", &format!("stages.{s}.pack"), self.pack.clone()));
+        }
+        for (k, val) in [
+            ("persona", &self.persona),
+            ("tokenizer", &self.tokenizer),
+            ("voice", &self.voice),
+        ] {
+            if !val.is_empty() {
+                // Quoted: a persona text is text, whatever YAML would make of it.
+                let quoted = format!("'{}'", val.replace('\'', "''"));
+                v.push(set(k, &format!("stages.temporal.{k}"), quoted));
+            }
+        }
+        if !self.persona_tokens.is_empty() {
+            let t: Vec<String> = self.persona_tokens.iter().map(|t| t.to_string()).collect();
+            v.push(set(
+                "persona_tokens",
+                "stages.temporal.persona_tokens",
+                format!("[{}]", t.join(", ")),
+            ));
+        }
+        let s = &self.sampling;
+        for (k, val) in [
+            ("text_temperature", s.text_temperature.to_string()),
+            ("text_top_k", s.text_top_k.to_string()),
+            ("audio_temperature", s.audio_temperature.to_string()),
+            ("audio_top_k", s.audio_top_k.to_string()),
+            ("seed", s.seed.to_string()),
+        ] {
+            v.push(set(
+                &format!("sampling.{k}"),
+                &format!("stages.depformer.{k}"),
+                val,
+            ));
+        }
+        v
+    }
+
+    /// The live pipeline's spec with this configuration's overrides.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] blaming the daemon key when the pipeline refuses one of its values.
+    pub fn pipeline_spec(&self) -> Result<PipelineSpec, ConfigError> {
+        let opts = LoadOptions {
+            sets: self.sets(),
+            env: Some(HashMap::new()),
+        };
+        crate::config::load(&self.pipeline, &opts, &Registry::builtin())
+    }
+}
+
+/// Everything that can be checked without loading a model or opening a device, on a loaded
+/// configuration: the pipeline file with its overrides, the control socket's path, the pack
+/// (its four graphs against the contract and `pack.yaml` against the graphs), the persona
+/// against the pack's vocabulary, the tokenizer and voice files, and that the devices exist.
+/// `own_socket` is the socket this process serves already (on a reload), which is not in the
+/// way of itself.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the daemon's file (or variable) and key.
+pub fn check_static(
+    c: &DaemonConfig,
+    own_socket: Option<&Path>,
+) -> Result<PipelineSpec, ConfigError> {
+    let spec = c.pipeline_spec()?;
+    let e = |key: &str, kind, m: String| {
+        let mut err = ConfigError::new(&c.file, kind, m).key(key);
+        let origin = c.origin(key);
+        if !origin.starts_with(&format!("{}: ", c.file)) {
+            err.origin = Some(origin.into());
+        }
+        err
+    };
+    if own_socket != Some(c.control_socket.as_path()) {
+        crate::app::control::check_socket_path(&c.control_socket)
+            .map_err(|m| e("control_socket", ConfigErrorKind::Conflict, m))?;
+    }
+    let pack = crate::model::pack::Pack::open(Path::new(&c.pack))
+        .map_err(|err| e("pack", ConfigErrorKind::Read, err.to_string()))?;
+    let tokenizer_path = if c.tokenizer.is_empty() {
+        pack.tokenizer()
+    } else {
+        Some(PathBuf::from(&c.tokenizer))
+    };
+    let tokenizer = match &tokenizer_path {
+        Some(p) => Some(
+            crate::model::tokenizer::Tokenizer::open(p)
+                .map_err(|err| e("tokenizer", ConfigErrorKind::Read, err.to_string()))?,
+        ),
+        None => None,
+    };
+    let text = (!c.persona.is_empty()).then_some(c.persona.as_str());
+    crate::model::lm::persona_tokens(&pack.manifest, tokenizer.as_ref(), text, &c.persona_tokens)
+        .map_err(|err| e(err.key(), ConfigErrorKind::OutOfRange, err.to_string()))?;
+    if !c.voice.is_empty() {
+        crate::audio::WavReader::open(Path::new(&c.voice))
+            .map_err(|err| e("voice", ConfigErrorKind::Read, err.to_string()))?;
+    }
+    use crate::audio::device::{find, Direction};
+    for (key, dir, device) in [
+        ("input_device", Direction::Input, &c.input_device),
+        ("output_device", Direction::Output, &c.output_device),
+    ] {
+        if device != "virtual" {
+            find(dir, device).map_err(|err| e(key, ConfigErrorKind::Read, err.to_string()))?;
+        }
+    }
+    Ok(spec)
+}
+
+/// Loads the configuration and runs [`check_static`] on it.
+///
+/// # Errors
+///
+/// As [`load_config`] and [`check_static`].
+pub fn check_all(
+    explicit: Option<&Path>,
+    own_socket: Option<&Path>,
+) -> Result<DaemonConfig, ConfigError> {
+    let c = load_config(explicit, None)?;
+    check_static(&c, own_socket)?;
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    /// Defaults, then the user's file, then `DUPLEX__…` variables, each over the one before.
+    #[test]
+    fn layers_defaults_file_and_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("daemon.yaml");
+        let pipeline = concat!(env!("CARGO_MANIFEST_DIR"), "/pipelines/daemon.yaml");
+        std::fs::write(
+            &file,
+            format!(
+                "pipeline: {pipeline}\ninput_device: from-file\noutput_device: from-file\nsampling:\n  seed: 3\n"
+            ),
+        )
+        .unwrap();
+        let c = load_config(
+            Some(&file),
+            env(&[
+                ("DUPLEX__INPUT_DEVICE", "from-env"),
+                ("DUPLEX__SAMPLING__SEED", "7"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.input_device, "from-env");
+        assert_eq!(c.output_device, "from-file");
+        assert_eq!(c.sampling.seed, 7);
+        // Untouched sampling keys keep their defaults.
+        assert_eq!(c.sampling.text_top_k, 25);
+        assert_eq!(c.long_session, "reset_and_reprime");
+        assert_eq!(c.file, file.display().to_string());
+        assert_eq!(
+            c.origin("input_device"),
+            "environment variable DUPLEX__INPUT_DEVICE"
+        );
+        assert_eq!(
+            c.origin("output_device"),
+            format!("{}: `output_device`", file.display())
+        );
+        // A bad value from the environment names the variable, the file and the key.
+        let e = load_config(Some(&file), env(&[("DUPLEX__SAMPLING__SEED", "soon")])).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("sampling.seed"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("environment variable DUPLEX__SAMPLING__SEED (over "),
+            "{e}"
+        );
+        assert!(e.to_string().contains("daemon.yaml"), "{e}");
+        // And one the daemon does not know.
+        let e = load_config(Some(&file), env(&[("DUPLEX__INPUT_DEVISE", "x")])).unwrap_err();
+        assert!(e.to_string().contains("did you mean `input_device`"), "{e}");
+        assert_eq!(
+            e.origin.as_deref(),
+            Some("environment variable DUPLEX__INPUT_DEVISE")
+        );
+    }
+
+    /// The configuration becomes overrides of the pipeline file's stages, each blaming its key.
+    #[test]
+    fn the_configuration_becomes_pipeline_overrides() {
+        let c = load_config(None, env(&[("DUPLEX__PERSONA_TOKENS", "1,2,3")])).unwrap();
+        let sets: HashMap<String, Override> =
+            c.sets().into_iter().map(|o| (o.key.clone(), o)).collect();
+        assert_eq!(sets["stages.temporal.persona_tokens"].value, "[1, 2, 3]");
+        assert_eq!(
+            sets["stages.temporal.persona_tokens"].origin,
+            "environment variable DUPLEX__PERSONA_TOKENS"
+        );
+        assert_eq!(sets["stages.encode.pack"].value, c.pack);
+        assert_eq!(
+            sets["stages.encode.pack"].origin,
+            "configs/daemon.yaml (built in): `pack`"
+        );
+        assert_eq!(sets["stages.speaker.device"].value, c.output_device);
+        assert_eq!(
+            sets["metrics.address"].value, "",
+            "the daemon serves metrics itself"
+        );
+    }
+
+    /// `duplex ctl` finds the socket from any directory: the pipeline file is not needed.
+    #[test]
+    fn the_control_socket_is_found_without_the_pipeline_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("daemon.yaml");
+        std::fs::write(
+            &file,
+            "pipeline: /nonexistent/daemon.yaml\ncontrol_socket: /run/x/control.sock\n",
+        )
+        .unwrap();
+        assert!(load_config(Some(&file), env(&[])).is_err());
+        assert_eq!(
+            control_socket(Some(&file), env(&[]).as_ref()).unwrap(),
+            PathBuf::from("/run/x/control.sock")
+        );
+    }
+}
