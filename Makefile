@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DUPLEX := target/release/duplex
 
-.PHONY: setup demo test bench lint build clean
+.PHONY: setup demo test bench lint build clean fuzz
 
 setup:
 	@tools/setup.sh
@@ -24,6 +24,10 @@ test: setup lint
 lint: setup
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --release -- -D warnings
+
+# The bad-input suite with many more generated cases per parser than `make test` runs.
+fuzz: setup
+	PROPTEST_CASES=30000 $(CARGO) test --release --test fuzz_inputs
 
 bench: setup
 	$(CARGO) bench --bench runtime

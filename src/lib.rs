@@ -10,6 +10,7 @@
 //! - [`stages`]: one file per stage kind, adapting a building block to the runtime's `Stage`.
 //! - [`observe`]: metric names and buckets, the exporter, the latency diagnosis.
 //! - [`control`]: switches and requests a control surface sets and stages read.
+//! - [`files`]: opening the files a user names: regular files only, bounded reads.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
 //!
 //! Run a pipeline file from Rust:

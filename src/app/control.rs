@@ -53,45 +53,77 @@ fn applied(answer: Option<Result<String, String>>, pending: &str) -> serde_json:
     }
 }
 
-/// Answers one command line.
-pub fn answer(line: &str, status: &Status) -> serde_json::Value {
+/// A command of the control socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// The daemon's status.
+    Status,
+    /// A new conversation.
+    Reset,
+    /// A new persona: text, or comma-separated token ids.
+    Persona(String),
+    /// Mute (`true`) or unmute the microphone.
+    Mute(bool),
+    /// Pause (`true`) or resume the conversation.
+    Pause(bool),
+}
+
+/// Reads one command line.
+///
+/// # Errors
+///
+/// A message naming the line (cut to 80 characters) and listing the commands.
+pub fn parse(line: &str) -> Result<Command, String> {
     let line = line.trim();
     let (cmd, arg) = line
         .split_once(' ')
         .map(|(a, b)| (a, b.trim()))
         .unwrap_or((line, ""));
-    let ok = |what: &str| serde_json::json!({ "ok": true, "done": what });
     match (cmd, arg) {
-        ("status", "") => {
+        ("status", "") => Ok(Command::Status),
+        ("reset", "") => Ok(Command::Reset),
+        ("persona", p) if !p.trim_matches('"').is_empty() => {
+            Ok(Command::Persona(p.trim_matches('"').to_string()))
+        }
+        ("mute", "") => Ok(Command::Mute(true)),
+        ("unmute", "") => Ok(Command::Mute(false)),
+        ("pause", "") => Ok(Command::Pause(true)),
+        ("resume", "") => Ok(Command::Pause(false)),
+        _ => Err(format!(
+            "unknown or malformed command {:?}; commands: status, reset, persona <text>, mute, unmute, pause, resume",
+            line.chars().take(80).collect::<String>()
+        )),
+    }
+}
+
+/// Answers one command line.
+pub fn answer(line: &str, status: &Status) -> serde_json::Value {
+    let ok = |what: &str| serde_json::json!({ "ok": true, "done": what });
+    match parse(line) {
+        Ok(Command::Status) => {
             let mut s = status();
             if let Some(m) = s.as_object_mut() {
                 m.insert("ok".into(), true.into());
             }
             s
         }
-        ("reset", "") => applied(
+        Ok(Command::Reset) => applied(
             crate::control::ask("temporal.reset", "", STAGE_ANSWER),
             "the conversation restarts at the next frame",
         ),
-        ("persona", p) if !p.is_empty() => applied(
-            crate::control::ask("temporal.persona", p.trim_matches('"'), STAGE_ANSWER),
+        Ok(Command::Persona(p)) => applied(
+            crate::control::ask("temporal.persona", p, STAGE_ANSWER),
             "the persona changes at the next frame",
         ),
-        ("mute", "") | ("unmute", "") => {
-            crate::control::set("mic.mute", cmd == "mute");
-            ok(cmd)
+        Ok(Command::Mute(on)) => {
+            crate::control::set("mic.mute", on);
+            ok(if on { "mute" } else { "unmute" })
         }
-        ("pause", "") | ("resume", "") => {
-            crate::control::set("temporal.pause", cmd == "pause");
-            ok(cmd)
+        Ok(Command::Pause(on)) => {
+            crate::control::set("temporal.pause", on);
+            ok(if on { "pause" } else { "resume" })
         }
-        _ => serde_json::json!({
-            "ok": false,
-            "error": format!(
-                "unknown or malformed command {:?}; commands: status, reset, persona <text>, mute, unmute, pause, resume",
-                line.chars().take(80).collect::<String>()
-            ),
-        }),
+        Err(e) => serde_json::json!({ "ok": false, "error": e }),
     }
 }
 
@@ -120,6 +152,11 @@ fn handle(stream: UnixStream, status: &Status) {
     };
     let mut s = reader.into_inner().into_inner();
     let _ = writeln!(s, "{reply}");
+    // Read what the client sent beyond the command (a line too long, several lines), a little
+    // and briefly: closing with it unread would reset the connection and lose the reply.
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let _ = std::io::copy(&mut (&s).take(1 << 20), &mut std::io::sink());
 }
 
 /// Whether a control socket can be bound at `path` without harming anything: nothing there, or

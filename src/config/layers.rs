@@ -29,7 +29,7 @@ impl Override {
     pub fn set(key: impl Into<String>, value: impl Into<String>) -> Self {
         let (key, value) = (key.into(), value.into());
         Override {
-            origin: format!("--set {key}={value}"),
+            origin: format!("--set {key}={}", shown(&value)),
             key,
             value,
         }
@@ -53,6 +53,18 @@ impl From<(String, String)> for Override {
     fn from((key, value): (String, String)) -> Self {
         Override::set(key, value)
     }
+}
+
+/// A value as a message shows it: on one line, and short.
+fn shown(value: &str) -> String {
+    const MAX: usize = 60;
+    let one_line = value.chars().all(|c| !c.is_control());
+    if one_line && value.chars().count() <= MAX {
+        return value.to_string();
+    }
+    let escaped: String = value.escape_debug().collect();
+    let cut: String = escaped.chars().take(MAX).collect();
+    format!("{cut}… ({} bytes)", value.len())
 }
 
 /// The prefix and separator of environment overrides: `DUPLEX__SECTION__KEY`.

@@ -10,8 +10,12 @@
 //! ```
 //!
 //! Sizes (layers, heads, head dim, dtype, variant) are read from the graphs' inputs, never
-//! assumed. A missing file, a wrong input name, dtype or rank, or a graph of the wrong kind is an
-//! error that names the graph and the input.
+//! assumed. [`Pack::open`] checks the whole pack before any session is built, reading the graph
+//! files themselves ([`onnx`](super::onnx)): every graph against the contract, external weights
+//! against their files, and `pack.yaml` (known keys only) against the graphs. The same contract
+//! checks run again on each session ONNX Runtime builds. A missing file, a wrong input name, dtype
+//! or rank, or a graph of the wrong kind is an error that names the graph and the input; a
+//! manifest value is named by its key.
 
 use std::path::{Path, PathBuf};
 
@@ -387,7 +391,19 @@ impl Pack {
             |f: &GraphFile, name: &str| f.initializer(name).and_then(|i| i.dims.first().copied());
 
         if let Some(f) = read(Graph::Temporal)? {
-            let info = check_temporal_io(&Io::from_file(&f, "temporal"), m.delays.len())?;
+            let io = Io::from_file(&f, "temporal");
+            let info = check_temporal_io(&io, None)?;
+            let channels = io.find(false, "input_frame")?.shape[1];
+            if channels > 0 && channels as usize != 1 + 2 * m.codebooks {
+                return Err(bad(
+                    "codebooks",
+                    format!(
+                        "{} codebooks make {} token channels, but the temporal graph takes {channels}",
+                        m.codebooks,
+                        1 + 2 * m.codebooks
+                    ),
+                ));
+            }
             if info.vocab as i64 != m.text_vocab {
                 return Err(bad(
                     "text_vocab",
@@ -987,13 +1003,14 @@ pub fn check_temporal(
     graph: &str,
     channels: usize,
 ) -> Result<LmGraphInfo, ModelError> {
-    check_temporal_io(&Io::of(session, graph), channels)
+    check_temporal_io(&Io::of(session, graph), Some(channels))
 }
 
-fn check_temporal_io(io: &Io<'_>, channels: usize) -> Result<LmGraphInfo, ModelError> {
+/// `channels`: the token channels the caller expects, when it checks them itself (`None`).
+fn check_temporal_io(io: &Io<'_>, channels: Option<usize>) -> Result<LmGraphInfo, ModelError> {
     let graph = io.graph;
     let (frame, _) = io.tensor(false, "input_frame", Want::I64, 3)?;
-    if frame[1] > 0 && frame[1] as usize != channels {
+    if let Some(channels) = channels.filter(|&c| frame[1] > 0 && frame[1] as usize != c) {
         return Err(ModelError::contract(
             graph,
             format!(

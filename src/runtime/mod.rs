@@ -3,7 +3,8 @@
 //! This layer owns threads, channels, overflow policies, the feedback edge, supervision,
 //! shutdown, and per-stage and per-edge timing. It knows no stage kind, no audio, no model and
 //! no YAML: stages arrive already built, with their ports declared as [`PortSpec`]s, and links
-//! arrive as [`Link`]s.
+//! arrive as [`Link`]s. Before start, what stages know of their frames ([`Caps`]) is negotiated
+//! along the links, so that a mismatch is refused with the link named.
 //!
 //! ```
 //! use std::time::Instant;

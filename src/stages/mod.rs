@@ -5,6 +5,8 @@
 //! Stages never see a thread or a channel: they get frames in `process` and emit through the
 //! [`Context`](crate::runtime::Context). The [`Registry`] maps kind names (as written in pipeline
 //! files) to builders; applications can register kinds of their own next to the built-in ones.
+//! A builder's error is a [`BuildError`] that says whether the configuration is wrong or
+//! something is not available now, and which param is at fault.
 
 mod codes_source;
 mod depformer;

@@ -1,16 +1,17 @@
 //! `duplex daemon`: the live full-duplex pipeline for one person at their desk, unattended.
 //!
-//! Configuration is layered: `configs/daemon.yaml` (built in), the user's file
-//! (`--config`, `$XDG_CONFIG_HOME/duplex/daemon.yaml`, `~/.config/duplex/daemon.yaml`), then
-//! `DUPLEX__…` environment variables. The daemon turns it into overrides of its pipeline file,
-//! runs it, reports readiness once the models are loaded and warmed up (`READY=1` to systemd
-//! when `NOTIFY_SOCKET` is set, with watchdog pings), answers a control socket, stops gracefully
-//! on SIGINT/SIGTERM and reloads on SIGHUP: persona and sampling apply at the next frame
+//! The configuration and every check made on it live in `config.rs` (layered:
+//! built-in defaults, the user's file, `DUPLEX__…` variables). This module runs it: it builds
+//! the pipeline (`--check` builds it and stops there), reports readiness once the models are
+//! loaded and warmed up (`READY=1` to systemd when `NOTIFY_SOCKET` is set, with watchdog pings),
+//! answers a control socket, stops gracefully on SIGINT/SIGTERM and reloads on SIGHUP. A reload
+//! is checked whole before anything changes; persona and sampling then apply at the next frame
 //! boundary; a new input or output device moves only the stage that owns it (models and
 //! conversation untouched); a new pack, pipeline, voice, tokenizer, long-session policy or seed
-//! builds a new pipeline beside the running one, which it then replaces; an invalid new
-//! configuration (a bad key, a device that does not exist, a pack that cannot be loaded) is
-//! rejected and the pipeline keeps running.
+//! builds a new pipeline beside the running one, which it then replaces. A configuration that
+//! fails a check, or that the new pipeline refuses, is rejected and the pipeline keeps running;
+//! one that cannot be built for want of what the running one holds is built alone, and when
+//! that fails too the last configuration that ran is built again.
 
 mod config;
 
