@@ -211,7 +211,21 @@ fn the_control_socket_never_harms_what_is_already_there() {
     std::fs::create_dir(&shared).unwrap();
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
     let sock = shared.join("x.sock");
-    let mut dm = Daemon::start_with_config(pa, &with_socket(&sock));
+    // (And a metrics address that is taken: the warning names the daemon's key.)
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = busy.local_addr().unwrap().to_string();
+    let text: String = with_socket(&sock)
+        .lines()
+        .map(|l| {
+            if l.starts_with("metrics_address:") {
+                format!("metrics_address: \"{taken}\"\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let mut dm = Daemon::start_with_config(pa, &text);
+    dm.wait_log("metrics are not exported (set `metrics_address`)");
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&shared), 0o755);
     assert_eq!(mode(&sock), 0o600);
@@ -258,15 +272,24 @@ fn ctl_finds_the_daemon_from_any_directory() {
         .collect::<Vec<_>>()
         .join("\n");
     std::fs::write(home.join("duplex/daemon.yaml"), &text).unwrap();
-    let mut child = pa
-        .duplex()
-        .arg("daemon")
-        .env("XDG_CONFIG_HOME", &home)
-        .current_dir(root())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    /// Kills the daemon however the test ends.
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(
+        pa.duplex()
+            .arg("daemon")
+            .env("XDG_CONFIG_HOME", &home)
+            .current_dir(root())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let elsewhere = tempfile::tempdir().unwrap();
     let ctl = || {
         pa.duplex()
@@ -290,8 +313,6 @@ fn ctl_finds_the_daemon_from_any_directory() {
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(out.contains("\"ok\":true"), "{out}");
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[test]

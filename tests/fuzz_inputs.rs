@@ -96,6 +96,7 @@ const DEADLINE: Duration = Duration::from_secs(20);
 
 /// Runs one case: no panic, bounded memory, no hang.
 fn bounded<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    scratch();
     let base = meter::start();
     let t0 = Instant::now();
     let r = catch_unwind(AssertUnwindSafe(f));
@@ -118,9 +119,17 @@ fn config(cases: u32) -> Config {
     c
 }
 
+/// The scratch directory, which is also the working directory of this test process: a
+/// generated relative path (a sink's output) lands there, never in the checkout. Everything
+/// else the tests name is absolute.
 fn scratch() -> &'static Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().unwrap()).path()
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        std::env::set_current_dir(d.path()).unwrap();
+        d
+    })
+    .path()
 }
 
 /// A file of its own for one case (tests run in parallel).
