@@ -87,6 +87,13 @@ fn validate(p: &Path, extra: &[&str]) -> Output {
     run_within(c, 30)
 }
 
+/// `validate` of `p` is refused before start (exit 2): its `error: …` line.
+fn refused(p: &Path, extra: &[&str]) -> String {
+    let o = validate(p, extra);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    error_line(&o)
+}
+
 /// A pipeline that validates anywhere: a WAV in `dir`, resampled, discarded.
 fn good_pipeline(dir: &Path) -> PathBuf {
     let input = dir.join("good-in.wav");
@@ -260,12 +267,10 @@ fn overlapping_paths_are_refused_before_anything_is_written() {
             pack.display()
         ),
     );
-    let o = validate(&p, &[]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let line = refused(&p, &[]);
     assert!(
-        error_line(&o).contains("would write inside the directory it reads"),
-        "{}",
-        stderr(&o)
+        line.contains("would write inside the directory it reads"),
+        "{line}"
     );
 }
 
@@ -533,9 +538,7 @@ fn errors_blame_the_layer_the_value_came_from_and_say_enough() {
         ),
     ] {
         let p = write(dir.path(), "p.yaml", text);
-        let o = validate(&p, &[]);
-        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-        let line = error_line(&o);
+        let line = refused(&p, &[]);
         assert!(
             line.starts_with(&format!("error: {}: {want}", p.display())),
             "{text}\n{line}"
@@ -608,9 +611,7 @@ fn mismatches_known_before_start_are_refused_before_start() {
         ),
     ] {
         let p = write(dir.path(), "p.yaml", &text);
-        let o = validate(&p, &[]);
-        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-        let line = error_line(&o);
+        let line = refused(&p, &[]);
         assert!(
             line.starts_with(&format!("error: {}: {want}", p.display())),
             "{want}\n{line}"
@@ -708,13 +709,10 @@ fn an_abort_says_what_it_discarded_and_fails() {
         "q.yaml",
         "stages:\n  tone: { kind: synth_source, duration: 0.1, rate: 24000 }\n  out: { kind: playback, device: virtual, target_ms: 300, max_target_ms: 200 }\nlinks: [tone -> out]\n",
     );
-    let o = validate(&p, &[]);
-    assert_eq!(o.status.code(), Some(2));
+    let line = refused(&p, &[]);
     assert!(
-        error_line(&o)
-            .contains("stage `out`: `max_target_ms`: 200 ms is below `target_ms` (300 ms)"),
-        "{}",
-        stderr(&o)
+        line.contains("stage `out`: `max_target_ms`: 200 ms is below `target_ms` (300 ms)"),
+        "{line}"
     );
 }
 
