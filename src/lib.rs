@@ -9,7 +9,6 @@
 //! - [`config`]: YAML pipeline files → a validated, typed pipeline description.
 //! - [`stages`]: one file per stage kind, adapting a building block to the runtime's `Stage`.
 //! - [`observe`]: metric names and buckets, the exporter, the latency diagnosis.
-//! - [`control`]: switches and requests a control surface sets and stages read.
 //! - [`files`]: opening the files a user names: regular files only, bounded reads.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
 //!
@@ -25,7 +24,6 @@
 pub mod app;
 pub mod audio;
 pub mod config;
-pub mod control;
 pub mod files;
 pub mod model;
 pub mod observe;

@@ -175,6 +175,8 @@ fn counter_kind() -> StageKind {
         params: &[],
         inputs: Vec::new,
         outputs: || vec![PortSpec::new::<support::Num>("out")],
+        commands: &[],
+        status: &[],
         build: |_, _| Ok(Body::Source(Box::new(support::Count::new(3)))),
     }
 }

@@ -325,11 +325,12 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     assert!(f1 >= f0 + 15, "frames flow: {f0} -> {f1}");
     // The execution provider each graph really runs on.
     let s = d.status().unwrap();
-    assert_eq!(s["board"]["model.temporal"], "cpu f32", "{s}");
-    assert_eq!(s["board"]["model.mimi_decoder"], "cpu f32", "{s}");
+    assert_eq!(s["execution_providers"]["temporal"], "cpu f32", "{s}");
+    assert_eq!(s["execution_providers"]["decode"], "cpu f32", "{s}");
+    assert_eq!(s["stages"]["encode"]["model"], "cpu f32", "{s}");
     // Uptime, real-time factor, a verdict for every stage, devices, context length.
     assert!(s["uptime_s"].as_f64().unwrap() > 0.0, "{s}");
-    assert!(s["board"]["realtime_factor"].as_f64().is_some(), "{s}");
+    assert!(s["realtime_factor"].as_f64().is_some(), "{s}");
     for stage in [
         "mic",
         "framer",
@@ -339,17 +340,18 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
         "decode",
         "speaker",
     ] {
-        let v = s["board"][format!("pattern.{stage}")]
-            .as_str()
-            .unwrap_or("");
+        let v = s["verdicts"][stage].as_str().unwrap_or("");
         assert!(
             ["steady", "growth", "contention"].contains(&v),
             "{stage}: {s}"
         );
     }
-    assert_eq!(s["board"]["mic.device"], "running", "{s}");
-    assert_eq!(s["board"]["speaker.device"], "running", "{s}");
-    assert!(s["board"]["temporal.context"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(s["stages"]["mic"]["device"], "running", "{s}");
+    assert_eq!(s["stages"]["speaker"]["device"], "running", "{s}");
+    assert!(
+        s["stages"]["temporal"]["context"].as_u64().unwrap() > 0,
+        "{s}"
+    );
     // The same, as headline figures.
     assert!(s["frames"].as_u64().unwrap() > 0, "{s}");
     assert!(s["context"].as_u64().unwrap() > 0, "{s}");
@@ -430,8 +432,8 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     d.wait_log("output switched");
     d.wait_log("microphone switched");
     let s = d.status().unwrap();
-    assert_eq!(s["board"]["mic.name"], "alsa:pulse", "{s}");
-    assert_eq!(s["board"]["speaker.name"], "alsa:pulse", "{s}");
+    assert_eq!(s["stages"]["mic"]["name"], "alsa:pulse", "{s}");
+    assert_eq!(s["stages"]["speaker"]["name"], "alsa:pulse", "{s}");
     assert_eq!(s["devices"]["output"]["configured"], "alsa:pulse", "{s}");
     assert_eq!(s["devices"]["output"]["name"], "alsa:pulse", "{s}");
     assert_eq!(s["devices"]["input"]["name"], "alsa:pulse", "{s}");
@@ -457,7 +459,10 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     d.signal("-HUP");
     d.wait_log("reload rejected");
     assert!(d.log().contains("no-such-speaker"), "{}", d.log());
-    assert_eq!(d.status().unwrap()["board"]["speaker.name"], "alsa:pulse");
+    assert_eq!(
+        d.status().unwrap()["devices"]["output"]["name"],
+        "alsa:pulse"
+    );
     // A directory that is not a pack: rejected before anything is built; the running pipeline
     // goes on.
     let with_pack = |p: &Path| {
@@ -522,7 +527,7 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     let fa = d.frames();
     // The new capture stream may stall for a moment when the old one closes.
     d.wait_status(10, "frames flow after the rebuild", |s| {
-        s["board"]["temporal.agent_frames"].as_u64().unwrap_or(0) >= fa + 15
+        s["frames"].as_u64().unwrap_or(0) >= fa + 15
     });
     // An invalid config is rejected and the daemon keeps running.
     std::fs::write(&d.config, "sampling: [this is not a map\n").unwrap();
@@ -593,17 +598,19 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     assert_eq!(h["ok"], true, "{h}");
     assert_eq!(h["devices_alive"], true, "{h}");
     let up = |s: &serde_json::Value| {
-        ["mic.device", "speaker.device"]
+        ["input", "output"]
             .iter()
-            .all(|k| s["board"][*k] == "running")
+            .all(|k| s["devices"][*k]["state"] == "running")
     };
     d.wait_status(10, "devices running", up);
     d.pa.kill();
     // Reported down: a device state other than running (not yet published is not down).
     let down = |s: &serde_json::Value| {
-        ["mic.device", "speaker.device"]
-            .iter()
-            .any(|k| s["board"][*k].as_str().is_some_and(|v| v != "running"))
+        ["input", "output"].iter().any(|k| {
+            s["devices"][*k]["state"]
+                .as_str()
+                .is_some_and(|v| v != "running")
+        })
     };
     d.wait_status(15, "devices reported down", down);
     let (code, body) = http_get(port, "/healthz");
@@ -615,7 +622,7 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
     // A new PulseAudio stream may stall for a second or two before it runs at its rate.
     let f0 = d.frames();
     d.wait_status(15, "frames flow again", |s| {
-        s["board"]["temporal.agent_frames"].as_u64().unwrap_or(0) >= f0 + 25
+        s["frames"].as_u64().unwrap_or(0) >= f0 + 25
     });
     let (code, body) = http_get(port, "/healthz");
     assert_eq!(code, 200, "{body}");
@@ -842,7 +849,7 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
     // After start-up (the first 20 s), two minutes, sampling memory every 10 s.
     std::thread::sleep(Duration::from_secs(20));
     let f0 = d.frames();
-    let u0 = d.status().unwrap()["board"]["speaker.underruns"]
+    let u0 = d.status().unwrap()["stages"]["speaker"]["underruns"]
         .as_u64()
         .unwrap_or(0);
     let mut mem = vec![memory_kb(pid)];
@@ -852,7 +859,7 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
     }
     let f1 = d.frames();
     let s = d.status().unwrap();
-    let u1 = s["board"]["speaker.underruns"].as_u64().unwrap_or(0);
+    let u1 = s["stages"]["speaker"]["underruns"].as_u64().unwrap_or(0);
     let mb = |kb: u64| kb as f64 / 1024.0;
     let (first, last) = (mem[0], *mem.last().unwrap());
     let rss_growth = mb(last.0) - mb(first.0);
@@ -864,7 +871,7 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
         mb(last.0),
         mb(first.1),
         mb(last.1),
-        s["board"]["realtime_factor"]
+        s["realtime_factor"]
     );
     assert!(first.0 > 0 && first.1 > 0, "memory readable: {mem:?}");
     // 120 s at 12.5 frames/s.

@@ -48,7 +48,7 @@ fn running_on(d: &Daemon, pack: &Path) {
     });
     let f = d.frames();
     d.wait_status(20, "frames flow", |s| {
-        s["board"]["temporal.agent_frames"].as_u64().unwrap_or(0) >= f + 5
+        s["frames"].as_u64().unwrap_or(0) >= f + 5
     });
 }
 

@@ -3,7 +3,8 @@
 //! A Unix socket (mode 0600) taking one command per line and answering one JSON line:
 //! `status`, `reset`, `persona <text or ids>`, `mute`, `unmute`, `pause`, `resume`. Anything
 //! else, a line too long or not UTF-8 gets `{"ok": false, "error": …}`; nothing a client sends
-//! can stop the server.
+//! can stop the server. This module reads and answers lines; what a command does is the
+//! [`Handler`]'s business (the daemon's, which sends it to its running pipeline).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -16,8 +17,8 @@ use std::time::Duration;
 /// Commands served at once.
 const MAX_CLIENTS: usize = 8;
 
-/// What `status` answers.
-pub type Status = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// What carries out a command and makes its JSON reply.
+pub type Handler = Arc<dyn Fn(Command) -> serde_json::Value + Send + Sync>;
 
 /// A running control socket; dropping it removes the socket.
 pub struct ControlServer {
@@ -40,12 +41,12 @@ impl Drop for ControlServer {
     }
 }
 
-/// How long a command waits for the LM stage to apply it (it does at its next frame, 80 ms).
-const STAGE_ANSWER: Duration = Duration::from_secs(2);
+/// How long a command waits for a stage to apply it (it does at its next frame, 80 ms).
+pub const STAGE_ANSWER: Duration = Duration::from_secs(2);
 
 /// The reply to a command a stage applies: its answer, or "pending" when no frame came in time
 /// (paused, a device away, the pipeline being rebuilt): the request then applies at the next one.
-fn applied(answer: Option<Result<String, String>>, pending: &str) -> serde_json::Value {
+pub fn applied(answer: Option<Result<String, String>>, pending: &str) -> serde_json::Value {
     match answer {
         Some(Ok(done)) => serde_json::json!({ "ok": true, "done": done }),
         Some(Err(e)) => serde_json::json!({ "ok": false, "error": e }),
@@ -97,44 +98,21 @@ pub fn parse(line: &str) -> Result<Command, String> {
 }
 
 /// Answers one command line.
-pub fn answer(line: &str, status: &Status) -> serde_json::Value {
-    let ok = |what: &str| serde_json::json!({ "ok": true, "done": what });
+pub fn answer(line: &str, handler: &Handler) -> serde_json::Value {
     match parse(line) {
-        Ok(Command::Status) => {
-            let mut s = status();
-            if let Some(m) = s.as_object_mut() {
-                m.insert("ok".into(), true.into());
-            }
-            s
-        }
-        Ok(Command::Reset) => applied(
-            crate::control::ask("temporal.reset", "", STAGE_ANSWER),
-            "the conversation restarts at the next frame",
-        ),
-        Ok(Command::Persona(p)) => applied(
-            crate::control::ask("temporal.persona", p, STAGE_ANSWER),
-            "the persona changes at the next frame",
-        ),
-        Ok(Command::Mute(on)) => {
-            crate::control::set("mic.mute", on);
-            ok(if on { "mute" } else { "unmute" })
-        }
-        Ok(Command::Pause(on)) => {
-            crate::control::set("temporal.pause", on);
-            ok(if on { "pause" } else { "resume" })
-        }
+        Ok(c) => handler(c),
         Err(e) => serde_json::json!({ "ok": false, "error": e }),
     }
 }
 
-fn handle(stream: UnixStream, status: &Status) {
+fn handle(stream: UnixStream, handler: &Handler) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
     let mut reader = BufReader::new(stream.take(4096));
     let mut buf = Vec::new();
     let reply = match reader.read_until(b'\n', &mut buf) {
         Ok(_) => match std::str::from_utf8(&buf) {
-            Ok(line) if buf.len() < 4096 => answer(line, status),
+            Ok(line) if buf.len() < 4096 => answer(line, handler),
             Ok(_) => {
                 serde_json::json!({ "ok": false, "error": "command too long (4096 bytes at most)" })
             }
@@ -227,7 +205,7 @@ impl ControlServer {
     /// # Errors
     ///
     /// When the socket cannot be created (a message naming the path).
-    pub fn start(path: &Path, status: Status) -> anyhow::Result<ControlServer> {
+    pub fn start(path: &Path, handler: Handler) -> anyhow::Result<ControlServer> {
         check_socket_path(path).map_err(anyhow::Error::msg)?;
         create_private_dirs(path)?;
         if std::fs::symlink_metadata(path).is_ok() {
@@ -264,11 +242,11 @@ impl ControlServer {
                         continue;
                     }
                     busy.fetch_add(1, Ordering::AcqRel);
-                    let (st, b) = (status.clone(), busy.clone());
+                    let (h, b) = (handler.clone(), busy.clone());
                     let spawned = std::thread::Builder::new()
                         .name("duplex:control-client".into())
                         .spawn(move || {
-                            handle(s, &st);
+                            handle(s, &h);
                             b.fetch_sub(1, Ordering::AcqRel);
                         });
                     if spawned.is_err() {
@@ -305,16 +283,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn garbage_gets_an_error_reply() {
-        let status: Status = Arc::new(|| serde_json::json!({ "ready": true }));
-        assert_eq!(answer("status\n", &status)["ready"], true);
-        for bad in ["", "bogus", "persona", "mute now", "\u{0}\u{1}"] {
-            let r = answer(bad, &status);
+    fn garbage_gets_an_error_reply_and_commands_reach_the_handler() {
+        let handler: Handler = Arc::new(|c| match c {
+            Command::Status => serde_json::json!({ "ok": true, "ready": true }),
+            other => serde_json::json!({ "ok": true, "done": format!("{other:?}") }),
+        });
+        assert_eq!(answer("status\n", &handler)["ready"], true);
+        for bad in [
+            "",
+            "bogus",
+            "persona",
+            "persona \"\"",
+            "mute now",
+            "\u{0}\u{1}",
+        ] {
+            let r = answer(bad, &handler);
             assert_eq!(r["ok"], false, "{bad:?}: {r}");
         }
-        assert_eq!(answer("mute", &status)["ok"], true);
-        assert!(crate::control::is_set("mic.mute"));
-        answer("unmute", &status);
-        assert!(!crate::control::is_set("mic.mute"));
+        assert_eq!(answer("mute", &handler)["done"], "Mute(true)");
+        assert_eq!(
+            answer(" persona  \"kind\" ", &handler)["done"],
+            "Persona(\"kind\")"
+        );
     }
 }

@@ -15,7 +15,9 @@ use anyhow::Context as _;
 use crate::config::{
     self, ConfigError, ConfigErrorKind, LoadOptions, Override, Params, PipelineSpec,
 };
-use crate::runtime::{Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle};
+use crate::runtime::{
+    ControlPlane, Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle,
+};
 use crate::stages::{BuildContext, BuildError, BuildErrorKind, Registry};
 
 pub use replay::{run as replay, ReplayArgs};
@@ -47,6 +49,7 @@ pub fn build_spec(
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
     load_ort(spec)?;
+    let plane = ControlPlane::new();
     let mut b = PipelineBuilder::new()
         .origin(spec.file.clone())
         .options(RunOptions {
@@ -61,10 +64,7 @@ pub fn build_spec(
                     .stage(s.name.clone()),
             );
         };
-        let cx = BuildContext {
-            stage: &s.name,
-            file: &spec.file,
-        };
+        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind);
         let body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         b = b.node(Node {
@@ -75,6 +75,7 @@ pub fn build_spec(
             body,
         });
     }
+    b = b.control(plane);
     for l in &spec.links {
         let mut link = Link::new(l.from.clone(), l.to.clone())
             .capacity(l.capacity)
@@ -179,7 +180,7 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     let spec = config::load(file, &opts, &registry)?;
     serve_metrics(&spec.metrics);
     let builder = build_spec(&spec, &registry)?;
-    let builder = observe(builder, &spec.metrics);
+    let (builder, _monitor) = observe(builder, &spec.metrics);
     let pipeline = builder
         .build()
         .with_context(|| format!("building {}", file.display()))?;
@@ -215,15 +216,25 @@ pub fn serve_metrics_at(
     }
 }
 
-/// Attaches the latency monitor (diagnosis and real-time factor) to a pipeline.
-pub fn observe(builder: PipelineBuilder, m: &config::MetricsSettings) -> PipelineBuilder {
+/// Attaches a latency monitor (diagnosis and real-time factor) to a pipeline, and returns it
+/// too: it belongs to that pipeline alone.
+pub fn observe(
+    builder: PipelineBuilder,
+    m: &config::MetricsSettings,
+) -> (
+    PipelineBuilder,
+    std::sync::Arc<crate::observe::monitor::Monitor>,
+) {
     let cfg = crate::observe::diagnose::DiagnosisConfig {
         window: m.window,
         every: m.every,
         ..Default::default()
     };
-    let monitor = crate::observe::monitor::Monitor::new(&builder.stage_names(), cfg);
-    builder.observer(std::sync::Arc::new(monitor))
+    let monitor = std::sync::Arc::new(crate::observe::monitor::Monitor::new(
+        &builder.stage_names(),
+        cfg,
+    ));
+    (builder.observer(monitor.clone()), monitor)
 }
 
 /// Stops a pipeline on SIGINT/SIGTERM: the first signal drains, a second aborts. The handler

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use config::{Value, ValueKind};
 
 use crate::config::{params, ConfigError, ConfigErrorKind};
-use crate::runtime::{Link, Node, PipelineBuilder, RunReport};
+use crate::runtime::{ControlPlane, Link, Node, PipelineBuilder, RunReport};
 use crate::stages::{BuildContext, Registry};
 
 /// Flags of `duplex replay`.
@@ -54,6 +54,7 @@ fn i(v: i64) -> Value {
 
 fn node(
     reg: &Registry,
+    plane: &ControlPlane,
     name: &str,
     kind: &str,
     raw: Vec<(&str, Value)>,
@@ -68,7 +69,7 @@ fn node(
     };
     let raw: Vec<(String, Value)> = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let p = params::check(file, name, kind, k.params, &raw)?;
-    let body = (k.build)(&BuildContext { stage: name, file }, &p)
+    let body = (k.build)(&BuildContext::new(name, file, plane, k), &p)
         .map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
@@ -114,18 +115,21 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
         ("seed", i(a.seed as i64)),
         ("greedy", Value::new(None, ValueKind::Boolean(a.greedy))),
     ];
+    let plane = ControlPlane::new();
     let b = PipelineBuilder::new()
         .origin("duplex replay")
         .node(node(
             &reg,
+            &plane,
             "codes",
             "codes_source",
             vec![("path", s(&a.codes.display().to_string()))],
         )?)
-        .node(node(&reg, "temporal", "temporal", temporal)?)
-        .node(node(&reg, "depformer", "depformer", depformer)?)
+        .node(node(&reg, &plane, "temporal", "temporal", temporal)?)
+        .node(node(&reg, &plane, "depformer", "depformer", depformer)?)
         .node(node(
             &reg,
+            &plane,
             "tokens",
             "token_sink",
             vec![("path", s(&a.out.display().to_string()))],
@@ -133,7 +137,8 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
         .link(Link::new("codes", "temporal.codes"))
         .link(Link::new("temporal.step", "depformer"))
         .link(Link::new("depformer", "temporal.tokens").feedback())
-        .link(Link::new("temporal.agent", "tokens"));
+        .link(Link::new("temporal.agent", "tokens"))
+        .control(plane);
     Ok(b)
 }
 

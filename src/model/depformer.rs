@@ -48,6 +48,11 @@ pub struct Depformer {
 }
 
 impl Depformer {
+    /// What the graph runs on: `cpu f32`, `cuda f16`.
+    pub fn runs_on(&self) -> String {
+        format!("{} {}", self.provider.name(), self.info.kv.name())
+    }
+
     /// Opens the pack's depformer and checks it.
     ///
     /// # Errors

@@ -50,6 +50,11 @@ fn err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
 }
 
 impl MimiEncoder {
+    /// What the graph runs on: `cpu f32`, `cuda f32`.
+    pub fn runs_on(&self) -> String {
+        format!("{} f32", self.provider.name())
+    }
+
     /// Opens the pack's encoder with a rolling window of `window` frames (at least 1).
     ///
     /// # Errors
@@ -143,6 +148,11 @@ fn run_encoder(
 }
 
 impl MimiDecoder {
+    /// What the graph runs on: `cpu f32`, `cuda f32`.
+    pub fn runs_on(&self) -> String {
+        format!("{} f32", self.provider.name())
+    }
+
     /// Opens the pack's decoder with a rolling window of `window` frames (at least 1).
     ///
     /// # Errors

@@ -120,17 +120,14 @@ fn with_cuda(
 }
 
 /// Logs the provider and dtype a graph really runs with, and exports them as
-/// `duplex_model_info{graph, execution_provider, dtype} = 1`.
+/// `duplex_model_info{graph, execution_provider, dtype} = 1`. (The model's owner learns it from
+/// the model itself: `runs_on`.)
 pub fn report(graph: &str, provider: Provider, dtype: &str) {
     tracing::info!(
         graph,
         execution_provider = provider.name(),
         dtype,
         "session ready"
-    );
-    crate::control::publish(
-        &format!("model.{graph}"),
-        format!("{} {dtype}", provider.name()),
     );
     metrics::gauge!(
         names::MODEL_INFO,

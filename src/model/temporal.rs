@@ -96,6 +96,11 @@ fn ort_err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
 }
 
 impl Temporal {
+    /// What the graph runs on: `cpu f32`, `cuda f16`.
+    pub fn runs_on(&self) -> String {
+        format!("{} {}", self.provider.name(), self.info.kv.name())
+    }
+
     /// Opens the pack's temporal graph and checks it.
     ///
     /// # Errors

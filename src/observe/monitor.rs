@@ -1,5 +1,6 @@
 //! Per-stage live analysis fed by the runtime: utilization (the real-time factor) and the
-//! latency diagnosis, exported as gauges and logged when the verdict changes.
+//! latency diagnosis, exported as gauges, logged when the verdict changes, and read by whoever
+//! holds the pipeline's monitor ([`Monitor::verdicts`], [`Monitor::realtime_factor`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -27,6 +28,8 @@ struct StageMon {
 pub struct Monitor {
     stages: Vec<StageMon>,
     rtf: metrics::Gauge,
+    /// The busiest stage's utilization, as `f64` bits.
+    rtf_now: AtomicU64,
 }
 
 impl Monitor {
@@ -40,7 +43,6 @@ impl Monitor {
                     metrics::gauge!(names::LATENCY_PATTERN, "stage" => n.clone(), "pattern" => p.name())
                 });
                 pattern[0].set(1.0);
-                crate::control::publish(&format!("pattern.{n}"), Pattern::Steady.name());
                 StageMon {
                     name: n.clone(),
                     diag: Mutex::new(Diagnoser::new(cfg)),
@@ -57,7 +59,28 @@ impl Monitor {
         Monitor {
             stages,
             rtf: metrics::gauge!(names::REALTIME_FACTOR),
+            rtf_now: AtomicU64::new(0f64.to_bits()),
         }
+    }
+
+    /// The real-time factor: the busiest stage's utilization over the last second.
+    pub fn realtime_factor(&self) -> f64 {
+        f64::from_bits(self.rtf_now.load(Ordering::Relaxed))
+    }
+
+    /// Every stage's current verdict, in the pipeline's order.
+    pub fn verdicts(&self) -> Vec<(String, Pattern)> {
+        self.stages
+            .iter()
+            .map(|s| {
+                let p = s
+                    .diag
+                    .lock()
+                    .map(|d| d.pattern())
+                    .unwrap_or(Pattern::Steady);
+                (s.name.clone(), p)
+            })
+            .collect()
     }
 
     /// The current verdict of stage `i`.
@@ -91,7 +114,7 @@ impl Observer for Monitor {
                     .map(|x| f64::from_bits(x.utilization.load(Ordering::Relaxed)))
                     .fold(0.0, f64::max);
                 self.rtf.set(max);
-                crate::control::publish("realtime_factor", (max * 1000.0).round() / 1000.0);
+                self.rtf_now.store(max.to_bits(), Ordering::Relaxed);
             }
         }
         let Ok(mut d) = s.diag.lock() else { return };
@@ -103,9 +126,6 @@ impl Observer for Monitor {
             s.slope.set(r.slope_per_1k);
             s.bimodality.set(r.bimodality);
             s.outliers.set(r.outlier_fraction);
-            if r.pattern != before || d.pattern() != Pattern::Steady {
-                crate::control::publish(&format!("pattern.{}", s.name), r.pattern.name());
-            }
             if r.pattern != before {
                 for (g, p) in s.pattern.iter().zip(Pattern::ALL) {
                     g.set(if p == r.pattern { 1.0 } else { 0.0 });

@@ -353,6 +353,7 @@ pub struct PipelineBuilder {
     links: Vec<Link>,
     options: RunOptions,
     observer: Option<std::sync::Arc<dyn super::Observer>>,
+    control: super::ControlPlane,
 }
 
 impl PipelineBuilder {
@@ -370,6 +371,14 @@ impl PipelineBuilder {
     /// Sets the supervisor's timeouts.
     pub fn options(mut self, options: RunOptions) -> Self {
         self.options = options;
+        self
+    }
+
+    /// Sets the control plane whose endpoints the stages were given (see
+    /// [`ControlPlane`](super::ControlPlane)); the running pipeline's [`Handle`](super::Handle)
+    /// hands it out. Without one, the pipeline has an empty plane.
+    pub fn control(mut self, plane: super::ControlPlane) -> Self {
+        self.control = plane;
         self
     }
 
@@ -668,6 +677,7 @@ impl PipelineBuilder {
             links,
             options: self.options,
             observer: self.observer,
+            control: self.control,
         })
     }
 

@@ -45,6 +45,7 @@
 //! ```
 
 mod caps;
+mod control;
 mod edge;
 mod frame;
 mod graph;
@@ -53,12 +54,15 @@ mod stage;
 mod stats;
 
 pub use caps::Caps;
+pub use control::{
+    Command, CommandSpec, ControlError, ControlPlane, Endpoint, Pending, Reply, StatusSpec, Value,
+};
 pub use edge::Overflow;
 pub use frame::{Frame, FrameData, FrameMeta, FrameType, Payload, PortSpec};
 pub use graph::{
     split_port, Body, GraphError, GraphErrorKind, Link, Node, PipelineBuilder, RunOptions,
 };
-pub use pipeline::{Pipeline, RunError, RunOutcome, Running, StopHandle};
+pub use pipeline::{Handle, Pipeline, RunError, RunOutcome, Running, StopHandle};
 pub use stage::{Context, Flow, Input, Source, Stage, StageError, StageResult};
 pub use stats::{EdgeReport, LatencyHistogram, RunReport, StageReport};
 

@@ -37,6 +37,7 @@ pub struct Pipeline {
     pub(crate) links: Vec<ResolvedLink>,
     pub(crate) options: RunOptions,
     pub(crate) observer: Option<Arc<dyn super::Observer>>,
+    pub(crate) control: super::ControlPlane,
 }
 
 /// Why a run failed.
@@ -174,6 +175,44 @@ impl StopHandle {
     }
 }
 
+/// What belongs to one running pipeline, for whoever drives it (cheap to clone): stop it, send
+/// commands to its stages and read their status, and know whether it is ready.
+#[derive(Clone)]
+pub struct Handle {
+    stop: StopHandle,
+    control: super::ControlPlane,
+    started: Arc<std::sync::atomic::AtomicUsize>,
+    stages: usize,
+}
+
+impl Handle {
+    /// Asks the pipeline to stop gracefully (see [`StopHandle::stop`]).
+    pub fn stop(&self) {
+        self.stop.stop();
+    }
+
+    /// Aborts at once (see [`StopHandle::abort`]).
+    pub fn abort(&self) {
+        self.stop.abort();
+    }
+
+    /// Its stop handle alone.
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// Its control plane: commands to its stages, their status.
+    pub fn control(&self) -> &super::ControlPlane {
+        &self.control
+    }
+
+    /// Every stage has started: sources are producing and every stage's `start` (warm-up,
+    /// priming) has returned.
+    pub fn is_ready(&self) -> bool {
+        self.started.load(Ordering::Acquire) >= self.stages
+    }
+}
+
 /// A running pipeline.
 pub struct Running {
     names: Vec<String>,
@@ -184,6 +223,7 @@ pub struct Running {
     started: Instant,
     options: RunOptions,
     spawn_error: Option<String>,
+    handle: Handle,
 }
 
 /// The result of a run: its statistics, and the error if it failed.
@@ -218,6 +258,8 @@ struct Actor {
     stats: Arc<StageStats>,
     signals: Signals,
     observer: Option<Arc<dyn super::Observer>>,
+    /// Counts stages that have started (for [`Handle::is_ready`]).
+    started: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Actor {
@@ -270,6 +312,13 @@ impl Pipeline {
             }),
         };
 
+        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let handle = Handle {
+            stop: stop.clone(),
+            control: self.control.clone(),
+            started: started.clone(),
+            stages: self.nodes.len(),
+        };
         let mut actors: Vec<Actor> = Vec::with_capacity(self.nodes.len());
         let mut stage_stats = Vec::new();
         for (i, n) in self.nodes.into_iter().enumerate() {
@@ -294,6 +343,7 @@ impl Pipeline {
                 stats,
                 signals: signals.clone(),
                 observer: self.observer.clone(),
+                started: started.clone(),
             });
         }
         let mut edge_stats = Vec::new();
@@ -348,6 +398,7 @@ impl Pipeline {
             started: Instant::now(),
             options: self.options,
             spawn_error,
+            handle,
         }
     }
 }
@@ -428,6 +479,7 @@ impl super::Source for Nothing {
 }
 
 fn run_source(a: &mut Actor, m: &StageMetrics, src: &mut dyn super::Source) -> Exit {
+    a.started.fetch_add(1, Ordering::AcqRel);
     loop {
         let stop = a.signals.drain_flag.load(Ordering::Acquire);
         if stop {
@@ -473,7 +525,9 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
 fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit {
     let mut cx = a.context();
     match catch_unwind(AssertUnwindSafe(|| st.start(&mut cx))) {
-        Ok(Ok(())) => {}
+        Ok(Ok(())) => {
+            a.started.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(Err(e)) => return failure(e, None),
         Err(p) => {
             return Exit::Failed {
@@ -556,6 +610,11 @@ impl Running {
     /// A handle that can stop the run from another thread (a signal handler, a control socket).
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()
+    }
+
+    /// The pipeline's handle: stop, control plane, readiness.
+    pub fn handle(&self) -> Handle {
+        self.handle.clone()
     }
 
     /// Statistics so far.

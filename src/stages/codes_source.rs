@@ -43,6 +43,8 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Codes>("out")],
+    commands: &[],
+    status: &[],
     build,
 };
 

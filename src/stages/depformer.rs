@@ -6,9 +6,9 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::depformer::Depformer;
 use crate::model::lm::{SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
-use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options};
+use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
 use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -69,6 +69,12 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: || vec![PortSpec::new::<LmStep>("in")],
     outputs: || vec![PortSpec::new::<Sampled>("tokens")],
+    commands: &[CommandSpec {
+        name: "sampling",
+        arg: Some("text_temperature text_top_k audio_temperature audio_top_k"),
+        doc: "new sampling settings, from the next frame",
+    }],
+    status: &[MODEL_STATUS],
     build,
 };
 
@@ -92,44 +98,63 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
     }
 }
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
     let dep = Depformer::open(&pack, &session_options(p))?;
+    let control = cx.endpoint();
+    control.set("model", dep.runs_on());
     Ok(Body::Stage(Box::new(DepformerStage {
         half: SamplingHalf::new(dep, sampling_config(p)),
+        control,
     })))
 }
 
 struct DepformerStage {
     half: SamplingHalf,
+    control: Endpoint,
+}
+
+impl DepformerStage {
+    /// `text_temperature text_top_k audio_temperature audio_top_k`.
+    fn set_sampling(&mut self, s: &str) -> Result<String, String> {
+        let v: Vec<f64> = s
+            .split_whitespace()
+            .map(|t| t.parse().map_err(|_| format!("{t:?} is not a number")))
+            .collect::<Result<_, _>>()?;
+        let [tt, tk, at, ak] = v[..] else {
+            return Err(format!(
+                "expected 4 numbers (text_temperature text_top_k audio_temperature audio_top_k), got {}",
+                v.len()
+            ));
+        };
+        if v.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err("sampling settings are numbers of 0 or more".into());
+        }
+        self.half.config.text = SamplingParams {
+            temperature: tt as f32,
+            top_k: tk as usize,
+        };
+        self.half.config.audio = SamplingParams {
+            temperature: at as f32,
+            top_k: ak as usize,
+        };
+        tracing::info!(
+            text_temperature = tt,
+            text_top_k = tk,
+            audio_temperature = at,
+            audio_top_k = ak,
+            "sampling changed"
+        );
+        Ok("sampling changed".into())
+    }
 }
 
 impl Stage for DepformerStage {
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let step = input.take::<LmStep>()?;
-        if let Some(s) = crate::control::take("depformer.sampling") {
-            // "text_temperature text_top_k audio_temperature audio_top_k"
-            let v: Vec<f64> = s
-                .split_whitespace()
-                .filter_map(|t| t.parse().ok())
-                .collect();
-            if let [tt, tk, at, ak] = v[..] {
-                self.half.config.text = SamplingParams {
-                    temperature: tt as f32,
-                    top_k: tk as usize,
-                };
-                self.half.config.audio = SamplingParams {
-                    temperature: at as f32,
-                    top_k: ak as usize,
-                };
-                tracing::info!(
-                    text_temperature = tt,
-                    text_top_k = tk,
-                    audio_temperature = at,
-                    audio_top_k = ak,
-                    "sampling changed"
-                );
-            }
+        while let Some(c) = self.control.next_command() {
+            let r = self.set_sampling(&c.arg);
+            c.reply(r);
         }
         let tokens = self.half.sample(&step.data)?;
         cx.emit(0, step.meta.origin, tokens)

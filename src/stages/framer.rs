@@ -34,6 +34,8 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
+    commands: &[],
+    status: &[],
     build,
 };
 

@@ -1,10 +1,11 @@
 //! `mic`: captures a sound device (down-mixed to mono, at its native rate), in chunks stamped
 //! with the capture instant of their newest sample. Put `resample` (to: 24000) after it.
 //!
-//! A `mic.switch` request on the [control board](crate::control) (a device spec) moves the
-//! stage to another device at the next chunk boundary, at the same sample rate if the device
-//! has it (else at its own: `resample` follows rate changes), without stopping the pipeline; when the new device cannot be opened the old one is kept and the
-//! error is logged and published as `mic.switch_error`.
+//! The `switch` command (a device spec) moves the stage to another device at the next chunk
+//! boundary, at the same sample rate if the device has it (else at its own: `resample` follows
+//! rate changes), without stopping the pipeline; when the new device cannot be opened the old
+//! one is kept, and the reply and the `switch_error` status say why. `mute` and `unmute` send
+//! silence instead of what is captured, keeping the clock running.
 
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,10 @@ use crate::audio::live::{open_capture, Capture, CaptureRing};
 use crate::audio::{AudioError, Pcm};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
-use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageError, StageResult};
+use crate::runtime::{
+    Body, Caps, CommandSpec, Context, Endpoint, Flow, PortSpec, Source, StageError, StageResult,
+    StatusSpec,
+};
 
 use super::{caps, BuildContext, BuildError, StageKind};
 
@@ -62,10 +66,45 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
+    commands: &[
+        CommandSpec {
+            name: "switch",
+            arg: Some("device"),
+            doc: "move to another device at the next chunk (the current one is kept if it fails)",
+        },
+        CommandSpec {
+            name: "mute",
+            arg: None,
+            doc: "send silence instead of what is captured",
+        },
+        CommandSpec {
+            name: "unmute",
+            arg: None,
+            doc: "send what is captured again",
+        },
+    ],
+    status: &[
+        StatusSpec {
+            name: "name",
+            doc: "the device open now",
+        },
+        StatusSpec {
+            name: "device",
+            doc: "its state: opening, running, reconnecting, failed, closed",
+        },
+        StatusSpec {
+            name: "muted",
+            doc: "silence is sent",
+        },
+        StatusSpec {
+            name: "switch_error",
+            doc: "why the last switch failed (null once one succeeds)",
+        },
+    ],
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let rate = match p.int("rate") {
         0 => None,
         r if r < 8000 => {
@@ -86,7 +125,12 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     // Seconds, not samples: a device switch may change the rate.
     let limit = (p.float("duration") > 0.0).then(|| p.float("duration"));
     let labels = [("device", cap.handle.status().name.clone())];
+    let control = cx.endpoint();
+    control.set("name", cap.handle.status().name.clone());
+    control.set("muted", false);
     Ok(Body::Source(Box::new(Mic {
+        control,
+        muted: false,
         reconnect: p.bool("reconnect"),
         position: 0,
         ring: None,
@@ -108,12 +152,13 @@ fn open(spec: &str, rate: Option<u32>, reconnect: bool) -> Result<Capture, Audio
     if !cap.wait_ready(Duration::from_secs(5)) {
         tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
     }
-    crate::control::publish("mic.name", cap.handle.status().name.clone());
     Ok(cap)
 }
 
 struct Mic {
     cap: Capture,
+    control: Endpoint,
+    muted: bool,
     reconnect: bool,
     /// Position in the current ring's stream (what the callback marks count), which differs
     /// from `consumed` by what was skipped and across reconnects.
@@ -147,7 +192,7 @@ impl Mic {
 
     /// Moves to device `spec` at the current rate (or the device's own when it lacks it);
     /// keeps the current device when that fails.
-    fn switch(&mut self, spec: &str) {
+    fn switch(&mut self, spec: &str) -> Result<String, String> {
         let old = self.cap.handle.status().name.clone();
         let opened = open(spec, Some(self.cap.rate), self.reconnect)
             .or_else(|first| open(spec, None, self.reconnect).map_err(|_| first));
@@ -155,13 +200,15 @@ impl Mic {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(device = %old, "keeping the current microphone: {e}");
-                crate::control::publish("mic.switch_error", e.to_string());
-                return;
+                self.control.set("switch_error", e.to_string());
+                return Err(format!("keeping {old}: {e}"));
             }
         };
         let name = cap.handle.status().name.clone();
         tracing::info!(from = %old, to = %name, rate = cap.rate, "microphone switched");
-        crate::control::publish("mic.switch_error", serde_json::Value::Null);
+        self.control.set("switch_error", None::<String>);
+        self.control.set("name", name.clone());
+        let done = format!("microphone switched to {name} ({} Hz)", cap.rate);
         self.lost = metrics::counter!(names::DEVICE_ERRORS, "device" => name);
         // The old stream closes when its handle drops; what the new one captured while
         // starting is discarded like at start-up.
@@ -172,6 +219,7 @@ impl Mic {
         self.last_mark = None;
         self.position = 0;
         self.skip_startup = true;
+        Ok(done)
     }
 
     /// The capture instant of sample `pos` (1-based end position), from the callbacks' marks.
@@ -223,8 +271,16 @@ impl Source for Mic {
                     return Ok(Flow::Done);
                 }
             }
-            if let Some(spec) = crate::control::take("mic.switch") {
-                self.switch(&spec);
+            while let Some(c) = self.control.next_command() {
+                let r = match c.name {
+                    "switch" => self.switch(&c.arg),
+                    mute => {
+                        self.muted = mute == "mute";
+                        self.control.set("muted", self.muted);
+                        Ok(if self.muted { "muted" } else { "unmuted" }.into())
+                    }
+                };
+                c.reply(r);
             }
             // A reopened device comes with new rings.
             while let Ok(r) = self.cap.rings.try_recv() {
@@ -238,10 +294,8 @@ impl Source for Mic {
             let status = self.cap.handle.status();
             if self.published != Some(status.state()) {
                 self.published = Some(status.state());
-                crate::control::publish(
-                    "mic.device",
-                    format!("{:?}", status.state()).to_lowercase(),
-                );
+                self.control
+                    .set("device", format!("{:?}", status.state()).to_lowercase());
             }
             if status.state() == DeviceState::Failed {
                 return Err(StageError::msg(format!(
@@ -271,7 +325,7 @@ impl Source for Mic {
                     .map(|r| r.samples.pop_slice(&mut samples))
                     .unwrap_or(0);
                 samples.truncate(n);
-                if crate::control::is_set("mic.mute") {
+                if self.muted {
                     samples.fill(0.0);
                 }
                 self.consumed += n as u64;

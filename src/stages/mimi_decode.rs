@@ -6,7 +6,7 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::mimi::MimiDecoder;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options};
+use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
 use super::{caps, AgentTokens, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -20,12 +20,15 @@ pub(super) const KIND: StageKind = StageKind {
     }],
     inputs: || vec![PortSpec::new::<AgentTokens>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
+    commands: &[],
+    status: &[MODEL_STATUS],
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
     let dec = MimiDecoder::open(&pack, &session_options(p), p.int("window") as usize)?;
+    cx.endpoint().set("model", dec.runs_on());
     Ok(Body::Stage(Box::new(MimiDecode {
         dec,
         rate: pack.manifest.sample_rate,

@@ -5,7 +5,7 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::mimi::MimiEncoder;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options};
+use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
 use super::{caps, BuildContext, BuildError, Codes, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -19,12 +19,15 @@ pub(super) const KIND: StageKind = StageKind {
     }],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Codes>("out")],
+    commands: &[],
+    status: &[MODEL_STATUS],
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
     let enc = MimiEncoder::open(&pack, &session_options(p), p.int("window") as usize)?;
+    cx.endpoint().set("model", enc.runs_on());
     Ok(Body::Stage(Box::new(MimiEncode {
         enc,
         rate: pack.manifest.sample_rate,

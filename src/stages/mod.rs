@@ -31,7 +31,7 @@ pub use codes_source::read_codes;
 use std::fmt::Write;
 
 use crate::config::{KindCatalog, ParamSpec, Params};
-use crate::runtime::{Body, PortSpec};
+use crate::runtime::{Body, CommandSpec, ControlPlane, Endpoint, PortSpec, StatusSpec};
 
 pub use types::*;
 
@@ -41,6 +41,29 @@ pub struct BuildContext<'a> {
     pub stage: &'a str,
     /// The pipeline file, for messages.
     pub file: &'a str,
+    /// The pipeline's control plane.
+    pub control: &'a ControlPlane,
+    /// The commands the stage's kind declares.
+    pub commands: &'static [CommandSpec],
+}
+
+impl<'a> BuildContext<'a> {
+    /// The context for building stage `stage` of kind `kind` into the pipeline whose plane is
+    /// `control`.
+    pub fn new(stage: &'a str, file: &'a str, control: &'a ControlPlane, kind: &StageKind) -> Self {
+        BuildContext {
+            stage,
+            file,
+            control,
+            commands: kind.commands,
+        }
+    }
+
+    /// The stage's own endpoint on the pipeline's control plane: the commands sent to it, and
+    /// the status block it reports in. Call it once, from the builder.
+    pub fn endpoint(&self) -> Endpoint {
+        self.control.endpoint(self.stage, self.commands)
+    }
 }
 
 /// Why a stage could not be built, so that the caller can tell a mistake in the configuration
@@ -161,6 +184,10 @@ pub struct StageKind {
     pub inputs: fn() -> Vec<PortSpec>,
     /// Output ports.
     pub outputs: fn() -> Vec<PortSpec>,
+    /// Commands it takes at frame boundaries (through its [`Endpoint`]).
+    pub commands: &'static [CommandSpec],
+    /// Status it reports.
+    pub status: &'static [StatusSpec],
     /// Builds the stage from checked params. The error should say what to fix, and which
     /// param is at fault.
     pub build: fn(&BuildContext<'_>, &Params) -> Result<Body, BuildError>,
@@ -225,6 +252,22 @@ impl Registry {
             let _ = writeln!(s, "{}\n    {}", k.name, k.doc);
             let _ = writeln!(s, "    in:  {}", PortSpec::list(&(k.inputs)()));
             let _ = writeln!(s, "    out: {}", PortSpec::list(&(k.outputs)()));
+            if !k.commands.is_empty() {
+                let _ = writeln!(s, "    commands:");
+                for c in k.commands {
+                    let name = match c.arg {
+                        Some(a) => format!("{} <{a}>", c.name),
+                        None => c.name.to_string(),
+                    };
+                    let _ = writeln!(s, "      {name:<28} {}", c.doc);
+                }
+            }
+            if !k.status.is_empty() {
+                let _ = writeln!(s, "    status:");
+                for st in k.status {
+                    let _ = writeln!(s, "      {:<28} {}", st.name, st.doc);
+                }
+            }
             if !k.params.is_empty() {
                 let _ = writeln!(s, "    params:");
                 for p in k.params {

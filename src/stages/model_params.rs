@@ -7,6 +7,13 @@ use crate::model::pack::Pack;
 use crate::model::session::{Provider, SessionOptions};
 
 use super::BuildError;
+use crate::runtime::StatusSpec;
+
+/// The status key every model stage reports.
+pub(super) const MODEL_STATUS: StatusSpec = StatusSpec {
+    name: "model",
+    doc: "what the graph really runs on: execution provider and dtype (`cpu f32`)",
+};
 
 /// Expands to a `&'static [ParamSpec]` of the given specs followed by the pack and session
 /// params every model stage takes.

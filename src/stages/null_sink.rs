@@ -11,6 +11,8 @@ pub(super) const KIND: StageKind = StageKind {
     params: &[],
     inputs: || vec![PortSpec::any("in")],
     outputs: Vec::new,
+    commands: &[],
+    status: &[],
     build,
 };
 

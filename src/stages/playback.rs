@@ -3,10 +3,9 @@
 //! dropped samples, and mouth-to-ear latency (capture instant of a frame → the instant its first
 //! sample reaches the device).
 //!
-//! A `speaker.switch` request on the [control board](crate::control) (a device spec, or
-//! `virtual`) moves the stage to another device at the next frame, at the same sample rate,
-//! without stopping the pipeline; when the new device cannot be opened the old one is kept and
-//! the error is logged and published as `speaker.switch_error`.
+//! The `switch` command (a device spec, or `virtual`) moves the stage to another device at the
+//! next frame, at the same sample rate, without stopping the pipeline; when the new device
+//! cannot be opened the old one is kept, and the reply and the `switch_error` status say why.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -19,7 +18,8 @@ use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Caps, Context, Input, LatencyHistogram, PortSpec, Stage, StageError, StageResult,
+    Body, Caps, CommandSpec, Context, Endpoint, Input, LatencyHistogram, PortSpec, Stage,
+    StageError, StageResult, StatusSpec,
 };
 
 use super::{caps, BuildContext, BuildError, StageKind};
@@ -85,10 +85,37 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: Vec::new,
+    commands: &[CommandSpec {
+        name: "switch",
+        arg: Some("device, or virtual"),
+        doc: "move to another device at the next frame (the current one is kept if it fails)",
+    }],
+    status: &[
+        StatusSpec {
+            name: "name",
+            doc: "the device open now",
+        },
+        StatusSpec {
+            name: "device",
+            doc: "its state: opening, running, reconnecting, failed, closed",
+        },
+        StatusSpec {
+            name: "underruns",
+            doc: "times the jitter buffer ran dry",
+        },
+        StatusSpec {
+            name: "depth_ms",
+            doc: "audio queued in the jitter buffer",
+        },
+        StatusSpec {
+            name: "switch_error",
+            doc: "why the last switch failed (null once one succeeds)",
+        },
+    ],
     build,
 };
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let mut cfg = JitterConfig::new(24_000);
     cfg.target = Duration::from_secs_f64(p.float("target_ms") / 1000.0);
     if p.float("max_target_ms") < p.float("target_ms") {
@@ -122,7 +149,10 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let capture = p.opt_str("capture").map(PathBuf::from);
     let player = opener.open(p.str("device"), rate, capture)?;
     let m = PlaybackMetrics::new(&player.name);
+    let control = cx.endpoint();
+    control.set("name", player.name.clone());
     Ok(Body::Stage(Box::new(Playback {
+        control,
         writer: None,
         latency: LatencyHistogram::new(),
         m_latency: metrics::histogram!(names::FRAME_LATENCY, "path" => "mouth_to_ear"),
@@ -157,7 +187,6 @@ impl Opener {
             tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
         }
         tracing::info!(device = %player.name, rate = player.rate, "playback open");
-        crate::control::publish("speaker.name", player.name.clone());
         Ok(player)
     }
 }
@@ -186,6 +215,7 @@ impl PlaybackMetrics {
 
 struct Playback {
     player: Player,
+    control: Endpoint,
     opener: Opener,
     writer: Option<JitterWriter>,
     latency: LatencyHistogram,
@@ -197,12 +227,14 @@ struct Playback {
 
 impl Playback {
     /// Moves to device `spec` at the current rate; keeps the current device when that fails.
-    fn switch(&mut self, spec: &str) {
+    fn switch(&mut self, spec: &str) -> Result<String, String> {
         let old = self.player.name.clone();
         match self.opener.open(spec, Some(self.player.rate), None) {
             Ok(player) => {
                 tracing::info!(from = %old, to = %player.name, rate = player.rate, "output switched");
-                crate::control::publish("speaker.switch_error", serde_json::Value::Null);
+                self.control.set("switch_error", None::<String>);
+                self.control.set("name", player.name.clone());
+                let done = format!("output switched to {} ({} Hz)", player.name, player.rate);
                 self.observe();
                 self.m = PlaybackMetrics::new(&player.name);
                 // The new player counts from zero; what the old one still held is not played.
@@ -210,10 +242,12 @@ impl Playback {
                 old_player.close();
                 self.writer = None;
                 self.last = Default::default();
+                Ok(done)
             }
             Err(e) => {
                 tracing::error!(device = %old, "keeping the current output: {e}");
-                crate::control::publish("speaker.switch_error", e.to_string());
+                self.control.set("switch_error", e.to_string());
+                Err(format!("keeping {old}: {e}"))
             }
         }
     }
@@ -240,8 +274,9 @@ impl Playback {
             .dropped
             .increment(s.dropped.saturating_sub(self.last.dropped));
         self.last = s;
-        crate::control::publish("speaker.underruns", s.underruns);
-        crate::control::publish("speaker.depth_ms", (s.depth as f64 / rate * 1e3).round());
+        self.control.set("underruns", s.underruns);
+        self.control
+            .set("depth_ms", (s.depth as f64 / rate * 1e3).round());
     }
 }
 
@@ -254,8 +289,9 @@ impl Stage for Playback {
 
     fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Pcm>()?;
-        if let Some(spec) = crate::control::take("speaker.switch") {
-            self.switch(&spec);
+        while let Some(c) = self.control.next_command() {
+            let r = self.switch(&c.arg);
+            c.reply(r);
         }
         while let Ok(w) = self.player.writers.try_recv() {
             self.writer = Some(w);
@@ -267,10 +303,8 @@ impl Stage for Playback {
             )));
         }
         if let Some(status) = self.player.status() {
-            crate::control::publish(
-                "speaker.device",
-                format!("{:?}", status.state()).to_lowercase(),
-            );
+            self.control
+                .set("device", format!("{:?}", status.state()).to_lowercase());
             match status.state() {
                 DeviceState::Failed => {
                     return Err(StageError::msg(format!(

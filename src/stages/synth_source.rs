@@ -71,6 +71,8 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
+    commands: &[],
+    status: &[],
     build,
 };
 

@@ -6,6 +6,10 @@
 //! persona and voice. Before the graph's position limit (or `max_positions`) it applies the
 //! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
 //! primes again; `stop` ends the stream cleanly.
+//!
+//! Commands, taken at frame boundaries: `persona` (text or token ids: a new conversation primed
+//! with it), `reset` (a new conversation), `pause` and `resume` (frames are dropped while
+//! paused). Each is answered once applied, or refused with the reason.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -19,9 +23,12 @@ use crate::model::pack::PackManifest;
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::{Tokenizer, Transcript};
 use crate::observe::names;
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{
+    Body, Caps, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult,
+    StatusSpec,
+};
 
-use super::model_params::{model_params, open_pack, session_options};
+use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
 use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -98,6 +105,43 @@ pub(super) const KIND: StageKind = StageKind {
             PortSpec::new::<AgentTokens>("agent"),
         ]
     },
+    commands: &[
+        CommandSpec {
+            name: "persona",
+            arg: Some("persona text, or comma-separated token ids"),
+            doc: "a new conversation primed with this persona, at the next frame",
+        },
+        CommandSpec {
+            name: "reset",
+            arg: None,
+            doc: "a new conversation, primed again, at the next frame",
+        },
+        CommandSpec {
+            name: "pause",
+            arg: None,
+            doc: "drop user frames (the conversation waits)",
+        },
+        CommandSpec {
+            name: "resume",
+            arg: None,
+            doc: "take user frames again",
+        },
+    ],
+    status: &[
+        MODEL_STATUS,
+        StatusSpec {
+            name: "agent_frames",
+            doc: "agent frames emitted",
+        },
+        StatusSpec {
+            name: "context",
+            doc: "rows in the KV cache (the attention context)",
+        },
+        StatusSpec {
+            name: "paused",
+            doc: "user frames are dropped",
+        },
+    ],
     build,
 };
 
@@ -131,7 +175,7 @@ fn voice_codes(
         .map_err(|e| voice(format!("{}: {e}", path.display())))
 }
 
-fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
     let m = pack.manifest.clone();
     let voice = match p.opt_str("voice") {
@@ -183,7 +227,12 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         ))
         .key("max_positions"));
     }
+    let control = cx.endpoint();
+    control.set("model", temporal.runs_on());
+    control.set("paused", false);
     Ok(Body::Stage(Box::new(TemporalStage {
+        control,
+        paused: false,
         half: TemporalHalf::new(LmGen::new(m.layout()), temporal),
         script,
         warmup: p.int("warmup_frames") as usize,
@@ -201,6 +250,8 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
 }
 
 struct TemporalStage {
+    control: Endpoint,
+    paused: bool,
     half: TemporalHalf,
     script: Vec<ForcedStep>,
     warmup: usize,
@@ -316,45 +367,43 @@ impl Stage for TemporalStage {
             positions_left = self.half.temporal.positions_left(),
             "LM warmed up and primed"
         );
-        crate::control::publish("temporal.agent_frames", self.index);
-        crate::control::publish("temporal.context", self.half.temporal.kv_len());
-        crate::control::publish("temporal.ready", true);
+        self.control.set("agent_frames", self.index);
+        self.control.set("context", self.half.temporal.kv_len());
         Ok(())
     }
 
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<Codes>()?;
-        // Requests from a control surface, applied at this frame boundary.
-        if let Some(persona) = crate::control::take("temporal.persona") {
-            match self.new_persona(&persona) {
-                Ok(()) => {
-                    tracing::info!("persona changed: new conversation, primed again");
+        // Commands, applied at this frame boundary.
+        while let Some(c) = self.control.next_command() {
+            let r = match c.name {
+                "persona" => match self.new_persona(&c.arg) {
+                    Ok(()) => {
+                        tracing::info!("persona changed: new conversation, primed again");
+                        self.half.reset(false);
+                        self.prime(cx)?;
+                        Ok("persona changed: new conversation, primed again".to_string())
+                    }
+                    Err(e) => {
+                        tracing::error!("persona not changed: {e}");
+                        Err(format!("persona not changed: {e}"))
+                    }
+                },
+                "reset" => {
+                    tracing::info!("conversation reset on request");
                     self.half.reset(false);
                     self.prime(cx)?;
-                    crate::control::reply(
-                        "temporal.persona",
-                        Ok("persona changed: new conversation, primed again".into()),
-                    );
+                    Ok("new conversation, primed again".to_string())
                 }
-                Err(e) => {
-                    tracing::error!("persona not changed: {e}");
-                    crate::control::reply(
-                        "temporal.persona",
-                        Err(format!("persona not changed: {e}")),
-                    );
+                pause => {
+                    self.paused = pause == "pause";
+                    self.control.set("paused", self.paused);
+                    Ok(if self.paused { "paused" } else { "resumed" }.to_string())
                 }
-            }
+            };
+            c.reply(r);
         }
-        if crate::control::take("temporal.reset").is_some() {
-            tracing::info!("conversation reset on request");
-            self.half.reset(false);
-            self.prime(cx)?;
-            crate::control::reply(
-                "temporal.reset",
-                Ok("new conversation, primed again".into()),
-            );
-        }
-        if crate::control::is_set("temporal.pause") {
+        if self.paused {
             return Ok(());
         }
         if self.half.temporal.positions_left() == 0 {
@@ -376,7 +425,7 @@ impl Stage for TemporalStage {
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
         self.context.set(self.half.temporal.kv_len() as f64);
-        crate::control::publish("temporal.context", self.half.temporal.kv_len());
+        self.control.set("context", self.half.temporal.kv_len());
         if let Some(a) = out {
             let piece = self
                 .tokenizer
@@ -396,7 +445,7 @@ impl Stage for TemporalStage {
                 piece,
             };
             self.index += 1;
-            crate::control::publish("temporal.agent_frames", self.index);
+            self.control.set("agent_frames", self.index);
             cx.emit(1, f.meta.origin, tokens)?;
         }
         Ok(())

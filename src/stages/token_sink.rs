@@ -22,6 +22,8 @@ pub(super) const KIND: StageKind = StageKind {
     }],
     inputs: || vec![PortSpec::new::<AgentTokens>("in")],
     outputs: Vec::new,
+    commands: &[],
+    status: &[],
     build,
 };
 

@@ -50,6 +50,8 @@ pub(super) const KIND: StageKind = StageKind {
     ],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: Vec::new,
+    commands: &[],
+    status: &[],
     build,
 };
 

@@ -178,7 +178,7 @@ impl Daemon {
 
     pub fn frames(&self) -> u64 {
         self.status()
-            .and_then(|s| s["board"]["temporal.agent_frames"].as_u64())
+            .and_then(|s| s["frames"].as_u64())
             .unwrap_or(0)
     }
 

@@ -143,11 +143,9 @@ pub fn build_stage(kind: &str, name: &str, params: &[(&str, &str)]) -> Node {
         })
         .collect();
     let p = duplex::config::params::check("test", name, kind, k.params, &raw).unwrap();
+    let plane = duplex::runtime::ControlPlane::new();
     let body = (k.build)(
-        &duplex::stages::BuildContext {
-            stage: name,
-            file: "test",
-        },
+        &duplex::stages::BuildContext::new(name, "test", &plane, k),
         &p,
     )
     .unwrap();

@@ -14,6 +14,8 @@
 //! that fails too the last configuration that ran is built again.
 
 mod config;
+mod live;
+mod reload;
 
 pub use config::{
     check_all, check_static, config_path, control_socket, load_config, DaemonConfig, Sampling,
@@ -26,7 +28,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::config::{ConfigError, ConfigErrorKind};
-use crate::runtime::{Pipeline, StopHandle};
+use crate::observe::monitor::Monitor;
+use crate::runtime::Pipeline;
+
+use super::control::{applied, Command, Handler, STAGE_ANSWER};
+use live::Live;
+use reload::{finish_reload, reload};
 
 /// `duplex daemon --check`: every check start-up makes, start-up included short of running:
 /// the configuration and everything [`check_static`] checks, then the pipeline is built
@@ -62,14 +69,6 @@ pub fn sd_notify(msg: &str) {
     }
 }
 
-/// No device stage reports its device as anything but running (one that has not reported yet
-/// is not down).
-fn devices_running(board: &serde_json::Value) -> bool {
-    ["mic.device", "speaker.device"]
-        .iter()
-        .all(|k| board[*k].as_str().is_none_or(|s| s == "running"))
-}
-
 /// Half the watchdog timeout systemd set for this process (`WATCHDOG_USEC`, `WATCHDOG_PID`),
 /// when it set one.
 fn watchdog_interval() -> Option<Duration> {
@@ -94,12 +93,11 @@ fn watchdog(shared: &Shared, every: Duration) {
         if shared.shutdown.load(Ordering::Acquire) {
             return;
         }
-        let board = crate::control::snapshot();
-        let frames = board["temporal.agent_frames"].as_u64();
-        let devices_up = devices_running(&board);
-        let expected = shared.ready.load(Ordering::Acquire)
-            && devices_up
-            && !crate::control::is_set("temporal.pause");
+        let live = shared.live();
+        let frames = live.as_ref().and_then(Live::frames);
+        let expected = shared.ready()
+            && live.as_ref().is_some_and(Live::devices_running)
+            && !shared.paused.load(Ordering::Acquire);
         if !expected || frames != last {
             sd_notify("WATCHDOG=1");
             if let Some(t) = stalled_since.take() {
@@ -119,18 +117,25 @@ fn watchdog(shared: &Shared, every: Duration) {
     }
 }
 
+/// A pipeline built (models loaded, devices open) and not started yet, with what it was built
+/// from.
+struct Built {
+    pipeline: Pipeline,
+    monitor: Arc<Monitor>,
+    config: DaemonConfig,
+}
+
 struct Shared {
     started: Instant,
-    ready: AtomicBool,
     /// The configuration in force: the running pipeline's, after every accepted reload.
     config: Mutex<DaemonConfig>,
     /// The last configuration whose pipeline was built and ran: what a reload that cannot be
     /// built goes back to (never one that was rejected).
     last_good: Mutex<DaemonConfig>,
-    /// Stops the pipeline running now.
-    current: Mutex<Option<StopHandle>>,
+    /// The pipeline running now.
+    current: Mutex<Option<Live>>,
     /// A pipeline built for a new configuration beside the running one, waiting to start.
-    next: Mutex<Option<(Pipeline, DaemonConfig)>>,
+    next: Mutex<Option<Built>>,
     /// A reload's pipeline could not be built beside the running one (not enough memory for
     /// two): build it alone once the running one has stopped.
     alone: AtomicBool,
@@ -138,10 +143,94 @@ struct Shared {
     reloading: Mutex<()>,
     /// Reloads finished so far, and how the last one ended (for `status`).
     reloads: Mutex<(u64, String)>,
+    /// The user's switches: they outlive a pipeline, and each new one is given them.
+    muted: AtomicBool,
+    paused: AtomicBool,
     /// The daemon is stopping for good.
     shutdown: AtomicBool,
     /// The control socket, once this process has bound it.
     socket: Mutex<Option<PathBuf>>,
+}
+
+impl Shared {
+    fn live(&self) -> Option<Live> {
+        lock(&self.current).flatten()
+    }
+
+    /// Models loaded and warmed up: a pipeline runs and every stage has started.
+    fn ready(&self) -> bool {
+        self.live().is_some_and(|l| l.handle.is_ready())
+    }
+
+    /// `ctl status`: the daemon's figures, then the running pipeline's.
+    fn status(&self) -> serde_json::Value {
+        let c = lock(&self.config);
+        let mut s = serde_json::json!({
+            "ready": self.ready(),
+            "uptime_s": (self.started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+            "config": c.as_ref().map(|c| c.file.clone()),
+            "pack": c.as_ref().map(|c| c.pack.clone()),
+            "persona": c.as_ref().map(|c| if c.persona_tokens.is_empty() {
+                serde_json::json!(c.persona)
+            } else {
+                serde_json::json!(c.persona_tokens)
+            }),
+            "reloads": self.reloads.lock().ok().map(|r| serde_json::json!({ "done": r.0, "last": r.1 })),
+            "muted": self.muted.load(Ordering::Acquire),
+            "paused": self.paused.load(Ordering::Acquire),
+        });
+        let pipeline = self
+            .live()
+            .map(|l| l.status())
+            .unwrap_or_else(|| serde_json::json!({ "devices": { "input": {}, "output": {} } }));
+        if let (Some(m), serde_json::Value::Object(p)) = (s.as_object_mut(), pipeline) {
+            m.extend(p);
+        }
+        for (dir, configured) in [
+            ("input", c.as_ref().map(|c| c.input_device.clone())),
+            ("output", c.as_ref().map(|c| c.output_device.clone())),
+        ] {
+            s["devices"][dir]["configured"] = configured.into();
+        }
+        s
+    }
+
+    /// Carries out a command of the control socket on the running pipeline.
+    fn command(&self, c: Command) -> serde_json::Value {
+        let ask = |command: &str, arg: &str, pending: &str| match self.live() {
+            Some(live) => match live.send(command, arg) {
+                Ok(p) => applied(p.wait(STAGE_ANSWER), pending),
+                Err(e) => serde_json::json!({ "ok": false, "error": e }),
+            },
+            None => serde_json::json!({
+                "ok": false,
+                "error": "no pipeline is running now (it is being built): try again in a moment",
+            }),
+        };
+        match c {
+            Command::Status => {
+                let mut s = self.status();
+                s["ok"] = true.into();
+                s
+            }
+            Command::Reset => ask("reset", "", "the conversation restarts at the next frame"),
+            Command::Persona(p) => ask("persona", &p, "the persona changes at the next frame"),
+            Command::Mute(on) => self.switch(&self.muted, on, "mute", "unmute"),
+            Command::Pause(on) => self.switch(&self.paused, on, "pause", "resume"),
+        }
+    }
+
+    /// Sets one of the user's switches, and tells the running pipeline.
+    fn switch(&self, flag: &AtomicBool, on: bool, yes: &str, no: &str) -> serde_json::Value {
+        flag.store(on, Ordering::Release);
+        let command = if on { yes } else { no };
+        if let Some(live) = self.live() {
+            if let Err(e) = live.send(command, "") {
+                return serde_json::json!({ "ok": false, "error": e });
+            }
+        }
+        serde_json::json!({ "ok": true, "done": command })
+    }
 }
 
 fn lock<T: Clone>(m: &Mutex<T>) -> Option<T> {
@@ -158,7 +247,6 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     tracing::info!(config = %c.file, pipeline = %c.pipeline.display(), "starting");
     let shared = Arc::new(Shared {
         started: Instant::now(),
-        ready: AtomicBool::new(false),
         config: Mutex::new(c.clone()),
         last_good: Mutex::new(c.clone()),
         current: Mutex::new(None),
@@ -166,19 +254,21 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         alone: AtomicBool::new(false),
         reloading: Mutex::new(()),
         reloads: Mutex::new((0, String::new())),
+        muted: AtomicBool::new(false),
+        paused: AtomicBool::new(false),
         shutdown: AtomicBool::new(false),
         socket: Mutex::new(None),
     });
     let health_shared = shared.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
-        let ready = health_shared.ready.load(Ordering::Acquire);
-        let board = crate::control::snapshot();
-        let devices = devices_running(&board);
-        let rtf = board["realtime_factor"].as_f64().unwrap_or(0.0);
+        let live = health_shared.live();
+        let ready = health_shared.ready();
+        let devices = live.as_ref().is_some_and(Live::devices_running);
+        let rtf = live.as_ref().map_or(0.0, |l| l.monitor.realtime_factor());
         let ok = ready && devices && rtf < 1.0;
         (
             ok,
-            serde_json::json!({ "ok": ok, "ready": ready, "devices_alive": devices, "realtime_factor": rtf, "status": board }),
+            serde_json::json!({ "ok": ok, "ready": ready, "devices_alive": devices, "realtime_factor": rtf, "status": health_shared.status() }),
         )
     });
     super::serve_metrics_at(c.metrics_address, Some(health), "metrics_address");
@@ -191,24 +281,20 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
             if count == 1 {
                 sd_notify("STOPPING=1");
             }
-            if let Ok(g) = stop_shared.current.lock() {
-                match g.as_ref() {
-                    Some(h) if count == 1 => {
-                        tracing::warn!(
-                            "stop requested: draining the pipeline (signal again to abort)"
-                        );
-                        h.stop();
+            match stop_shared.live() {
+                Some(l) if count == 1 => {
+                    tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
+                    l.handle.stop();
+                }
+                Some(l) => l.handle.abort(),
+                None => {
+                    // Still loading models: nothing to drain, and loading a large pack can take
+                    // longer than systemd waits for a stop.
+                    tracing::warn!("stop requested while the pipeline is being built: exiting");
+                    if let Some(path) = stop_shared.socket.lock().ok().and_then(|p| p.clone()) {
+                        let _ = std::fs::remove_file(path);
                     }
-                    Some(h) => h.abort(),
-                    None => {
-                        // Still loading models: nothing to drain, and loading a large pack can
-                        // take longer than systemd waits for a stop.
-                        tracing::warn!("stop requested while the pipeline is being built: exiting");
-                        if let Some(path) = stop_shared.socket.lock().ok().and_then(|p| p.clone()) {
-                            let _ = std::fs::remove_file(path);
-                        }
-                        std::process::exit(0);
-                    }
+                    std::process::exit(0);
                 }
             }
         },
@@ -224,16 +310,17 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         },
     );
     // After the signal hooks: a stop that comes as soon as the socket is there is handled.
-    let control =
-        super::control::ControlServer::start(&c.control_socket, shared_status(shared.clone()))?;
+    let command_shared = shared.clone();
+    let handler: Handler = Arc::new(move |c| command_shared.command(c));
+    let control = super::control::ControlServer::start(&c.control_socket, handler)?;
     if let Ok(mut s) = shared.socket.lock() {
         *s = Some(c.control_socket.clone());
     }
     let mut notified = false;
-    let mut prepared: Option<(Pipeline, DaemonConfig)> = None;
+    let mut prepared: Option<Built> = None;
     let result = loop {
-        let (pipeline, built_from) = match prepared.take() {
-            Some(p) => p,
+        let built = match prepared.take() {
+            Some(b) => b,
             None => {
                 // Not under the lock: loading a large pack takes a while, and `status` and
                 // SIGHUP read the configuration meanwhile.
@@ -241,11 +328,11 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                     break Err(anyhow::anyhow!("configuration lock poisoned"));
                 };
                 match build_pipeline(&c) {
-                    Ok(p) => {
+                    Ok(b) => {
                         if notified {
                             finish_reload(&shared, Ok("new pipeline built alone".into()));
                         }
-                        (p, c)
+                        b
                     }
                     // The first start: the configuration was checked, but it does not build.
                     Err(e) if !notified => return Err(e),
@@ -262,24 +349,35 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                         if let Ok(mut g) = shared.config.lock() {
                             *g = old.clone();
                         }
-                        (build_pipeline(&old)?, old)
+                        build_pipeline(&old)?
                     }
                 }
             }
         };
         if let Ok(mut g) = shared.last_good.lock() {
-            *g = built_from;
+            *g = built.config.clone();
         }
-        crate::control::clear_requests();
-        crate::control::publish("temporal.ready", false);
-        let running = pipeline.start();
+        let running = built.pipeline.start();
+        let live = Live {
+            handle: running.handle(),
+            monitor: built.monitor,
+        };
+        // The user's switches carry over to the new pipeline.
+        for (flag, command) in [(&shared.muted, "mute"), (&shared.paused, "pause")] {
+            if flag.load(Ordering::Acquire) {
+                if let Err(e) = live.send(command, "") {
+                    tracing::warn!("{command}: {e}");
+                }
+            }
+        }
         if let Ok(mut g) = shared.current.lock() {
-            *g = Some(running.stop_handle());
+            *g = Some(live.clone());
         }
         if shared.shutdown.load(Ordering::Acquire) {
-            running.stop_handle().stop();
+            live.handle.stop();
         }
-        // Readiness: models loaded (build) and warmed up (the LM reports it after priming).
+        // Readiness: models loaded (build) and warmed up (every stage's start, the LM's
+        // priming included, has returned).
         let t0 = Instant::now();
         let ready_shared = shared.clone();
         let first = !notified;
@@ -287,17 +385,13 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         let _ = std::thread::Builder::new()
             .name("duplex:ready".into())
             .spawn(move || {
-                while !crate::control::snapshot()["temporal.ready"]
-                    .as_bool()
-                    .unwrap_or(false)
-                {
+                while !live.handle.is_ready() {
                     if t0.elapsed() > Duration::from_secs(120) {
                         tracing::error!("the model did not warm up within 120 s");
                         return;
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                ready_shared.ready.store(true, Ordering::Release);
                 tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
                 if first {
                     sd_notify("READY=1");
@@ -310,7 +404,6 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         if let Ok(mut g) = shared.current.lock() {
             *g = None;
         }
-        shared.ready.store(false, Ordering::Release);
         if shared.shutdown.load(Ordering::Acquire) {
             break outcome.error.map_or(Ok(()), |e| {
                 Err(anyhow::Error::new(e).context("daemon pipeline"))
@@ -334,11 +427,15 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
 }
 
 /// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.
-fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Pipeline> {
+fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
     let spec = c.pipeline_spec()?;
     let builder = super::build_spec(&spec, &crate::stages::Registry::builtin())?;
-    let builder = super::observe(builder, &spec.metrics);
-    Ok(builder.build()?)
+    let (builder, monitor) = super::observe(builder, &spec.metrics);
+    Ok(Built {
+        pipeline: builder.build()?,
+        monitor,
+        config: c.clone(),
+    })
 }
 
 /// Whether a pipeline that failed to build might build on its own (its stages lacked memory
@@ -348,220 +445,4 @@ fn may_build_alone(e: &anyhow::Error) -> bool {
         c.downcast_ref::<ConfigError>()
             .is_some_and(|c| c.kind == ConfigErrorKind::Unavailable)
     })
-}
-
-/// What `duplex ctl status` answers: the headline figures, then everything the stages publish
-/// (`board`).
-fn shared_status(shared: Arc<Shared>) -> super::control::Status {
-    Arc::new(move || {
-        let c = shared.config.lock().map(|c| c.clone()).ok();
-        let board = crate::control::snapshot();
-        let prefixed = |prefix: &str| -> serde_json::Map<String, serde_json::Value> {
-            board
-                .as_object()
-                .into_iter()
-                .flatten()
-                .filter_map(|(k, v)| Some((k.strip_prefix(prefix)?.to_string(), v.clone())))
-                .collect()
-        };
-        let device = |stage: &str, configured: Option<&String>| {
-            serde_json::json!({
-                "configured": configured,
-                "name": board[format!("{stage}.name")],
-                "state": board[format!("{stage}.device")],
-            })
-        };
-        serde_json::json!({
-            "ready": shared.ready.load(Ordering::Acquire),
-            "uptime_s": (shared.started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
-            "config": c.as_ref().map(|c| c.file.clone()),
-            "pack": c.as_ref().map(|c| c.pack.clone()),
-            "persona": c.as_ref().map(|c| if c.persona_tokens.is_empty() {
-                serde_json::json!(c.persona)
-            } else {
-                serde_json::json!(c.persona_tokens)
-            }),
-            "reloads": shared.reloads.lock().ok().map(|r| serde_json::json!({ "done": r.0, "last": r.1 })),
-            "frames": board["temporal.agent_frames"],
-            "context": board["temporal.context"],
-            "realtime_factor": board["realtime_factor"],
-            "muted": crate::control::is_set("mic.mute"),
-            "paused": crate::control::is_set("temporal.pause"),
-            "devices": {
-                "input": device("mic", c.as_ref().map(|c| &c.input_device)),
-                "output": device("speaker", c.as_ref().map(|c| &c.output_device)),
-            },
-            "execution_providers": prefixed("model."),
-            "verdicts": prefixed("pattern."),
-            "board": board,
-        })
-    })
-}
-
-/// Ends a reload: logs how, and counts it for `status`.
-fn finish_reload(shared: &Shared, outcome: Result<String, String>) {
-    let last = match &outcome {
-        Ok(done) => {
-            tracing::info!("reload applied: {done}");
-            format!("applied: {done}")
-        }
-        Err(why) => {
-            tracing::error!("reload rejected, keeping the running configuration: {why}");
-            format!("rejected: {why}")
-        }
-    };
-    if let Ok(mut r) = shared.reloads.lock() {
-        r.0 += 1;
-        r.1 = last;
-    }
-}
-
-/// A new pack or pipeline: builds the new pipeline beside the running one (models loaded,
-/// devices open), then stops the running one and hands the new one over. A configuration the
-/// new pipeline refuses is rejected with the running one untouched. Only when the new pipeline
-/// lacked something the running one holds (memory for two packs, an exclusive device) is the
-/// running one stopped and the new one built alone; when that fails too, the last
-/// configuration that ran is built again.
-///
-/// Runs on the reload thread, under the reload lock: a SIGHUP during a rebuild waits for it.
-fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
-    tracing::warn!(
-        "reload: pack or pipeline changed: building the new pipeline beside the running one"
-    );
-    let t0 = Instant::now();
-    match build_pipeline(&new) {
-        Ok(p) if !shared.shutdown.load(Ordering::Acquire) => {
-            tracing::info!(
-                after_ms = t0.elapsed().as_millis() as u64,
-                "new pipeline built; replacing the running one"
-            );
-            if let Ok(mut n) = shared.next.lock() {
-                *n = Some((p, new.clone()));
-            }
-            if let Ok(mut c) = shared.config.lock() {
-                *c = new;
-            }
-            stop_current(shared);
-            finish_reload(
-                shared,
-                Ok("new pipeline built beside the running one".into()),
-            );
-        }
-        Ok(_) => {}
-        Err(e) if may_build_alone(&e) => {
-            tracing::warn!(
-                "the new pipeline could not be built beside the running one ({e:#}); stopping the running one and building the new one alone"
-            );
-            if let Ok(mut c) = shared.config.lock() {
-                *c = new;
-            }
-            shared.alone.store(true, Ordering::Release);
-            // The main loop ends this reload, once it has built (or failed to build) alone.
-            stop_current(shared);
-        }
-        Err(e) => finish_reload(shared, Err(format!("{e:#}"))),
-    }
-}
-
-fn stop_current(shared: &Shared) {
-    if let Ok(g) = shared.current.lock() {
-        if let Some(h) = g.as_ref() {
-            h.stop();
-        }
-    }
-}
-
-/// SIGHUP: read the configuration again and check it whole before touching anything; apply
-/// persona and sampling at the next frame boundary, move a device stage, or rebuild; reject an
-/// invalid configuration and keep running.
-fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
-    let Ok(_one) = shared.reloading.lock() else {
-        return;
-    };
-    let own = shared.socket.lock().ok().and_then(|s| s.clone());
-    let mut new = match check_all(explicit.as_deref(), own.as_deref()) {
-        Ok(c) => c,
-        Err(e) => return finish_reload(shared, Err(format!("{e:#}"))),
-    };
-    let Some(cur) = lock(&shared.config) else {
-        return;
-    };
-    if new.metrics_address != cur.metrics_address || new.control_socket != cur.control_socket {
-        tracing::warn!(
-            "reload: `metrics_address` and `control_socket` are bound at start-up; the new values apply after a restart"
-        );
-        new.metrics_address = cur.metrics_address;
-        new.control_socket = cur.control_socket.clone();
-    }
-    // What the models are built with (the voice and the tokenizer are read when the LM stage
-    // is built, the seed starts its random stream): a rebuild, built beside the running one.
-    if new.pack != cur.pack
-        || new.pipeline != cur.pipeline
-        || new.voice != cur.voice
-        || new.tokenizer != cur.tokenizer
-        || new.long_session != cur.long_session
-        || new.sampling.seed != cur.sampling.seed
-    {
-        rebuild(shared, new);
-        return;
-    }
-    let mut changed = Vec::new();
-    if new.persona != cur.persona || new.persona_tokens != cur.persona_tokens {
-        let p = if new.persona_tokens.is_empty() {
-            new.persona.clone()
-        } else {
-            new.persona_tokens
-                .iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        crate::control::post("temporal.persona", p);
-        tracing::info!("reload: persona changes at the next frame");
-        changed.push("persona");
-    }
-    if new.sampling != cur.sampling {
-        let s = &new.sampling;
-        crate::control::post(
-            "depformer.sampling",
-            format!(
-                "{} {} {} {}",
-                s.text_temperature, s.text_top_k, s.audio_temperature, s.audio_top_k
-            ),
-        );
-        tracing::info!("reload: sampling changes at the next frame");
-        changed.push("sampling");
-    }
-    // A new device: only the stage that owns it moves, at its next frame; the models and the
-    // conversation are untouched.
-    for (what, key, old, spec) in [
-        ("input", "mic.switch", &cur.input_device, &new.input_device),
-        (
-            "output",
-            "speaker.switch",
-            &cur.output_device,
-            &new.output_device,
-        ),
-    ] {
-        if old != spec {
-            tracing::info!("reload: {what} device {old:?} -> {spec:?} at the next frame");
-            crate::control::post(key, spec.clone());
-            changed.push(what);
-        }
-    }
-    // Checked whole, and applied to the running pipeline: this is now what runs.
-    if let Ok(mut g) = shared.last_good.lock() {
-        *g = new.clone();
-    }
-    if let Ok(mut g) = shared.config.lock() {
-        *g = new;
-    }
-    finish_reload(
-        shared,
-        Ok(if changed.is_empty() {
-            "nothing to change".into()
-        } else {
-            format!("{} at the next frame", changed.join(", "))
-        }),
-    );
 }

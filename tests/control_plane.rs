@@ -1,0 +1,161 @@
+//! Two pipelines in one process, each with its own control plane: commands and status of one
+//! never reach or change the other, even when both are sent commands at once. The pipelines are
+//! the daemon's (microphone on a private PulseAudio → Mimi → LM → Mimi → a virtual speaker).
+
+#[path = "support/packs.rs"]
+mod packs;
+#[path = "support/pulse.rs"]
+mod pulse;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use duplex::config::{LoadOptions, Override};
+use duplex::runtime::{Handle, Value};
+use duplex::stages::Registry;
+
+fn start(name: &str) -> (duplex::runtime::Running, Handle) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let pack = packs::pack("tiny-gqa").display().to_string();
+    let mut sets = vec![
+        Override::set("stages.speaker.device", "virtual"),
+        Override::set("stages.up.to", "24000"),
+        Override::set("metrics.address", ""),
+    ];
+    for s in ["encode", "temporal", "depformer", "decode"] {
+        sets.push(Override::set(format!("stages.{s}.pack"), pack.clone()));
+    }
+    let opts = LoadOptions {
+        sets,
+        env: Some(Default::default()),
+    };
+    let (_spec, builder) = duplex::app::build(
+        &root.join("pipelines/daemon.yaml"),
+        &opts,
+        &Registry::builtin(),
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let running = builder.build().unwrap().start();
+    let handle = running.handle();
+    (running, handle)
+}
+
+fn int(h: &Handle, stage: &str, key: &str) -> i64 {
+    match h.control().get(stage, key) {
+        Some(Value::Int(i)) => i,
+        other => panic!("{stage}.{key}: {other:?}"),
+    }
+}
+
+fn wait_until(what: &str, secs: u64, ok: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+const WAIT: Duration = Duration::from_secs(5);
+
+#[test]
+fn two_pipelines_in_one_process_are_independent() {
+    let pa = pulse::Pulse::start();
+    // This test binary has this one test: the sound server's environment is the process's.
+    for (k, v) in pa.env() {
+        std::env::set_var(k, v);
+    }
+    let (ra, a) = start("a");
+    let (rb, b) = start("b");
+    wait_until("both ready", 60, || a.is_ready() && b.is_ready());
+    wait_until("frames flow in both", 20, || {
+        int(&a, "temporal", "agent_frames") > 5 && int(&b, "temporal", "agent_frames") > 5
+    });
+
+    // Commands to both at once, from many threads: each is answered by its own pipeline.
+    let replies: Vec<(char, String, Result<String, String>)> = std::thread::scope(|s| {
+        let mut threads = Vec::new();
+        for i in 0..4 {
+            let (a, b) = (a.clone(), b.clone());
+            threads.push(s.spawn(move || {
+                let pa = a
+                    .control()
+                    .send("temporal", "persona", &format!("{},{}", 10 + i, 20 + i))
+                    .unwrap();
+                let pb = b.control().send("temporal", "reset", "").unwrap();
+                vec![
+                    ('a', "persona".to_string(), pa.wait(WAIT).unwrap()),
+                    ('b', "reset".to_string(), pb.wait(WAIT).unwrap()),
+                ]
+            }));
+        }
+        threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect()
+    });
+    for (who, what, r) in &replies {
+        let done = r.as_ref().unwrap_or_else(|e| panic!("{who} {what}: {e}"));
+        match what.as_str() {
+            "persona" => assert!(done.contains("persona changed"), "{who}: {done}"),
+            _ => assert!(done.contains("new conversation"), "{who}: {done}"),
+        }
+    }
+    // A refused persona on one is refused there alone.
+    let r = a
+        .control()
+        .send("temporal", "persona", "1,99999999")
+        .unwrap()
+        .wait(WAIT)
+        .unwrap();
+    assert!(r.unwrap_err().contains("out of range"));
+
+    // Mute and pause one: the other is neither muted nor paused, and goes on.
+    for (command, key) in [("mute", "muted"), ("pause", "paused")] {
+        let stage = if command == "mute" { "mic" } else { "temporal" };
+        let r = a
+            .control()
+            .send(stage, command, "")
+            .unwrap()
+            .wait(WAIT)
+            .unwrap();
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(a.control().get(stage, key), Some(Value::Bool(true)));
+        assert_eq!(b.control().get(stage, key), Some(Value::Bool(false)));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (fa, fb, cb) = (
+        int(&a, "temporal", "agent_frames"),
+        int(&b, "temporal", "agent_frames"),
+        int(&b, "temporal", "context"),
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(int(&a, "temporal", "agent_frames"), fa, "a is paused");
+    assert!(int(&b, "temporal", "agent_frames") >= fb + 8, "b goes on");
+    assert!(
+        int(&b, "temporal", "context") > cb,
+        "b's conversation was not reset by a's persona"
+    );
+    // Status keys are each pipeline's own.
+    let sa = a.control().status();
+    let sb = b.control().status();
+    assert_eq!(sa["mic"]["muted"], Value::Bool(true));
+    assert_eq!(sb["mic"]["muted"], Value::Bool(false));
+    assert_eq!(sa["temporal"]["model"], Value::Text("cpu f32".into()));
+    a.control()
+        .send("temporal", "resume", "")
+        .unwrap()
+        .wait(WAIT);
+    wait_until("a resumes", 10, || {
+        int(&a, "temporal", "agent_frames") > fa + 3
+    });
+
+    // Stopping one leaves the other running.
+    a.stop();
+    assert!(ra.wait().error.is_none());
+    let f = int(&b, "temporal", "agent_frames");
+    wait_until("b still runs", 10, || {
+        int(&b, "temporal", "agent_frames") > f + 5
+    });
+    b.stop();
+    assert!(rb.wait().error.is_none());
+}
