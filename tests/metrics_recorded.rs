@@ -1,6 +1,6 @@
-//! The runtime's timings and drop counts reach the `metrics` facade: with a Prometheus recorder
-//! installed (this test binary is its own process, so the global recorder is its own), the
-//! rendered text carries the same counts as the run's report.
+//! The runtime's timings and drop counts reach the `metrics` facade through the recorder
+//! observer: with a Prometheus recorder installed (this test binary is its own process, so the
+//! global recorder is its own), the rendered text carries the same counts as the run's report.
 
 mod support;
 
@@ -28,6 +28,9 @@ fn drops_frames_and_service_times_are_exported() {
                 .capacity(2)
                 .overflow(Overflow::DropNewest),
         )
+        .observer(std::sync::Arc::new(
+            duplex::observe::recorder::Recorder::new(),
+        ))
         .build()
         .unwrap()
         .run()

@@ -216,8 +216,11 @@ pub fn serve_metrics_at(
     }
 }
 
-/// Attaches a latency monitor (diagnosis and real-time factor) to a pipeline, and returns it
-/// too: it belongs to that pipeline alone.
+/// Attaches the observers of a pipeline: its Prometheus series ([`Recorder`]) and a latency
+/// monitor (diagnosis and real-time factor), which is returned too: it belongs to that
+/// pipeline alone.
+///
+/// [`Recorder`]: crate::observe::recorder::Recorder
 pub fn observe(
     builder: PipelineBuilder,
     m: &config::MetricsSettings,
@@ -234,7 +237,11 @@ pub fn observe(
         &builder.stage_names(),
         cfg,
     ));
-    (builder.observer(monitor.clone()), monitor)
+    let recorder = std::sync::Arc::new(crate::observe::recorder::Recorder::new());
+    (
+        builder.observer(recorder).observer(monitor.clone()),
+        monitor,
+    )
 }
 
 /// Stops a pipeline on SIGINT/SIGTERM: the first signal drains, a second aborts. The handler

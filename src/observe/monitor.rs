@@ -1,41 +1,83 @@
-//! Per-stage live analysis fed by the runtime: utilization (the real-time factor) and the
-//! latency diagnosis, exported as gauges, logged when the verdict changes, and read by whoever
-//! holds the pipeline's monitor ([`Monitor::verdicts`], [`Monitor::realtime_factor`]).
+//! Per-stage live analysis of one pipeline, fed by the runtime: utilization (the real-time
+//! factor) and the latency diagnosis, exported as gauges, logged when the verdict changes, and
+//! read by whoever holds the pipeline's monitor ([`Monitor::verdicts`],
+//! [`Monitor::realtime_factor`]).
+//!
+//! The actor threads only count: each service time goes into a bounded queue, and a thread of
+//! the monitor's own runs the diagnosis (Theil–Sen over the window, the cluster test), so a
+//! stage never waits for it. When that thread falls behind, samples are dropped and counted
+//! rather than queued without bound; the thread ends with the monitor.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use super::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
 use super::names;
 use crate::runtime::Observer;
 
+/// What the actor threads update.
 struct StageMon {
     name: String,
-    diag: Mutex<Diagnoser>,
     /// The current 1 s utilization window: its start, the time spent in the stage, and the
     /// frames seen (for the frame period).
     busy: Mutex<(Instant, Duration, u64)>,
     utilization: AtomicU64,
+    util_gauge: metrics::Gauge,
+    /// The current verdict (an index into `Pattern::ALL`), set by the diagnosis thread.
+    pattern: AtomicU8,
+}
+
+/// One service time, for the diagnosis thread.
+struct Sample {
+    stage: usize,
+    frame: u64,
+    took: f64,
+    /// The stage's frame period, when a utilization window just closed.
+    period: Option<f64>,
+}
+
+/// What the diagnosis thread keeps per stage.
+struct Diagnosis {
+    diag: Diagnoser,
     slope: metrics::Gauge,
     bimodality: metrics::Gauge,
     outliers: metrics::Gauge,
-    util_gauge: metrics::Gauge,
     pattern: [metrics::Gauge; 3],
 }
 
-/// The runtime observer that keeps the diagnosis of every stage.
+/// Samples that may wait for the diagnosis thread.
+const QUEUE: usize = 4096;
+
+/// The runtime observer that keeps the diagnosis of every stage of one pipeline.
 pub struct Monitor {
-    stages: Vec<StageMon>,
+    stages: Arc<Vec<StageMon>>,
     rtf: metrics::Gauge,
     /// The busiest stage's utilization, as `f64` bits.
     rtf_now: AtomicU64,
+    samples: Sender<Sample>,
+    /// Samples the diagnosis thread could not take in time.
+    skipped: AtomicU64,
 }
 
 impl Monitor {
-    /// A monitor for stages named `names` (in the pipeline's order).
+    /// A monitor for stages named `names` (in the pipeline's order), with its diagnosis thread.
     pub fn new(stage_names: &[String], cfg: DiagnosisConfig) -> Self {
-        let stages = stage_names
+        let stages: Arc<Vec<StageMon>> = Arc::new(
+            stage_names
+                .iter()
+                .map(|n| StageMon {
+                    name: n.clone(),
+                    busy: Mutex::new((Instant::now(), Duration::ZERO, 0)),
+                    utilization: AtomicU64::new(0f64.to_bits()),
+                    util_gauge: metrics::gauge!(names::STAGE_UTILIZATION, "stage" => n.clone()),
+                    pattern: AtomicU8::new(0),
+                })
+                .collect(),
+        );
+        let diagnoses: Vec<Diagnosis> = stage_names
             .iter()
             .map(|n| {
                 let l = [("stage", n.clone())];
@@ -43,24 +85,37 @@ impl Monitor {
                     metrics::gauge!(names::LATENCY_PATTERN, "stage" => n.clone(), "pattern" => p.name())
                 });
                 pattern[0].set(1.0);
-                StageMon {
-                    name: n.clone(),
-                    diag: Mutex::new(Diagnoser::new(cfg)),
-                    busy: Mutex::new((Instant::now(), Duration::ZERO, 0)),
-                    utilization: AtomicU64::new(0f64.to_bits()),
+                Diagnosis {
+                    diag: Diagnoser::new(cfg),
                     slope: metrics::gauge!(names::LATENCY_TREND, &l),
                     bimodality: metrics::gauge!(names::LATENCY_BIMODALITY, &l),
                     outliers: metrics::gauge!(names::LATENCY_OUTLIERS, &l),
-                    util_gauge: metrics::gauge!(names::STAGE_UTILIZATION, &l),
                     pattern,
                 }
             })
             .collect();
+        let (tx, rx) = crossbeam_channel::bounded(QUEUE);
+        let shared = stages.clone();
+        let spawned = std::thread::Builder::new()
+            .name("duplex:diagnosis".into())
+            .spawn(move || diagnose(rx, diagnoses, &shared));
+        if let Err(e) = spawned {
+            tracing::error!("latency diagnosis not running: {e}");
+        }
         Monitor {
             stages,
             rtf: metrics::gauge!(names::REALTIME_FACTOR),
             rtf_now: AtomicU64::new(0f64.to_bits()),
+            samples: tx,
+            skipped: AtomicU64::new(0),
         }
+    }
+
+    /// The current verdict of stage `i`.
+    pub fn pattern(&self, i: usize) -> Option<Pattern> {
+        self.stages
+            .get(i)
+            .map(|s| Pattern::ALL[s.pattern.load(Ordering::Relaxed) as usize % 3])
     }
 
     /// The real-time factor: the busiest stage's utilization over the last second.
@@ -70,24 +125,50 @@ impl Monitor {
 
     /// Every stage's current verdict, in the pipeline's order.
     pub fn verdicts(&self) -> Vec<(String, Pattern)> {
-        self.stages
-            .iter()
-            .map(|s| {
-                let p = s
-                    .diag
-                    .lock()
-                    .map(|d| d.pattern())
-                    .unwrap_or(Pattern::Steady);
-                (s.name.clone(), p)
-            })
+        (0..self.stages.len())
+            .filter_map(|i| Some((self.stages[i].name.clone(), self.pattern(i)?)))
             .collect()
     }
 
-    /// The current verdict of stage `i`.
-    pub fn pattern(&self, i: usize) -> Option<Pattern> {
-        self.stages
-            .get(i)
-            .and_then(|s| s.diag.lock().ok().map(|d| d.pattern()))
+    /// Service times the diagnosis thread had no room for (it fell behind).
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
+    }
+}
+
+/// The diagnosis thread: takes samples until the monitor is dropped.
+fn diagnose(rx: Receiver<Sample>, mut diagnoses: Vec<Diagnosis>, stages: &[StageMon]) {
+    for s in rx.iter() {
+        let (Some(d), Some(mon)) = (diagnoses.get_mut(s.stage), stages.get(s.stage)) else {
+            continue;
+        };
+        if let Some(p) = s.period {
+            d.diag.set_period(p);
+        }
+        let before = d.diag.pattern();
+        let Some(r) = d.diag.push(s.frame as f64, s.took) else {
+            continue;
+        };
+        d.slope.set(r.slope_per_1k);
+        d.bimodality.set(r.bimodality);
+        d.outliers.set(r.outlier_fraction);
+        let now = d.diag.pattern();
+        let index = Pattern::ALL.iter().position(|p| *p == now).unwrap_or(0);
+        mon.pattern.store(index as u8, Ordering::Relaxed);
+        if now != before {
+            for (g, p) in d.pattern.iter().zip(Pattern::ALL) {
+                g.set(if p == now { 1.0 } else { 0.0 });
+            }
+            tracing::warn!(
+                stage = %mon.name,
+                from = %before,
+                to = %now,
+                slope_ms_per_1k_frames = format!("{:.2}", r.slope_per_1k * 1e3),
+                bimodality = format!("{:.2}", r.bimodality),
+                outliers = format!("{:.3}", r.outlier_fraction),
+                "latency pattern changed"
+            );
+        }
     }
 }
 
@@ -117,29 +198,14 @@ impl Observer for Monitor {
                 self.rtf_now.store(max.to_bits(), Ordering::Relaxed);
             }
         }
-        let Ok(mut d) = s.diag.lock() else { return };
-        if let Some(p) = period {
-            d.set_period(p);
-        }
-        let before = d.pattern();
-        if let Some(r) = d.push(frame as f64, took.as_secs_f64()) {
-            s.slope.set(r.slope_per_1k);
-            s.bimodality.set(r.bimodality);
-            s.outliers.set(r.outlier_fraction);
-            if r.pattern != before {
-                for (g, p) in s.pattern.iter().zip(Pattern::ALL) {
-                    g.set(if p == r.pattern { 1.0 } else { 0.0 });
-                }
-                tracing::warn!(
-                    stage = %s.name,
-                    from = %before,
-                    to = %r.pattern,
-                    slope_ms_per_1k_frames = format!("{:.2}", r.slope_per_1k * 1e3),
-                    bimodality = format!("{:.2}", r.bimodality),
-                    outliers = format!("{:.3}", r.outlier_fraction),
-                    "latency pattern changed"
-                );
-            }
+        let sample = Sample {
+            stage,
+            frame,
+            took: took.as_secs_f64(),
+            period,
+        };
+        if let Err(TrySendError::Full(_)) = self.samples.try_send(sample) {
+            self.skipped.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

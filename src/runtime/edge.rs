@@ -8,9 +8,9 @@
 //! - [`Overflow::DropNewest`]: the frame being sent is dropped.
 //! - [`Overflow::DropOldest`]: the oldest queued frame is dropped to make room.
 //!
-//! Every drop is counted (in [`EdgeStats`] and in the `duplex_edge_dropped_total` metric) and
-//! logged at most once per second per edge with the number dropped since the last message, so no
-//! frame is ever lost silently.
+//! Every drop is counted (in [`EdgeStats`], and told to the pipeline's observers) and logged at
+//! most once per second per edge with the number dropped since the last message, so no frame is
+//! ever lost silently.
 
 use std::fmt;
 use std::str::FromStr;
@@ -22,7 +22,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 
 use super::frame::{FrameMeta, Payload};
 use super::stats::EdgeStats;
-use crate::observe::names;
+use super::Observers;
 
 /// What an edge does with a frame that does not fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -94,15 +94,15 @@ struct Shared {
     consumer_alive: AtomicBool,
     unlogged: AtomicU64,
     last_log: Mutex<Option<Instant>>,
-    m_dropped: metrics::Counter,
-    m_depth: metrics::Gauge,
-    m_wait: metrics::Histogram,
+    /// This edge's index among the pipeline's, and who is told what happens on it.
+    index: usize,
+    observers: Observers,
 }
 
 impl Shared {
     fn count_drop(&self) {
         self.stats.dropped.fetch_add(1, Ordering::Relaxed);
-        self.m_dropped.increment(1);
+        self.observers.each(|o| o.edge_dropped(self.index));
         self.unlogged.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let Ok(mut last) = self.last_log.try_lock() else {
@@ -153,13 +153,12 @@ pub(crate) fn edge(
     capacity: usize,
     policy: Overflow,
     stats: Arc<EdgeStats>,
+    (index, observers): (usize, Observers),
 ) -> (EdgeTx, EdgeRx) {
     let (tx, rx) = crossbeam_channel::bounded(capacity.max(1));
-    let labels = [("edge", name.clone())];
     let shared = Arc::new(Shared {
-        m_dropped: metrics::counter!(names::EDGE_DROPPED, &labels),
-        m_depth: metrics::gauge!(names::EDGE_DEPTH, &labels),
-        m_wait: metrics::histogram!(names::EDGE_WAIT, &labels),
+        index,
+        observers,
         name,
         policy,
         stats,
@@ -240,7 +239,8 @@ impl EdgeTx {
         sh.stats.sent.fetch_add(1, Ordering::Relaxed);
         let depth = self.tx.len() as u64;
         sh.stats.max_depth.fetch_max(depth, Ordering::Relaxed);
-        sh.m_depth.set(depth as f64);
+        sh.observers
+            .each(|o| o.edge_depth(sh.index, depth as usize));
         Ok(blocked)
     }
 }
@@ -254,7 +254,10 @@ impl EdgeRx {
         if let Ok(mut h) = sh.stats.wait.lock() {
             h.record(wait);
         }
-        sh.m_wait.record(wait.as_secs_f64());
-        sh.m_depth.set(self.rx.len() as f64);
+        let depth = self.rx.len();
+        sh.observers.each(|o| {
+            o.edge_wait(sh.index, wait);
+            o.edge_depth(sh.index, depth);
+        });
     }
 }

@@ -352,7 +352,7 @@ pub struct PipelineBuilder {
     nodes: Vec<Node>,
     links: Vec<Link>,
     options: RunOptions,
-    observer: Option<std::sync::Arc<dyn super::Observer>>,
+    observers: Vec<std::sync::Arc<dyn super::Observer>>,
     control: super::ControlPlane,
 }
 
@@ -382,9 +382,10 @@ impl PipelineBuilder {
         self
     }
 
-    /// Sets the observer that receives every service time.
+    /// Adds an observer: it receives everything the runtime measures (several may be added;
+    /// each receives everything).
     pub fn observer(mut self, observer: std::sync::Arc<dyn super::Observer>) -> Self {
-        self.observer = Some(observer);
+        self.observers.push(observer);
         self
     }
 
@@ -676,7 +677,7 @@ impl PipelineBuilder {
             nodes: self.nodes,
             links,
             options: self.options,
-            observer: self.observer,
+            observers: super::Observers::new(self.observers),
             control: self.control,
         })
     }

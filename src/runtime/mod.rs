@@ -4,7 +4,8 @@
 //! shutdown, and per-stage and per-edge timing. It knows no stage kind, no audio, no model and
 //! no YAML: stages arrive already built, with their ports declared as [`PortSpec`]s, and links
 //! arrive as [`Link`]s. Before start, what stages know of their frames ([`Caps`]) is negotiated
-//! along the links, so that a mismatch is refused with the link named.
+//! along the links, so that a mismatch is refused with the link named. What it measures goes to
+//! the pipeline's [`Observer`]s (a metrics recorder, a monitor): it imports no metric name.
 //!
 //! ```
 //! use std::time::Instant;
@@ -66,11 +67,42 @@ pub use pipeline::{Handle, Pipeline, RunError, RunOutcome, Running, StopHandle};
 pub use stage::{Context, Flow, Input, Source, Stage, StageError, StageResult};
 pub use stats::{EdgeReport, LatencyHistogram, RunReport, StageReport};
 
-/// Receives every stage's service time as it is measured (a monitor, a diagnosis).
+/// Receives what the runtime measures, as it measures it: a metrics recorder, a monitor. The
+/// runtime itself records nothing anywhere else and knows no metric names.
 ///
-/// Called on the stage's own thread after each `process` (or `produce` that emitted): keep it
-/// short.
+/// Called on the actor threads, in the middle of moving frames: keep each call short (no heavy
+/// work, no lock held for long; hand analysis to a thread of your own).
 pub trait Observer: Send + Sync {
-    /// Stage `stage` (declaration order) spent `took` on its `frame`-th frame.
-    fn service(&self, stage: usize, frame: u64, took: std::time::Duration);
+    /// The pipeline starts: the names of its stages and edges, indexed as in the later calls
+    /// (stages in declaration order, edges in link order, named `from.port -> to.port`).
+    fn started(&self, _stages: &[String], _edges: &[String]) {}
+    /// Stage `stage` spent `took` on its `frame`-th frame (time blocked on outputs or feedback
+    /// excluded).
+    fn service(&self, _stage: usize, _frame: u64, _took: std::time::Duration) {}
+    /// Stage `stage` handled (or, for a source, produced) `n` more frames.
+    fn frames(&self, _stage: usize, _n: u64) {}
+    /// Sink `stage` completed a frame `interval` after the previous one.
+    fn completion(&self, _stage: usize, _interval: std::time::Duration) {}
+    /// A frame waited `wait` in edge `edge`'s queue.
+    fn edge_wait(&self, _edge: usize, _wait: std::time::Duration) {}
+    /// Edge `edge` holds `depth` frames.
+    fn edge_depth(&self, _edge: usize, _depth: usize) {}
+    /// Edge `edge`'s overflow policy dropped a frame.
+    fn edge_dropped(&self, _edge: usize) {}
+}
+
+/// The observers of one pipeline, called in turn.
+#[derive(Clone, Default)]
+pub(crate) struct Observers(std::sync::Arc<[std::sync::Arc<dyn Observer>]>);
+
+impl Observers {
+    pub(crate) fn new(list: Vec<std::sync::Arc<dyn Observer>>) -> Self {
+        Observers(list.into())
+    }
+
+    pub(crate) fn each(&self, f: impl Fn(&dyn Observer)) {
+        for o in self.0.iter() {
+            f(o.as_ref());
+        }
+    }
 }

@@ -29,14 +29,13 @@ use super::edge::{edge, EdgeRx, Signals};
 use super::graph::{Body, Node, ResolvedLink, RunOptions};
 use super::stage::{Context, Flow, Input, OutPort, StageError};
 use super::stats::{EdgeStats, RunReport, StageStats, StatsRegistry};
-use crate::observe::names;
 
 /// A validated pipeline, ready to [`start`](Pipeline::start).
 pub struct Pipeline {
     pub(crate) nodes: Vec<Node>,
     pub(crate) links: Vec<ResolvedLink>,
     pub(crate) options: RunOptions,
-    pub(crate) observer: Option<Arc<dyn super::Observer>>,
+    pub(crate) observers: super::Observers,
     pub(crate) control: super::ControlPlane,
 }
 
@@ -257,7 +256,7 @@ struct Actor {
     feedback: Vec<Option<EdgeRx>>,
     stats: Arc<StageStats>,
     signals: Signals,
-    observer: Option<Arc<dyn super::Observer>>,
+    observers: super::Observers,
     /// Counts stages that have started (for [`Handle::is_ready`]).
     started: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -342,15 +341,25 @@ impl Pipeline {
                 body: n.body,
                 stats,
                 signals: signals.clone(),
-                observer: self.observer.clone(),
+                observers: self.observers.clone(),
                 started: started.clone(),
             });
         }
+        let stage_names: Vec<String> = actors.iter().map(|a| a.name.clone()).collect();
+        let edge_names: Vec<String> = self.links.iter().map(|l| l.name.clone()).collect();
+        self.observers
+            .each(|o| o.started(&stage_names, &edge_names));
         let mut edge_stats = Vec::new();
-        for l in &self.links {
+        for (index, l) in self.links.iter().enumerate() {
             let st = Arc::new(EdgeStats::default());
             edge_stats.push((l.name.clone(), l.capacity, l.overflow, st.clone()));
-            let (tx, rx) = edge(l.name.clone(), l.capacity, l.overflow, st);
+            let (tx, rx) = edge(
+                l.name.clone(),
+                l.capacity,
+                l.overflow,
+                st,
+                (index, self.observers.clone()),
+            );
             actors[l.from].outputs[l.from_port].edges.push(tx);
             if l.feedback {
                 actors[l.to].feedback[l.to_port] = Some(rx);
@@ -413,24 +422,17 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
-struct StageMetrics {
-    service: metrics::Histogram,
-    frames: metrics::Counter,
-    completion: Option<metrics::Histogram>,
-}
-
-fn record(a: &Actor, m: &StageMetrics, elapsed: Duration, blocked: Duration, frames: u64) {
+fn record(a: &Actor, elapsed: Duration, blocked: Duration, frames: u64) {
     let service = elapsed.saturating_sub(blocked);
     if let Ok(mut h) = a.stats.service.lock() {
         h.record(service);
     }
-    m.service.record(service.as_secs_f64());
     let n = a.stats.frames.fetch_add(frames, Ordering::Relaxed);
-    m.frames.increment(frames);
     if frames > 0 {
-        if let Some(o) = &a.observer {
+        a.observers.each(|o| {
+            o.frames(a.index, frames);
             o.service(a.index, n, service);
-        }
+        });
     }
     a.stats
         .blocked_ns
@@ -448,19 +450,10 @@ fn failure(e: StageError, seq: Option<u64>) -> Exit {
 }
 
 fn run_actor(mut a: Actor) -> Exit {
-    let labels = [("stage", a.name.clone())];
-    let m = StageMetrics {
-        service: metrics::histogram!(names::STAGE_SERVICE, &labels),
-        frames: metrics::counter!(names::STAGE_FRAMES, &labels),
-        completion: a
-            .outputs
-            .is_empty()
-            .then(|| metrics::histogram!(names::COMPLETION_INTERVAL, &labels)),
-    };
     let mut body = std::mem::replace(&mut a.body, Body::Source(Box::new(Nothing)));
     let exit = match &mut body {
-        Body::Source(src) => run_source(&mut a, &m, src.as_mut()),
-        Body::Stage(st) => run_stage(&mut a, &m, st.as_mut()),
+        Body::Source(src) => run_source(&mut a, src.as_mut()),
+        Body::Stage(st) => run_stage(&mut a, st.as_mut()),
     };
     // Close outputs (end of stream downstream) and inputs (upstream sees us gone) before the
     // stage itself is dropped, which is where sinks close their files.
@@ -478,7 +471,7 @@ impl super::Source for Nothing {
     }
 }
 
-fn run_source(a: &mut Actor, m: &StageMetrics, src: &mut dyn super::Source) -> Exit {
+fn run_source(a: &mut Actor, src: &mut dyn super::Source) -> Exit {
     a.started.fetch_add(1, Ordering::AcqRel);
     loop {
         let stop = a.signals.drain_flag.load(Ordering::Acquire);
@@ -491,7 +484,7 @@ fn run_source(a: &mut Actor, m: &StageMetrics, src: &mut dyn super::Source) -> E
         let r = catch_unwind(AssertUnwindSafe(|| src.produce(&mut cx)));
         let elapsed = t0.elapsed();
         let (blocked, emitted) = (cx.blocked, cx.emitted);
-        record(a, m, elapsed, blocked, emitted);
+        record(a, elapsed, blocked, emitted);
         match r {
             Ok(Ok(Flow::Continue)) => {}
             Ok(Ok(Flow::Done)) => break,
@@ -522,7 +515,7 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
     }
 }
 
-fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit {
+fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
     let mut cx = a.context();
     match catch_unwind(AssertUnwindSafe(|| st.start(&mut cx))) {
         Ok(Ok(())) => {
@@ -572,14 +565,15 @@ fn run_stage(a: &mut Actor, m: &StageMetrics, st: &mut dyn super::Stage) -> Exit
         let r = catch_unwind(AssertUnwindSafe(|| st.process(input, &mut cx)));
         let now = Instant::now();
         let blocked = cx.blocked;
-        record(a, m, now - t0, blocked, 1);
-        if let Some(h) = &m.completion {
+        record(a, now - t0, blocked, 1);
+        // Sinks: the interval between completed frames (the pipeline's throughput).
+        if a.outputs.is_empty() {
             if let Some(prev) = last_done {
                 let d = now - prev;
                 if let Ok(mut c) = a.stats.completion.lock() {
                     c.record(d);
                 }
-                h.record(d.as_secs_f64());
+                a.observers.each(|o| o.completion(a.index, d));
             }
             last_done = Some(now);
         }
