@@ -21,7 +21,7 @@ use crate::runtime::{
     StatusSpec,
 };
 
-use super::{caps, BuildContext, BuildError, StageKind};
+use super::{caps, device_status, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mic",
@@ -84,22 +84,13 @@ pub(super) const KIND: StageKind = StageKind {
         },
     ],
     status: &[
-        StatusSpec {
-            name: "name",
-            doc: "the device open now",
-        },
-        StatusSpec {
-            name: "device",
-            doc: "its state: opening, running, reconnecting, failed, closed",
-        },
+        device_status::NAME,
+        device_status::STATE,
         StatusSpec {
             name: "muted",
             doc: "silence is sent",
         },
-        StatusSpec {
-            name: "switch_error",
-            doc: "why the last switch failed (null once one succeeds)",
-        },
+        device_status::SWITCH_ERROR,
     ],
     build,
 };

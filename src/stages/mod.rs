@@ -193,6 +193,27 @@ pub struct StageKind {
     pub build: fn(&BuildContext<'_>, &Params) -> Result<Body, BuildError>,
 }
 
+/// The status keys of the stages that own a sound device (`mic`, `playback`).
+pub(crate) mod device_status {
+    use crate::runtime::StatusSpec;
+
+    /// The device open now.
+    pub const NAME: StatusSpec = StatusSpec {
+        name: "name",
+        doc: "the device open now",
+    };
+    /// Its state.
+    pub const STATE: StatusSpec = StatusSpec {
+        name: "device",
+        doc: "its state: opening, running, reconnecting, failed, closed",
+    };
+    /// Why the last switch failed.
+    pub const SWITCH_ERROR: StatusSpec = StatusSpec {
+        name: "switch_error",
+        doc: "why the last switch failed (null once one succeeds)",
+    };
+}
+
 /// The set of known stage kinds.
 #[derive(Clone)]
 pub struct Registry {

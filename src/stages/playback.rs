@@ -22,7 +22,7 @@ use crate::runtime::{
     StageError, StageResult, StatusSpec,
 };
 
-use super::{caps, BuildContext, BuildError, StageKind};
+use super::{caps, device_status, BuildContext, BuildError, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "playback",
@@ -91,14 +91,8 @@ pub(super) const KIND: StageKind = StageKind {
         doc: "move to another device at the next frame (the current one is kept if it fails)",
     }],
     status: &[
-        StatusSpec {
-            name: "name",
-            doc: "the device open now",
-        },
-        StatusSpec {
-            name: "device",
-            doc: "its state: opening, running, reconnecting, failed, closed",
-        },
+        device_status::NAME,
+        device_status::STATE,
         StatusSpec {
             name: "underruns",
             doc: "times the jitter buffer ran dry",
@@ -107,10 +101,7 @@ pub(super) const KIND: StageKind = StageKind {
             name: "depth_ms",
             doc: "audio queued in the jitter buffer",
         },
-        StatusSpec {
-            name: "switch_error",
-            doc: "why the last switch failed (null once one succeeds)",
-        },
+        device_status::SWITCH_ERROR,
     ],
     build,
 };
