@@ -1,6 +1,6 @@
 //! What the `duplex` binary does: turn a pipeline file into a running pipeline, stop it on a
 //! signal, and report. Knows no model internals; stage kinds come from the
-//! [`Registry`](crate::stages::Registry).
+//! [`Registry`].
 
 pub mod control;
 pub mod daemon;

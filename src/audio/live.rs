@@ -1,4 +1,4 @@
-//! Live capture and playback streams on top of [`device`](super::device): the microphone's
+//! Live capture and playback streams on top of [`device`]: the microphone's
 //! ring and the speaker's jitter buffer, plus a virtual-clock player for headless pipelines.
 //!
 //! # Real-time safety
