@@ -36,11 +36,8 @@ impl Override {
     }
 
     /// An override set on behalf of `origin` (e.g. a key of the daemon's configuration file).
-    pub fn from(
-        origin: impl Into<String>,
-        key: impl Into<String>,
-        value: impl Into<String>,
-    ) -> Self {
+    /// (Not `from`: that would stand beside, and shadow, the `From` conversion.)
+    pub fn by(origin: impl Into<String>, key: impl Into<String>, value: impl Into<String>) -> Self {
         Override {
             key: key.into(),
             value: value.into(),

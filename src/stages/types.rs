@@ -54,8 +54,8 @@ pub mod caps {
     /// Codes are below this.
     pub const VOCAB: &str = "vocab";
 
-    /// Checks a Pcm input against a rate and, when `samples` is given, a frame size; `fix`
-    /// says what to put before the stage.
+    /// Checks a Pcm input against a rate and, when `samples` is given, a frame size; a
+    /// refusal says which stages to put before this one.
     pub fn require_pcm(
         c: &crate::runtime::Caps,
         rate: u32,

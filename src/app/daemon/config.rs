@@ -380,7 +380,7 @@ impl DaemonConfig {
     /// daemon key it comes from.
     pub fn sets(&self) -> Vec<Override> {
         let set = |daemon_key: &str, key: &str, value: String| {
-            Override::from(self.origin(daemon_key), key, value)
+            Override::by(self.origin(daemon_key), key, value)
         };
         let mut v = vec![
             set(
@@ -399,7 +399,7 @@ impl DaemonConfig {
                 self.long_session.clone(),
             ),
             // The daemon serves metrics itself.
-            Override::from("duplex daemon", "metrics.address", String::new()),
+            Override::by("duplex daemon", "metrics.address", String::new()),
         ];
         for s in ["encode", "temporal", "depformer", "decode"] {
             v.push(set("pack", &format!("stages.{s}.pack"), self.pack.clone()));
