@@ -396,15 +396,27 @@ fn a_full_or_closed_stdout_is_an_error_not_a_panic() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
-    // A pipe whose reader has gone.
-    let mut child = duplex()
+    // A pipe whose reader has gone before anything is written (closed before the command
+    // starts: dropping the reader after the spawn would race with a command that fits its
+    // output in the pipe's buffer).
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors `pipe` writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    use std::os::fd::FromRawFd;
+    // SAFETY: both descriptors were just created by `pipe` and are owned by nothing else.
+    let (read, write) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    drop(read);
+    let o = duplex()
         .arg("stages")
-        .stdout(Stdio::piped())
+        .stdout(write)
         .stderr(Stdio::piped())
-        .spawn()
+        .output()
         .unwrap();
-    drop(child.stdout.take());
-    let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("Broken pipe"), "{}", stderr(&o));
 }
