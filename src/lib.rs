@@ -9,6 +9,7 @@
 //! - [`config`]: YAML pipeline files → a validated, typed pipeline description.
 //! - [`stages`]: one file per stage kind, adapting a building block to the runtime's `Stage`.
 //! - [`observe`]: metric names and buckets, the exporter, the latency diagnosis.
+//! - [`session`]: the bounded link between a network client and the pipeline serving it.
 //! - [`files`]: opening the files a user names: regular files only, bounded reads.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
 //!
@@ -28,4 +29,5 @@ pub mod files;
 pub mod model;
 pub mod observe;
 pub mod runtime;
+pub mod session;
 pub mod stages;

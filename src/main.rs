@@ -61,6 +61,9 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
+    /// Serve conversations over the network (WebSocket, the Moshi protocol): one session
+    /// pipeline per client, built from a session template.
+    Serve(app::serve::ServeArgs),
     /// Send a command to the running daemon: status, reset, persona TEXT, mute, unmute, pause,
     /// resume.
     Ctl {
@@ -144,6 +147,7 @@ fn main() -> ExitCode {
             }
             app::daemon::run(config.as_deref())
         }
+        Cmd::Serve(args) => app::serve::run(&args),
         Cmd::Ctl { socket, command } => {
             // Only the socket is looked up: `ctl` works from any directory.
             let socket = match socket {

@@ -8,6 +8,7 @@
 #   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
 #     real, paced sound device without a sound card
 #   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
+#   - sphn and aiohttp in .venv: independent clients of `duplex serve` in the tests
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
@@ -18,6 +19,21 @@ APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulsea
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
+
+# Prints the NAME==VERSION pins that .venv does not have.
+missing_pins() {
+  .venv/bin/python - "$@" <<'PY'
+import importlib.metadata as m, sys
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    try:
+        ok = m.version(name) == version
+    except m.PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(pin)
+PY
+}
 
 # --- Debian packages ---------------------------------------------------------------------------
 missing=()
@@ -84,24 +100,23 @@ EXPORTER_PACKAGES=(
 )
 TINY_PACKS=(tiny tiny-gqa tiny-gqa-fp16)
 
-wrong=$(.venv/bin/python - "${EXPORTER_PACKAGES[@]}" <<'PY'
-import importlib.metadata as m, sys
-for pin in sys.argv[1:]:
-    name, version = pin.split("==")
-    try:
-        ok = m.version(name) == version
-    except m.PackageNotFoundError:
-        ok = False
-    if not ok:
-        print(pin)
-PY
-)
+wrong=$(missing_pins "${EXPORTER_PACKAGES[@]}")
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"
   deps=()
   for p in "${EXPORTER_PACKAGES[@]}"; do [[ $p == mobius-onnx==* ]] || deps+=("$p"); done
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "${deps[@]}"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "${EXPORTER_PACKAGES[0]}"
+fi
+
+# --- Independent implementations for the protocol tests ------------------------------------------
+# The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus) and aiohttp
+# (WebSocket), never only duplex on both ends; kubernetes-validate checks deploy/kubernetes.
+TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3)
+wrong=$(missing_pins "${TEST_PACKAGES[@]}")
+if [[ -n $wrong ]]; then
+  say "installing into .venv: $(echo $wrong)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${TEST_PACKAGES[@]}"
 fi
 
 # The stamp records what built the packs: a changed script or pin rebuilds them.

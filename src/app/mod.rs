@@ -7,6 +7,7 @@ pub mod daemon;
 pub mod logging;
 mod replay;
 mod report;
+pub mod serve;
 
 use std::path::Path;
 
@@ -48,6 +49,20 @@ pub fn build_spec(
     spec: &PipelineSpec,
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
+    build_session(spec, registry, None)
+}
+
+/// Builds (but does not start) the pipeline of an already loaded spec that serves the network
+/// session `session` (its session stages reach the client through it).
+///
+/// # Errors
+///
+/// As [`build`], for the stages and the graph.
+pub fn build_session(
+    spec: &PipelineSpec,
+    registry: &Registry,
+    session: Option<&crate::session::PipelineEnd>,
+) -> Result<PipelineBuilder, ConfigError> {
     load_ort(spec)?;
     let plane = ControlPlane::new();
     let mut b = PipelineBuilder::new()
@@ -64,7 +79,7 @@ pub fn build_spec(
                     .stage(s.name.clone()),
             );
         };
-        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind);
+        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind).with_session(session);
         let body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         b = b.node(Node {

@@ -9,6 +9,7 @@ mod error;
 pub mod framer;
 pub mod jitter;
 pub mod live;
+pub mod opus;
 pub mod pcm;
 pub mod resample;
 pub mod synth;

@@ -8,6 +8,7 @@
 //! error about it can blame the right place. Knows nothing of what the keys mean.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 use config::{Map, Value, ValueKind};
 
@@ -181,6 +182,61 @@ fn merge_into(dst: &mut Map<String, Value>, src: Map<String, Value>) {
 /// The origin of `v` when it is not `file` itself (a value from the environment, a flag…).
 pub fn foreign_origin(v: &Value, file: &str) -> Option<String> {
     v.origin().filter(|o| *o != file).map(str::to_string)
+}
+
+/// The user's settings file for an application's `name` (`daemon.yaml`, `serve.yaml`): the
+/// explicit one, else `$XDG_CONFIG_HOME/duplex/NAME`, else `~/.config/duplex/NAME`, when it
+/// exists.
+pub fn user_file(explicit: Option<&Path>, name: &str) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    let xdg = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from);
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config"));
+    [xdg, home]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("duplex").join(name))
+        .find(|p| p.is_file())
+}
+
+/// An application's settings, merged: the built-in `defaults` (named `defaults_origin` in
+/// messages), the user's file (see [`user_file`]), the `DUPLEX__…` environment. Returns the
+/// name of the user's file for messages (`defaults` when there is none) and the merged map.
+///
+/// # Errors
+///
+/// When a layer cannot be read or parsed.
+pub fn layered(
+    defaults: &str,
+    defaults_origin: &str,
+    explicit: Option<&Path>,
+    name: &str,
+    env: Option<&HashMap<String, String>>,
+) -> Result<(String, Map<String, Value>), ConfigError> {
+    use super::yaml::{self, Limits};
+    let path = user_file(explicit, name);
+    let fname = path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "defaults".into());
+    let mut parts = vec![yaml::parse(defaults, defaults_origin, Limits::FILES)?];
+    if let Some(p) = &path {
+        let text = yaml::read(p, Limits::FILES)?;
+        parts.push(yaml::parse(&text, &fname, Limits::FILES)?);
+    }
+    parts.push(env_layer(env));
+    Ok((fname, merge(parts)))
+}
+
+/// Where a value of an application's settings came from, in words: the file and `key` (the
+/// user's `fname` or the built-in `defaults_origin`), or the environment variable.
+pub fn origin_in(v: &Value, fname: &str, defaults_origin: &str, key: &str) -> String {
+    match v.origin() {
+        Some(o) if o == fname || o == defaults_origin => format!("{o}: `{key}`"),
+        Some(o) => o.to_string(),
+        None => format!("{fname}: `{key}`"),
+    }
 }
 
 #[cfg(test)]

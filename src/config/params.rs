@@ -151,6 +151,18 @@ impl Params {
         self.origins.get(name).map(String::as_str)
     }
 
+    /// Replaces `from` with `to` in every string value (the server's `{session}` in a session
+    /// template).
+    pub fn substitute(&mut self, from: &str, to: &str) {
+        for v in self.values.values_mut() {
+            if let ParamValue::Str(s) = v {
+                if s.contains(from) {
+                    *s = s.replace(from, to);
+                }
+            }
+        }
+    }
+
     /// The value of `name`, if set.
     pub fn get(&self, name: &str) -> Option<&ParamValue> {
         self.values.get(name)

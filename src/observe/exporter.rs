@@ -1,15 +1,17 @@
 //! The HTTP endpoint of a duplex process: `/metrics` (Prometheus text format, with explicit
-//! histogram buckets) and `/healthz` (readiness and health as JSON, 200 or 503).
+//! histogram buckets) and `/healthz` (readiness and health as JSON, 200 or 503), as axum routes
+//! that `duplex serve` mounts on its own router and that [`install`] serves alone (for
+//! `duplex run` and the daemon) on a thread of its own.
 //!
-//! A small HTTP/1.1 server of our own on a tokio runtime thread, so that both paths share the
-//! metrics address; the recorder itself is metrics-exporter-prometheus's.
+//! The recorder is metrics-exporter-prometheus's, installed once per process.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Histogram buckets, in seconds, for every duplex histogram: fine steps around the 80 ms frame
 /// budget, with a boundary at exactly 0.08.
@@ -18,10 +20,94 @@ pub const BUCKETS: &[f64] = &[
     0.075, 0.08, 0.085, 0.09, 0.1, 0.11, 0.12, 0.14, 0.16, 0.2, 0.3, 0.5, 1.0, 2.5,
 ];
 
+/// Buckets of session durations, in seconds (one second to two hours).
+pub const SESSION_BUCKETS: &[f64] = &[
+    1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+];
+
 /// Answers `/healthz`: whether the process is healthy, and details.
 pub type Health = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
 
-/// Installs the process-wide recorder and serves `/metrics` and `/healthz` on `addr`.
+/// The process-wide recorder, installed by the first call (later calls return the same one).
+///
+/// # Errors
+///
+/// When another recorder is already installed.
+pub fn recorder() -> Result<PrometheusHandle, String> {
+    static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let handle = PrometheusBuilder::new()
+                .set_buckets(BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(super::names::SESSION_DURATION.into()),
+                        SESSION_BUCKETS,
+                    )
+                })
+                .map_err(|e| e.to_string())?
+                .install_recorder()
+                .map_err(|e| format!("installing the metrics recorder: {e}"))?;
+            // Histograms' summaries are kept bounded by a periodic upkeep.
+            let upkeep = handle.clone();
+            let _ = std::thread::Builder::new()
+                .name("duplex:metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(Duration::from_secs(5));
+                    upkeep.run_upkeep();
+                });
+            Ok(handle)
+        })
+        .clone()
+}
+
+/// `/metrics` and `/healthz` (`health`: none answers 200 `{"ok":true}`).
+pub fn routes(handle: PrometheusHandle, health: Option<Health>) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let h = handle.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        h.render(),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/healthz",
+            axum::routing::get(move || {
+                let health = health.clone();
+                async move {
+                    match health {
+                        Some(h) => {
+                            let (ok, detail) = h();
+                            let status = if ok {
+                                StatusCode::OK
+                            } else {
+                                StatusCode::SERVICE_UNAVAILABLE
+                            };
+                            (status, axum::Json(detail)).into_response()
+                        }
+                        None => axum::Json(serde_json::json!({"ok": true})).into_response(),
+                    }
+                }
+            }),
+        )
+}
+
+/// A 404 that says where to look.
+pub async fn not_found(uri: axum::http::Uri) -> impl IntoResponse {
+    (
+        StatusCode::NOT_FOUND,
+        format!("{uri}: not found (try /metrics or /healthz)\n"),
+    )
+}
+
+/// Installs the process-wide recorder and serves `/metrics` and `/healthz` on `addr`, on a
+/// thread of its own.
 ///
 /// # Errors
 ///
@@ -33,11 +119,8 @@ pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), String> {
     listener
         .set_nonblocking(true)
         .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
-    let handle = PrometheusBuilder::new()
-        .set_buckets(BUCKETS)
-        .map_err(|e| e.to_string())?
-        .install_recorder()
-        .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+    let handle = recorder()?;
+    let app = routes(handle, health).fallback(not_found);
     std::thread::Builder::new()
         .name("duplex:http".into())
         .spawn(move || {
@@ -47,82 +130,17 @@ pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), String> {
             else {
                 return;
             };
-            rt.block_on(serve(listener, handle, health));
+            rt.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!("metrics endpoint on {addr} stopped: {e}");
+                }
+            });
         })
         .map_err(|e| e.to_string())?;
     Ok(())
-}
-
-async fn serve(listener: std::net::TcpListener, handle: PrometheusHandle, health: Option<Health>) {
-    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-        return;
-    };
-    let upkeep = handle.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            upkeep.run_upkeep();
-        }
-    });
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let handle = handle.clone();
-        let health = health.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 8192];
-            let mut n = 0;
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while n < buf.len() {
-                    match sock.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(k) => {
-                            n += k;
-                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
-            }
-            let head = String::from_utf8_lossy(&buf[..n]);
-            let path = head.split_whitespace().nth(1).unwrap_or("");
-            let (status, ctype, body) = match path.split('?').next().unwrap_or("") {
-                "/metrics" => ("200 OK", "text/plain; version=0.0.4", handle.render()),
-                "/healthz" => match &health {
-                    Some(h) => {
-                        let (ok, detail) = h();
-                        (
-                            if ok {
-                                "200 OK"
-                            } else {
-                                "503 Service Unavailable"
-                            },
-                            "application/json",
-                            detail.to_string(),
-                        )
-                    }
-                    None => ("200 OK", "application/json", "{\"ok\":true}".to_string()),
-                },
-                _ => (
-                    "404 Not Found",
-                    "text/plain",
-                    "not found: try /metrics or /healthz\n".to_string(),
-                ),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
-        });
-    }
 }
 
 #[cfg(test)]

@@ -49,3 +49,34 @@ pub const LATENCY_OUTLIERS: &str = "duplex_latency_outlier_fraction";
 /// Histogram, labels `stage`, `context`: step time of a stage whose cost may grow with the
 /// conversation, by KV-length bucket (`0-374`, `375-749`, … frames).
 pub const STAGE_SERVICE_BY_CONTEXT: &str = "duplex_stage_service_by_context_seconds";
+/// Histogram, label `direction` (`decode|encode`): time in libopus and the Ogg framing for one
+/// chunk of a network client's stream.
+pub const OPUS_TIME: &str = "duplex_opus_seconds";
+/// Gauge: network sessions running now.
+pub const SESSIONS_ACTIVE: &str = "duplex_sessions_active";
+/// Gauge: sessions the server admits at most (`max_sessions`).
+pub const SESSIONS_CAPACITY: &str = "duplex_sessions_capacity";
+/// Counter: sessions admitted.
+pub const SESSIONS_ADMITTED: &str = "duplex_sessions_admitted_total";
+/// Counter, label `reason` (`full|draining|per_ip|not_ready`): connections refused before the
+/// upgrade.
+pub const SESSIONS_REFUSED: &str = "duplex_sessions_refused_total";
+/// Counter, label `outcome` (`client_closed|idle|stalled|failed|drained|ended|refused`): sessions
+/// ended, by why.
+pub const SESSIONS_ENDED: &str = "duplex_sessions_ended_total";
+/// Histogram: how long sessions lasted, seconds.
+pub const SESSION_DURATION: &str = "duplex_session_duration_seconds";
+/// Counter, label `direction` (`in|out`): WebSocket payload bytes.
+pub const SESSION_BYTES: &str = "duplex_session_bytes_total";
+/// Counter, label `direction` (`in|out`): messages dropped because the other side was not
+/// taking them (`out`: a client that stopped reading; `in`: a client sending faster than real
+/// time).
+pub const SESSION_DROPPED: &str = "duplex_session_dropped_messages_total";
+/// Counter: 80 ms frames of silence fed in place of a quiet client.
+pub const SESSION_SILENCE: &str = "duplex_session_silence_frames_total";
+/// Counter: times a client stopped reading for longer than `stall_timeout` (its session is
+/// closed).
+pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
+/// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary`): protocol
+/// errors of clients.
+pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";

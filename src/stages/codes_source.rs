@@ -1,5 +1,5 @@
 //! `codes_source`: user codes from a JSON file (an array of frames, each an array of
-//! `codebooks` ints), so the LM can be run and checked without audio.
+//! `codebooks` ints, or one such array per line), so the LM can be run and checked without audio.
 
 use std::path::Path;
 
@@ -59,12 +59,35 @@ pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let text = String::from_utf8(bytes)
         .map_err(|_| format!("{}: not UTF-8 text (expected JSON)", path.display()))?;
-    let frames: Vec<Vec<i64>> = serde_json::from_str(&text).map_err(|e| {
-        format!(
-            "{}: not a JSON array of frames of {codebooks} integer codes: {e}",
-            path.display()
-        )
-    })?;
+    // A JSON array of frames, or JSON Lines of frames (what `codes_sink` writes).
+    let frames: Vec<Vec<i64>> = match serde_json::from_str(&text) {
+        Ok(f) => f,
+        Err(_)
+            if text.trim_start().starts_with("[")
+                && !text.trim_start().starts_with("[[")
+                && text.trim().lines().count() > 1 =>
+        {
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| {
+                    serde_json::from_str(l).map_err(|e| {
+                        format!(
+                            "{}: line {}: not a frame of {codebooks} integer codes: {e}",
+                            path.display(),
+                            i + 1
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Err(e) => {
+            return Err(format!(
+                "{}: not a JSON array of frames of {codebooks} integer codes: {e}",
+                path.display()
+            ))
+        }
+    };
     if frames.is_empty() {
         return Err(format!("{}: no frames", path.display()));
     }

@@ -8,6 +8,7 @@
 //! A builder's error is a [`BuildError`] that says whether the configuration is wrong or
 //! something is not available now, and which param is at fault.
 
+mod codes_sink;
 mod codes_source;
 mod depformer;
 mod framer;
@@ -17,8 +18,10 @@ mod mimi_decode;
 mod mimi_encode;
 mod model_params;
 mod null_sink;
+mod opus;
 mod playback;
 mod resample;
+mod session;
 mod synth_source;
 mod temporal;
 mod token_sink;
@@ -45,6 +48,8 @@ pub struct BuildContext<'a> {
     pub control: &'a ControlPlane,
     /// The commands the stage's kind declares.
     pub commands: &'static [CommandSpec],
+    /// The network session the pipeline serves, when it serves one (`duplex serve`).
+    pub session: Option<&'a crate::session::PipelineEnd>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -56,7 +61,25 @@ impl<'a> BuildContext<'a> {
             file,
             control,
             commands: kind.commands,
+            session: None,
         }
+    }
+
+    /// The same context for a pipeline that serves the network session `session`.
+    pub fn with_session(mut self, session: Option<&'a crate::session::PipelineEnd>) -> Self {
+        self.session = session;
+        self
+    }
+
+    /// The session the pipeline serves; an error naming the stage kind when there is none (the
+    /// session stages run only inside `duplex serve`).
+    pub fn session(&self, kind: &str) -> Result<&'a crate::session::PipelineEnd, BuildError> {
+        self.session.ok_or_else(|| {
+            BuildError::invalid(format!(
+                "`{kind}` is a network session's end: it runs only in a session template of \
+                 `duplex serve`"
+            ))
+        })
     }
 
     /// The stage's own endpoint on the pipeline's control plane: the commands sent to it, and
@@ -171,6 +194,17 @@ impl From<crate::audio::AudioError> for BuildError {
     }
 }
 
+/// Creates an output file of a sink (and its missing parent folders); an error names the
+/// `path` param.
+pub(crate) fn create_output(path: &std::path::Path) -> Result<std::fs::File, BuildError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| BuildError::invalid(format!("{}: {e}", dir.display())).key("path"))?;
+    }
+    std::fs::File::create(path)
+        .map_err(|e| BuildError::invalid(format!("{}: {e}", path.display())).key("path"))
+}
+
 /// A stage kind: its name, docs, params, ports and builder.
 #[derive(Clone, Copy)]
 pub struct StageKind {
@@ -246,6 +280,12 @@ impl Registry {
                 mic::KIND,
                 playback::KIND,
                 inject_delay::KIND,
+                codes_sink::KIND,
+                opus::DECODE,
+                opus::ENCODE,
+                session::INPUT,
+                session::AUDIO_OUT,
+                session::TEXT_OUT,
             ],
         }
     }

@@ -29,10 +29,7 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let path = PathBuf::from(p.str("path"));
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    let file = File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file = super::create_output(&path)?;
     Ok(Body::Stage(Box::new(TokenSink {
         out: BufWriter::new(file),
         path,

@@ -97,3 +97,17 @@ pub mod caps {
         }
     }
 }
+
+/// A piece of a network client's Ogg/Opus byte stream (either direction), or a gap in it: the
+/// client sent nothing for that long and silence stands in for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OggOpus {
+    /// Bytes of the stream, split anywhere.
+    Bytes(Vec<u8>),
+    /// Samples (24 kHz) of silence in the client's place.
+    Silence(usize),
+}
+
+impl FrameData for OggOpus {
+    const NAME: &'static str = "OggOpus";
+}

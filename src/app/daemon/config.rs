@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use config::{Map, Value, ValueKind};
 
 use crate::config::params::{as_f64, as_i64, as_string, describe, did_you_mean};
-use crate::config::yaml::{self, Limits};
 use crate::config::{layers, ConfigError, ConfigErrorKind, LoadOptions, Override, PipelineSpec};
 use crate::stages::Registry;
 
@@ -99,16 +98,7 @@ const SAMPLING_KEYS: &[&str] = &[
 /// The user's config file: `explicit`, else `$XDG_CONFIG_HOME/duplex/daemon.yaml`, else
 /// `~/.config/duplex/daemon.yaml`, when it exists.
 pub fn config_path(explicit: Option<&Path>) -> Option<PathBuf> {
-    if let Some(p) = explicit {
-        return Some(p.to_path_buf());
-    }
-    let xdg = std::env::var_os("XDG_CONFIG_HOME").map(PathBuf::from);
-    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config"));
-    [xdg, home]
-        .into_iter()
-        .flatten()
-        .map(|d| d.join("duplex/daemon.yaml"))
-        .find(|p| p.is_file())
+    layers::user_file(explicit, "daemon.yaml")
 }
 
 fn default_socket() -> PathBuf {
@@ -130,27 +120,11 @@ fn layered(
     explicit: Option<&Path>,
     env: Option<&HashMap<String, String>>,
 ) -> Result<(String, Map<String, Value>), ConfigError> {
-    let path = config_path(explicit);
-    let fname = path
-        .as_ref()
-        .map(|p| p.display().to_string())
-        .unwrap_or_else(|| "defaults".into());
-    let mut parts = vec![yaml::parse(DEFAULTS_YAML, DEFAULTS_ORIGIN, Limits::FILES)?];
-    if let Some(p) = &path {
-        let text = yaml::read(p, Limits::FILES)?;
-        parts.push(yaml::parse(&text, &fname, Limits::FILES)?);
-    }
-    parts.push(layers::env_layer(env));
-    Ok((fname, layers::merge(parts)))
+    layers::layered(DEFAULTS_YAML, DEFAULTS_ORIGIN, explicit, "daemon.yaml", env)
 }
 
-/// Where a value came from, in words: the file and key, or the variable.
 fn origin_of(v: &Value, fname: &str, key: &str) -> String {
-    match v.origin() {
-        Some(o) if o == fname || o == DEFAULTS_ORIGIN => format!("{o}: `{key}`"),
-        Some(o) => o.to_string(),
-        None => format!("{fname}: `{key}`"),
-    }
+    layers::origin_in(v, fname, DEFAULTS_ORIGIN, key)
 }
 
 /// The control socket the configuration names, without checking anything else (what

@@ -21,15 +21,7 @@ pub(super) struct Live {
 
 /// A status value as JSON.
 pub(super) fn json(v: &Value) -> serde_json::Value {
-    match v {
-        Value::Null => serde_json::Value::Null,
-        Value::Bool(b) => (*b).into(),
-        Value::Int(i) => (*i).into(),
-        Value::Float(x) => serde_json::Number::from_f64(*x)
-            .map(serde_json::Value::Number)
-            .unwrap_or(serde_json::Value::Null),
-        Value::Text(s) => s.clone().into(),
-    }
+    v.to_json()
 }
 
 impl Live {

@@ -1,0 +1,616 @@
+//! The server's configuration: where it is read from, what each key means, and how a client's
+//! query parameters become overrides of its session's pipeline.
+//!
+//! Layers (each over the one before): `configs/serve.yaml` (built in), the user's file
+//! (`--config`, `$XDG_CONFIG_HOME/duplex/serve.yaml`, `~/.config/duplex/serve.yaml`),
+//! `DUPLEX__…` environment variables. Every value keeps its origin, so an error names the file
+//! and key (or the variable) it came from. Knows nothing of sockets.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use config::{Map, Value, ValueKind};
+
+use crate::config::params::{as_f64, as_string, describe, did_you_mean};
+use crate::config::{layers, ConfigError, ConfigErrorKind, Override, PipelineSpec};
+
+/// The defaults (the text of `configs/serve.yaml`).
+pub const DEFAULTS_YAML: &str = include_str!("../../../configs/serve.yaml");
+const DEFAULTS_ORIGIN: &str = "configs/serve.yaml (built in)";
+
+const KEYS: &[&str] = &[
+    "address",
+    "pipeline",
+    "pack",
+    "max_sessions",
+    "max_connections_per_ip",
+    "voices",
+    "text_prompt",
+    "voice_prompt",
+    "sampling",
+    "limits",
+    "drain_timeout_s",
+];
+const SAMPLING_KEYS: &[&str] = &[
+    "text_temperature",
+    "text_top_k",
+    "audio_temperature",
+    "audio_top_k",
+    "seed",
+];
+const LIMIT_KEYS: &[&str] = &[
+    "max_message_bytes",
+    "idle_timeout_s",
+    "stall_timeout_s",
+    "max_session_s",
+    "handshake_timeout_s",
+];
+
+/// Sampling of a session.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Text temperature (0 = greedy).
+    pub text_temperature: f64,
+    /// Text top-k.
+    pub text_top_k: i64,
+    /// Audio temperature (0 = greedy).
+    pub audio_temperature: f64,
+    /// Audio top-k.
+    pub audio_top_k: i64,
+    /// Seed; `None`: a fresh one per session.
+    pub seed: Option<u64>,
+}
+
+/// Per-session limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// The largest message a client may send.
+    pub max_message_bytes: usize,
+    /// Silence, then close, after the client has sent nothing this long.
+    pub idle_timeout: Duration,
+    /// Close a client that has not read for this long.
+    pub stall_timeout: Duration,
+    /// The longest session (`None`: no limit).
+    pub max_session: Option<Duration>,
+    /// The longest wait for the WebSocket upgrade.
+    pub handshake_timeout: Duration,
+}
+
+/// A checked server configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeConfig {
+    /// The user's file (`defaults` when there is none).
+    pub file: String,
+    /// Listen address.
+    pub address: SocketAddr,
+    /// The session template.
+    pub pipeline: PathBuf,
+    /// The pack of every model stage (`None`: the template's).
+    pub pack: Option<String>,
+    /// Sessions at once.
+    pub max_sessions: usize,
+    /// Connections per IP address at once.
+    pub max_connections_per_ip: usize,
+    /// Folder of voice prompts.
+    pub voices: Option<PathBuf>,
+    /// Default persona text.
+    pub text_prompt: String,
+    /// Default voice prompt (a file name in `voices`).
+    pub voice_prompt: String,
+    /// Default sampling.
+    pub sampling: Sampling,
+    /// Limits.
+    pub limits: Limits,
+    /// How long live sessions may run after SIGTERM.
+    pub drain_timeout: Duration,
+    origins: HashMap<String, String>,
+}
+
+/// Typed reads of one table of the merged layers, each error naming the file and key.
+struct Fields<'a> {
+    fname: &'a str,
+    table: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl Fields<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}{k}", self.prefix)
+    }
+
+    fn err(&self, kind: ConfigErrorKind, k: &str, m: String) -> ConfigError {
+        let mut e = ConfigError::new(self.fname, kind, m).key(self.key(k));
+        if let Some(v) = self.table.get(k) {
+            e = e.from_value(v);
+        }
+        e
+    }
+
+    fn known(&self, keys: &[&str]) -> Result<(), ConfigError> {
+        for k in self.table.keys() {
+            if !keys.contains(&k.as_str()) {
+                let hint = did_you_mean(k, keys.iter().copied());
+                return Err(self.err(
+                    ConfigErrorKind::UnknownKey,
+                    k,
+                    format!("unknown key{hint}; expected: {}", keys.join(", ")),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn string(&self, k: &str) -> Result<String, ConfigError> {
+        match self.table.get(k) {
+            None => Ok(String::new()),
+            Some(v) if matches!(v.kind, ValueKind::Nil) => Ok(String::new()),
+            Some(v) => as_string(v).ok_or_else(|| {
+                self.err(
+                    ConfigErrorKind::WrongType,
+                    k,
+                    format!("expected a string, got {}", describe(v)),
+                )
+            }),
+        }
+    }
+
+    fn number(&self, k: &str, min: f64, max: f64) -> Result<f64, ConfigError> {
+        let v = self.table.get(k).ok_or_else(|| {
+            ConfigError::new(self.fname, ConfigErrorKind::Missing, "missing").key(self.key(k))
+        })?;
+        let x = as_f64(v).ok_or_else(|| {
+            self.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!("expected a number, got {}", describe(v)),
+            )
+        })?;
+        if !(min..=max).contains(&x) {
+            return Err(self.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!("{x} is out of range {min}..={max}"),
+            ));
+        }
+        Ok(x)
+    }
+
+    fn table(&self, k: &str) -> Result<Fields<'_>, ConfigError> {
+        match self.table.get(k).map(|v| &v.kind) {
+            Some(ValueKind::Table(t)) => Ok(Fields {
+                fname: self.fname,
+                table: t,
+                prefix: match k {
+                    "sampling" => "sampling.",
+                    _ => "limits.",
+                },
+            }),
+            _ => Err(self.err(ConfigErrorKind::WrongType, k, "expected a map".into())),
+        }
+    }
+}
+
+fn origin_of(v: &Value, fname: &str, key: &str) -> String {
+    layers::origin_in(v, fname, DEFAULTS_ORIGIN, key)
+}
+
+fn seconds(x: f64) -> Duration {
+    Duration::from_secs_f64(x)
+}
+
+/// Loads and checks the server's configuration.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the file (or the environment variable) and the key.
+pub fn load(
+    explicit: Option<&Path>,
+    env: Option<HashMap<String, String>>,
+) -> Result<ServeConfig, ConfigError> {
+    let (fname, root) = layers::layered(
+        DEFAULTS_YAML,
+        DEFAULTS_ORIGIN,
+        explicit,
+        "serve.yaml",
+        env.as_ref(),
+    )?;
+    let f = Fields {
+        fname: &fname,
+        table: &root,
+        prefix: "",
+    };
+    f.known(KEYS)?;
+    let mut origins = HashMap::new();
+    for (k, v) in &root {
+        if let ValueKind::Table(t) = &v.kind {
+            for (k2, v2) in t {
+                let key = format!("{k}.{k2}");
+                origins.insert(key.clone(), origin_of(v2, &fname, &key));
+            }
+        }
+        origins.insert(k.clone(), origin_of(v, &fname, k));
+    }
+    let addr = f.string("address")?;
+    let address = addr.trim().parse().map_err(|e| {
+        f.err(
+            ConfigErrorKind::WrongType,
+            "address",
+            format!("{addr:?} is not an address like 127.0.0.1:8998 ({e})"),
+        )
+    })?;
+    let pipeline = PathBuf::from(f.string("pipeline")?);
+    if let Err(e) = crate::files::check_regular(&pipeline) {
+        return Err(f.err(
+            ConfigErrorKind::Read,
+            "pipeline",
+            format!("session template {}: {e}", pipeline.display()),
+        ));
+    }
+    let voices = match f.string("voices")?.trim() {
+        "" => None,
+        v => {
+            let p = PathBuf::from(v);
+            if !p.is_dir() {
+                return Err(f.err(
+                    ConfigErrorKind::Read,
+                    "voices",
+                    format!("{}: not a folder", p.display()),
+                ));
+            }
+            Some(p)
+        }
+    };
+    let voice_prompt = f.string("voice_prompt")?;
+    let s = f.table("sampling")?;
+    s.known(SAMPLING_KEYS)?;
+    let seed = s.number("seed", -1.0, 9e15)?;
+    let sampling = Sampling {
+        text_temperature: s.number("text_temperature", 0.0, 100.0)?,
+        text_top_k: s.number("text_top_k", 0.0, 1e6)? as i64,
+        audio_temperature: s.number("audio_temperature", 0.0, 100.0)?,
+        audio_top_k: s.number("audio_top_k", 0.0, 1e6)? as i64,
+        seed: (seed >= 0.0).then_some(seed as u64),
+    };
+    let l = f.table("limits")?;
+    l.known(LIMIT_KEYS)?;
+    let max_session = l.number("max_session_s", 0.0, 1e7)?;
+    let limits = Limits {
+        max_message_bytes: l.number("max_message_bytes", 1024.0, 1e9)? as usize,
+        idle_timeout: seconds(l.number("idle_timeout_s", 0.1, 1e6)?),
+        stall_timeout: seconds(l.number("stall_timeout_s", 0.1, 1e6)?),
+        max_session: (max_session > 0.0).then(|| seconds(max_session)),
+        handshake_timeout: seconds(l.number("handshake_timeout_s", 0.1, 1e6)?),
+    };
+    let config = ServeConfig {
+        address,
+        pipeline,
+        pack: Some(f.string("pack")?).filter(|p| !p.trim().is_empty()),
+        max_sessions: f.number("max_sessions", 1.0, 100_000.0)? as usize,
+        max_connections_per_ip: f.number("max_connections_per_ip", 1.0, 1e6)? as usize,
+        voices,
+        text_prompt: f.string("text_prompt")?,
+        voice_prompt: voice_prompt.clone(),
+        sampling,
+        limits,
+        drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
+        file: fname.clone(),
+        origins,
+    };
+    if !voice_prompt.trim().is_empty() {
+        config
+            .voice_path(&voice_prompt)
+            .map_err(|m| f.err(ConfigErrorKind::Read, "voice_prompt", m))?;
+    }
+    Ok(config)
+}
+
+/// A client's choices for its session, from the query string of `/api/chat` over the
+/// configuration's defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionParams {
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Persona text.
+    pub text_prompt: String,
+    /// Voice prompt file, resolved inside the voices folder.
+    pub voice: Option<PathBuf>,
+    /// The origin of each value that the client chose (`query text_temperature=0.5`).
+    pub chosen: HashMap<&'static str, String>,
+}
+
+impl ServeConfig {
+    /// Where `key`'s value came from, in words.
+    pub fn origin(&self, key: &str) -> String {
+        self.origins
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| format!("{}: `{key}`", self.file))
+    }
+
+    /// A voice prompt's file: a plain file name inside the voices folder (no path, no `..`).
+    ///
+    /// # Errors
+    ///
+    /// A message for the client when the name is not a file of the folder.
+    pub fn voice_path(&self, name: &str) -> Result<PathBuf, String> {
+        let Some(dir) = &self.voices else {
+            return Err(format!(
+                "voice prompt {name:?}: this server has no voices folder (`voices` in its configuration)"
+            ));
+        };
+        let plain = !name.is_empty()
+            && name.len() <= 255
+            && !name.contains(['/', '\\', '\0'])
+            && name != "."
+            && name != "..";
+        if !plain {
+            return Err(format!(
+                "voice prompt {name:?}: a file name of the voices folder is expected"
+            ));
+        }
+        let p = dir.join(name);
+        crate::files::check_regular(&p)
+            .map_err(|e| format!("voice prompt {name:?}: not in the voices folder ({e})"))?;
+        Ok(p)
+    }
+
+    /// The session's choices: the configuration's defaults with the client's query parameters
+    /// over them. Unknown parameters are ignored (Kyutai's and NVIDIA's clients send some of
+    /// their own).
+    ///
+    /// # Errors
+    ///
+    /// A message for the client naming the parameter and what it must be.
+    pub fn session_params(&self, query: &[(String, String)]) -> Result<SessionParams, String> {
+        let mut p = SessionParams {
+            sampling: self.sampling,
+            text_prompt: self.text_prompt.clone(),
+            voice: None,
+            chosen: HashMap::new(),
+        };
+        let mut voice = self.voice_prompt.clone();
+        for (k, v) in query {
+            let num = |min: f64, max: f64| -> Result<f64, String> {
+                let x: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("query parameter {k}={v:?}: not a number"))?;
+                if !(min..=max).contains(&x) {
+                    return Err(format!(
+                        "query parameter {k}={v}: out of range {min}..={max}"
+                    ));
+                }
+                Ok(x)
+            };
+            let name: &'static str = match k.as_str() {
+                "text_temperature" => {
+                    p.sampling.text_temperature = num(0.0, 100.0)?;
+                    "text_temperature"
+                }
+                "text_topk" => {
+                    p.sampling.text_top_k = num(0.0, 1e6)? as i64;
+                    "text_topk"
+                }
+                "audio_temperature" => {
+                    p.sampling.audio_temperature = num(0.0, 100.0)?;
+                    "audio_temperature"
+                }
+                "audio_topk" => {
+                    p.sampling.audio_top_k = num(0.0, 1e6)? as i64;
+                    "audio_topk"
+                }
+                // One seed drives the session's sampling: the text seed when both are given.
+                "audio_seed" if !query.iter().any(|(k, _)| k == "text_seed") => {
+                    p.sampling.seed = Some(num(0.0, 9e15)? as u64);
+                    "audio_seed"
+                }
+                "text_seed" => {
+                    p.sampling.seed = Some(num(0.0, 9e15)? as u64);
+                    "text_seed"
+                }
+                "text_prompt" => {
+                    if v.len() > 4096 {
+                        return Err(format!(
+                            "query parameter text_prompt: {} bytes, at most 4096",
+                            v.len()
+                        ));
+                    }
+                    p.text_prompt = strip_system_tags(v);
+                    "text_prompt"
+                }
+                "voice_prompt" => {
+                    voice = v.clone();
+                    "voice_prompt"
+                }
+                _ => continue,
+            };
+            p.chosen.insert(name, format!("query {k}={}", shown(v)));
+        }
+        if !voice.trim().is_empty() {
+            p.voice = Some(self.voice_path(voice.trim())?);
+        }
+        Ok(p)
+    }
+
+    /// The overrides that turn the session template into this session's pipeline: the pack,
+    /// the sampling, persona and voice, each with its origin (the configuration key or the
+    /// query parameter).
+    pub fn session_overrides(&self, spec: &PipelineSpec, p: &SessionParams) -> Vec<Override> {
+        let mut sets = Vec::new();
+        let origin = |query: &str, key: &str| {
+            p.chosen
+                .get(query)
+                .cloned()
+                .unwrap_or_else(|| self.origin(key))
+        };
+        for s in &spec.stages {
+            let name = &s.name;
+            let model = ["temporal", "depformer", "mimi_encode", "mimi_decode"];
+            if let (Some(pack), true) = (&self.pack, model.contains(&s.kind.as_str())) {
+                sets.push(Override::by(
+                    self.origin("pack"),
+                    format!("stages.{name}.pack"),
+                    pack,
+                ));
+            }
+            match s.kind.as_str() {
+                "depformer" => {
+                    let sm = &p.sampling;
+                    for (param, query, key, value) in [
+                        (
+                            "text_temperature",
+                            "text_temperature",
+                            "sampling.text_temperature",
+                            sm.text_temperature.to_string(),
+                        ),
+                        (
+                            "text_top_k",
+                            "text_topk",
+                            "sampling.text_top_k",
+                            sm.text_top_k.to_string(),
+                        ),
+                        (
+                            "audio_temperature",
+                            "audio_temperature",
+                            "sampling.audio_temperature",
+                            sm.audio_temperature.to_string(),
+                        ),
+                        (
+                            "audio_top_k",
+                            "audio_topk",
+                            "sampling.audio_top_k",
+                            sm.audio_top_k.to_string(),
+                        ),
+                    ] {
+                        sets.push(Override::by(
+                            origin(query, key),
+                            format!("stages.{name}.{param}"),
+                            value,
+                        ));
+                    }
+                    let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
+                    let q = if p.chosen.contains_key("text_seed") {
+                        "text_seed"
+                    } else {
+                        "audio_seed"
+                    };
+                    sets.push(Override::by(
+                        origin(q, "sampling.seed"),
+                        format!("stages.{name}.seed"),
+                        (seed & ((1 << 53) - 1)).to_string(),
+                    ));
+                }
+                "temporal" => {
+                    if !p.text_prompt.trim().is_empty() {
+                        sets.push(Override::by(
+                            origin("text_prompt", "text_prompt"),
+                            format!("stages.{name}.persona"),
+                            // Quoted so that YAML reads it as text whatever it holds.
+                            serde_json::to_string(&p.text_prompt).unwrap_or_default(),
+                        ));
+                    }
+                    if let Some(v) = &p.voice {
+                        sets.push(Override::by(
+                            origin("voice_prompt", "voice_prompt"),
+                            format!("stages.{name}.voice"),
+                            serde_json::to_string(&v.display().to_string()).unwrap_or_default(),
+                        ));
+                    }
+                }
+                _ => {}
+            }
+        }
+        sets
+    }
+}
+
+/// PersonaPlex's clients wrap the persona in `<system>` tags; the model stage adds its own.
+fn strip_system_tags(v: &str) -> String {
+    let t = v.trim();
+    let t = t.strip_prefix("<system>").unwrap_or(t);
+    let t = t.strip_suffix("<system>").unwrap_or(t);
+    t.trim().to_string()
+}
+
+fn shown(v: &str) -> String {
+    if v.chars().count() > 40 {
+        format!("{}…", v.chars().take(40).collect::<String>())
+    } else {
+        v.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    fn defaults() -> ServeConfig {
+        // The tests run in the crate root, where the default template is.
+        load(None, env(&[])).unwrap()
+    }
+
+    #[test]
+    fn the_environment_overrides_the_defaults_and_bad_values_name_the_variable() {
+        let c = load(
+            None,
+            env(&[
+                ("DUPLEX__MAX_SESSIONS", "9"),
+                ("DUPLEX__LIMITS__IDLE_TIMEOUT_S", "2.5"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.max_sessions, 9);
+        assert_eq!(c.limits.idle_timeout, Duration::from_millis(2500));
+        let e = load(None, env(&[("DUPLEX__MAX_SESSIONS", "0")])).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("DUPLEX__MAX_SESSIONS") && m.contains("out of range"),
+            "{m}"
+        );
+        let e = load(None, env(&[("DUPLEX__LIMITS__IDEL_TIMEOUT_S", "3")])).unwrap_err();
+        assert!(e.to_string().contains("idle_timeout_s"), "{e}");
+    }
+
+    #[test]
+    fn query_parameters_override_the_defaults_and_bad_ones_are_named() {
+        let c = defaults();
+        let q = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let p = c
+            .session_params(&q(&[
+                ("text_temperature", "0.2"),
+                ("text_seed", "5"),
+                ("audio_seed", "9"),
+                ("worker_auth_id", "x"),
+                ("text_prompt", "<system> You are kind. <system>"),
+            ]))
+            .unwrap();
+        assert_eq!(p.sampling.text_temperature, 0.2);
+        assert_eq!(p.sampling.seed, Some(5));
+        assert_eq!(p.text_prompt, "You are kind.");
+        let e = c.session_params(&q(&[("audio_topk", "lots")])).unwrap_err();
+        assert!(
+            e.contains("audio_topk") && e.contains("not a number"),
+            "{e}"
+        );
+        let e = c
+            .session_params(&q(&[("voice_prompt", "../etc/passwd")]))
+            .unwrap_err();
+        assert!(e.contains("voice"), "{e}");
+    }
+}

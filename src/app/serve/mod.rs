@@ -1,0 +1,458 @@
+//! `duplex serve`: conversations over the network on the Moshi WebSocket protocol, one session
+//! pipeline per client, built from a YAML session template.
+//!
+//! HTTP and WebSocket are axum's (hyper on a tokio runtime); this module decides who is
+//! admitted (a slot free, the models loaded, not draining, the client's address under its
+//! connection limit), serves `/readyz`, `/healthz`, `/api/sessions` and `/metrics`, and drains on
+//! SIGTERM. What happens on one connection is [`session`]'s business; what a session computes
+//! is its pipeline's. Knows no model internals.
+
+pub mod config;
+mod session;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{ConnectInfo, RawQuery, State, WebSocketUpgrade};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::json;
+
+use crate::config::{self as cfg, ConfigError, LoadOptions, PipelineSpec};
+use crate::observe::names;
+use crate::stages::Registry;
+
+pub use config::{load as load_config, ServeConfig};
+
+/// The kernel's send buffer per connection, bytes (about 2 s of the agent's audio).
+const SEND_BUFFER: usize = 32 * 1024;
+
+/// Flags of `duplex serve`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// Settings file (default: $XDG_CONFIG_HOME/duplex/serve.yaml, then the built-in defaults).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Check the configuration and the session template (models loaded, nothing served), then
+    /// exit.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// One live session, as `/api/sessions` and the drain see it.
+struct Live {
+    peer: SocketAddr,
+    started: Instant,
+    handle: Option<crate::runtime::Handle>,
+    monitor: Option<Arc<crate::observe::monitor::Monitor>>,
+    stats: Arc<crate::session::LinkStats>,
+}
+
+/// What every connection shares.
+pub(crate) struct Server {
+    cfg: ServeConfig,
+    registry: Registry,
+    /// The template as loaded at start (its stages, for the overrides of each session).
+    template: PipelineSpec,
+    sessions: Mutex<BTreeMap<u64, Live>>,
+    /// Slots taken: sessions admitted and not yet ended.
+    taken: AtomicUsize,
+    per_ip: Mutex<HashMap<IpAddr, usize>>,
+    ready: AtomicBool,
+    draining: AtomicBool,
+    next_id: AtomicU64,
+    started: Instant,
+    /// Set to close every session now (the drain's end, a second signal).
+    close_all: tokio::sync::watch::Sender<bool>,
+    active: metrics::Gauge,
+}
+
+/// A reserved session slot and connection count, given back when dropped.
+pub(crate) struct Admission {
+    server: Arc<Server>,
+    ip: IpAddr,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let left = self.server.taken.fetch_sub(1, Ordering::AcqRel) - 1;
+        self.server.active.set(left as f64);
+        if let Ok(mut m) = self.server.per_ip.lock() {
+            if let Some(n) = m.get_mut(&self.ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&self.ip);
+                }
+            }
+        }
+    }
+}
+
+impl Server {
+    /// Reserves a slot for a client at `ip`, or says why not (and counts it).
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Admission, Box<Response>> {
+        let refuse = |reason: &'static str, status: StatusCode, retry: u64, msg: String| {
+            metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).increment(1);
+            tracing::info!(client = %ip, reason, "session refused");
+            Box::new(
+                (
+                    status,
+                    [(header::RETRY_AFTER, retry.to_string())],
+                    format!("{msg}\n"),
+                )
+                    .into_response(),
+            )
+        };
+        if self.draining.load(Ordering::Acquire) {
+            return Err(refuse(
+                "draining",
+                StatusCode::SERVICE_UNAVAILABLE,
+                30,
+                "this server is shutting down: try another".into(),
+            ));
+        }
+        if !self.ready.load(Ordering::Acquire) {
+            return Err(refuse(
+                "not_ready",
+                StatusCode::SERVICE_UNAVAILABLE,
+                5,
+                "the models are still loading".into(),
+            ));
+        }
+        {
+            let mut m = self.per_ip.lock().map_err(|_| {
+                Box::new((StatusCode::INTERNAL_SERVER_ERROR, "poisoned lock").into_response())
+            })?;
+            let n = m.entry(ip).or_insert(0);
+            if *n >= self.cfg.max_connections_per_ip {
+                let limit = self.cfg.max_connections_per_ip;
+                drop(m);
+                return Err(refuse(
+                    "per_ip",
+                    StatusCode::TOO_MANY_REQUESTS,
+                    5,
+                    format!("{limit} sessions from {ip} already (max_connections_per_ip)"),
+                ));
+            }
+            *n += 1;
+        }
+        let max = self.cfg.max_sessions;
+        let got = self
+            .taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                (t < max).then_some(t + 1)
+            });
+        let admission = Admission {
+            server: self.clone(),
+            ip,
+        };
+        match got {
+            Ok(t) => {
+                self.active.set((t + 1) as f64);
+                Ok(admission)
+            }
+            Err(_) => {
+                // Gives the connection count back, and the slot it never took: take one first.
+                self.taken.fetch_add(1, Ordering::AcqRel);
+                drop(admission);
+                Err(refuse(
+                    "full",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    5,
+                    format!("all {max} session slots are in use: try again shortly"),
+                ))
+            }
+        }
+    }
+
+    fn free_slots(&self) -> usize {
+        self.cfg
+            .max_sessions
+            .saturating_sub(self.taken.load(Ordering::Acquire))
+    }
+}
+
+/// Loads the configuration and the session template, with the template's stages checked.
+fn prepare(args: &ServeArgs) -> Result<(ServeConfig, PipelineSpec, Registry), ConfigError> {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let cfg = config::load(args.config.as_deref(), Some(env))?;
+    let registry = Registry::builtin();
+    let opts = LoadOptions {
+        sets: Vec::new(),
+        env: None,
+    };
+    let template = cfg::load(&cfg.pipeline, &opts, &registry)?;
+    Ok((cfg, template, registry))
+}
+
+/// `duplex serve`.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for a wrong configuration or template, another error (exit 1)
+/// when the address cannot be bound.
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let (cfg, template, registry) = prepare(args)?;
+    // A session built once, not started: every stage of the template is checked and the
+    // models are loaded (their graphs, ONNX Runtime) before anything is served.
+    let t0 = Instant::now();
+    session::check_template(&cfg, &template, &registry)?;
+    if args.check {
+        println!(
+            "ok: {} (session template {}, {} stages, checked in {:.1} s); would serve {} sessions on {}",
+            cfg.file,
+            cfg.pipeline.display(),
+            template.stages.len(),
+            t0.elapsed().as_secs_f64(),
+            cfg.max_sessions,
+            cfg.address
+        );
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("duplex:serve")
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(cfg, template, registry))
+}
+
+async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> anyhow::Result<()> {
+    let handle = crate::observe::exporter::recorder().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind(cfg.address)
+        .await
+        .map_err(|e| anyhow::anyhow!("listening on {} (`address`): {e}", cfg.address))?;
+    let addr = listener.local_addr()?;
+    metrics::gauge!(names::SESSIONS_CAPACITY).set(cfg.max_sessions as f64);
+    let (close_all, _) = tokio::sync::watch::channel(false);
+    let server = Arc::new(Server {
+        registry,
+        template,
+        sessions: Mutex::new(BTreeMap::new()),
+        taken: AtomicUsize::new(0),
+        per_ip: Mutex::new(HashMap::new()),
+        ready: AtomicBool::new(true),
+        draining: AtomicBool::new(false),
+        next_id: AtomicU64::new(1),
+        started: Instant::now(),
+        close_all,
+        active: metrics::gauge!(names::SESSIONS_ACTIVE),
+        cfg,
+    });
+    server.active.set(0.0);
+    let health_server = server.clone();
+    let health: crate::observe::exporter::Health = Arc::new(move || {
+        (
+            true,
+            json!({
+                "ok": true,
+                "uptime_s": health_server.started.elapsed().as_secs_f64(),
+                "sessions": health_server.taken.load(Ordering::Acquire),
+            }),
+        )
+    });
+    let app = axum::Router::new()
+        .route("/api/chat", get(chat))
+        .route("/readyz", get(readyz))
+        .route("/api/sessions", get(sessions))
+        .with_state(server.clone())
+        .merge(crate::observe::exporter::routes(handle, Some(health)))
+        .fallback(crate::observe::exporter::not_found);
+    tracing::info!(
+        "serving {} sessions of {} on ws://{addr}/api/chat",
+        server.cfg.max_sessions,
+        server.cfg.pipeline.display()
+    );
+    // Stdout for whoever started us (tests, scripts): where we listen, once bound.
+    println!("listening on {addr}");
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(drain_on_signal(server.clone(), done_tx));
+    // Small frames must leave at once (no Nagle delay), and a client that stops reading may
+    // hold only a bounded amount in the kernel: its stall is then seen within seconds.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+        let _ = socket2::SockRef::from(&*tcp).set_send_buffer_size(SEND_BUFFER);
+    });
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = done_rx.await;
+    })
+    .await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGINT/SIGTERM: stop admitting, let sessions run up to `drain_timeout`, close them, and
+/// end the server. A second signal closes them at once.
+async fn drain_on_signal(server: Arc<Server>, done: tokio::sync::oneshot::Sender<()>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        tracing::error!("signal handlers could not be installed: SIGTERM ends the server at once");
+        return;
+    };
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+    }
+    server.draining.store(true, Ordering::Release);
+    let live = server.taken.load(Ordering::Acquire);
+    let timeout = server.cfg.drain_timeout;
+    tracing::warn!(
+        sessions = live,
+        "draining: no new sessions; live ones may run {:.0} s (signal again to close them now)",
+        timeout.as_secs_f64()
+    );
+    let all_ended = async {
+        while server.taken.load(Ordering::Acquire) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        _ = all_ended => {}
+        _ = tokio::time::sleep(timeout) => {
+            tracing::warn!("drain timeout: closing the live sessions");
+        }
+        _ = int.recv() => tracing::warn!("second signal: closing the live sessions now"),
+        _ = term.recv() => tracing::warn!("second signal: closing the live sessions now"),
+    }
+    let _ = server.close_all.send(true);
+    // Sessions close their sockets and pipelines; give them a bounded time.
+    let closed = async {
+        while server.taken.load(Ordering::Acquire) > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .is_err()
+    {
+        tracing::error!("sessions did not close within 10 s; exiting anyway");
+    }
+    let _ = done.send(());
+}
+
+async fn chat(
+    State(server): State<Arc<Server>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    RawQuery(query): RawQuery,
+    ws: WebSocketUpgrade,
+) -> Response {
+    let admission = match server.admit(peer.ip()) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let query: Vec<(String, String)> = query
+        .map(|q| {
+            url_pairs(&q)
+                .into_iter()
+                .filter(|(k, _)| !k.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let limit = server.cfg.limits.max_message_bytes;
+    ws.max_message_size(limit)
+        .max_frame_size(limit)
+        .on_failed_upgrade(move |e| tracing::info!(client = %peer, "WebSocket upgrade failed: {e}"))
+        .on_upgrade(move |socket| session::run(server, socket, peer, query, admission))
+}
+
+/// `k=v&k2=v2`, percent-decoded (`+` is a space).
+fn url_pairs(q: &str) -> Vec<(String, String)> {
+    form_urlencoded::parse(q.as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+async fn readyz(State(server): State<Arc<Server>>) -> Response {
+    let ready = server.ready.load(Ordering::Acquire);
+    let draining = server.draining.load(Ordering::Acquire);
+    let free = server.free_slots();
+    let ok = ready && !draining && free > 0;
+    let body = json!({
+        "ready": ok,
+        "models_loaded": ready,
+        "draining": draining,
+        "sessions": server.taken.load(Ordering::Acquire),
+        "capacity": server.cfg.max_sessions,
+    });
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+async fn sessions(State(server): State<Arc<Server>>) -> Response {
+    use crate::session::LinkStats as L;
+    let list: Vec<serde_json::Value> = match server.sessions.lock() {
+        Ok(m) => m
+            .iter()
+            .map(|(id, l)| {
+                let status = l.handle.as_ref().map(|h| h.control().status());
+                let frames = status
+                    .as_ref()
+                    .and_then(|s| {
+                        s.values()
+                            .find_map(|st| st.get("agent_frames").map(|v| v.to_json()))
+                    })
+                    .unwrap_or(json!(0));
+                let verdicts: serde_json::Map<String, serde_json::Value> = l
+                    .monitor
+                    .as_ref()
+                    .map(|m| {
+                        m.verdicts()
+                            .into_iter()
+                            .map(|(s, p)| (s, json!(p.name())))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                json!({
+                    "id": id,
+                    "client": l.peer.to_string(),
+                    "age_s": l.started.elapsed().as_secs_f64(),
+                    "ready": l.handle.as_ref().is_some_and(|h| h.is_ready()),
+                    "frames": frames,
+                    "realtime_factor": l.monitor.as_ref().map(|m| m.realtime_factor()),
+                    "verdicts": verdicts,
+                    "silence_frames": L::get(&l.stats.silence_frames),
+                    "dropped_out": L::get(&l.stats.dropped_out),
+                    "bytes_in": L::get(&l.stats.bytes_in),
+                    "bytes_out": L::get(&l.stats.bytes_out),
+                })
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    axum::Json(json!({
+        "sessions": list,
+        "capacity": server.cfg.max_sessions,
+        "draining": server.draining.load(Ordering::Acquire),
+    }))
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn query_strings_are_percent_decoded() {
+        let q =
+            super::url_pairs("text_prompt=%3Csystem%3E+Hi%21&voice_prompt=a.wav&x&bad=%zz&end=%4");
+        assert_eq!(q[0], ("text_prompt".into(), "<system> Hi!".into()));
+        assert_eq!(q[1], ("voice_prompt".into(), "a.wav".into()));
+        assert_eq!(q[2], ("x".into(), "".into()));
+        assert_eq!(q[3], ("bad".into(), "%zz".into()));
+        assert_eq!(q[4], ("end".into(), "%4".into()));
+    }
+}

@@ -1,0 +1,500 @@
+//! One client's connection: its session pipeline built from the template with the client's
+//! choices, the handshake once the pipeline is primed, and the bridge between the WebSocket and
+//! the pipeline's session stages until one side ends; then the outcome, counted.
+//!
+//! Message kinds (PROTOCOL.md): 0 handshake, 1 audio, 2 text, 5 error are sent; 1 is read, 3
+//! (control) and unknown kinds are ignored (counted, logged once). The socket is read only once
+//! the session is ready, so what a client sends before the handshake waits in the connection,
+//! not in memory of ours. Writing has its own task: a client that stops reading stalls only that
+//! task, whose queue is bounded (the pipeline's audio is then dropped and counted) and which
+//! closes the session after `stall_timeout`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket};
+use futures_util::{SinkExt, StreamExt};
+
+use super::{Admission, Live, ServeConfig, Server};
+use crate::config::{self as cfg, ConfigError, LoadOptions, PipelineSpec};
+use crate::observe::names;
+use crate::session::{LinkStats, Outbound};
+use crate::stages::Registry;
+
+/// Kinds of the protocol's messages.
+const HANDSHAKE: u8 = 0;
+const AUDIO: u8 = 1;
+const TEXT: u8 = 2;
+const CONTROL: u8 = 3;
+const ERROR: u8 = 5;
+
+/// Chunks of client audio that may wait for the pipeline (a few seconds of 20 ms pages).
+const INBOUND_QUEUE: usize = 256;
+/// Messages that may wait for the client (about 2.5 s of 40 ms pages and their text).
+const OUTBOUND_QUEUE: usize = 96;
+/// The longest wait for a session's pipeline to be primed.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How a session ended, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// The client closed (or vanished).
+    ClientClosed,
+    /// The client sent nothing for `idle_timeout`.
+    Idle,
+    /// The client did not read for `stall_timeout`.
+    Stalled,
+    /// The pipeline failed, or a message broke the protocol.
+    Failed,
+    /// The server closed it (drain, `max_session_s`).
+    Closed,
+    /// The pipeline ended on its own (the model's long-session policy).
+    Ended,
+    /// The client's choices were refused (a bad query parameter).
+    Refused,
+}
+
+impl Outcome {
+    fn name(self) -> &'static str {
+        match self {
+            Outcome::ClientClosed => "client_closed",
+            Outcome::Idle => "idle",
+            Outcome::Stalled => "stalled",
+            Outcome::Failed => "failed",
+            Outcome::Closed => "closed",
+            Outcome::Ended => "ended",
+            Outcome::Refused => "refused",
+        }
+    }
+}
+
+/// The session pipeline's spec for one client: the template with the configuration's and the
+/// client's overrides, `{session}` replaced by `id`.
+fn session_spec(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+    params: &super::config::SessionParams,
+    id: &str,
+) -> Result<PipelineSpec, ConfigError> {
+    let opts = LoadOptions {
+        sets: cfg.session_overrides(template, params),
+        env: None,
+    };
+    let mut spec = cfg::load(&cfg.pipeline, &opts, registry)?;
+    for s in &mut spec.stages {
+        s.params.substitute("{session}", id);
+    }
+    Ok(spec)
+}
+
+/// Builds one session of the template (not started) with the defaults: every stage checked,
+/// the models loaded. For start-up and `--check`.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the template (or the configuration key) at fault.
+pub(super) fn check_template(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+) -> Result<(), ConfigError> {
+    let params = cfg
+        .session_params(&[])
+        .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
+    let spec = session_spec(cfg, template, registry, &params, "check")?;
+    let (_client, end) = crate::session::link(1, 1);
+    let b = crate::app::build_session(&spec, registry, Some(&end))?;
+    b.build()
+        .map_err(|e| ConfigError::new(&spec.file, cfg::ConfigErrorKind::Link, e.to_string()))?;
+    Ok(())
+}
+
+/// A started session pipeline.
+struct Started {
+    running: crate::runtime::Running,
+    handle: crate::runtime::Handle,
+    monitor: Arc<crate::observe::monitor::Monitor>,
+}
+
+fn start(
+    server: &Server,
+    params: &super::config::SessionParams,
+    id: u64,
+    end: &crate::session::PipelineEnd,
+) -> anyhow::Result<Started> {
+    let spec = session_spec(
+        &server.cfg,
+        &server.template,
+        &server.registry,
+        params,
+        &id.to_string(),
+    )?;
+    let b = crate::app::build_session(&spec, &server.registry, Some(end))?;
+    let (b, monitor) = crate::app::observe(b, &spec.metrics);
+    let running = b.build()?.start();
+    let handle = running.handle();
+    Ok(Started {
+        running,
+        handle,
+        monitor,
+    })
+}
+
+fn message(kind: u8, payload: &[u8]) -> Message {
+    let mut v = Vec::with_capacity(payload.len() + 1);
+    v.push(kind);
+    v.extend_from_slice(payload);
+    Message::Binary(v.into())
+}
+
+/// Sends an error message and closes (best effort: the client may be gone).
+async fn refuse(socket: &mut WebSocket, text: &str) {
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = socket.send(message(ERROR, text.as_bytes())).await;
+        let _ = socket
+            .send(Message::Close(Some(CloseFrame {
+                code: 1008,
+                reason: close_reason(text).into(),
+            })))
+            .await;
+    })
+    .await;
+}
+
+/// Runs one connection to its end.
+pub(super) async fn run(
+    server: Arc<Server>,
+    mut socket: WebSocket,
+    peer: SocketAddr,
+    query: Vec<(String, String)>,
+    admission: Admission,
+) {
+    let id = server.next_id.fetch_add(1, Ordering::Relaxed);
+    let t0 = Instant::now();
+    metrics::counter!(names::SESSIONS_ADMITTED).increment(1);
+    let outcome = match server.cfg.session_params(&query) {
+        Err(m) => {
+            tracing::info!(session = id, client = %peer, "refused: {m}");
+            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_query").increment(1);
+            refuse(&mut socket, &m).await;
+            Outcome::Refused
+        }
+        Ok(params) => {
+            let (client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
+            server
+                .sessions
+                .lock()
+                .map(|mut m| {
+                    m.insert(
+                        id,
+                        Live {
+                            peer,
+                            started: t0,
+                            handle: None,
+                            monitor: None,
+                            stats: client.stats.clone(),
+                        },
+                    )
+                })
+                .ok();
+            let s = server.clone();
+            let built = tokio::task::spawn_blocking(move || {
+                let r = start(&s, &params, id, &end);
+                drop(end);
+                r
+            })
+            .await;
+            match built {
+                Ok(Ok(started)) => {
+                    if let Ok(mut m) = server.sessions.lock() {
+                        if let Some(l) = m.get_mut(&id) {
+                            l.handle = Some(started.handle.clone());
+                            l.monitor = Some(started.monitor.clone());
+                        }
+                    }
+                    tracing::info!(session = id, client = %peer, "session started");
+                    bridge(&server, socket, client, started, id).await
+                }
+                Ok(Err(e)) => {
+                    let m = format!("the session could not start: {e:#}");
+                    tracing::warn!(session = id, client = %peer, "{m}");
+                    refuse(&mut socket, &m).await;
+                    Outcome::Failed
+                }
+                Err(e) => {
+                    tracing::error!(session = id, "building the session panicked: {e}");
+                    refuse(&mut socket, "the session could not start: internal error").await;
+                    Outcome::Failed
+                }
+            }
+        }
+    };
+    if let Ok(mut m) = server.sessions.lock() {
+        m.remove(&id);
+    }
+    let took = t0.elapsed().as_secs_f64();
+    metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome.name()).increment(1);
+    metrics::histogram!(names::SESSION_DURATION).record(took);
+    tracing::info!(
+        session = id,
+        client = %peer,
+        outcome = outcome.name(),
+        "session ended after {took:.1} s"
+    );
+    drop(admission);
+}
+
+/// Why the writer stopped.
+enum WriterEnd {
+    /// The pipeline's outputs ended (it finished or failed).
+    Done,
+    /// The client did not take a message within `stall_timeout`.
+    Stalled,
+    /// The socket failed (the client is gone).
+    Gone,
+}
+
+/// Bridges the socket and a started pipeline until one side ends.
+async fn bridge(
+    server: &Arc<Server>,
+    socket: WebSocket,
+    mut client: crate::session::ClientEnd,
+    started: Started,
+    id: u64,
+) -> Outcome {
+    let limits = server.cfg.limits;
+    let Started {
+        running,
+        handle,
+        monitor: _monitor,
+    } = started;
+    let mut close_all = server.close_all.subscribe();
+    // Primed (warm-up, persona, voice) before the handshake; the client may close meanwhile.
+    let waited = tokio::task::spawn_blocking(move || running.wait());
+    let ready_since = Instant::now();
+    while !handle.is_ready() {
+        if ready_since.elapsed() > READY_TIMEOUT || waited.is_finished() || *close_all.borrow() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut waited = Some(waited);
+    let (mut sink, mut stream) = socket.split();
+    let mut outcome = None;
+    if handle.is_ready() {
+        // The Rust backend's 9-byte handshake: kind 0, protocol version 0, model version 0.
+        if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
+            outcome = Some(Outcome::ClientClosed);
+        }
+        client.open();
+    } else {
+        outcome = Some(Outcome::Failed);
+    }
+    // Writer: outgoing messages, each sent within `stall_timeout`.
+    let mut outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
+    let stall = limits.stall_timeout;
+    let writer = tokio::spawn(async move {
+        let bytes_out = metrics::counter!(names::SESSION_BYTES, "direction" => "out");
+        let end = loop {
+            let Some(m) = outbound.recv().await else {
+                break WriterEnd::Done;
+            };
+            let (msg, n) = match m {
+                Outbound::Audio(b) => (message(AUDIO, &b), b.len() + 1),
+                Outbound::Text(t) => (message(TEXT, t.as_bytes()), t.len() + 1),
+            };
+            let n = n as u64;
+            match tokio::time::timeout(stall, sink.send(msg)).await {
+                Ok(Ok(())) => bytes_out.increment(n),
+                Ok(Err(_)) => break WriterEnd::Gone,
+                Err(_) => break WriterEnd::Stalled,
+            }
+        };
+        (sink, end)
+    });
+    let mut writer = Some(writer);
+    let mut last_heard = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut warned = std::collections::HashSet::new();
+    let bytes_in = metrics::counter!(names::SESSION_BYTES, "direction" => "in");
+    let mut published = Published::default();
+    let began = Instant::now();
+    let mut writer_end = None;
+    while outcome.is_none() {
+        tokio::select! {
+            m = stream.next() => match m {
+                None => outcome = Some(Outcome::ClientClosed),
+                Some(Err(e)) => {
+                    let too_large = e.to_string().to_lowercase().contains("too long")
+                        || e.to_string().to_lowercase().contains("size");
+                    if too_large {
+                        metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "too_large").increment(1);
+                        tracing::warn!(session = id, "closed: {e} (limits.max_message_bytes = {})", limits.max_message_bytes);
+                        outcome = Some(Outcome::Failed);
+                    } else {
+                        tracing::info!(session = id, "connection lost: {e}");
+                        outcome = Some(Outcome::ClientClosed);
+                    }
+                }
+                Some(Ok(Message::Binary(b))) => {
+                    bytes_in.increment(b.len() as u64);
+                    match b.first() {
+                        Some(&AUDIO) => {
+                            last_heard = Instant::now();
+                            if client.offer(b[1..].to_vec()).is_err() && warned.insert("flood") {
+                                tracing::warn!(session = id, "the client sends faster than real time: audio dropped (counted)");
+                            }
+                        }
+                        Some(&CONTROL) => {}
+                        k => {
+                            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "unknown_kind").increment(1);
+                            if warned.insert("kind") {
+                                tracing::info!(session = id, "ignored a message of unknown kind {k:?} (logged once per session)");
+                            }
+                        }
+                    }
+                }
+                Some(Ok(Message::Close(_))) => outcome = Some(Outcome::ClientClosed),
+                Some(Ok(Message::Text(_))) => {
+                    metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "not_binary").increment(1);
+                    if warned.insert("text") {
+                        tracing::info!(session = id, "ignored a text message: the protocol is binary (logged once per session)");
+                    }
+                }
+                Some(Ok(_)) => {}
+            },
+            w = async { writer.as_mut().expect("writer runs").await }, if writer.is_some() => {
+                writer = None;
+                match w {
+                    Ok((s, end)) => {
+                        outcome = Some(match end {
+                            WriterEnd::Done => {
+                                // The pipeline ended: how is for its outcome to say.
+                                Outcome::Ended
+                            }
+                            WriterEnd::Stalled => {
+                                metrics::counter!(names::SESSION_STALLS).increment(1);
+                                tracing::warn!(session = id, "closed: the client read nothing for {:.0} s (limits.stall_timeout_s)", stall.as_secs_f64());
+                                Outcome::Stalled
+                            }
+                            WriterEnd::Gone => Outcome::ClientClosed,
+                        });
+                        writer_end = Some(s);
+                    }
+                    Err(_) => outcome = Some(Outcome::Failed),
+                }
+            }
+            _ = tick.tick() => {
+                published.update(&client.stats);
+                if last_heard.elapsed() > limits.idle_timeout {
+                    tracing::info!(session = id, "closed: the client sent nothing for {:.0} s (limits.idle_timeout_s)", limits.idle_timeout.as_secs_f64());
+                    outcome = Some(Outcome::Idle);
+                } else if limits.max_session.is_some_and(|m| began.elapsed() > m) {
+                    tracing::info!(session = id, "closed: the session reached limits.max_session_s");
+                    outcome = Some(Outcome::Closed);
+                }
+            }
+            _ = close_all.changed() => outcome = Some(Outcome::Closed),
+        }
+    }
+    let mut outcome = outcome.unwrap_or(Outcome::Failed);
+    // The client's input ends: the pipeline drains what it has and stops.
+    client.close_input();
+    if outcome != Outcome::Ended {
+        handle.stop();
+    }
+    let result = match waited.take() {
+        Some(w) => w.await.ok(),
+        None => None,
+    };
+    // What the pipeline still had for the client goes out (within the stall limit); a client
+    // that closed gets its close answered.
+    if let Some(w) = writer.take() {
+        let wait = match outcome {
+            Outcome::Stalled => Duration::ZERO,
+            Outcome::ClientClosed => Duration::from_secs(1),
+            _ => stall + Duration::from_secs(1),
+        };
+        match tokio::time::timeout(wait, w).await {
+            Ok(Ok((s, _))) => writer_end = Some(s),
+            _ => tracing::debug!(session = id, "the writer was cut short"),
+        }
+    }
+    published.update(&client.stats);
+    let error = result.and_then(|r| r.error);
+    if let Some(e) = &error {
+        tracing::warn!(session = id, "the session's pipeline failed: {e}");
+        outcome = Outcome::Failed;
+    }
+    if let Some(mut s) = writer_end {
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            if outcome != Outcome::ClientClosed {
+                if let Some(e) = &error {
+                    let _ = s.send(message(ERROR, e.to_string().as_bytes())).await;
+                }
+                let (code, reason) = match outcome {
+                    Outcome::Idle => (1000, "idle timeout"),
+                    Outcome::Closed => (1001, "the server closed the session"),
+                    Outcome::Failed => (1011, "the session failed"),
+                    Outcome::Stalled => (1008, "the client stopped reading"),
+                    _ => (1000, "session ended"),
+                };
+                let _ = s
+                    .send(Message::Close(Some(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    })))
+                    .await;
+            }
+            let _ = s.close().await;
+        })
+        .await;
+    }
+    outcome
+}
+
+/// A close frame's reason: at most 123 bytes, cut at a character boundary.
+fn close_reason(text: &str) -> String {
+    let mut end = text.len().min(120);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_string()
+}
+
+/// The link's counters as published so far, to add only what is new.
+#[derive(Default)]
+struct Published {
+    silence: u64,
+    dropped_in: u64,
+    dropped_out: u64,
+}
+
+impl Published {
+    fn update(&mut self, s: &LinkStats) {
+        let step = |seen: &mut u64, now: u64, c: metrics::Counter| {
+            if now > *seen {
+                c.increment(now - *seen);
+                *seen = now;
+            }
+        };
+        step(
+            &mut self.silence,
+            LinkStats::get(&s.silence_frames),
+            metrics::counter!(names::SESSION_SILENCE),
+        );
+        step(
+            &mut self.dropped_in,
+            LinkStats::get(&s.dropped_in),
+            metrics::counter!(names::SESSION_DROPPED, "direction" => "in"),
+        );
+        step(
+            &mut self.dropped_out,
+            LinkStats::get(&s.dropped_out),
+            metrics::counter!(names::SESSION_DROPPED, "direction" => "out"),
+        );
+    }
+}

@@ -1,0 +1,475 @@
+//! `duplex serve` on the Moshi protocol, against clients written on independent parts
+//! (Kyutai's `sphn` for Ogg/Opus, `aiohttp` for the WebSocket): the two client behaviours,
+//! greedy equality with `duplex replay`, concurrent sessions, admission, bad clients, drain.
+
+#[path = "support/daemon.rs"]
+mod daemon;
+#[path = "support/packs.rs"]
+mod packs;
+#[path = "support/pulse.rs"]
+mod pulse;
+#[path = "support/serve.rs"]
+mod serve;
+
+use std::time::{Duration, Instant};
+
+use serve::{client, client_command, speech_wav, token_log, Server};
+
+/// The session id the server gave the client that connected from `port`, from its log.
+fn session_of(server: &Server, port: u64) -> u64 {
+    let needle = format!("client=127.0.0.1:{port}");
+    let log = server.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("session started") && l.contains(&needle))
+        .unwrap_or_else(|| panic!("no session for port {port} in\n{log}"));
+    line.split("session=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap()
+}
+
+/// The pieces a session's token log holds, per frame.
+fn pieces(log: &[serde_json::Value]) -> Vec<String> {
+    log.iter()
+        .map(|l| l["piece"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// The text a client received equals the session's logged pieces for every frame but the last
+/// `slack` (processed after the client had gone).
+fn assert_text_matches(received: &serde_json::Value, log: &[serde_json::Value], slack: usize) {
+    let got: String = received["text"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let p = pieces(log);
+    let all: String = p.concat();
+    let most: String = p[..p.len().saturating_sub(slack)].concat();
+    assert!(
+        all.starts_with(&got) && got.len() >= most.len(),
+        "received {got:?}, the log says {all:?}"
+    );
+}
+
+#[test]
+fn kyutai_and_web_clients_get_the_reply_and_the_transcript_the_session_logged() {
+    // A hot text temperature: the tiny model's random weights then say something.
+    let server = Server::start(
+        "max_sessions: 2\nsampling:\n  text_temperature: 4\n",
+        60_000,
+    );
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 6.0, 220.0);
+    let w = wav.to_str().unwrap().to_string();
+    let url = server.url();
+    let (u2, w2) = (url.clone(), w.clone());
+    let web = std::thread::spawn(move || {
+        client(
+            &u2,
+            &[
+                "--mode",
+                "web",
+                "--query",
+                "text_temperature=3.5&audio_topk=100&worker_auth_id=x",
+                "--wav",
+                &w2,
+            ],
+        )
+    });
+    let kyutai = client(&url, &["--mode", "kyutai", "--wav", &w]);
+    let web = web.join().unwrap();
+    let input = 6 * 24_000;
+    for (name, r) in [("kyutai", &kyutai), ("web", &web)] {
+        assert!(r["handshake_s"].is_number(), "{name}: no handshake: {r}");
+        assert!(r["errors"].as_array().unwrap().is_empty(), "{name}: {r}");
+        // Only the kinds the clients understand.
+        for k in r["kinds"].as_object().unwrap().keys() {
+            assert!(["0", "1", "2"].contains(&k.as_str()), "{name} got kind {k}");
+        }
+        let samples = r["samples"].as_i64().unwrap();
+        let id = session_of(&server, r["local_port"].as_u64().unwrap());
+        let log = token_log(&server.session_dir(id).join("agent.jsonl"));
+        // One agent frame per user frame; the last (partial) frame is only cut when the
+        // stream ends, after the client has gone.
+        let frames = log.len() as i64;
+        assert!(
+            (input / 1920 - 1..=input / 1920 + 1).contains(&frames),
+            "{name}: {frames} frames"
+        );
+        let expect = input - 1920;
+        assert!(
+            (samples - expect).abs() <= 1920,
+            "{name}: {samples} samples back for {input} in (expected {expect} ± 1920)"
+        );
+        eprintln!(
+            "{name}: {samples} samples back, {frames} frames logged, text {}",
+            r["text"]
+        );
+        assert_text_matches(r, &log, 2);
+    }
+    let m = server.metrics();
+    assert!(
+        m.contains("duplex_sessions_ended_total{outcome=\"client_closed\"} 2"),
+        "{m}"
+    );
+}
+
+#[test]
+fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
+    let server = Server::start(
+        "sampling:\n  text_temperature: 0\n  audio_temperature: 0\n",
+        60_000,
+    );
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 4.0, 180.0);
+    let r = client(
+        &server.url(),
+        &["--mode", "kyutai", "--wav", wav.to_str().unwrap()],
+    );
+    let id = session_of(&server, r["local_port"].as_u64().unwrap());
+    let dir = server.session_dir(id);
+    // The session has fully ended (its logs are complete) once it is no longer listed.
+    server.wait_sessions(0, 20);
+    let out = server.dir.path().join("replay.jsonl");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["replay", "--greedy", "--pack"])
+        .arg(packs::pack("tiny-gqa"))
+        .arg("--codes")
+        .arg(dir.join("user.jsonl"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let live = token_log(&dir.join("agent.jsonl"));
+    let replayed = token_log(&out);
+    assert!(live.len() >= 45, "{} frames", live.len());
+    assert_eq!(live.len(), replayed.len());
+    for (i, (a, b)) in live.iter().zip(&replayed).enumerate() {
+        assert_eq!(
+            (&a["text"], &a["audio"]),
+            (&b["text"], &b["audio"]),
+            "frame {i} differs"
+        );
+    }
+}
+
+/// Frames the framer → encoder edges dropped, summed over sessions.
+fn dropped_frames(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("duplex_edge_dropped_total") && l.contains("framer"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn four_concurrent_sessions_keep_up_and_stay_independent() {
+    // One seed for all: only the persona differs between sessions, so two sessions with the
+    // same persona must agree token for token, whatever the others do.
+    let server = Server::start(
+        "max_sessions: 4\nsampling:\n  seed: 7\n  text_temperature: 4\n",
+        60_000,
+    );
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 6.0, 200.0);
+    let w = wav.to_str().unwrap().to_string();
+    let personas = [
+        ("text_prompt=You+are+a+pirate.", "6"),
+        ("text_prompt=You+are+a+pirate.", "6"),
+        ("text_prompt=You+are+a+careful+librarian.", "6"),
+        // Leaves after 2 s: the others must not notice.
+        ("text_prompt=You+are+in+a+hurry.", "2"),
+    ];
+    let threads: Vec<_> = personas
+        .iter()
+        .map(|(q, secs)| {
+            let (url, w, q, secs) = (server.url(), w.clone(), q.to_string(), secs.to_string());
+            std::thread::spawn(move || {
+                client(
+                    &url,
+                    &[
+                        "--mode",
+                        "web",
+                        "--query",
+                        &q,
+                        "--wav",
+                        &w,
+                        "--seconds",
+                        &secs,
+                    ],
+                )
+            })
+        })
+        .collect();
+    let results: Vec<serde_json::Value> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    server.wait_sessions(0, 20);
+    let logs: Vec<Vec<serde_json::Value>> = results
+        .iter()
+        .map(|r| {
+            let id = session_of(&server, r["local_port"].as_u64().unwrap());
+            token_log(&server.session_dir(id).join("agent.jsonl"))
+        })
+        .collect();
+    let tokens = |l: &[serde_json::Value]| -> Vec<(serde_json::Value, serde_json::Value)> {
+        l.iter()
+            .take(70)
+            .map(|f| (f["text"].clone(), f["audio"].clone()))
+            .collect()
+    };
+    for (i, r) in results.iter().take(3).enumerate() {
+        assert!(r["errors"].as_array().unwrap().is_empty(), "{i}: {r}");
+        let samples = r["samples"].as_i64().unwrap();
+        assert!(
+            samples >= 6 * 24_000 - 2 * 1920,
+            "session {i} fell behind: {samples} samples"
+        );
+        assert!(logs[i].len() >= 70, "session {i}: {} frames", logs[i].len());
+    }
+    assert_eq!(
+        tokens(&logs[0]),
+        tokens(&logs[1]),
+        "same persona, same seed, same input"
+    );
+    assert_ne!(
+        tokens(&logs[0]),
+        tokens(&logs[2]),
+        "another persona, another conversation"
+    );
+    assert!(
+        logs[3].len() < 40,
+        "the short session ran {} frames",
+        logs[3].len()
+    );
+    let m = server.metrics();
+    assert_eq!(dropped_frames(&m), 0.0, "a session lost frames:\n{m}");
+    assert!(
+        m.contains("duplex_sessions_ended_total{outcome=\"client_closed\"} 4"),
+        "{m}"
+    );
+}
+
+#[test]
+fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
+    let server = Server::start("max_sessions: 2\nlimits:\n  idle_timeout_s: 60\n", 240);
+    assert_eq!(server.get("/readyz").0, 200);
+    assert_eq!(server.get("/healthz").0, 200);
+    // Two clients that hold their session (sending nothing: the server feeds silence).
+    let holders: Vec<_> = [4.0, 12.0]
+        .iter()
+        .map(|s| {
+            let mut c = client_command(&server.url(), &["--silent", &s.to_string(), "--tail", "0"]);
+            c.spawn().unwrap()
+        })
+        .collect();
+    server.wait_sessions(2, 20);
+    let (code, body) = server.get("/readyz");
+    assert_eq!(code, 503, "{body}");
+    let refused = client(&server.url(), &["--silent", "1"]);
+    assert_eq!(refused["refused"]["status"], 503, "{refused}");
+    assert!(
+        refused["refused"]["retry_after"].as_str().is_some(),
+        "{refused}"
+    );
+    let m = server.metrics();
+    assert!(
+        m.contains("duplex_sessions_refused_total{reason=\"full\"} 1"),
+        "{m}"
+    );
+    let (_, list) = server.get("/api/sessions");
+    let v: serde_json::Value = serde_json::from_str(&list).unwrap();
+    for s in v["sessions"].as_array().unwrap() {
+        assert!(
+            s["age_s"].as_f64().unwrap() > 0.0 && s["verdicts"].is_object(),
+            "{s}"
+        );
+        assert!(s["silence_frames"].as_u64().is_some(), "{s}");
+    }
+    // The first holder leaves: a slot is free again.
+    let mut holders = holders;
+    let _ = holders[0].wait();
+    server.wait_sessions(1, 20);
+    assert_eq!(server.get("/readyz").0, 200);
+    let admitted = client(&server.url(), &["--silent", "0.5", "--tail", "0.5"]);
+    assert!(admitted["handshake_s"].is_number(), "{admitted}");
+    let _ = holders[1].kill();
+    let _ = holders[1].wait();
+}
+
+#[test]
+fn bad_clients_are_refused_alone_and_the_healthy_session_never_notices() {
+    let server = Server::start(
+        "max_sessions: 12\nlimits:\n  idle_timeout_s: 2\n  stall_timeout_s: 2\n",
+        240,
+    );
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 14.0, 210.0);
+    let w = wav.to_str().unwrap().to_string();
+    let url = server.url();
+    let (u, w2) = (url.clone(), w.clone());
+    let healthy = std::thread::spawn(move || client(&u, &["--mode", "kyutai", "--wav", &w2]));
+    server.wait_sessions(1, 20);
+    let rss0 = server.rss_kib();
+    // 200 connections that never say anything.
+    let idle: Vec<_> = (0..200)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap())
+        .collect();
+
+    let error_of = |r: &serde_json::Value| -> String {
+        r["errors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_str().unwrap().to_string())
+            .collect()
+    };
+    // Garbage where the Ogg stream should be.
+    let r = client(
+        &url,
+        &[
+            "--send-raw",
+            "01deadbeefdeadbeefdeadbeefdeadbeefdeadbeefdeadbeefdeadbeef",
+            "--silent",
+            "1",
+        ],
+    );
+    assert!(error_of(&r).contains("not an Ogg stream"), "{r}");
+    // A damaged page in the middle of a good stream.
+    let r = client(
+        &url,
+        &[
+            "--mode",
+            "kyutai",
+            "--wav",
+            &w,
+            "--seconds",
+            "2",
+            "--corrupt",
+        ],
+    );
+    assert!(error_of(&r).contains("damaged Ogg page"), "{r}");
+    // An Ogg stream of another codec.
+    let r = client(&url, &["--vorbis", "--silent", "1"]);
+    assert!(error_of(&r).contains("Vorbis"), "{r}");
+    // An unknown kind is ignored: the session goes on.
+    let r = client(
+        &url,
+        &[
+            "--send-raw",
+            "09aabb",
+            "--mode",
+            "kyutai",
+            "--wav",
+            &w,
+            "--seconds",
+            "1",
+        ],
+    );
+    assert!(
+        error_of(&r).is_empty() && r["samples"].as_i64().unwrap() > 0,
+        "{r}"
+    );
+    // A truncated page, then gone.
+    let r = client(&url, &["--truncate", "--tail", "0.3"]);
+    assert!(r["handshake_s"].is_number(), "{r}");
+    // 100 MB in one message: closed, never buffered.
+    let r = client(&url, &["--send-size", "100000000", "--tail", "1"]);
+    assert!(r["close_code"].as_i64().is_some(), "{r}");
+    // Never sends: fed silence, then closed at the idle timeout.
+    let r = client(&url, &["--silent", "6", "--tail", "0"]);
+    assert_eq!(r["close_code"], 1000, "{r}");
+    assert!(
+        r["samples"].as_i64().unwrap() > 0,
+        "the model's clock kept running: {r}"
+    );
+    // Never reads: closed once it has stalled for the stall timeout.
+    let out = client_command(&url, &["--never-read", "20"])
+        .output()
+        .unwrap();
+    let nr: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        nr["closed_after_s"].as_f64().is_some(),
+        "a client that never reads was kept: {nr}"
+    );
+    // Killed mid-session.
+    let mut doomed = client_command(&url, &["--mode", "kyutai", "--wav", &w, "--seconds", "5"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = doomed.kill();
+    let _ = doomed.wait();
+
+    let h = healthy.join().unwrap();
+    assert!(h["errors"].as_array().unwrap().is_empty(), "{h}");
+    let samples = h["samples"].as_i64().unwrap();
+    assert!(
+        samples >= 14 * 24_000 - 2 * 1920,
+        "the healthy session lost audio: {samples}"
+    );
+    drop(idle);
+    server.wait_sessions(0, 20);
+    let grown = server.rss_kib().saturating_sub(rss0);
+    assert!(grown < 150 * 1024, "resident memory grew by {grown} KiB");
+    let m = server.metrics();
+    for needle in [
+        "duplex_session_protocol_errors_total{kind=\"unknown_kind\"}",
+        "duplex_session_protocol_errors_total{kind=\"too_large\"}",
+        "duplex_session_client_stalls_total",
+        "duplex_sessions_ended_total{outcome=\"idle\"}",
+        "duplex_sessions_ended_total{outcome=\"failed\"}",
+        "duplex_sessions_ended_total{outcome=\"stalled\"}",
+    ] {
+        assert!(m.contains(needle), "{needle} not counted:\n{m}");
+    }
+    // Each case is logged once, not once per message.
+    let log = server.log();
+    assert_eq!(log.matches("unknown kind").count(), 1, "{log}");
+}
+
+#[test]
+fn sigterm_drains_live_sessions_then_exits_0() {
+    let mut server = Server::start("max_sessions: 4\ndrain_timeout_s: 2\n", 240);
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 20.0, 190.0);
+    let w = wav.to_str().unwrap().to_string();
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let (u, w) = (server.url(), w.clone());
+            std::thread::spawn(move || {
+                client(&u, &["--mode", "kyutai", "--wav", &w, "--tail", "0"])
+            })
+        })
+        .collect();
+    server.wait_sessions(2, 20);
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    server.signal("TERM");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(server.get("/readyz").0, 503, "still ready while draining");
+    let refused = client(&server.url(), &["--silent", "1"]);
+    assert_eq!(refused["refused"]["status"], 503, "{refused}");
+    let status = server
+        .wait_exit(Duration::from_secs(20))
+        .expect("exits after the drain");
+    assert!(status.success(), "{status:?}");
+    let took = t0.elapsed();
+    for c in clients {
+        let r = c.join().unwrap();
+        assert_eq!(r["close_code"], 1001, "closed cleanly by the server: {r}");
+        assert!(r["samples"].as_i64().unwrap() > 24_000, "{r}");
+    }
+    assert!(
+        took >= Duration::from_secs(2),
+        "closed before drain_timeout: {took:?}"
+    );
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("draining"), "{log}");
+}

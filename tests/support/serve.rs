@@ -1,0 +1,226 @@
+//! A `duplex serve` under test: a configuration and session template of its own in a scratch
+//! folder, its log, and test clients of the protocol written on independent parts (Python:
+//! Kyutai's `sphn` for Ogg/Opus, `aiohttp` for the WebSocket: `tests/clients/moshi_client.py`).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::daemon::{http_get, root, wait_exit};
+
+/// The session template of the tests: the default one, with the user's codes and the agent's
+/// tokens logged per session, and silence fed only after `fill_after_ms`.
+pub fn template(logs: &Path, fill_after_ms: u32) -> String {
+    let text = std::fs::read_to_string(root().join("pipelines/serve.yaml")).unwrap();
+    let logs = logs.display();
+    let text = text
+        .replace(
+            "    kind: session_in\n",
+            &format!("    kind: session_in\n    fill_after_ms: {fill_after_ms}\n"),
+        )
+        .replace(
+            "links:\n",
+            &format!(
+                "  user_codes:\n    kind: codes_sink\n    path: {logs}/{{session}}/user.jsonl\n  \
+                 agent_tokens:\n    kind: token_sink\n    path: {logs}/{{session}}/agent.jsonl\nlinks:\n  \
+                 - encode -> user_codes\n  - temporal.agent -> agent_tokens\n"
+            ),
+        )
+        .replace("models/", &format!("{}/models/", root().display()));
+    text
+}
+
+/// A 24 kHz WAV of `seconds` of a speech-like signal (a tone with a syllable-rate envelope).
+pub fn speech_wav(path: &Path, seconds: f64, pitch: f64) {
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 24_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut w = hound::WavWriter::create(path, spec).unwrap();
+    let n = (seconds * 24_000.0) as usize;
+    for i in 0..n {
+        let t = i as f64 / 24_000.0;
+        let env = 0.5 + 0.5 * (std::f64::consts::TAU * 3.0 * t).sin();
+        let x = 0.3 * env * (std::f64::consts::TAU * pitch * t).sin();
+        w.write_sample((x * 32767.0) as i16).unwrap();
+    }
+    w.finalize().unwrap();
+}
+
+pub struct Server {
+    pub child: Option<Child>,
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    pub log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Server {
+    /// Starts `duplex serve` with `config` (YAML; `address` and `pipeline` are added) and a
+    /// template of [`template`]'s shape; waits until it listens.
+    pub fn start(config: &str, fill_after_ms: u32) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().join("sessions");
+        let tpl = dir.path().join("session.yaml");
+        std::fs::write(&tpl, template(&logs, fill_after_ms)).unwrap();
+        Self::start_with(dir, config, &tpl)
+    }
+
+    /// As [`start`](Self::start) with a template file of the caller's.
+    pub fn start_with(dir: tempfile::TempDir, config: &str, template: &Path) -> Server {
+        let cfg = dir.path().join("serve.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "address: \"127.0.0.1:0\"\npipeline: {}\n{config}",
+                template.display()
+            ),
+        )
+        .unwrap();
+        let log = dir.path().join("serve.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .current_dir(dir.path())
+            .env("RUST_LOG", "info")
+            .env_remove("DUPLEX__MAX_SESSIONS")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.strip_prefix("listening on ") {
+                    let _ = tx.send(a.rsplit(':').next().unwrap().parse::<u16>().unwrap());
+                }
+            }
+        });
+        let port = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "duplex serve did not listen:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            }
+        };
+        Server {
+            child: Some(child),
+            port,
+            dir,
+            log,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("ws://127.0.0.1:{}/api/chat", self.port)
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.port, path)
+    }
+
+    pub fn metrics(&self) -> String {
+        self.get("/metrics").1
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The folder of session `id`'s logs.
+    pub fn session_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join("sessions").join(id.to_string())
+    }
+
+    /// Waits until `/api/sessions` lists `n` sessions.
+    pub fn wait_sessions(&self, n: usize, secs: u64) {
+        let t0 = Instant::now();
+        loop {
+            let (_, body) = self.get("/api/sessions");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            let have = v["sessions"].as_array().map_or(0, |a| a.len());
+            if have == n {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(secs),
+                "{have} sessions, not {n}, after {secs} s: {body}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill")
+            .args([&format!("-{sig}"), &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        wait_exit(self.child.as_mut().unwrap(), limit)
+    }
+
+    /// Resident memory of the server, KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let pid = self.child.as_ref().unwrap().id();
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+}
+
+/// The test client's command (`args` after `--url`).
+pub fn client_command(url: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(root().join(".venv/bin/python"));
+    c.arg(root().join("tests/clients/moshi_client.py"))
+        .args(["--url", url])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Runs the test client to its end and returns what it saw.
+pub fn client(url: &str, args: &[&str]) -> serde_json::Value {
+    let out = client_command(url, args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "client {args:?} failed: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(text.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("client output is not JSON ({e}): {text}"))
+}
+
+/// The agent's token log of a session: (text pieces joined per frame, frames).
+pub fn token_log(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
