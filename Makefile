@@ -33,6 +33,7 @@ bench: setup
 	$(CARGO) bench --bench runtime
 	$(CARGO) bench --bench model
 	$(CARGO) bench --bench jitter
+	$(CARGO) bench --bench serve
 
 clean:
 	$(CARGO) clean

@@ -4,8 +4,14 @@
 //! it), and the verdict series shows the injected pattern. `promtool` checks the deployment
 //! files and runs their unit tests.
 
+#[path = "support/daemon.rs"]
+mod daemon;
 #[path = "support/packs.rs"]
 mod packs;
+#[path = "support/pulse.rs"]
+mod pulse;
+#[path = "support/serve.rs"]
+mod serve;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -80,18 +86,38 @@ fn promtool_accepts_the_config_and_the_rules_and_their_tests_pass() {
     promtool(&["test", "rules", "rules_test.yml"]);
 }
 
-/// Every expression of the dashboard (with `$stage` as all stages) and of the rules.
-fn expressions() -> (Vec<String>, Vec<String>, Vec<String>) {
+/// Whether a dashboard or rule expression is about network sessions (data only from
+/// `duplex serve`).
+fn about_sessions(e: &str) -> bool {
+    e.contains("duplex_session") || e.contains("duplex_opus") || e.contains("path=\"server\"")
+}
+
+/// The dashboard's expressions (with `$stage` as all stages): (pipeline ones, session ones).
+fn panel_expressions() -> (Vec<String>, Vec<String>) {
     let dash: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("deploy/grafana/dashboards/duplex.json")).unwrap(),
     )
     .unwrap();
-    let mut panels = Vec::new();
+    let (mut pipeline, mut sessions) = (Vec::new(), Vec::new());
     for p in dash["panels"].as_array().unwrap() {
-        for t in p["targets"].as_array().unwrap() {
-            panels.push(t["expr"].as_str().unwrap().replace("$stage", ".*"));
+        // Rows have no targets.
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let e = t["expr"].as_str().unwrap().replace("$stage", ".*");
+            if about_sessions(&e) {
+                sessions.push(e);
+            } else {
+                pipeline.push(e);
+            }
         }
     }
+    assert!(pipeline.len() >= 20 && sessions.len() >= 10);
+    (pipeline, sessions)
+}
+
+/// Every expression of the dashboard (pipeline panels) and of the rules: (panels, records,
+/// alerts).
+fn expressions() -> (Vec<String>, Vec<String>, Vec<String>) {
+    let (panels, _) = panel_expressions();
     let rules = std::fs::read_to_string(root().join("deploy/prometheus/rules.yml")).unwrap();
     let (mut records, mut alerts) = (Vec::new(), Vec::new());
     let mut kind = "";
@@ -109,7 +135,7 @@ fn expressions() -> (Vec<String>, Vec<String>, Vec<String>) {
             }
         }
     }
-    assert!(panels.len() >= 20 && records.len() >= 5 && alerts.len() == 4);
+    assert!(records.len() >= 7 && alerts.len() == 6);
     (panels, records, alerts)
 }
 
@@ -206,7 +232,7 @@ fn scrape_run(injected: &str, want: &str) {
         );
     }
     let (panels, records, alerts) = expressions();
-    for e in panels.iter().chain(&records) {
+    for e in panels.iter().chain(&records).filter(|e| !about_sessions(e)) {
         let v = query(pport, e);
         assert_eq!(v["status"], "success", "{e}: {v}");
         let n = v["data"]["result"].as_array().map(|a| a.len()).unwrap_or(0);
@@ -256,4 +282,158 @@ fn prometheus_sees_growth() {
         "mode: ramp, base_ms: 2, ramp_to_ms: 40, ramp_frames: 600",
         "growth",
     );
+}
+
+/// Starts a Prometheus that scrapes `target` every second with the deployment's rules.
+fn prometheus(dir: &Path, target: u16) -> (Kill, u16) {
+    let pport = free_port();
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: duplex\n    static_configs:\n      - targets: [\"127.0.0.1:{target}\"]\n",
+        root().join("deploy/prometheus/rules.yml").display()
+    );
+    std::fs::write(dir.join("prometheus.yml"), config).unwrap();
+    let child = Command::new("prometheus")
+        .arg(format!(
+            "--config.file={}",
+            dir.join("prometheus.yml").display()
+        ))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("prometheus (run `make setup`)");
+    (Kill(child), pport)
+}
+
+/// The prometheus-adapter rule's `metricsQuery` of deploy/kubernetes, with the adapter's
+/// template filled in as it would be for the pods of job `duplex`.
+fn adapter_query() -> String {
+    let text =
+        std::fs::read_to_string(root().join("deploy/kubernetes/prometheus-adapter.yaml")).unwrap();
+    let line = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("metricsQuery: "))
+        .expect("the adapter rule has a metricsQuery");
+    line.trim_matches('\'')
+        .replace("<<.LabelMatchers>>", "job=\"duplex\"")
+        .replace("<<.GroupBy>>", "instance")
+}
+
+#[test]
+fn prometheus_scrapes_duplex_serve_and_the_autoscaler_metric_counts_slots() {
+    let server = serve::Server::start("max_sessions: 2\n", 240);
+    let (_prom, pport) = prometheus(server.dir.path(), server.port);
+    let url = server.url();
+    // A short session with a message of an unknown kind, ended; then both slots held, and one
+    // client refused.
+    serve::client(
+        &url,
+        &["--send-raw", "09aa", "--silent", "1", "--tail", "0"],
+    );
+    let holders: Vec<_> = (0..2)
+        .map(|_| {
+            Kill(
+                serve::client_command(&url, &["--silent", "40", "--tail", "0"])
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    server.wait_sessions(2, 20);
+    let refused = serve::client(&url, &["--silent", "0.2"]);
+    assert_eq!(refused["refused"]["status"], 503, "{refused}");
+    // The autoscaler's metric: 2 of 2 slots in use.
+    let q = adapter_query();
+    let t0 = Instant::now();
+    let utilization = loop {
+        let v = query(pport, &q);
+        assert_eq!(v["status"], "success", "{q}: {v}");
+        let value = v["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|x| x.parse::<f64>().ok());
+        match value {
+            Some(x) if x > 0.9 => break x,
+            _ => {}
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{q}: {v}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(utilization, 1.0);
+    // Long enough for rates over the scrapes.
+    std::thread::sleep(Duration::from_secs(6));
+    let (_, sessions) = panel_expressions();
+    for e in &sessions {
+        let v = query(pport, e);
+        assert_eq!(v["status"], "success", "{e}: {v}");
+        let n = v["data"]["result"].as_array().map_or(0, |a| a.len());
+        assert!(n > 0, "no data for {e}");
+    }
+    // The sessions' verdicts and real-time factor, published together by the server.
+    let v = query(pport, "duplex_latency_pattern{stage=\"temporal\",pattern=\"steady\"} == 1");
+    assert_eq!(v["data"]["result"].as_array().map(|a| a.len()), Some(1), "{v}");
+    let v = query(pport, "duplex_realtime_factor > 0");
+    assert_eq!(v["data"]["result"].as_array().map(|a| a.len()), Some(1), "{v}");
+    let v = query(pport, "duplex:sessions:utilization");
+    assert_eq!(v["data"]["result"][0]["value"][1], "1", "{v}");
+    let (_, _, alerts) = expressions();
+    for e in &alerts {
+        assert_eq!(query(pport, e)["status"], "success", "{e}");
+    }
+    drop(holders);
+}
+
+#[test]
+fn the_kubernetes_manifests_pass_the_schema_and_a_broken_one_does_not() {
+    let validate = root().join(".venv/bin/kubernetes-validate");
+    let dir = root().join("deploy/kubernetes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "{files:?}");
+    let run = |files: &[PathBuf]| {
+        Command::new(&validate)
+            .args(["--strict", "-k", "1.37.0"])
+            .args(files)
+            .output()
+            .expect("kubernetes-validate (run `make setup`)")
+    };
+    let out = run(&files);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The probes, the drain and the autoscaler agree with the server's configuration.
+    let deployment = std::fs::read_to_string(dir.join("deployment.yaml")).unwrap();
+    let configmap = std::fs::read_to_string(dir.join("configmap.yaml")).unwrap();
+    assert!(deployment.contains("path: /readyz") && deployment.contains("path: /healthz"));
+    let drain: u64 = configmap
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("drain_timeout_s: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let grace: u64 = deployment
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        grace > drain + 5,
+        "grace {grace} s does not cover a {drain} s drain"
+    );
+    // A typo is caught.
+    let scratch = tempfile::tempdir().unwrap();
+    let broken = scratch.path().join("deployment.yaml");
+    std::fs::write(&broken, deployment.replace("replicas: 1", "replica: 1")).unwrap();
+    assert!(!run(&[broken]).status.success(), "a misspelt field passed");
 }

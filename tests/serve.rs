@@ -473,3 +473,101 @@ fn sigterm_drains_live_sessions_then_exits_0() {
     let log = std::fs::read_to_string(&server.log).unwrap();
     assert!(log.contains("draining"), "{log}");
 }
+
+/// `duplex serve` with `args`, in `dir`: (exit code, stdout, stderr).
+fn serve_cmd(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .arg("serve")
+        .args(args)
+        .current_dir(dir)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_validates_everything_and_bad_settings_name_their_file_key_or_variable() {
+    let root = daemon::root();
+    let (code, out, err) = serve_cmd(root, &["--check"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("ok: "), "{out}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("serve.yaml");
+    let tpl = root.join("pipelines/serve.yaml");
+    let write = |extra: &str| {
+        std::fs::write(&cfg, format!("pipeline: {}\n{extra}", tpl.display())).unwrap();
+    };
+    let c = cfg.to_str().unwrap();
+    let check = |env: &[(&str, &str)]| serve_cmd(root, &["--config", c, "--check"], env);
+
+    write("max_sesions: 3\n");
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(c) && err.contains("max_sesions") && err.contains("max_sessions"),
+        "{err}"
+    );
+
+    write("");
+    let (code, _, err) = check(&[("DUPLEX__LIMITS__IDLE_TIMEOUT_S", "soon")]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("DUPLEX__LIMITS__IDLE_TIMEOUT_S"), "{err}");
+
+    write("pack: /nonexistent/pack\n");
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("/nonexistent/pack") && err.contains("`pack`"),
+        "{err}"
+    );
+
+    write("voice_prompt: ../secret.wav\n");
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("voice_prompt"), "{err}");
+
+    // A template that is not a session's.
+    std::fs::write(
+        &cfg,
+        format!(
+            "pipeline: {}\n",
+            root.join("pipelines/make-tone.yaml").display()
+        ),
+    )
+    .unwrap();
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("session_in"), "{err}");
+
+    // A template stage with a bad value names the template and the stage.
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&tpl)
+            .unwrap()
+            .replace("kind: opus_encode", "kind: opus_encode\n    bitrate: -5")
+            .replace("models/", &format!("{}/models/", root.display())),
+    )
+    .unwrap();
+    std::fs::write(&cfg, format!("pipeline: {}\n", bad.display())).unwrap();
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("bad.yaml") && err.contains("opus_out") && err.contains("bitrate"),
+        "{err}"
+    );
+
+    // A busy address is a run-time failure (exit 1) that names it.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    write(&format!("address: \"{addr}\"\n"));
+    let (code, _, err) = serve_cmd(root, &["--config", c], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&addr) && err.contains("address"), "{err}");
+}

@@ -112,7 +112,7 @@ fi
 # --- Independent implementations for the protocol tests ------------------------------------------
 # The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus) and aiohttp
 # (WebSocket), never only duplex on both ends; kubernetes-validate checks deploy/kubernetes.
-TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3)
+TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 kubernetes-validate==1.37.0)
 wrong=$(missing_pins "${TEST_PACKAGES[@]}")
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"

@@ -243,15 +243,31 @@ pub fn observe(
     PipelineBuilder,
     std::sync::Arc<crate::observe::monitor::Monitor>,
 ) {
+    observe_with(builder, m, true)
+}
+
+/// As [`observe`], with a monitor that exports its gauges only when `publish` (a server's
+/// sessions do not: the server publishes them together).
+pub fn observe_with(
+    builder: PipelineBuilder,
+    m: &config::MetricsSettings,
+    publish: bool,
+) -> (
+    PipelineBuilder,
+    std::sync::Arc<crate::observe::monitor::Monitor>,
+) {
+    use crate::observe::monitor::Monitor;
     let cfg = crate::observe::diagnose::DiagnosisConfig {
         window: m.window,
         every: m.every,
         ..Default::default()
     };
-    let monitor = std::sync::Arc::new(crate::observe::monitor::Monitor::new(
-        &builder.stage_names(),
-        cfg,
-    ));
+    let names = builder.stage_names();
+    let monitor = std::sync::Arc::new(if publish {
+        Monitor::new(&names, cfg)
+    } else {
+        Monitor::private(&names, cfg)
+    });
     let recorder = std::sync::Arc::new(crate::observe::recorder::Recorder::new());
     (
         builder.observer(recorder).observer(monitor.clone()),

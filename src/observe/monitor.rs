@@ -1,7 +1,8 @@
 //! Per-stage live analysis of one pipeline, fed by the runtime: utilization (the real-time
 //! factor) and the latency diagnosis, exported as gauges, logged when the verdict changes, and
 //! read by whoever holds the pipeline's monitor ([`Monitor::verdicts`],
-//! [`Monitor::realtime_factor`]).
+//! [`Monitor::realtime_factor`]). A [private](Monitor::private) monitor exports nothing: its
+//! holder publishes what many pipelines show together.
 //!
 //! The actor threads only count: each service time goes into a bounded queue, and a thread of
 //! the monitor's own runs the diagnosis (Theil–Sen over the window, the cluster test), so a
@@ -63,8 +64,21 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    /// A monitor for stages named `names` (in the pipeline's order), with its diagnosis thread.
+    /// A monitor for stages named `names` (in the pipeline's order), with its diagnosis thread,
+    /// that exports its gauges.
     pub fn new(stage_names: &[String], cfg: DiagnosisConfig) -> Self {
+        Self::build(stage_names, cfg, true)
+    }
+
+    /// A monitor that exports nothing: for one of many pipelines of a process (a server's
+    /// sessions), whose holder publishes what they have together (gauges of each would
+    /// overwrite the others').
+    pub fn private(stage_names: &[String], cfg: DiagnosisConfig) -> Self {
+        Self::build(stage_names, cfg, false)
+    }
+
+    fn build(stage_names: &[String], cfg: DiagnosisConfig, publish: bool) -> Self {
+        let gauge = |g: metrics::Gauge| if publish { g } else { metrics::Gauge::noop() };
         let stages: Arc<Vec<StageMon>> = Arc::new(
             stage_names
                 .iter()
@@ -72,7 +86,9 @@ impl Monitor {
                     name: n.clone(),
                     busy: Mutex::new((Instant::now(), Duration::ZERO, 0)),
                     utilization: AtomicU64::new(0f64.to_bits()),
-                    util_gauge: metrics::gauge!(names::STAGE_UTILIZATION, "stage" => n.clone()),
+                    util_gauge: gauge(
+                        metrics::gauge!(names::STAGE_UTILIZATION, "stage" => n.clone()),
+                    ),
                     pattern: AtomicU8::new(0),
                 })
                 .collect(),
@@ -82,14 +98,14 @@ impl Monitor {
             .map(|n| {
                 let l = [("stage", n.clone())];
                 let pattern = Pattern::ALL.map(|p| {
-                    metrics::gauge!(names::LATENCY_PATTERN, "stage" => n.clone(), "pattern" => p.name())
+                    gauge(metrics::gauge!(names::LATENCY_PATTERN, "stage" => n.clone(), "pattern" => p.name()))
                 });
                 pattern[0].set(1.0);
                 Diagnosis {
                     diag: Diagnoser::new(cfg),
-                    slope: metrics::gauge!(names::LATENCY_TREND, &l),
-                    bimodality: metrics::gauge!(names::LATENCY_BIMODALITY, &l),
-                    outliers: metrics::gauge!(names::LATENCY_OUTLIERS, &l),
+                    slope: gauge(metrics::gauge!(names::LATENCY_TREND, &l)),
+                    bimodality: gauge(metrics::gauge!(names::LATENCY_BIMODALITY, &l)),
+                    outliers: gauge(metrics::gauge!(names::LATENCY_OUTLIERS, &l)),
                     pattern,
                 }
             })
@@ -104,7 +120,7 @@ impl Monitor {
         }
         Monitor {
             stages,
-            rtf: metrics::gauge!(names::REALTIME_FACTOR),
+            rtf: gauge(metrics::gauge!(names::REALTIME_FACTOR)),
             rtf_now: AtomicU64::new(0f64.to_bits()),
             samples: tx,
             skipped: AtomicU64::new(0),
@@ -121,6 +137,19 @@ impl Monitor {
     /// The real-time factor: the busiest stage's utilization over the last second.
     pub fn realtime_factor(&self) -> f64 {
         f64::from_bits(self.rtf_now.load(Ordering::Relaxed))
+    }
+
+    /// Every stage's utilization over the last second, in the pipeline's order.
+    pub fn utilizations(&self) -> Vec<(String, f64)> {
+        self.stages
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    f64::from_bits(s.utilization.load(Ordering::Relaxed)),
+                )
+            })
+            .collect()
     }
 
     /// Every stage's current verdict, in the pipeline's order.

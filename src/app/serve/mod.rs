@@ -245,6 +245,7 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
         cfg,
     });
     server.active.set(0.0);
+    register_series();
     let health_server = server.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
         (
@@ -270,6 +271,7 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
     );
     // Stdout for whoever started us (tests, scripts): where we listen, once bound.
     println!("listening on {addr}");
+    tokio::spawn(publish_together(server.clone()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(drain_on_signal(server.clone(), done_tx));
     // Small frames must leave at once (no Nagle delay), and a client that stops reading may
@@ -288,6 +290,76 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
     .await?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Publishes, every second, what the sessions' private monitors show together: the real-time
+/// factor and each stage's utilization as the highest over live sessions, and each stage's
+/// verdict as growth or contention when any session shows it (steady when none does).
+async fn publish_together(server: Arc<Server>) {
+    use crate::observe::diagnose::Pattern;
+    let stages: Vec<String> = server
+        .template
+        .stages
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
+    let rtf = metrics::gauge!(names::REALTIME_FACTOR);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let monitors: Vec<_> = match server.sessions.lock() {
+            Ok(m) => m.values().filter_map(|l| l.monitor.clone()).collect(),
+            Err(_) => continue,
+        };
+        rtf.set(
+            monitors
+                .iter()
+                .map(|m| m.realtime_factor())
+                .fold(0.0, f64::max),
+        );
+        for stage in &stages {
+            let mut util = 0.0f64;
+            let mut seen = [false; 3];
+            for m in &monitors {
+                if let Some((_, u)) = m.utilizations().into_iter().find(|(n, _)| n == stage) {
+                    util = util.max(u);
+                }
+                if let Some((_, p)) = m.verdicts().into_iter().find(|(n, _)| n == stage) {
+                    if let Some(i) = Pattern::ALL.iter().position(|x| *x == p) {
+                        seen[i] = true;
+                    }
+                }
+            }
+            metrics::gauge!(names::STAGE_UTILIZATION, "stage" => stage.clone()).set(util);
+            // ALL is steady, growth, contention.
+            let steady = !seen[1] && !seen[2];
+            for (i, p) in Pattern::ALL.iter().enumerate() {
+                let on = if i == 0 { steady } else { seen[i] };
+                metrics::gauge!(names::LATENCY_PATTERN, "stage" => stage.clone(), "pattern" => p.name())
+                    .set(if on { 1.0 } else { 0.0 });
+            }
+        }
+    }
+}
+
+/// Every session series exists from the start, at zero: rates and alerts need no first event.
+fn register_series() {
+    metrics::counter!(names::SESSIONS_ADMITTED).absolute(0);
+    for reason in ["full", "draining", "per_ip", "not_ready"] {
+        metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).absolute(0);
+    }
+    for outcome in session::OUTCOMES {
+        metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome).absolute(0);
+    }
+    for direction in ["in", "out"] {
+        metrics::counter!(names::SESSION_BYTES, "direction" => direction).absolute(0);
+        metrics::counter!(names::SESSION_DROPPED, "direction" => direction).absolute(0);
+    }
+    for kind in session::PROTOCOL_ERRORS {
+        metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).absolute(0);
+    }
+    metrics::counter!(names::SESSION_SILENCE).absolute(0);
+    metrics::counter!(names::SESSION_STALLS).absolute(0);
 }
 
 /// SIGINT/SIGTERM: stop admitting, let sessions run up to `drain_timeout`, close them, and

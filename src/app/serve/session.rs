@@ -37,6 +37,21 @@ const OUTBOUND_QUEUE: usize = 96;
 /// The longest wait for a session's pipeline to be primed.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The `outcome` label values of ended sessions.
+pub(super) const OUTCOMES: [&str; 7] = [
+    "client_closed",
+    "idle",
+    "stalled",
+    "failed",
+    "closed",
+    "ended",
+    "refused",
+];
+
+/// The `kind` label values of protocol errors.
+pub(super) const PROTOCOL_ERRORS: [&str; 4] =
+    ["unknown_kind", "bad_query", "too_large", "not_binary"];
+
 /// How a session ended, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
@@ -101,6 +116,20 @@ pub(super) fn check_template(
     template: &PipelineSpec,
     registry: &Registry,
 ) -> Result<(), ConfigError> {
+    for (kind, what) in [
+        ("session_in", "the client's audio"),
+        ("session_audio_out", "the agent's audio for the client"),
+    ] {
+        if !template.stages.iter().any(|s| s.kind == kind) {
+            return Err(ConfigError::new(
+                &template.file,
+                cfg::ConfigErrorKind::Link,
+                format!(
+                    "a session template needs a `{kind}` stage ({what}); see pipelines/serve.yaml"
+                ),
+            ));
+        }
+    }
     let params = cfg
         .session_params(&[])
         .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
@@ -133,7 +162,7 @@ fn start(
         &id.to_string(),
     )?;
     let b = crate::app::build_session(&spec, &server.registry, Some(end))?;
-    let (b, monitor) = crate::app::observe(b, &spec.metrics);
+    let (b, monitor) = crate::app::observe_with(b, &spec.metrics, false);
     let running = b.build()?.start();
     let handle = running.handle();
     Ok(Started {

@@ -1,0 +1,353 @@
+//! `duplex serve` on the tiny pack, on this machine, measured from outside the process: a
+//! server binary and N clients streaming in real time (our own Ogg/Opus writer and
+//! tokio-tungstenite; the protocol tests use independent clients, this measures the server).
+//!
+//! 1. Capacity: sessions at once, raised until one of them falls behind: per level, server
+//!    latency (a client's audio arriving -> the agent audio it produced leaving) p50/p90, frames
+//!    later than 2 frame budgets (160 ms), frames dropped, and the server's CPU per session per
+//!    second, split into the model stages and everything else (network, Opus, framing).
+//! 2. Memory per additional session (resident), and what a quiet session costs (the model's clock
+//!    keeps running on silence).
+//!
+//! Run with `cargo bench --bench serve`.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use duplex::audio::opus::OggOpusWriter;
+use futures_util::{SinkExt, StreamExt};
+use tokio_tungstenite::tungstenite::Message;
+
+const SECONDS: f64 = 8.0;
+const LEVELS: &[usize] = &[1, 2, 4, 6, 8, 10, 12, 14, 16];
+
+struct Server {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start() -> Server {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("session.yaml");
+    let text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
+        .unwrap()
+        .replace("models/", &format!("{}/models/", root.display()));
+    std::fs::write(&tpl, text).unwrap();
+    let cfg = dir.path().join("serve.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: 32\nlimits:\n  idle_timeout_s: 120\n",
+            tpl.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .current_dir(root)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut port = 0;
+    for line in BufReader::new(out).lines().map_while(Result::ok) {
+        if let Some(a) = line.strip_prefix("listening on ") {
+            port = a.rsplit(':').next().unwrap().parse().unwrap();
+            break;
+        }
+    }
+    assert!(port > 0, "the server did not start");
+    Server {
+        child,
+        port,
+        _dir: dir,
+    }
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut t = String::new();
+    s.read_to_string(&mut t).unwrap();
+    t.split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default()
+}
+
+/// Sum of the values of the series whose line starts with `prefix`.
+fn sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The server-latency histogram: (upper bound, cumulative count).
+fn latency_buckets(metrics: &str) -> Vec<(f64, f64)> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("duplex_frame_latency_seconds_bucket{path=\"server\""))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
+    let d: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| {
+            (
+                *le,
+                c - before.iter().find(|b| b.0 == *le).map_or(0.0, |b| b.1),
+            )
+        })
+        .collect();
+    let total = d.last().map_or(0.0, |x| x.1);
+    let want = q * total;
+    let mut prev = (0.0, 0.0);
+    for (le, c) in &d {
+        if *c >= want {
+            if le.is_infinite() {
+                return prev.0;
+            }
+            let f = if c - prev.1 > 0.0 {
+                (want - prev.1) / (c - prev.1)
+            } else {
+                1.0
+            };
+            return prev.0 + f * (le - prev.0);
+        }
+        prev = (*le, *c);
+    }
+    f64::NAN
+}
+
+fn over(before: &[(f64, f64)], after: &[(f64, f64)], bound: f64) -> f64 {
+    let at = |h: &[(f64, f64)], le: f64| h.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1);
+    let inf = f64::INFINITY;
+    (at(after, inf) - at(before, inf)) - (at(after, bound) - at(before, bound))
+}
+
+/// CPU seconds the process has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = s.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / ticks
+}
+
+/// CPU seconds used by the threads of the model stages (`duplex:encode`, …, as the kernel
+/// truncates their names) that are alive now.
+fn model_thread_seconds(pid: u32) -> f64 {
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let names: Vec<String> = MODEL_STAGES
+        .iter()
+        .map(|s| format!("duplex:{s}").chars().take(15).collect())
+        .collect();
+    let mut total = 0.0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let comm = head.split_once('(').map_or("", |x| x.1);
+        if names.iter().any(|n| n == comm) {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            total +=
+                (f[11].parse::<f64>().unwrap_or(0.0) + f[12].parse::<f64>().unwrap_or(0.0)) / ticks;
+        }
+    }
+    total
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .unwrap()
+        / 1024.0
+}
+
+/// One client: streams `seconds` of a tone in real time (or sends nothing when `quiet`), reads
+/// everything; returns the agent audio messages received.
+async fn client(port: u16, seconds: f64, quiet: bool) -> usize {
+    let (ws, _) = tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{port}/api/chat"))
+        .await
+        .unwrap();
+    let (mut tx, mut rx) = ws.split();
+    let reader = tokio::spawn(async move {
+        let mut audio = 0;
+        while let Some(Ok(m)) = rx.next().await {
+            if let Message::Binary(b) = m {
+                if b.first() == Some(&1) {
+                    audio += 1;
+                }
+            }
+        }
+        audio
+    });
+    let mut w = OggOpusWriter::new(1, None).unwrap();
+    let frames = (seconds / 0.08) as usize;
+    let t0 = tokio::time::Instant::now();
+    for k in 0..frames {
+        if !quiet {
+            let pcm: Vec<f32> = (0..1920)
+                .map(|i| 0.3 * (((k * 1920 + i) as f32) * 0.06).sin())
+                .collect();
+            let bytes: Vec<u8> = w.push(&pcm).unwrap().concat();
+            let mut m = vec![1u8];
+            m.extend_from_slice(&bytes);
+            if tx.send(Message::Binary(m.into())).await.is_err() {
+                break;
+            }
+        }
+        tokio::time::sleep_until(t0 + Duration::from_secs_f64((k + 1) as f64 * 0.08)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = tx.send(Message::Close(None)).await;
+    tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or(0)
+}
+
+const MODEL_STAGES: &[&str] = &["encode", "temporal", "depformer", "decode"];
+
+fn main() {
+    let server = start();
+    let pid = server.child.id();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let rss0 = rss_mib(pid);
+    println!(
+        "duplex serve, tiny pack, {} cores, {SECONDS} s per level",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("server at rest: {rss0:.0} MiB resident\n");
+    println!(
+        "{:>8} {:>10} {:>10} {:>8} {:>8} {:>13} {:>14} {:>9} {:>10}",
+        "sessions",
+        "lat p50 ms",
+        "lat p90 ms",
+        "late",
+        "dropped",
+        "cpu/sess/s",
+        "outside models",
+        "RSS MiB",
+        "MiB/sess"
+    );
+    let mut capacity = 0;
+    for &n in LEVELS {
+        let m0 = http_get(server.port, "/metrics");
+        let cpu0 = cpu_seconds(pid);
+        let port = server.port;
+        // Just before the clients stop: resident memory with every session live, and the CPU
+        // of the process and of the model stages' threads (which end with their sessions).
+        let sampler = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
+            (rss_mib(pid), cpu_seconds(pid), model_thread_seconds(pid))
+        });
+        let got: Vec<usize> = rt.block_on(async {
+            let tasks: Vec<_> = (0..n)
+                .map(|_| tokio::spawn(client(port, SECONDS, false)))
+                .collect();
+            let mut v = Vec::new();
+            for t in tasks {
+                v.push(t.await.unwrap_or(0));
+            }
+            v
+        });
+        let (rss, cpu_at, model) = sampler.join().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let m1 = http_get(server.port, "/metrics");
+        let cpu = cpu_at - cpu0;
+        let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
+        let late = over(&h0, &h1, 0.16);
+        let dropped = sum(&m1, "duplex_edge_dropped_total") - sum(&m0, "duplex_edge_dropped_total");
+        let sess_s = n as f64 * (SECONDS - 0.3);
+        let expected = (SECONDS / 0.04) as usize;
+        let short = got.iter().filter(|&&g| g + 10 < expected).count();
+        println!(
+            "{:>8} {:>10.1} {:>10.1} {:>8} {:>8} {:>11.1} ms {:>11.1} ms {:>9.0} {:>10.1}{}",
+            n,
+            quantile(&h0, &h1, 0.5) * 1e3,
+            quantile(&h0, &h1, 0.9) * 1e3,
+            late,
+            dropped,
+            cpu / sess_s * 1e3,
+            (cpu - model) / sess_s * 1e3,
+            rss,
+            (rss - rss0) / n as f64,
+            if short > 0 {
+                format!("  ({short} clients got less audio than sent)")
+            } else {
+                String::new()
+            }
+        );
+        if late == 0.0 && dropped == 0.0 && short == 0 {
+            capacity = n;
+        } else {
+            break;
+        }
+    }
+    println!("\nkeeps up with {capacity} concurrent real-time sessions (no frame later than 160 ms, none dropped)");
+
+    // Quiet sessions: the clock keeps running on silence.
+    let n = 4;
+    let rss_before = rss_mib(pid);
+    let cpu0 = cpu_seconds(pid);
+    let port = server.port;
+    let sampler = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs_f64(SECONDS / 2.0));
+        rss_mib(pid)
+    });
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(client(port, SECONDS, true)))
+            .collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    let rss = sampler.join().unwrap();
+    let cpu = cpu_seconds(pid) - cpu0;
+    println!(
+        "{n} quiet sessions: {:.1} ms CPU per session per second, {:.1} MiB resident per session",
+        cpu / (n as f64 * SECONDS) * 1e3,
+        (rss - rss_before) / n as f64
+    );
+}
