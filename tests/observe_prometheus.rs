@@ -373,10 +373,21 @@ fn prometheus_scrapes_duplex_serve_and_the_autoscaler_metric_counts_slots() {
         assert!(n > 0, "no data for {e}");
     }
     // The sessions' verdicts and real-time factor, published together by the server.
-    let v = query(pport, "duplex_latency_pattern{stage=\"temporal\",pattern=\"steady\"} == 1");
-    assert_eq!(v["data"]["result"].as_array().map(|a| a.len()), Some(1), "{v}");
+    let v = query(
+        pport,
+        "duplex_latency_pattern{stage=\"temporal\",pattern=\"steady\"} == 1",
+    );
+    assert_eq!(
+        v["data"]["result"].as_array().map(|a| a.len()),
+        Some(1),
+        "{v}"
+    );
     let v = query(pport, "duplex_realtime_factor > 0");
-    assert_eq!(v["data"]["result"].as_array().map(|a| a.len()), Some(1), "{v}");
+    assert_eq!(
+        v["data"]["result"].as_array().map(|a| a.len()),
+        Some(1),
+        "{v}"
+    );
     let v = query(pport, "duplex:sessions:utilization");
     assert_eq!(v["data"]["result"][0]["value"][1], "1", "{v}");
     let (_, _, alerts) = expressions();

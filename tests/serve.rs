@@ -259,11 +259,14 @@ fn four_concurrent_sessions_keep_up_and_stay_independent() {
 
 #[test]
 fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
-    let server = Server::start("max_sessions: 2\nlimits:\n  idle_timeout_s: 60\n", 240);
+    let server = Server::start(
+        "max_sessions: 2\nmax_connections_per_ip: 4\nlimits:\n  idle_timeout_s: 60\n",
+        240,
+    );
     assert_eq!(server.get("/readyz").0, 200);
     assert_eq!(server.get("/healthz").0, 200);
     // Two clients that hold their session (sending nothing: the server feeds silence).
-    let holders: Vec<_> = [4.0, 12.0]
+    let holders: Vec<_> = [30.0, 30.0]
         .iter()
         .map(|s| {
             let mut c = client_command(&server.url(), &["--silent", &s.to_string(), "--tail", "0"]);
@@ -293,8 +296,23 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
         );
         assert!(s["silence_frames"].as_u64().is_some(), "{s}");
     }
-    // The first holder leaves: a slot is free again.
+    // Beyond the per-address limit (two holders and two quiet connections make four), 429.
+    let quiet: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let over = client(&server.url(), &["--silent", "0.2"]);
+    assert_eq!(over["refused"]["status"], 429, "{over}");
+    drop(quiet);
+    std::thread::sleep(Duration::from_millis(200));
+    let m = server.metrics();
+    assert!(
+        m.contains("duplex_sessions_refused_total{reason=\"per_ip\"} 1"),
+        "{m}"
+    );
+    // The first holder leaves (killed: its connection drops): a slot is free again.
     let mut holders = holders;
+    let _ = holders[0].kill();
     let _ = holders[0].wait();
     server.wait_sessions(1, 20);
     assert_eq!(server.get("/readyz").0, 200);
@@ -307,7 +325,7 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
 #[test]
 fn bad_clients_are_refused_alone_and_the_healthy_session_never_notices() {
     let server = Server::start(
-        "max_sessions: 12\nlimits:\n  idle_timeout_s: 2\n  stall_timeout_s: 2\n",
+        "max_sessions: 12\nmax_connections_per_ip: 400\nlimits:\n  idle_timeout_s: 2\n  stall_timeout_s: 2\n  handshake_timeout_s: 1\n",
         240,
     );
     let wav = server.dir.path().join("in.wav");
@@ -407,6 +425,17 @@ fn bad_clients_are_refused_alone_and_the_healthy_session_never_notices() {
     let _ = doomed.kill();
     let _ = doomed.wait();
 
+    // The quiet connections were closed (they never sent a request), the healthy one was not.
+    for mut c in idle.iter().take(3) {
+        use std::io::Read;
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(
+            c.read(&mut b).ok(),
+            Some(0),
+            "a connection that said nothing was kept"
+        );
+    }
     let h = healthy.join().unwrap();
     assert!(h["errors"].as_array().unwrap().is_empty(), "{h}");
     let samples = h["samples"].as_i64().unwrap();
@@ -426,12 +455,14 @@ fn bad_clients_are_refused_alone_and_the_healthy_session_never_notices() {
         "duplex_sessions_ended_total{outcome=\"idle\"}",
         "duplex_sessions_ended_total{outcome=\"failed\"}",
         "duplex_sessions_ended_total{outcome=\"stalled\"}",
+        "duplex_connections_closed_total{reason=\"no_request\"} 2",
     ] {
         assert!(m.contains(needle), "{needle} not counted:\n{m}");
     }
     // Each case is logged once, not once per message.
     let log = server.log();
     assert_eq!(log.matches("unknown kind").count(), 1, "{log}");
+    assert_eq!(log.matches("sent no request").count(), 1, "{log}");
 }
 
 #[test]

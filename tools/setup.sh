@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -110,9 +110,10 @@ if [[ -n $wrong ]]; then
 fi
 
 # --- Independent implementations for the protocol tests ------------------------------------------
-# The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus) and aiohttp
-# (WebSocket), never only duplex on both ends; kubernetes-validate checks deploy/kubernetes.
-TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 kubernetes-validate==1.37.0)
+# The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus), opuslib (the
+# system's libopus, for the web client's 20 ms frames) and aiohttp (WebSocket), never only duplex
+# on both ends; kubernetes-validate checks deploy/kubernetes.
+TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 opuslib==3.0.1 kubernetes-validate==1.37.0)
 wrong=$(missing_pins "${TEST_PACKAGES[@]}")
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"

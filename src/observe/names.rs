@@ -80,3 +80,9 @@ pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
 /// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary`): protocol
 /// errors of clients.
 pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";
+/// Gauge: TCP connections open to the server (sessions, requests, and connections that have
+/// not said anything yet).
+pub const CONNECTIONS_OPEN: &str = "duplex_connections_open";
+/// Counter, label `reason` (`no_request|error`): connections closed by the server before or
+/// outside a session (`no_request`: nothing within `limits.handshake_timeout_s`).
+pub const CONNECTIONS_CLOSED: &str = "duplex_connections_closed_total";

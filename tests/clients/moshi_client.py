@@ -4,9 +4,9 @@
 Two behaviours (PROTOCOL.md):
   --mode kyutai  as Kyutai's Python client: no query string, does not wait for the handshake,
                  sends what `sphn.OpusStreamWriter.append_pcm` returns for each 1920-sample block.
-  --mode web     as the web client: a query string, waits for the handshake, feeds 20 ms of
-                 audio at a time and sends the stream re-cut so that messages hold several pages
-                 or parts of one.
+  --mode web     as the web client: a query string, waits for the handshake, records 20 ms Opus
+                 frames (libopus through opuslib), two per Ogg page, and sends the stream re-cut
+                 so that messages hold several pages or parts of one.
 Other flags make a misbehaving client (--no-read, --silent, --garbage, ...) for the server's
 fault tests. Prints one JSON object with what it saw.
 """
@@ -31,14 +31,51 @@ def ogg_crc(data):
     return crc
 
 
-def ogg_page(packet, serial=1, flags=2):
-    """One Ogg page holding `packet` (under 255 bytes), with a correct checksum."""
-    header = bytearray(b"OggS" + bytes([0, flags]) + (0).to_bytes(8, "little")
-                       + serial.to_bytes(4, "little") + (0).to_bytes(4, "little")
-                       + (0).to_bytes(4, "little") + bytes([1, len(packet)]))
-    page = header + packet
+def ogg_page(packets, serial=1, seq=0, granule=0, flags=0):
+    """One Ogg page (RFC 3533) holding whole `packets`, with a correct checksum."""
+    lacing = bytearray()
+    for p in packets:
+        lacing += bytes([255] * (len(p) // 255) + [len(p) % 255])
+    header = bytearray(b"OggS" + bytes([0, flags]) + granule.to_bytes(8, "little")
+                       + serial.to_bytes(4, "little") + seq.to_bytes(4, "little")
+                       + (0).to_bytes(4, "little") + bytes([len(lacing)]) + lacing)
+    page = header + b"".join(packets)
     page[22:26] = ogg_crc(bytes(page)).to_bytes(4, "little")
     return bytes(page)
+
+
+class WebEncoder:
+    """As the web client records: 20 ms Opus frames (libopus through opuslib, not sphn), two per
+    Ogg page, muxed here (RFC 7845: OpusHead, OpusTags, granules at 48 kHz)."""
+
+    def __init__(self):
+        import opuslib
+        self.enc = opuslib.Encoder(24000, 1, "voip")
+        self.serial, self.seq, self.granule = 0x5EB, 0, 312
+        self.pcm = np.zeros(0, dtype=np.float32)
+        self.packets = []
+        head = b"OpusHead" + bytes([1, 1]) + (312).to_bytes(2, "little") + (24000).to_bytes(4, "little") + bytes(3)
+        vendor = b"test client"
+        tags = b"OpusTags" + len(vendor).to_bytes(4, "little") + vendor + (0).to_bytes(4, "little")
+        self.out = self.page([head], flags=2) + self.page([tags])
+
+    def page(self, packets, flags=0):
+        p = ogg_page(packets, self.serial, self.seq, self.granule if self.seq > 1 else 0, flags)
+        self.seq += 1
+        return p
+
+    def append_pcm(self, pcm):
+        self.pcm = np.concatenate([self.pcm, pcm])
+        while len(self.pcm) >= 480:
+            frame = (np.clip(self.pcm[:480], -1, 1) * 32767).astype(np.int16).tobytes()
+            self.pcm = self.pcm[480:]
+            self.packets.append(self.enc.encode(frame, 480))
+            self.granule += 960
+            if len(self.packets) == 2:
+                self.out += self.page(self.packets)
+                self.packets = []
+        out, self.out = self.out, b""
+        return out
 
 
 def never_read(url, hold):
@@ -152,7 +189,7 @@ async def main():
         rx = None if args.no_read else asyncio.create_task(receive())
 
         if args.vorbis:
-            await ws.send_bytes(b"\x01" + ogg_page(b"\x01vorbis" + bytes(23)))
+            await ws.send_bytes(b"\x01" + ogg_page([b"\x01vorbis" + bytes(23)], flags=2))
         if args.truncate:
             w = sphn.OpusStreamWriter(24000)
             data = bytes(w.append_pcm(np.zeros(1920 * 3, dtype=np.float32)))
@@ -168,7 +205,7 @@ async def main():
             await asyncio.sleep(args.silent)
         if args.wav:
             pcm = load(args.wav, args.seconds)
-            writer = sphn.OpusStreamWriter(24000)
+            writer = sphn.OpusStreamWriter(24000) if args.mode == "kyutai" else WebEncoder()
             if args.mode == "web":
                 await asyncio.wait_for(handshake.wait(), 30)
             start = time.monotonic()

@@ -29,6 +29,9 @@ use crate::stages::Registry;
 
 pub use config::{load as load_config, ServeConfig};
 
+/// Whether a connection closed for sending no request has been logged (once per process).
+static QUIET_WARNED: AtomicBool = AtomicBool::new(false);
+
 /// The kernel's send buffer per connection, bytes (about 2 s of the agent's audio).
 const SEND_BUFFER: usize = 32 * 1024;
 
@@ -72,16 +75,27 @@ pub(crate) struct Server {
     active: metrics::Gauge,
 }
 
-/// A reserved session slot and connection count, given back when dropped.
+/// A reserved session slot, given back when dropped.
 pub(crate) struct Admission {
     server: Arc<Server>,
-    ip: IpAddr,
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
         let left = self.server.taken.fetch_sub(1, Ordering::AcqRel) - 1;
         self.server.active.set(left as f64);
+    }
+}
+
+/// One open TCP connection of a client address, counted until dropped.
+pub(crate) struct Connection {
+    server: Arc<Server>,
+    ip: IpAddr,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        metrics::gauge!(names::CONNECTIONS_OPEN).decrement(1.0);
         if let Ok(mut m) = self.server.per_ip.lock() {
             if let Some(n) = m.get_mut(&self.ip) {
                 *n -= 1;
@@ -94,22 +108,27 @@ impl Drop for Admission {
 }
 
 impl Server {
-    /// Reserves a slot for a client at `ip`, or says why not (and counts it).
+    /// Counts a new connection from `ip`, or `None` when that address has
+    /// `max_connections_per_ip` open already.
+    fn connect(self: &Arc<Self>, ip: IpAddr) -> Option<Connection> {
+        let mut m = self.per_ip.lock().ok()?;
+        let n = m.entry(ip).or_insert(0);
+        if *n >= self.cfg.max_connections_per_ip {
+            return None;
+        }
+        *n += 1;
+        metrics::gauge!(names::CONNECTIONS_OPEN).increment(1.0);
+        Some(Connection {
+            server: self.clone(),
+            ip,
+        })
+    }
+
+    /// Reserves a session slot for a client at `ip`, or says why not (and counts it).
     fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Admission, Box<Response>> {
-        let refuse = |reason: &'static str, status: StatusCode, retry: u64, msg: String| {
-            metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).increment(1);
-            tracing::info!(client = %ip, reason, "session refused");
-            Box::new(
-                (
-                    status,
-                    [(header::RETRY_AFTER, retry.to_string())],
-                    format!("{msg}\n"),
-                )
-                    .into_response(),
-            )
-        };
         if self.draining.load(Ordering::Acquire) {
-            return Err(refuse(
+            return Err(refusal(
+                ip,
                 "draining",
                 StatusCode::SERVICE_UNAVAILABLE,
                 30,
@@ -117,56 +136,33 @@ impl Server {
             ));
         }
         if !self.ready.load(Ordering::Acquire) {
-            return Err(refuse(
+            return Err(refusal(
+                ip,
                 "not_ready",
                 StatusCode::SERVICE_UNAVAILABLE,
                 5,
                 "the models are still loading".into(),
             ));
         }
-        {
-            let mut m = self.per_ip.lock().map_err(|_| {
-                Box::new((StatusCode::INTERNAL_SERVER_ERROR, "poisoned lock").into_response())
-            })?;
-            let n = m.entry(ip).or_insert(0);
-            if *n >= self.cfg.max_connections_per_ip {
-                let limit = self.cfg.max_connections_per_ip;
-                drop(m);
-                return Err(refuse(
-                    "per_ip",
-                    StatusCode::TOO_MANY_REQUESTS,
-                    5,
-                    format!("{limit} sessions from {ip} already (max_connections_per_ip)"),
-                ));
-            }
-            *n += 1;
-        }
         let max = self.cfg.max_sessions;
-        let got = self
+        match self
             .taken
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
                 (t < max).then_some(t + 1)
-            });
-        let admission = Admission {
-            server: self.clone(),
-            ip,
-        };
-        match got {
+            }) {
             Ok(t) => {
                 self.active.set((t + 1) as f64);
-                Ok(admission)
+                Ok(Admission {
+                    server: self.clone(),
+                })
             }
-            Err(_) => {
-                // Gives the connection count back, and the slot it never took: take one first.
-                self.taken.fetch_add(1, Ordering::AcqRel);
-                drop(admission);
-                Err(refuse(
-                    "full",
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    5,
-                    format!("all {max} session slots are in use: try again shortly"),
-                ))
-            }
+            Err(_) => Err(refusal(
+                ip,
+                "full",
+                StatusCode::SERVICE_UNAVAILABLE,
+                5,
+                format!("all {max} session slots are in use: try again shortly"),
+            )),
         }
     }
 
@@ -274,20 +270,10 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
     tokio::spawn(publish_together(server.clone()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(drain_on_signal(server.clone(), done_tx));
-    // Small frames must leave at once (no Nagle delay), and a client that stops reading may
-    // hold only a bounded amount in the kernel: its stall is then seen within seconds.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-        let _ = tcp.set_nodelay(true);
-        let _ = socket2::SockRef::from(&*tcp).set_send_buffer_size(SEND_BUFFER);
-    });
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
+    let mut done = std::pin::pin!(async {
         let _ = done_rx.await;
-    })
-    .await?;
+    });
+    accept(&server, listener, app, &mut done).await;
     tracing::info!("stopped");
     Ok(())
 }
@@ -342,6 +328,26 @@ async fn publish_together(server: Arc<Server>) {
     }
 }
 
+/// A refusal before the upgrade, counted by `reason` and logged.
+fn refusal(
+    ip: IpAddr,
+    reason: &'static str,
+    status: StatusCode,
+    retry_after: u64,
+    msg: String,
+) -> Box<Response> {
+    metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).increment(1);
+    tracing::info!(client = %ip, reason, "refused: {msg}");
+    Box::new(
+        (
+            status,
+            [(header::RETRY_AFTER, retry_after.to_string())],
+            format!("{msg}\n"),
+        )
+            .into_response(),
+    )
+}
+
 /// Every session series exists from the start, at zero: rates and alerts need no first event.
 fn register_series() {
     metrics::counter!(names::SESSIONS_ADMITTED).absolute(0);
@@ -359,7 +365,100 @@ fn register_series() {
         metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).absolute(0);
     }
     metrics::counter!(names::SESSION_SILENCE).absolute(0);
+    for reason in ["no_request", "error"] {
+        metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).absolute(0);
+    }
     metrics::counter!(names::SESSION_STALLS).absolute(0);
+}
+
+/// Accepts connections until `done`: each one counted against its address's limit (one over
+/// it gets 429 and is closed), with small frames sent at once, a bounded kernel send buffer (a
+/// client that stops reading is seen within seconds), and the request head due within
+/// `limits.handshake_timeout_s` (a connection that never says anything is closed).
+async fn accept(
+    server: &Arc<Server>,
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    done: &mut (impl std::future::Future<Output = ()> + Unpin),
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use tower::ServiceExt;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(server.cfg.limits.handshake_timeout);
+    let over_limit =
+        axum::Router::new().fallback(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
+            let limit = "max_connections_per_ip";
+            *refusal(
+                peer.ip(),
+                "per_ip",
+                StatusCode::TOO_MANY_REQUESTS,
+                5,
+                format!("too many connections from {} ({limit})", peer.ip()),
+            )
+        });
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut *done => return,
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors, most likely: wait rather than spin.
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let _ = socket2::SockRef::from(&tcp).set_send_buffer_size(SEND_BUFFER);
+        // Shared with the session when the connection becomes one: an upgraded connection
+        // leaves hyper, and stays counted until the session ends.
+        let conn = server.connect(peer.ip()).map(Arc::new);
+        let routes = if conn.is_some() {
+            app.clone()
+        } else {
+            over_limit.clone()
+        };
+        let held = conn.clone();
+        let svc = routes.map_request(move |r: hyper::Request<hyper::body::Incoming>| {
+            let mut r = r.map(axum::body::Body::new);
+            r.extensions_mut().insert(ConnectInfo(peer));
+            if let Some(c) = &held {
+                r.extensions_mut().insert(c.clone());
+            }
+            r
+        });
+        let serving = http
+            .clone()
+            .keep_alive(conn.is_some())
+            .serve_connection(
+                TokioIo::new(tcp),
+                hyper_util::service::TowerToHyperService::new(svc),
+            )
+            .with_upgrades();
+        tokio::spawn(async move {
+            if let Err(e) = serving.await {
+                let reason = if e.is_timeout() {
+                    "no_request"
+                } else {
+                    "error"
+                };
+                metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).increment(1);
+                if reason == "no_request" && !QUIET_WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        client = %peer,
+                        "closed a connection that sent no request within limits.handshake_timeout_s \
+                         (further ones are only counted: {})",
+                        names::CONNECTIONS_CLOSED
+                    );
+                } else {
+                    tracing::debug!(client = %peer, "connection: {e}");
+                }
+            }
+            drop(conn);
+        });
+    }
 }
 
 /// SIGINT/SIGTERM: stop admitting, let sessions run up to `drain_timeout`, close them, and
@@ -417,6 +516,7 @@ async fn drain_on_signal(server: Arc<Server>, done: tokio::sync::oneshot::Sender
 async fn chat(
     State(server): State<Arc<Server>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::Extension(conn): axum::Extension<Arc<Connection>>,
     RawQuery(query): RawQuery,
     ws: WebSocketUpgrade,
 ) -> Response {
@@ -436,7 +536,10 @@ async fn chat(
     ws.max_message_size(limit)
         .max_frame_size(limit)
         .on_failed_upgrade(move |e| tracing::info!(client = %peer, "WebSocket upgrade failed: {e}"))
-        .on_upgrade(move |socket| session::run(server, socket, peer, query, admission))
+        .on_upgrade(move |socket| async move {
+            session::run(server, socket, peer, query, admission).await;
+            drop(conn);
+        })
 }
 
 /// `k=v&k2=v2`, percent-decoded (`+` is a space).
