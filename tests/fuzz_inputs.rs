@@ -1,6 +1,7 @@
 //! The bad-input suite: generated inputs to every parser that takes outside input (pipeline and
 //! daemon YAML with their `--set` and environment layers, `pack.yaml`, codes JSON, WAV files,
-//! control-socket lines), most of them almost valid so that they reach the deep checks, some
+//! control-socket lines, a network client's Ogg/Opus stream cut into messages anywhere, the query
+//! parameters of `/api/chat`), most of them almost valid so that they reach the deep checks, some
 //! hostile (alias bombs, deep nesting, lying headers). Every case asserts: no panic, a bounded
 //! cost (memory allocated by the parsing thread; a deadline far above any real cost, to catch
 //! hangs), and an error that names its source (the file, the variable, the flag).
@@ -901,4 +902,138 @@ fn control_socket_takes_any_bytes() {
     let mut reply = String::new();
     s.read_to_string(&mut reply).unwrap();
     assert!(reply.contains("\"ready\":true"), "{reply}");
+}
+
+/// A client's Ogg/Opus stream: a valid one of a few packets, then damaged (bytes flipped, cut,
+/// garbage spliced in), and the cut points of the messages it arrives in.
+fn client_stream() -> impl Strategy<Value = (Vec<u8>, Vec<usize>)> {
+    let valid = (1usize..8, 0u32..3).prop_map(|(packets, serial)| {
+        let mut w = duplex::audio::opus::OggOpusWriter::new(serial, None).unwrap();
+        let pcm: Vec<f32> = (0..packets * 960)
+            .map(|i| (i as f32 * 0.05).sin() * 0.4)
+            .collect();
+        let mut pages = w.push(&pcm).unwrap();
+        pages.extend(w.flush().unwrap());
+        pages.concat()
+    });
+    (
+        valid,
+        prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..4), 0..6),
+        prop::collection::vec(1usize..300, 0..40),
+    )
+        .prop_map(|(mut bytes, edits, cuts)| {
+            for (at, b, how) in edits {
+                if bytes.is_empty() {
+                    break;
+                }
+                let i = at.index(bytes.len());
+                match how {
+                    0 => bytes[i] ^= b | 1,
+                    1 => bytes.truncate(i),
+                    2 => {
+                        let junk: Vec<u8> =
+                            (0..b as usize).map(|k| (k as u8).wrapping_mul(b)).collect();
+                        bytes.splice(i..i, junk);
+                    }
+                    _ => bytes[i] = b,
+                }
+            }
+            (bytes, cuts)
+        })
+}
+
+proptest! {
+    #![proptest_config(config(1500))]
+
+    #[test]
+    fn client_audio_streams((bytes, cuts) in client_stream()) {
+        use duplex::audio::opus::{OggOpusReader, StreamError};
+        let r = bounded("an Ogg/Opus stream", || {
+            let mut reader = OggOpusReader::new();
+            let mut out = Vec::new();
+            let mut rest: &[u8] = &bytes;
+            let mut cuts = cuts.iter().cycle();
+            while !rest.is_empty() {
+                let n = (*cuts.next().unwrap_or(&rest.len())).min(rest.len());
+                reader.push(&rest[..n], &mut out)?;
+                rest = &rest[n..];
+            }
+            Ok::<usize, StreamError>(out.len())
+        });
+        match r {
+            // At most what the packets hold: 8 packets of 40 ms, and a pre-skip dropped.
+            Ok(n) => prop_assert!(n <= 8 * 960 + 2880, "{n} samples"),
+            Err(e) => {
+                let m = e.to_string();
+                prop_assert!(
+                    m.starts_with("not an Ogg stream")
+                        || m.starts_with("damaged Ogg page")
+                        || m.starts_with("not an Opus stream")
+                        || m.starts_with("Opus packet"),
+                    "{m}"
+                );
+                prop_assert!(m.len() < 300, "{m}");
+            }
+        }
+    }
+}
+
+/// Query strings of `/api/chat` as clients send them, and worse.
+fn query_pairs() -> impl Strategy<Value = Vec<(String, String)>> {
+    let key = prop::sample::select(vec![
+        "text_temperature",
+        "text_topk",
+        "audio_temperature",
+        "audio_topk",
+        "text_seed",
+        "audio_seed",
+        "text_prompt",
+        "voice_prompt",
+        "worker_auth_id",
+        "email",
+        "",
+    ]);
+    let v = prop_oneof![
+        value(),
+        "[0-9]{0,3}(\\.[0-9]{0,3})?",
+        "-?[0-9]{1,25}",
+        prop::sample::select(vec![
+            "NaN",
+            "inf",
+            "-0",
+            "1e400",
+            "../x.wav",
+            "a/b.wav",
+            "<system> hi <system>"
+        ])
+        .prop_map(String::from),
+        prop::collection::vec(any::<char>(), 0..50).prop_map(|c| c.into_iter().collect()),
+    ];
+    prop::collection::vec((key.prop_map(String::from), v), 0..8)
+}
+
+proptest! {
+    #![proptest_config(config(2000))]
+
+    #[test]
+    fn chat_query_parameters(pairs in query_pairs()) {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let env: HashMap<String, String> = [(
+            "DUPLEX__PIPELINE".to_string(),
+            root.join("pipelines/serve.yaml").display().to_string(),
+        )]
+        .into();
+        let cfg = duplex::app::serve::load_config(None, Some(env)).unwrap();
+        let r = bounded("query parameters", || cfg.session_params(&pairs));
+        match r {
+            Ok(p) => {
+                prop_assert!(p.sampling.text_temperature.is_finite() && p.sampling.audio_temperature.is_finite());
+                prop_assert!(p.voice.is_none(), "no voices folder, yet a voice: {p:?}");
+            }
+            Err(m) => {
+                prop_assert!(m.contains("query parameter") || m.contains("voice prompt"), "{m}");
+                prop_assert!(m.len() < 400, "{m}");
+            }
+        }
+    }
 }

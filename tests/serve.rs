@@ -205,6 +205,9 @@ fn four_concurrent_sessions_keep_up_and_stay_independent() {
                         &w,
                         "--seconds",
                         &secs,
+                        // A player with a 500 ms buffer: real time, with room for noise.
+                        "--playout-ms",
+                        "500",
                     ],
                 )
             })
@@ -233,6 +236,7 @@ fn four_concurrent_sessions_keep_up_and_stay_independent() {
             "session {i} fell behind: {samples} samples"
         );
         assert!(logs[i].len() >= 70, "session {i}: {} frames", logs[i].len());
+        assert_eq!(r["underruns"], 0, "session {i} ran dry at the client: {r}");
     }
     assert_eq!(
         tokens(&logs[0]),
@@ -260,7 +264,7 @@ fn four_concurrent_sessions_keep_up_and_stay_independent() {
 #[test]
 fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
     let server = Server::start(
-        "max_sessions: 2\nmax_connections_per_ip: 4\nlimits:\n  idle_timeout_s: 60\n",
+        "max_sessions: 2\nmax_connections_per_ip: 3\nlimits:\n  idle_timeout_s: 60\n",
         240,
     );
     assert_eq!(server.get("/readyz").0, 200);
@@ -296,18 +300,31 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
         );
         assert!(s["silence_frames"].as_u64().is_some(), "{s}");
     }
-    // Beyond the per-address limit (two holders and two quiet connections make four), 429.
-    let quiet: Vec<_> = (0..2)
-        .map(|_| std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap())
-        .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // Beyond the per-address limit (two sessions and a quiet connection make three), 429 for
+    // any request, a session's or not.
+    let quiet = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let t0 = Instant::now();
+    while server.get("/healthz").0 != 429 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the quiet connection is not counted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let over = client(&server.url(), &["--silent", "0.2"]);
     assert_eq!(over["refused"]["status"], 429, "{over}");
     drop(quiet);
-    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    while server.get("/healthz").0 != 200 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the closed connection is still counted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let m = server.metrics();
     assert!(
-        m.contains("duplex_sessions_refused_total{reason=\"per_ip\"} 1"),
+        serve::metric_value_of(&m, "duplex_sessions_refused_total{reason=\"per_ip\"}") >= 2.0,
         "{m}"
     );
     // The first holder leaves (killed: its connection drops): a slot is free again.
@@ -601,4 +618,61 @@ fn check_validates_everything_and_bad_settings_name_their_file_key_or_variable()
     let (code, _, err) = serve_cmd(root, &["--config", c], &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains(&addr) && err.contains("address"), "{err}");
+}
+
+#[test]
+fn a_voice_prompt_names_a_file_of_the_voices_folder_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let voices = dir.path().join("voices");
+    std::fs::create_dir(&voices).unwrap();
+    speech_wav(&voices.join("calm.wav"), 1.0, 150.0);
+    let server = Server::start(&format!("voices: {}\n", voices.display()), 240);
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 1.0, 200.0);
+    let w = wav.to_str().unwrap();
+    let r = client(
+        &server.url(),
+        &[
+            "--mode",
+            "web",
+            "--query",
+            "voice_prompt=calm.wav",
+            "--wav",
+            w,
+        ],
+    );
+    assert!(
+        r["handshake_s"].is_number() && r["samples"].as_i64().unwrap() > 0,
+        "{r}"
+    );
+    // Primed with the voice: 12 frames of it besides the usual warm-up and spacers.
+    let log = server.log();
+    let steps: Vec<u64> = log
+        .lines()
+        .filter_map(|l| {
+            l.split("primed steps=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(steps.len(), 1, "{log}");
+    for bad in ["missing.wav", "../voices/calm.wav", "%2Fetc%2Fpasswd"] {
+        let r = client(
+            &server.url(),
+            &[
+                "--mode",
+                "web",
+                "--query",
+                &format!("voice_prompt={bad}"),
+                "--wav",
+                w,
+            ],
+        );
+        let errors = r["errors"].to_string();
+        assert!(errors.contains("voice prompt"), "{bad}: {r}");
+        assert!(r["handshake_s"].is_null(), "{bad}: a session started: {r}");
+    }
 }

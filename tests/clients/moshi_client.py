@@ -113,6 +113,22 @@ def never_read(url, hold):
     print(json.dumps({"status": status, "closed_after_s": closed_after}))
 
 
+def underruns(arrivals, buffer_s):
+    """Underruns of a player that starts `buffer_s` after the first audio and plays at 24 kHz,
+    re-buffering the same after each underrun (what a browser's jitter buffer would do)."""
+    if not arrivals:
+        return 0
+    count, have = 0, 0
+    start = arrivals[0][0] + buffer_s
+    for at, n in arrivals:
+        played = (at - start) * 24000
+        if played > have:
+            count += 1
+            start = at + buffer_s - have / 24000
+        have += n
+    return count
+
+
 def load(path, seconds):
     pcm, sr = sphn.read(path, sample_rate=24000)
     pcm = np.asarray(pcm, dtype=np.float32)
@@ -132,6 +148,7 @@ async def main():
     ap.add_argument("--seconds", type=float, default=0)
     ap.add_argument("--tail", type=float, default=1.5, help="seconds to keep listening after the input")
     ap.add_argument("--out-wav")
+    ap.add_argument("--playout-ms", type=float, default=200, help="the simulated player's buffer")
     ap.add_argument("--no-read", action="store_true", help="never read what the server sends")
     ap.add_argument("--silent", type=float, default=0, help="send nothing, stay this long")
     ap.add_argument("--send-raw", help="hex bytes to send as one message before the audio")
@@ -151,6 +168,7 @@ async def main():
               "kinds": {}, "close_code": None, "sent_s": 0.0}
     reader = sphn.OpusStreamReader(24000)
     pcm_out = []
+    arrivals = []
     t0 = time.monotonic()
     handshake = asyncio.Event()
 
@@ -180,6 +198,7 @@ async def main():
                         if result["first_audio_s"] is None:
                             result["first_audio_s"] = time.monotonic() - t0
                         pcm_out.append(np.asarray(pcm, dtype=np.float32))
+                        arrivals.append((time.monotonic(), len(pcm)))
                 elif kind == 2:
                     result["text"].append(data[1:].decode("utf-8"))
                 elif kind == 5:
@@ -207,7 +226,13 @@ async def main():
             pcm = load(args.wav, args.seconds)
             writer = sphn.OpusStreamWriter(24000) if args.mode == "kyutai" else WebEncoder()
             if args.mode == "web":
-                await asyncio.wait_for(handshake.wait(), 30)
+                # Until the handshake, or until the server has closed (an error instead).
+                waiter = asyncio.create_task(handshake.wait())
+                await asyncio.wait([waiter] + ([rx] if rx else []), timeout=30,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not handshake.is_set():
+                    pcm = pcm[:0]
             start = time.monotonic()
             step = 1920 if args.mode == "kyutai" else 480
             pending = b""
@@ -254,6 +279,7 @@ async def main():
                 pass
         if result["close_code"] is None:
             result["close_code"] = ws.close_code
+    result["underruns"] = underruns(arrivals, args.playout_ms / 1000)
     if pcm_out:
         pcm = np.concatenate(pcm_out)
         result["samples"] = int(len(pcm))

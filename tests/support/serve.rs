@@ -224,3 +224,13 @@ pub fn token_log(path: &Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// The value of the series `name` (with its labels as rendered) in a Prometheus rendering, 0
+/// when absent.
+pub fn metric_value_of(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.rsplit_once(' ').map(|x| x.0) == Some(series))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
