@@ -38,6 +38,8 @@ pub struct LinkStats {
     /// Set once the client has been told the session is ready: the input stage's idle clock
     /// starts then.
     pub open: AtomicBool,
+    /// Server latency (a frame's arrival → its agent audio leaving), smoothed, microseconds.
+    pub latency_us: AtomicU64,
 }
 
 impl LinkStats {
@@ -175,6 +177,18 @@ pub struct Output {
 }
 
 impl Output {
+    /// Records the server latency of a frame (smoothed over about 16 frames).
+    pub fn latency(&self, d: Duration) {
+        let now = d.as_micros().min(u64::MAX as u128) as u64;
+        let old = self.stats.latency_us.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            now
+        } else {
+            old - old / 16 + now / 16
+        };
+        self.stats.latency_us.store(new, Ordering::Relaxed);
+    }
+
     /// Offers a message.
     ///
     /// # Errors

@@ -8,14 +8,15 @@
 #   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
 #     real, paced sound device without a sound card
 #   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
-#   - sphn and aiohttp in .venv: independent clients of `duplex serve` in the tests
+#   - sphn, opuslib and aiohttp in .venv: independent clients of `duplex serve` in the tests, and
+#     Chromium (headless) for the browser client's tests
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }

@@ -284,6 +284,15 @@ impl Context<'_> {
                 .load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Runs `wait` (a blocking wait for something outside the pipeline: a network client's
+    /// next message) without counting its time as service time.
+    pub fn waiting<T>(&mut self, wait: impl FnOnce() -> T) -> T {
+        let t0 = Instant::now();
+        let r = wait();
+        self.blocked += t0.elapsed();
+        r
+    }
+
     /// Sleeps until `deadline`, waking early when the pipeline is asked to stop. Returns `false`
     /// when it woke because of a stop request. The sleep is not counted as service time (a paced
     /// source spends most of its time here).

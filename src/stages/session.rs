@@ -102,7 +102,8 @@ impl Source for SessionIn {
                 return Ok(Flow::Continue);
             }
             let wait = due.map_or(POLL, |d| (d - now).min(POLL));
-            match self.input.recv(wait) {
+            let input = &self.input;
+            match cx.waiting(|| input.recv(wait)) {
                 Received::Chunk(bytes) => {
                     let at = Instant::now();
                     self.last = Some(at);
@@ -136,7 +137,9 @@ impl Stage for AudioOut {
         if let OggOpus::Bytes(b) = f.data {
             // Refused messages are counted by the link; the server closes a stalled client.
             if self.out.offer(Outbound::Audio(b)).is_ok() {
-                self.latency.record(f.meta.origin.elapsed().as_secs_f64());
+                let took = f.meta.origin.elapsed();
+                self.latency.record(took.as_secs_f64());
+                self.out.latency(took);
             }
         }
         Ok(())

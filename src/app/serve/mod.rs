@@ -9,6 +9,7 @@
 
 pub mod config;
 mod session;
+mod web;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -257,6 +258,9 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
         .route("/api/chat", get(chat))
         .route("/readyz", get(readyz))
         .route("/api/sessions", get(sessions))
+        .route("/api/defaults", get(defaults))
+        .route("/api/voices", get(voices))
+        .merge(web::routes())
         .with_state(server.clone())
         .merge(crate::observe::exporter::routes(handle, Some(health)))
         .fallback(crate::observe::exporter::not_found);
@@ -561,12 +565,49 @@ async fn readyz(State(server): State<Arc<Server>>) -> Response {
         "sessions": server.taken.load(Ordering::Acquire),
         "capacity": server.cfg.max_sessions,
     });
-    let status = if ok {
-        StatusCode::OK
+    if ok {
+        (StatusCode::OK, axum::Json(body)).into_response()
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, axum::Json(body)).into_response()
+        let retry = if draining { 30 } else { 5 };
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, retry.to_string())],
+            axum::Json(body),
+        )
+            .into_response()
+    }
+}
+
+/// `/api/defaults`: what a client that sends no query parameters gets.
+async fn defaults(State(server): State<Arc<Server>>) -> Response {
+    let c = &server.cfg;
+    axum::Json(json!({
+        "text_temperature": c.sampling.text_temperature,
+        "text_topk": c.sampling.text_top_k,
+        "audio_temperature": c.sampling.audio_temperature,
+        "audio_topk": c.sampling.audio_top_k,
+        "text_prompt": c.text_prompt,
+        "voice_prompt": c.voice_prompt,
+    }))
+    .into_response()
+}
+
+/// `/api/voices`: the WAV files of the voices folder a client may name with `voice_prompt`.
+async fn voices(State(server): State<Arc<Server>>) -> Response {
+    let mut names: Vec<String> = server
+        .cfg
+        .voices
+        .as_ref()
+        .and_then(|d| std::fs::read_dir(d).ok())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.to_ascii_lowercase().ends_with(".wav"))
+        .collect();
+    names.sort();
+    axum::Json(json!({ "voices": names })).into_response()
 }
 
 async fn sessions(State(server): State<Arc<Server>>) -> Response {
@@ -605,6 +646,7 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     "dropped_out": L::get(&l.stats.dropped_out),
                     "bytes_in": L::get(&l.stats.bytes_in),
                     "bytes_out": L::get(&l.stats.bytes_out),
+                    "server_latency_ms": L::get(&l.stats.latency_us) as f64 / 1000.0,
                 })
             })
             .collect(),

@@ -2,7 +2,8 @@
 //! choices, the handshake once the pipeline is primed, and the bridge between the WebSocket and
 //! the pipeline's session stages until one side ends; then the outcome, counted.
 //!
-//! Message kinds (PROTOCOL.md): 0 handshake, 1 audio, 2 text, 5 error are sent; 1 is read, 3
+//! Message kinds (PROTOCOL.md): 4 metadata (the session id, before the handshake), 0 handshake,
+//! 1 audio, 2 text, 5 error are sent; 1 is read, 3
 //! (control) and unknown kinds are ignored (counted, logged once). The socket is read only once
 //! the session is ready, so what a client sends before the handshake waits in the connection,
 //! not in memory of ours. Writing has its own task: a client that stops reading stalls only that
@@ -28,6 +29,7 @@ const HANDSHAKE: u8 = 0;
 const AUDIO: u8 = 1;
 const TEXT: u8 = 2;
 const CONTROL: u8 = 3;
+const METADATA: u8 = 4;
 const ERROR: u8 = 5;
 
 /// Chunks of client audio that may wait for the pipeline (a few seconds of 20 ms pages).
@@ -314,7 +316,10 @@ async fn bridge(
     let (mut sink, mut stream) = socket.split();
     let mut outcome = None;
     if handle.is_ready() {
-        // The Rust backend's 9-byte handshake: kind 0, protocol version 0, model version 0.
+        // Metadata first (as Kyutai's Rust backend does; our page reads its session id there),
+        // then the 9-byte handshake: kind 0, protocol version 0, model version 0.
+        let meta = serde_json::json!({ "session": id, "server": "duplex" }).to_string();
+        let _ = sink.send(message(METADATA, meta.as_bytes())).await;
         if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
             outcome = Some(Outcome::ClientClosed);
         }

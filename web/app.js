@@ -1,0 +1,332 @@
+// The browser voice chat of `duplex serve`, on the Moshi protocol (kinds 0 handshake, 1 Ogg/Opus
+// audio, 2 text, 4 metadata, 5 error). Microphone -> capture worklet (24 kHz) -> WebCodecs Opus
+// encoder (20 ms) -> Ogg pages (two packets each) -> WebSocket; WebSocket -> Ogg reader ->
+// WebCodecs Opus decoder -> player worklet (jitter buffer) -> speakers. Plain modules, no build.
+
+import { OggReader, OggWriter } from "./ogg.js";
+
+const $ = (id) => document.getElementById(id);
+const KIND = { HANDSHAKE: 0, AUDIO: 1, TEXT: 2, METADATA: 4, ERROR: 5 };
+
+// What the page shows and the tests read.
+const stats = {
+  state: "idle",
+  handshake: false,
+  session: null,
+  sent_packets: 0,
+  received_packets: 0,
+  decoded_samples: 0,
+  text_pieces: 0,
+  player: null,
+  rtt_ms: null,
+  mouth_to_ear_ms: null,
+  realtime_factor: null,
+  verdicts: null,
+  stats_updates: 0,
+  errors: [],
+};
+window.duplexStats = stats;
+
+let call = null; // the live call's resources
+let retryTimer = null;
+
+function setState(s, message = "") {
+  stats.state = s;
+  $("state").textContent = s;
+  $("message").textContent = message;
+  $("connect").disabled = !["idle", "ended", "lost", "full", "error"].includes(s);
+  $("hangup").disabled = !["connecting", "priming", "live"].includes(s);
+  $("connect").textContent = s === "lost" ? "Reconnect" : "Connect";
+}
+
+function missingFeature() {
+  if (!navigator.mediaDevices?.getUserMedia) return "microphone access (getUserMedia)";
+  if (!window.AudioWorkletNode) return "AudioWorklet";
+  if (!window.AudioEncoder || !window.AudioDecoder) return "WebCodecs (AudioEncoder/AudioDecoder)";
+  if (!window.WebSocket) return "WebSocket";
+  return null;
+}
+
+async function loadDefaults() {
+  try {
+    const d = await (await fetch("/api/defaults")).json();
+    for (const k of ["text_temperature", "text_topk", "audio_temperature", "audio_topk"]) {
+      if (d[k] !== undefined) $(k).value = d[k];
+    }
+    if (d.text_prompt) $("persona").placeholder = d.text_prompt;
+    const v = await (await fetch("/api/voices")).json();
+    for (const name of v.voices || []) {
+      const o = document.createElement("option");
+      o.value = o.textContent = name;
+      if (name === d.voice_prompt) o.selected = true;
+      $("voice").append(o);
+    }
+  } catch (e) {
+    // The page still works with the server's defaults.
+  }
+}
+
+function query() {
+  const q = new URLSearchParams();
+  for (const k of ["text_temperature", "text_topk", "audio_temperature", "audio_topk"]) {
+    if ($(k).value !== "") q.set(k, $(k).value);
+  }
+  if ($("persona").value.trim()) q.set("text_prompt", $("persona").value.trim());
+  if ($("voice").value) q.set("voice_prompt", $("voice").value);
+  return q.toString();
+}
+
+async function opusEncoder(onPacket) {
+  const config = { codec: "opus", sampleRate: 24000, numberOfChannels: 1, bitrate: 32000, opus: { frameDuration: 20000 } };
+  const ok = await AudioEncoder.isConfigSupported(config);
+  if (!ok.supported) throw new Error("this browser's WebCodecs cannot encode Opus at 24 kHz");
+  const enc = new AudioEncoder({ output: (chunk) => {
+    const b = new Uint8Array(chunk.byteLength);
+    chunk.copyTo(b);
+    onPacket(b, Math.round((chunk.duration ?? 20000) * 48 / 1000));
+  }, error: (e) => fail(`Opus encoder: ${e.message}`) });
+  enc.configure(config);
+  return enc;
+}
+
+function opusDecoder(head, onPcm) {
+  const dec = new AudioDecoder({ output: (data) => {
+    const pcm = new Float32Array(data.numberOfFrames);
+    data.copyTo(pcm, { planeIndex: 0, format: "f32-planar" });
+    const rate = data.sampleRate;
+    data.close();
+    onPcm(rate === 24000 ? pcm : resample(pcm, rate, 24000));
+  }, error: (e) => fail(`Opus decoder: ${e.message}`) });
+  dec.configure({ codec: "opus", sampleRate: 48000, numberOfChannels: 1, description: head });
+  return dec;
+}
+
+// Linear resampling for a decoder that outputs another rate (WebCodecs decodes Opus at 48 kHz).
+function resample(x, from, to) {
+  const n = Math.floor((x.length * to) / from);
+  const y = new Float32Array(n);
+  for (let i = 0; i < n; i++) {
+    const t = (i * from) / to;
+    const k = Math.floor(t);
+    const f = t - k;
+    y[i] = (x[k] ?? 0) * (1 - f) + (x[k + 1] ?? x[k] ?? 0) * f;
+  }
+  return y;
+}
+
+function fail(msg) {
+  stats.errors.push(msg);
+  hangup("error", msg);
+}
+
+async function connect() {
+  clearTimeout(retryTimer);
+  const missing = missingFeature();
+  if (missing) {
+    setState("error", `This browser lacks ${missing}: use a recent Chrome, Edge or Firefox.`);
+    return;
+  }
+  setState("connecting");
+  $("transcript").textContent = "";
+  const ctx = new AudioContext({ sampleRate: 24000, latencyHint: "interactive" });
+  let mic;
+  try {
+    mic = await navigator.mediaDevices.getUserMedia({
+      audio: { echoCancellation: true, noiseSuppression: false, autoGainControl: false, channelCount: 1 },
+    });
+  } catch (e) {
+    ctx.close();
+    setState("error", e.name === "NotAllowedError"
+      ? "The microphone was refused: allow it in the browser's site settings, then connect again."
+      : `No microphone: ${e.message}`);
+    return;
+  }
+  await ctx.audioWorklet.addModule("/worklets.js");
+  const capture = new AudioWorkletNode(ctx, "capture");
+  const player = new AudioWorkletNode(ctx, "player", { outputChannelCount: [1] });
+  player.connect(ctx.destination);
+  player.port.postMessage({ target_ms: Number($("latency").value) });
+  player.port.onmessage = (e) => { stats.player = e.data; };
+  const source = ctx.createMediaStreamSource(mic);
+  source.connect(capture);
+
+  const proto = location.protocol === "https:" ? "wss" : "ws";
+  const ws = new WebSocket(`${proto}://${location.host}/api/chat?${query()}`);
+  ws.binaryType = "arraybuffer";
+  const writer = new OggWriter({ sampleRate: 24000 });
+  const reader = new OggReader();
+  let decoder = null;
+  let ts = 0;
+  const encoder = await opusEncoder((packet, samples48k) => {
+    stats.sent_packets++;
+    const bytes = writer.push(packet, samples48k);
+    if (bytes.length && ws.readyState === WebSocket.OPEN) {
+      const m = new Uint8Array(bytes.length + 1);
+      m[0] = KIND.AUDIO;
+      m.set(bytes, 1);
+      ws.send(m);
+    }
+  });
+  capture.port.onmessage = (e) => {
+    if (!stats.handshake || encoder.state !== "configured") return;
+    encoder.encode(new AudioData({ format: "f32", sampleRate: 24000, numberOfFrames: e.data.length, numberOfChannels: 1, timestamp: ts, data: e.data }));
+    ts += (e.data.length / 24000) * 1e6;
+  };
+  call = { ctx, mic, ws, encoder, capture, player, timer: null, closing: false };
+  call.timer = setInterval(() => updateStats(), 1000);
+
+  ws.onmessage = (e) => {
+    const b = new Uint8Array(e.data);
+    const payload = b.subarray(1);
+    switch (b[0]) {
+      case KIND.HANDSHAKE:
+        stats.handshake = true;
+        setState("live");
+        break;
+      case KIND.AUDIO:
+        try {
+          for (const p of reader.push(payload)) {
+            if (!decoder) decoder = opusDecoder(reader.head, (pcm) => {
+              stats.decoded_samples += pcm.length;
+              player.port.postMessage({ pcm }, [pcm.buffer]);
+            });
+            stats.received_packets++;
+            decoder.decode(new EncodedAudioChunk({ type: "key", timestamp: stats.received_packets * 40000, data: p }));
+          }
+        } catch (err) {
+          fail(`the server's audio: ${err.message}`);
+        }
+        break;
+      case KIND.TEXT: {
+        stats.text_pieces++;
+        $("transcript").textContent += new TextDecoder().decode(payload);
+        break;
+      }
+      case KIND.METADATA:
+        try { stats.session = JSON.parse(new TextDecoder().decode(payload)).session ?? null; } catch (_) {}
+        break;
+      case KIND.ERROR:
+        stats.errors.push(new TextDecoder().decode(payload));
+        $("message").textContent = new TextDecoder().decode(payload);
+        break;
+      default:
+        break; // the protocol says: ignore unknown kinds
+    }
+  };
+  ws.onopen = () => { if (!stats.handshake) setState("priming"); };
+  ws.onclose = async (e) => {
+    if (!call || call.closing) return;
+    if (!stats.handshake) {
+      // The upgrade was refused, or the server closed before the session started: ask why.
+      try {
+        const r = await fetch("/readyz");
+        const j = await r.json();
+        if (r.status === 503 && j.models_loaded && !j.draining) {
+          const wait = Number(r.headers.get("Retry-After") || 5);
+          hangup("full", `The server is full (${j.sessions} of ${j.capacity} sessions): retrying in ${wait} s.`);
+          retryTimer = setTimeout(connect, wait * 1000);
+          return;
+        }
+      } catch (_) {}
+      hangup("error", $("message").textContent || "The server refused the session.");
+    } else if (e.code === 1000 || e.code === 1001) {
+      hangup("ended", e.code === 1001 ? "The server closed the session." : "The session ended.");
+    } else {
+      hangup("lost", "The connection was lost: reconnect when the server is back.");
+    }
+  };
+}
+
+async function updateStats() {
+  const p = stats.player;
+  if (p) {
+    $("s_buffer").textContent = `${p.depth_ms.toFixed(0)} / ${p.target_ms.toFixed(0)} ms`;
+    $("s_underruns").textContent = `${p.underruns} (${(p.concealed / 24).toFixed(0)} ms)`;
+  }
+  try {
+    const t0 = performance.now();
+    const r = await fetch("/api/sessions", { cache: "no-store" });
+    stats.rtt_ms = performance.now() - t0;
+    const j = await r.json();
+    const me = (j.sessions || []).find((s) => s.id === stats.session) ?? null;
+    if (me) {
+      stats.realtime_factor = me.realtime_factor;
+      stats.verdicts = me.verdicts;
+      const server = me.server_latency_ms ?? 0;
+      const ctx = call?.ctx;
+      const device = ctx ? ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)) * 1000 : 0;
+      // capture block + network both ways + server + jitter buffer + the devices.
+      stats.mouth_to_ear_ms = 20 + stats.rtt_ms + server + (p ? p.depth_ms : 0) + device;
+      $("s_rtf").textContent = me.realtime_factor?.toFixed(2) ?? "–";
+      $("s_verdicts").textContent = Object.entries(me.verdicts || {}).map(([k, v]) => `${k}: ${v}`).join(", ");
+      $("s_m2e").textContent = `${stats.mouth_to_ear_ms.toFixed(0)} ms (server ${server.toFixed(0)} ms)`;
+    }
+    $("s_rtt").textContent = `${stats.rtt_ms.toFixed(0)} ms`;
+    stats.stats_updates++;
+  } catch (_) {}
+}
+
+function hangup(state = "ended", message = "") {
+  if (call) {
+    call.closing = true;
+    clearInterval(call.timer);
+    try { call.ws.close(1000); } catch (_) {}
+    try { call.encoder.close(); } catch (_) {}
+    call.mic.getTracks().forEach((t) => t.stop());
+    call.ctx.close();
+    call = null;
+  }
+  stats.handshake = false;
+  setState(state, message);
+}
+
+$("connect").addEventListener("click", connect);
+$("hangup").addEventListener("click", () => { clearTimeout(retryTimer); hangup("ended"); });
+$("latency").addEventListener("input", () => {
+  $("latency_ms").textContent = `${$("latency").value} ms`;
+  call?.player.port.postMessage({ target_ms: Number($("latency").value) });
+});
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape" && call) hangup("ended");
+});
+
+// For tests: the page's own Ogg/Opus path, without a call.
+window.duplexCodec = {
+  async encode(samples) {
+    const writer = new OggWriter({ sampleRate: 24000 });
+    const parts = [];
+    const enc = await opusEncoder((p, n) => parts.push(writer.push(p, n)));
+    const x = Float32Array.from(samples);
+    for (let i = 0; i + 480 <= x.length; i += 480) {
+      enc.encode(new AudioData({ format: "f32", sampleRate: 24000, numberOfFrames: 480, numberOfChannels: 1, timestamp: (i / 24000) * 1e6, data: x.slice(i, i + 480) }));
+    }
+    await enc.flush();
+    enc.close();
+    const all = parts.reduce((a, p) => a + p.length, 0);
+    const out = new Uint8Array(all);
+    let at = 0;
+    for (const p of parts) { out.set(p, at); at += p.length; }
+    return btoa(String.fromCharCode(...out));
+  },
+  async decode(b64) {
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+    const reader = new OggReader();
+    const out = [];
+    let dec = null;
+    let k = 0;
+    for (let i = 0; i < bytes.length; i += 777) {
+      for (const p of reader.push(bytes.subarray(i, i + 777))) {
+        if (!dec) dec = opusDecoder(reader.head, (pcm) => out.push(pcm));
+        dec.decode(new EncodedAudioChunk({ type: "key", timestamp: k++ * 20000, data: p }));
+      }
+    }
+    if (dec) { await dec.flush(); dec.close(); }
+    const n = out.reduce((a, p) => a + p.length, 0);
+    let energy = 0;
+    for (const p of out) for (const v of p) energy += v * v;
+    return { samples: n, rms: Math.sqrt(energy / Math.max(1, n)) };
+  },
+};
+
+setState("idle");
+loadDefaults();
