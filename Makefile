@@ -34,6 +34,7 @@ bench: setup
 	$(CARGO) bench --bench model
 	$(CARGO) bench --bench jitter
 	$(CARGO) bench --bench serve
+	$(CARGO) bench --bench browser
 
 clean:
 	$(CARGO) clean

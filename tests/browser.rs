@@ -133,23 +133,44 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
         .spawn()
         .unwrap();
     server.wait_sessions(1, 20);
-    let r = browser(&[
-        "--url",
-        &page(&server),
-        "--wav",
-        wav.to_str().unwrap(),
-        "--expect-state",
+    let url = page(&server);
+    let wav = wav.to_str().unwrap();
+    let holder_pid = holder.id().to_string();
+    let state = |state: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--url",
+            &url,
+            "--wav",
+            wav,
+            "--expect-state",
+            state,
+            "--talk",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        browser(&args)
+    };
+    // Full: the page says so and retries; once the holder leaves, its retry gets in.
+    let r = state(
         "full",
-        "--talk",
-        "15",
-    ]);
+        &["--then-kill", &holder_pid, "--then-state", "live"],
+    );
+    assert_eq!(r["reached"], true, "{r}");
+    assert!(r["message"].as_str().unwrap().contains("full"), "{r}");
+    assert_eq!(r["then_reached"], true, "the retry did not get in: {r}");
+    let _ = holder.wait();
+
+    // The user refuses the microphone: said so, nothing connects.
+    server.wait_sessions(0, 20);
+    let r = state("error", &["--deny-mic"]);
     assert_eq!(r["reached"], true, "{r}");
     assert!(
-        r["page"]["message"].as_str().unwrap().contains("full"),
+        r["message"]
+            .as_str()
+            .unwrap()
+            .contains("microphone was refused"),
         "{r}"
     );
-    let _ = holder.kill();
-    let _ = holder.wait();
 
     // A server that goes away mid-session: the page says so and offers to reconnect.
     let mut gone = Server::start("max_sessions: 1\n", 240);
@@ -158,7 +179,7 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
         "--url",
         &page(&gone),
         "--wav",
-        wav.to_str().unwrap(),
+        wav,
         "--talk",
         "2",
         "--stop-server-pid",

@@ -20,6 +20,7 @@ const stats = {
   player: null,
   rtt_ms: null,
   mouth_to_ear_ms: null,
+  breakdown: null,
   realtime_factor: null,
   verdicts: null,
   stats_updates: 0,
@@ -256,7 +257,8 @@ async function updateStats() {
       const ctx = call?.ctx;
       const device = ctx ? ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)) * 1000 : 0;
       // capture block + network both ways + server + jitter buffer + the devices.
-      stats.mouth_to_ear_ms = 20 + stats.rtt_ms + server + (p ? p.depth_ms : 0) + device;
+      stats.breakdown = { capture_ms: 20, network_ms: stats.rtt_ms, server_ms: server, buffer_ms: p ? p.depth_ms : 0, device_ms: device };
+      stats.mouth_to_ear_ms = Object.values(stats.breakdown).reduce((a, b) => a + b, 0);
       $("s_rtf").textContent = me.realtime_factor?.toFixed(2) ?? "–";
       $("s_verdicts").textContent = Object.entries(me.verdicts || {}).map(([k, v]) => `${k}: ${v}`).join(", ");
       $("s_m2e").textContent = `${stats.mouth_to_ear_ms.toFixed(0)} ms (server ${server.toFixed(0)} ms)`;

@@ -76,6 +76,10 @@ async def main():
     ap.add_argument("--encode-out", help="where to write what --encode-wav produced")
     ap.add_argument("--decode", help="decode this Ogg/Opus file with the page's codec path")
     ap.add_argument("--expect-state", help="wait for this state instead of talking")
+    ap.add_argument("--deny-mic", action="store_true", help="the user refuses the microphone")
+    ap.add_argument("--then-kill", type=int, help="once --expect-state is reached, kill this pid")
+    ap.add_argument("--then-state", help="... and wait for this state (within --talk seconds)")
+    ap.add_argument("--history", action="store_true", help="sample the live panel every 250 ms")
     args = ap.parse_args()
 
     profile = tempfile.mkdtemp(prefix="duplex-chromium-")
@@ -88,6 +92,9 @@ async def main():
     ]
     if args.wav:
         flags.insert(0, f"--use-file-for-fake-audio-capture={os.path.abspath(args.wav)}")
+    if args.deny_mic:
+        # No automatic "allow": the permission set below (denied) decides.
+        flags.remove("--use-fake-ui-for-media-stream")
     proc = subprocess.Popen([chromium()] + flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     result = {}
     try:
@@ -107,6 +114,11 @@ async def main():
                 await cdp.call(m, sess)
             await cdp.call("Emulation.setDeviceMetricsOverride", sess, width=args.width,
                            height=args.height, deviceScaleFactor=1, mobile=args.width < 600)
+            if args.deny_mic:
+                from urllib.parse import urlparse
+                u = urlparse(args.url)
+                await cdp.call("Browser.setPermission", permission={"name": "microphone"},
+                               setting="denied", origin=f"{u.scheme}://{u.netloc}")
             await cdp.call("Page.navigate", sess, url=args.url)
 
             async def js(expr):
@@ -142,9 +154,13 @@ async def main():
                 await js("document.getElementById('connect').click(), true")
                 if args.expect_state:
                     result["reached"] = await wait_for(f"window.duplexStats.state === {json.dumps(args.expect_state)}", args.talk)
+                    result["message"] = await js("document.getElementById('message').textContent")
+                    if args.then_kill and result["reached"]:
+                        os.kill(args.then_kill, 9)
+                        result["then_reached"] = await wait_for(f"window.duplexStats.state === {json.dumps(args.then_state)}", args.talk)
                 else:
                     result["live"] = await wait_for("window.duplexStats.state === 'live'", 30)
-                    half = args.talk / 2
+                    half = 0 if args.history else args.talk / 2
                     await asyncio.sleep(half)
                     if args.screenshot:
                         shot = await cdp.call("Page.captureScreenshot", sess, format="png")
@@ -152,6 +168,13 @@ async def main():
                     if args.stop_server_pid:
                         os.kill(args.stop_server_pid, 9)
                         result["lost"] = await wait_for("window.duplexStats.state === 'lost'", 15)
+                    elif args.history:
+                        history = []
+                        t_end = time.monotonic() + args.talk - half
+                        while time.monotonic() < t_end:
+                            history.append(await js("JSON.parse(JSON.stringify({p: window.duplexStats.player, b: window.duplexStats.breakdown}))"))
+                            await asyncio.sleep(0.25)
+                        result["history"] = history
                     else:
                         await asyncio.sleep(args.talk - half)
                 result["stats"] = await js("JSON.parse(JSON.stringify(window.duplexStats))")
