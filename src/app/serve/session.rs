@@ -2,7 +2,7 @@
 //! choices, the handshake once the pipeline is primed, and the bridge between the WebSocket and
 //! the pipeline's session stages until one side ends; then the outcome, counted.
 //!
-//! Message kinds (PROTOCOL.md): 4 metadata (the session id, before the handshake), 0 handshake,
+//! Message kinds (PROTOCOL.md): 4 metadata (the session id, at once on upgrade), 0 handshake,
 //! 1 audio, 2 text, 5 error are sent; 1 is read, 3
 //! (control) and unknown kinds are ignored (counted, logged once). The socket is read only once
 //! the session is ready, so what a client sends before the handshake waits in the connection,
@@ -214,6 +214,11 @@ pub(super) async fn run(
             Outcome::Refused
         }
         Ok(params) => {
+            // Metadata at once, before the pipeline is built and primed (seconds, with a real
+            // model): the client hears from the server within its patience (Kyutai's web
+            // client gives up after 10 s of silence), and our page learns its session id.
+            let meta = serde_json::json!({ "session": id, "server": "duplex" }).to_string();
+            let _ = socket.send(message(METADATA, meta.as_bytes())).await;
             let (client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
             server
                 .sessions
@@ -316,10 +321,7 @@ async fn bridge(
     let (mut sink, mut stream) = socket.split();
     let mut outcome = None;
     if handle.is_ready() {
-        // Metadata first (as Kyutai's Rust backend does; our page reads its session id there),
-        // then the 9-byte handshake: kind 0, protocol version 0, model version 0.
-        let meta = serde_json::json!({ "session": id, "server": "duplex" }).to_string();
-        let _ = sink.send(message(METADATA, meta.as_bytes())).await;
+        // The 9-byte handshake: kind 0, protocol version 0, model version 0.
         if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
             outcome = Some(Outcome::ClientClosed);
         }
