@@ -483,7 +483,7 @@ fn errors_blame_the_layer_the_value_came_from_and_say_enough() {
     let o = env_case("DUPLEX__BOGUS", "1");
     assert_eq!(
         error_line(&o),
-        format!("error: environment variable DUPLEX__BOGUS (over {g}): `bogus`: unknown top-level key; expected: description, stages, links, defaults, runtime, ort, metrics")
+        format!("error: environment variable DUPLEX__BOGUS (over {g}): `bogus`: unknown top-level key; expected: description, stages, links, defaults, runtime, ort, metrics, record")
     );
     let o = env_case("DUPLEX__DEFAULTS__CAPACITY", "0");
     assert_eq!(

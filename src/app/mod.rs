@@ -196,17 +196,104 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     serve_metrics(&spec.metrics);
     let builder = build_spec(&spec, &registry)?;
     let (builder, _monitor) = observe(builder, &spec.metrics);
+    let (builder, recording) = record(builder, &spec)?;
     let pipeline = builder
         .build()
         .with_context(|| format!("building {}", file.display()))?;
     let running = pipeline.start();
     let _signals = SignalGuard::install(running.stop_handle());
     let outcome = running.wait();
+    if let Some(r) = recording {
+        r.finish();
+        tracing::info!("recorded into {}", r.dir().display());
+    }
     if let Some(e) = outcome.error {
         logging::report(&timing_table(&outcome.report));
         return Err(anyhow::Error::new(e).context(format!("running {}", file.display())));
     }
     Ok(outcome.report)
+}
+
+/// Attaches a recording of the run when the pipeline's `record.dir` is set (see
+/// [`Recording`](crate::observe::record::Recording)), with its manifest: the pipeline file,
+/// every stage's kind and params, and the identity of the packs they name.
+///
+/// # Errors
+///
+/// A [`ConfigError`] on `record.dir` when the folder cannot be made.
+pub fn record(
+    builder: PipelineBuilder,
+    spec: &PipelineSpec,
+) -> Result<
+    (
+        PipelineBuilder,
+        Option<std::sync::Arc<crate::observe::record::Recording>>,
+    ),
+    ConfigError,
+> {
+    let Some(dir) = &spec.record.dir else {
+        return Ok((builder, None));
+    };
+    let r =
+        crate::observe::record::Recording::create(dir, manifest(spec), spec.record.max_file_bytes)
+            .map_err(|m| {
+                ConfigError::new(&spec.file, ConfigErrorKind::Build, m).key("record.dir")
+            })?;
+    let r = std::sync::Arc::new(r);
+    Ok((builder.observer(r.clone()), Some(r)))
+}
+
+/// What a recording says ran: the pipeline, its stages and links, and each pack's graphs by
+/// SHA-256 (the `.onnx` files; external weight files by size).
+fn manifest(spec: &PipelineSpec) -> serde_json::Value {
+    use sha2::Digest;
+    let mut packs = serde_json::Map::new();
+    let stages: Vec<serde_json::Value> = spec
+        .stages
+        .iter()
+        .map(|s| {
+            let params: serde_json::Map<String, serde_json::Value> = s
+                .params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string().into()))
+                .collect();
+            if let Some(crate::config::ParamValue::Str(p)) = s.params.get("pack") {
+                packs.entry(p.clone()).or_insert_with(|| {
+                    let mut files = serde_json::Map::new();
+                    let root = Path::new(p);
+                    for g in ["temporal", "depformer", "mimi_encoder", "mimi_decoder"] {
+                        for (name, hash) in [("model.onnx", true), ("model.onnx.data", false)] {
+                            let f = root.join(g).join(name);
+                            let Ok(meta) = std::fs::metadata(&f) else {
+                                continue;
+                            };
+                            let mut v = serde_json::json!({ "bytes": meta.len() });
+                            if hash {
+                                if let Ok(b) = std::fs::read(&f) {
+                                    v["sha256"] = format!("{:x}", sha2::Sha256::digest(&b)).into();
+                                }
+                            }
+                            files.insert(format!("{g}/{name}"), v);
+                        }
+                    }
+                    files.into()
+                });
+            }
+            serde_json::json!({ "name": s.name, "kind": s.kind, "params": params })
+        })
+        .collect();
+    let links: Vec<String> = spec
+        .links
+        .iter()
+        .map(|l| format!("{} -> {}", l.from, l.to))
+        .collect();
+    serde_json::json!({
+        "pipeline": spec.file,
+        "description": spec.description,
+        "stages": stages,
+        "links": links,
+        "packs": packs,
+    })
 }
 
 /// Serves `/metrics` on the configured address, once per process (later calls do nothing). A

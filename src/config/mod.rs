@@ -23,8 +23,8 @@ pub use error::{ConfigError, ConfigErrorKind};
 pub use layers::Override;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
-    load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RuntimeSettings,
-    StageSpec,
+    load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RecordSettings,
+    RuntimeSettings, StageSpec,
 };
 
 /// The built-in defaults every pipeline file is layered over (the text of `configs/default.yaml`).

@@ -72,6 +72,17 @@ pub struct PipelineSpec {
     pub ort_library: Option<PathBuf>,
     /// The `metrics` section.
     pub metrics: MetricsSettings,
+    /// The `record` section.
+    pub record: RecordSettings,
+}
+
+/// Whether and where a run is recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RecordSettings {
+    /// The folder recordings go under; `None` = no recording.
+    pub dir: Option<PathBuf>,
+    /// Timings files rotate at this size, bytes.
+    pub max_file_bytes: u64,
 }
 
 /// Where metrics are served and how latency is diagnosed.
@@ -103,6 +114,7 @@ const TOP_KEYS: &[&str] = &[
     "runtime",
     "ort",
     "metrics",
+    "record",
 ];
 
 /// Loads and checks a pipeline file.
@@ -262,6 +274,19 @@ pub fn load(
         address,
         window: int_key("metrics", &ms, "window", 16)? as usize,
         every: int_key("metrics", &ms, "every", 1)? as usize,
+    };
+
+    // record
+    let rs = section("record")?;
+    only_keys("record", &rs, &["dir", "max_file_kb"])?;
+    let record = RecordSettings {
+        dir: rs
+            .iter()
+            .find(|(k, _)| k == "dir")
+            .and_then(|(_, v)| as_string(v))
+            .filter(|d| !d.trim().is_empty())
+            .map(PathBuf::from),
+        max_file_bytes: int_key("record", &rs, "max_file_kb", 4)? as u64 * 1024,
     };
 
     let description = root.get("description").and_then(as_string);
@@ -456,6 +481,7 @@ pub fn load(
         runtime,
         ort_library,
         metrics,
+        record,
     })
 }
 

@@ -10,4 +10,5 @@ pub mod diagnose;
 pub mod exporter;
 pub mod monitor;
 pub mod names;
+pub mod record;
 pub mod recorder;

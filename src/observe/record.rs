@@ -1,0 +1,296 @@
+//! Recording a run: the runtime's per-frame timings of every stage and link, with wall-clock
+//! times, appended as they happen to JSON Lines files in a folder of the run's own, beside a
+//! manifest of what ran (the pipeline file, every stage's kind and params, the identity of the
+//! model packs they name). A killed process leaves every line written up to the last flush
+//! (at most 100 ms old); files rotate by size.
+//!
+//! The actor threads only hand events to a bounded queue; a thread of the recording's own
+//! writes them. When it falls behind, events are dropped and counted (in the file's last line
+//! and the log), never waited for. Knows nothing of what the stages compute.
+//!
+//! A timings line is one of: `{"t": µs since the epoch, "stage": i, "frame": n, "service_us": x}`,
+//! `{"t", "edge": i, "wait_us": x}`, `{"t", "stage": i, "interval_us": x}` (a sink's completion),
+//! `{"t", "edge": i, "dropped": 1}`; the first line of each file names the stages and edges.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+use crate::runtime::Observer;
+
+/// Events that may wait for the writer.
+const QUEUE: usize = 65_536;
+/// The writer flushes at least this often.
+const FLUSH: Duration = Duration::from_millis(100);
+
+/// The manifest's format name and version.
+pub const FORMAT: &str = "duplex-recording";
+/// The version of the recording format this build writes.
+pub const VERSION: u32 = 1;
+
+enum Event {
+    Started(Vec<String>, Vec<String>),
+    Service(usize, u64, Duration, u64),
+    Wait(usize, Duration, u64),
+    Completion(usize, Duration, u64),
+    Dropped(usize, u64),
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// A recording in progress: a runtime observer.
+pub struct Recording {
+    dir: PathBuf,
+    tx: Mutex<Option<Sender<Event>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    skipped: AtomicU64,
+}
+
+impl Recording {
+    /// Starts a recording in a new folder under `root` (named by the start time and process id),
+    /// writing `manifest` (completed with the format, version and start time) there first.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the folder or file that could not be created.
+    pub fn create(
+        root: &Path,
+        mut manifest: serde_json::Value,
+        max_file_bytes: u64,
+    ) -> Result<Recording, String> {
+        let started = now_us();
+        let dir = root.join(format!(
+            "{}-{}",
+            chrono_like(started / 1_000_000),
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        manifest["format"] = FORMAT.into();
+        manifest["version"] = VERSION.into();
+        manifest["duplex"] = env!("CARGO_PKG_VERSION").into();
+        manifest["started_unix_us"] = started.into();
+        let m = dir.join("manifest.json");
+        let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
+        std::fs::write(&m, text + "\n").map_err(|e| format!("{}: {e}", m.display()))?;
+        let (tx, rx) = crossbeam_channel::bounded(QUEUE);
+        let w = Writer {
+            dir: dir.clone(),
+            max: max_file_bytes.max(4096),
+            index: 0,
+            out: None,
+            written: 0,
+            header: None,
+        };
+        let writer = std::thread::Builder::new()
+            .name("duplex:record".into())
+            .spawn(move || w.run(rx))
+            .map_err(|e| format!("recording thread: {e}"))?;
+        Ok(Recording {
+            dir,
+            tx: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+            skipped: AtomicU64::new(0),
+        })
+    }
+
+    /// The recording's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Events the writer had no room for.
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
+    }
+
+    /// Writes what is queued and closes the files (also done when dropped).
+    pub fn finish(&self) {
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        if let Some(w) = self.writer.lock().ok().and_then(|mut w| w.take()) {
+            let _ = w.join();
+        }
+        let n = self.skipped();
+        if n > 0 {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                "the recording dropped {n} timing events (its writer fell behind)"
+            );
+        }
+    }
+
+    fn send(&self, e: Event) {
+        let Ok(tx) = self.tx.lock() else { return };
+        if let Some(tx) = tx.as_ref() {
+            if let Err(TrySendError::Full(_)) = tx.try_send(e) {
+                self.skipped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// `YYYYMMDD-HHMMSS` (UTC) of a Unix time, without a date library.
+fn chrono_like(secs: u64) -> String {
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    // Civil from days (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+impl Observer for Recording {
+    fn started(&self, stages: &[String], edges: &[String]) {
+        self.send(Event::Started(stages.to_vec(), edges.to_vec()));
+    }
+    fn service(&self, stage: usize, frame: u64, took: Duration) {
+        self.send(Event::Service(stage, frame, took, now_us()));
+    }
+    fn completion(&self, stage: usize, interval: Duration) {
+        self.send(Event::Completion(stage, interval, now_us()));
+    }
+    fn edge_wait(&self, edge: usize, wait: Duration) {
+        self.send(Event::Wait(edge, wait, now_us()));
+    }
+    fn edge_dropped(&self, edge: usize) {
+        self.send(Event::Dropped(edge, now_us()));
+    }
+}
+
+struct Writer {
+    dir: PathBuf,
+    max: u64,
+    index: u32,
+    out: Option<BufWriter<File>>,
+    written: u64,
+    header: Option<String>,
+}
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Event>) {
+        let mut last_flush = Instant::now();
+        loop {
+            match rx.recv_timeout(FLUSH) {
+                Ok(e) => self.write(e),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            }
+            if last_flush.elapsed() >= FLUSH {
+                self.flush();
+                last_flush = Instant::now();
+            }
+        }
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        if let Some(o) = self.out.as_mut() {
+            if let Err(e) = o.flush() {
+                tracing::error!(dir = %self.dir.display(), "recording: {e}");
+                self.out = None;
+            }
+        }
+    }
+
+    fn line(&mut self, text: &str) {
+        self.ensure_open();
+        self.raw(text);
+    }
+
+    /// Opens the next timings file when there is none or the current one is full; a new file
+    /// starts with the header.
+    fn ensure_open(&mut self) {
+        if self.out.is_none() || self.written >= self.max {
+            self.flush();
+            let p = self.dir.join(format!("timings.{:04}.jsonl", self.index));
+            self.index += 1;
+            match File::create(&p) {
+                Ok(f) => {
+                    self.out = Some(BufWriter::new(f));
+                    self.written = 0;
+                    // Every file says what its indices mean.
+                    if let Some(h) = self.header.clone() {
+                        self.raw(&h);
+                    }
+                }
+                Err(e) => tracing::error!("recording: {}: {e}", p.display()),
+            }
+        }
+    }
+
+    fn raw(&mut self, text: &str) {
+        if let Some(o) = self.out.as_mut() {
+            if writeln!(o, "{text}").is_ok() {
+                self.written += text.len() as u64 + 1;
+            }
+        }
+    }
+
+    fn write(&mut self, e: Event) {
+        let text = match e {
+            Event::Started(stages, edges) => {
+                let h = serde_json::json!({ "stages": stages, "edges": edges }).to_string();
+                self.header = Some(h.clone());
+                if self.out.is_none() {
+                    // Opening the first file writes the header.
+                    self.ensure_open();
+                    return;
+                }
+                h
+            }
+            Event::Service(s, f, d, t) => format!(
+                "{{\"t\":{t},\"stage\":{s},\"frame\":{f},\"service_us\":{}}}",
+                d.as_micros()
+            ),
+            Event::Wait(edge, d, t) => {
+                format!(
+                    "{{\"t\":{t},\"edge\":{edge},\"wait_us\":{}}}",
+                    d.as_micros()
+                )
+            }
+            Event::Completion(s, d, t) => format!(
+                "{{\"t\":{t},\"stage\":{s},\"interval_us\":{}}}",
+                d.as_micros()
+            ),
+            Event::Dropped(edge, t) => format!("{{\"t\":{t},\"edge\":{edge},\"dropped\":1}}"),
+        };
+        self.line(&text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn folder_names_are_utc_dates() {
+        assert_eq!(super::chrono_like(0), "19700101-000000");
+        assert_eq!(super::chrono_like(1_796_137_385), "20261201-150305");
+    }
+}
