@@ -123,6 +123,37 @@ fn a_recorded_run_has_its_manifest_and_every_frames_timings() {
         .iter()
         .all(|l| l["t"].as_u64().unwrap() > 1_700_000_000_000_000));
     assert!(lines.iter().any(|l| l["wait_us"].is_number()));
+
+    // The temporal stage's own stream: warm-up, the priming script, then every step's user
+    // codes and the agent frame it gave, which is what the token sink wrote.
+    let lm: Vec<serde_json::Value> = std::fs::read_to_string(rec.join("lm.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lm[0]["warmup"].is_number(), "{}", lm[0]);
+    assert!(!lm[1]["prime"].as_array().unwrap().is_empty(), "{}", lm[1]);
+    let steps: Vec<&serde_json::Value> = lm.iter().filter(|l| l["step"].is_number()).collect();
+    assert_eq!(steps.len(), 50);
+    assert!(steps
+        .iter()
+        .all(|s| s["user"].as_array().unwrap().len() == 8));
+    let agent: Vec<(serde_json::Value, serde_json::Value)> = steps
+        .iter()
+        .filter(|s| !s["agent"].is_null())
+        .map(|s| (s["agent"]["text"].clone(), s["agent"]["audio"].clone()))
+        .collect();
+    let tokens: Vec<(serde_json::Value, serde_json::Value)> =
+        std::fs::read_to_string(dir.path().join("tokens.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["text"].clone(), v["audio"].clone())
+            })
+            .collect();
+    assert!(!tokens.is_empty());
+    assert_eq!(agent, tokens);
 }
 
 #[test]

@@ -49,7 +49,7 @@ pub fn build_spec(
     spec: &PipelineSpec,
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
-    build_session(spec, registry, None)
+    build_session(spec, registry, None, None)
 }
 
 /// Builds (but does not start) the pipeline of an already loaded spec that serves the network
@@ -62,6 +62,7 @@ pub fn build_session(
     spec: &PipelineSpec,
     registry: &Registry,
     session: Option<&crate::session::PipelineEnd>,
+    recording: Option<&crate::observe::record::Recording>,
 ) -> Result<PipelineBuilder, ConfigError> {
     load_ort(spec)?;
     let plane = ControlPlane::new();
@@ -79,7 +80,9 @@ pub fn build_session(
                     .stage(s.name.clone()),
             );
         };
-        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind).with_session(session);
+        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind)
+            .with_session(session)
+            .with_recording(recording);
         let body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         b = b.node(Node {
@@ -194,9 +197,13 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     let registry = Registry::builtin();
     let spec = config::load(file, &opts, &registry)?;
     serve_metrics(&spec.metrics);
-    let builder = build_spec(&spec, &registry)?;
+    let recording = record(&spec)?;
+    let builder = build_session(&spec, &registry, None, recording.as_deref())?;
     let (builder, _monitor) = observe(builder, &spec.metrics);
-    let (builder, recording) = record(builder, &spec)?;
+    let builder = match &recording {
+        Some(r) => builder.observer(r.clone()),
+        None => builder,
+    };
     let pipeline = builder
         .build()
         .with_context(|| format!("building {}", file.display()))?;
@@ -214,33 +221,26 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     Ok(outcome.report)
 }
 
-/// Attaches a recording of the run when the pipeline's `record.dir` is set (see
+/// A recording of the run when the pipeline's `record.dir` is set (see
 /// [`Recording`](crate::observe::record::Recording)), with its manifest: the pipeline file,
-/// every stage's kind and params, and the identity of the packs they name.
+/// every stage's kind and params, and the identity of the packs they name. Build the pipeline
+/// with it (its stages may write streams of their own) and attach it as an observer.
 ///
 /// # Errors
 ///
 /// A [`ConfigError`] on `record.dir` when the folder cannot be made.
 pub fn record(
-    builder: PipelineBuilder,
     spec: &PipelineSpec,
-) -> Result<
-    (
-        PipelineBuilder,
-        Option<std::sync::Arc<crate::observe::record::Recording>>,
-    ),
-    ConfigError,
-> {
+) -> Result<Option<std::sync::Arc<crate::observe::record::Recording>>, ConfigError> {
     let Some(dir) = &spec.record.dir else {
-        return Ok((builder, None));
+        return Ok(None);
     };
     let r =
         crate::observe::record::Recording::create(dir, manifest(spec), spec.record.max_file_bytes)
             .map_err(|m| {
                 ConfigError::new(&spec.file, ConfigErrorKind::Build, m).key("record.dir")
             })?;
-    let r = std::sync::Arc::new(r);
-    Ok((builder.observer(r.clone()), Some(r)))
+    Ok(Some(std::sync::Arc::new(r)))
 }
 
 /// What a recording says ran: the pipeline, its stages and links, and each pack's graphs by

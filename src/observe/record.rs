@@ -11,6 +11,8 @@
 //! A timings line is one of: `{"t": µs since the epoch, "stage": i, "frame": n, "service_us": x}`,
 //! `{"t", "edge": i, "wait_us": x}`, `{"t", "stage": i, "interval_us": x}` (a sink's completion),
 //! `{"t", "edge": i, "dropped": 1}`; the first line of each file names the stages and edges.
+//! Stages may add streams of their own ([`Recording::stream`]): the temporal stage writes
+//! `lm.jsonl`, the inputs of every step as its model saw them.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -34,6 +36,8 @@ pub const FORMAT: &str = "duplex-recording";
 pub const VERSION: u32 = 1;
 
 enum Event {
+    Open(usize, String),
+    Line(usize, String),
     Started(Vec<String>, Vec<String>),
     Service(usize, u64, Duration, u64),
     Wait(usize, Duration, u64),
@@ -50,6 +54,7 @@ fn now_us() -> u64 {
 /// A recording in progress: a runtime observer.
 pub struct Recording {
     dir: PathBuf,
+    streams: AtomicU64,
     tx: Mutex<Option<Sender<Event>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     skipped: AtomicU64,
@@ -89,6 +94,7 @@ impl Recording {
             out: None,
             written: 0,
             header: None,
+            streams: Vec::new(),
         };
         let writer = std::thread::Builder::new()
             .name("duplex:record".into())
@@ -96,10 +102,22 @@ impl Recording {
             .map_err(|e| format!("recording thread: {e}"))?;
         Ok(Recording {
             dir,
+            streams: AtomicU64::new(0),
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
             skipped: AtomicU64::new(0),
         })
+    }
+
+    /// A stream of the recording's own, for a stage to write what it computed from (the user
+    /// codes its model saw, its priming): JSON Lines in `NAME.jsonl`, written and flushed by the
+    /// recording's thread like the timings.
+    pub fn stream(&self, name: &str) -> RecordStream {
+        let id = self.streams.fetch_add(1, Ordering::Relaxed) as usize;
+        let tx = self.tx.lock().ok().and_then(|t| t.clone());
+        let s = RecordStream { tx, id };
+        s.send(Event::Open(id, name.to_string()));
+        s
     }
 
     /// The recording's folder.
@@ -142,6 +160,26 @@ impl Recording {
 impl Drop for Recording {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+/// A stage's own stream in a recording (see [`Recording::stream`]). Never blocks: a line the
+/// writer has no room for is lost (the writer's queue is large).
+pub struct RecordStream {
+    tx: Option<Sender<Event>>,
+    id: usize,
+}
+
+impl RecordStream {
+    fn send(&self, e: Event) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.try_send(e);
+        }
+    }
+
+    /// Appends one JSON value as a line.
+    pub fn write(&self, v: &serde_json::Value) {
+        self.send(Event::Line(self.id, v.to_string()));
     }
 }
 
@@ -192,6 +230,7 @@ struct Writer {
     out: Option<BufWriter<File>>,
     written: u64,
     header: Option<String>,
+    streams: Vec<Option<BufWriter<File>>>,
 }
 
 impl Writer {
@@ -212,6 +251,9 @@ impl Writer {
     }
 
     fn flush(&mut self) {
+        for s in self.streams.iter_mut().flatten() {
+            let _ = s.flush();
+        }
         if let Some(o) = self.out.as_mut() {
             if let Err(e) = o.flush() {
                 tracing::error!(dir = %self.dir.display(), "recording: {e}");
@@ -256,6 +298,23 @@ impl Writer {
 
     fn write(&mut self, e: Event) {
         let text = match e {
+            Event::Open(id, name) => {
+                let p = self.dir.join(format!("{name}.jsonl"));
+                let f = File::create(&p)
+                    .map_err(|e| tracing::error!("recording: {}: {e}", p.display()))
+                    .ok();
+                if self.streams.len() <= id {
+                    self.streams.resize_with(id + 1, || None);
+                }
+                self.streams[id] = f.map(BufWriter::new);
+                return;
+            }
+            Event::Line(id, line) => {
+                if let Some(Some(s)) = self.streams.get_mut(id) {
+                    let _ = writeln!(s, "{line}");
+                }
+                return;
+            }
             Event::Started(stages, edges) => {
                 let h = serde_json::json!({ "stages": stages, "edges": edges }).to_string();
                 self.header = Some(h.clone());

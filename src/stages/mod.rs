@@ -50,6 +50,8 @@ pub struct BuildContext<'a> {
     pub commands: &'static [CommandSpec],
     /// The network session the pipeline serves, when it serves one (`duplex serve`).
     pub session: Option<&'a crate::session::PipelineEnd>,
+    /// The recording of the run, when it is recorded (`record.dir`).
+    pub recording: Option<&'a crate::observe::record::Recording>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -62,7 +64,17 @@ impl<'a> BuildContext<'a> {
             control,
             commands: kind.commands,
             session: None,
+            recording: None,
         }
+    }
+
+    /// The same context for a pipeline whose run is recorded into `recording`.
+    pub fn with_recording(
+        mut self,
+        recording: Option<&'a crate::observe::record::Recording>,
+    ) -> Self {
+        self.recording = recording;
+        self
     }
 
     /// The same context for a pipeline that serves the network session `session`.

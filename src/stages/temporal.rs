@@ -246,6 +246,8 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         line: String::new(),
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
         context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
+        rec: cx.recording.map(|r| r.stream("lm")),
+        steps: 0,
     })))
 }
 
@@ -266,6 +268,10 @@ struct TemporalStage {
     line: String,
     resets: metrics::Counter,
     context: metrics::Gauge,
+    /// The recording's `lm` stream: every step's inputs as the model saw them.
+    rec: Option<crate::observe::record::RecordStream>,
+    /// Conversation steps since the last priming (for the recording).
+    steps: u64,
 }
 
 impl TemporalStage {
@@ -328,6 +334,17 @@ impl TemporalStage {
     }
 
     fn prime(&mut self, cx: &mut Context<'_>) -> StageResult {
+        if let Some(r) = &self.rec {
+            let steps: Vec<serde_json::Value> = self
+                .script
+                .iter()
+                .map(|s| serde_json::json!({ "user": s.user, "text": s.text, "agent": s.agent }))
+                .collect();
+            r.write(
+                &serde_json::json!({ "prime": steps, "position": self.half.temporal.position() }),
+            );
+        }
+        self.steps = 0;
         let script = std::mem::take(&mut self.script);
         let r = script.iter().try_for_each(|s| {
             self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
@@ -357,6 +374,9 @@ impl Stage for TemporalStage {
 
     fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
         let silence = self.manifest.silence_codes.clone();
+        if let Some(r) = &self.rec {
+            r.write(&serde_json::json!({ "warmup": self.warmup, "user": silence }));
+        }
         for _ in 0..self.warmup {
             self.round_trip(cx, Instant::now(), &silence, None, None)?;
         }
@@ -424,6 +444,13 @@ impl Stage for TemporalStage {
             self.prime(cx)?;
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
+        if let Some(r) = &self.rec {
+            let agent = out
+                .as_ref()
+                .map(|a| serde_json::json!({ "text": a.text, "audio": a.audio }));
+            r.write(&serde_json::json!({ "step": self.steps, "user": f.data.0, "agent": agent }));
+        }
+        self.steps += 1;
         self.context.set(self.half.temporal.kv_len() as f64);
         self.control.set("context", self.half.temporal.kv_len());
         if let Some(a) = out {

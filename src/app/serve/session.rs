@@ -137,7 +137,7 @@ pub(super) fn check_template(
         .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
     let spec = session_spec(cfg, template, registry, &params, "check")?;
     let (_client, end) = crate::session::link(1, 1);
-    let b = crate::app::build_session(&spec, registry, Some(&end))?;
+    let b = crate::app::build_session(&spec, registry, Some(&end), None)?;
     b.build()
         .map_err(|e| ConfigError::new(&spec.file, cfg::ConfigErrorKind::Link, e.to_string()))?;
     Ok(())
@@ -163,7 +163,7 @@ fn start(
         params,
         &id.to_string(),
     )?;
-    let b = crate::app::build_session(&spec, &server.registry, Some(end))?;
+    let b = crate::app::build_session(&spec, &server.registry, Some(end), None)?;
     let (b, monitor) = crate::app::observe_with(b, &spec.metrics, false);
     let running = b.build()?.start();
     let handle = running.handle();
