@@ -112,7 +112,7 @@ pub struct ServeConfig {
 struct Fields<'a> {
     fname: &'a str,
     table: &'a Map<String, Value>,
-    prefix: &'a str,
+    prefix: String,
 }
 
 impl Fields<'_> {
@@ -182,10 +182,7 @@ impl Fields<'_> {
             Some(ValueKind::Table(t)) => Ok(Fields {
                 fname: self.fname,
                 table: t,
-                prefix: match k {
-                    "sampling" => "sampling.",
-                    _ => "limits.",
-                },
+                prefix: format!("{k}."),
             }),
             _ => Err(self.err(ConfigErrorKind::WrongType, k, "expected a map".into())),
         }
@@ -219,7 +216,7 @@ pub fn load(
     let f = Fields {
         fname: &fname,
         table: &root,
-        prefix: "",
+        prefix: String::new(),
     };
     f.known(KEYS)?;
     let mut origins = HashMap::new();

@@ -358,8 +358,8 @@ fn register_series() {
     for reason in ["full", "draining", "per_ip", "not_ready"] {
         metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).absolute(0);
     }
-    for outcome in session::OUTCOMES {
-        metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome).absolute(0);
+    for outcome in session::Outcome::ALL {
+        metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome.name()).absolute(0);
     }
     for direction in ["in", "out"] {
         metrics::counter!(names::SESSION_BYTES, "direction" => direction).absolute(0);

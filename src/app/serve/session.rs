@@ -39,24 +39,13 @@ const OUTBOUND_QUEUE: usize = 96;
 /// The longest wait for a session's pipeline to be primed.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The `outcome` label values of ended sessions.
-pub(super) const OUTCOMES: [&str; 7] = [
-    "client_closed",
-    "idle",
-    "stalled",
-    "failed",
-    "closed",
-    "ended",
-    "refused",
-];
-
 /// The `kind` label values of protocol errors.
 pub(super) const PROTOCOL_ERRORS: [&str; 4] =
     ["unknown_kind", "bad_query", "too_large", "not_binary"];
 
 /// How a session ended, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
+pub(super) enum Outcome {
     /// The client closed (or vanished).
     ClientClosed,
     /// The client sent nothing for `idle_timeout`.
@@ -74,7 +63,19 @@ enum Outcome {
 }
 
 impl Outcome {
-    fn name(self) -> &'static str {
+    /// Every outcome, for series that exist from the start.
+    pub(super) const ALL: [Outcome; 7] = [
+        Outcome::ClientClosed,
+        Outcome::Idle,
+        Outcome::Stalled,
+        Outcome::Failed,
+        Outcome::Closed,
+        Outcome::Ended,
+        Outcome::Refused,
+    ];
+
+    /// The `outcome` label value.
+    pub(super) fn name(self) -> &'static str {
         match self {
             Outcome::ClientClosed => "client_closed",
             Outcome::Idle => "idle",
