@@ -282,7 +282,19 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
         })
         .collect();
     server.wait_sessions(2, 20);
-    let (code, body) = server.get("/readyz");
+    // Two sessions and this request are the address's limit: a request right after another
+    // may still find the previous connection counted for a moment, so wait that out.
+    let settled = |path: &str| {
+        let t0 = Instant::now();
+        loop {
+            let r = server.get(path);
+            if r.0 != 429 || t0.elapsed() > Duration::from_secs(5) {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let (code, body) = settled("/readyz");
     assert_eq!(code, 503, "{body}");
     let refused = client(&server.url(), &["--silent", "1"]);
     assert_eq!(refused["refused"]["status"], 503, "{refused}");
@@ -290,12 +302,12 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
         refused["refused"]["retry_after"].as_str().is_some(),
         "{refused}"
     );
-    let m = server.metrics();
+    let m = settled("/metrics").1;
     assert!(
         m.contains("duplex_sessions_refused_total{reason=\"full\"} 1"),
         "{m}"
     );
-    let (_, list) = server.get("/api/sessions");
+    let (_, list) = settled("/api/sessions");
     let v: serde_json::Value = serde_json::from_str(&list).unwrap();
     for s in v["sessions"].as_array().unwrap() {
         assert!(
@@ -306,6 +318,8 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
     }
     // Beyond the per-address limit (two sessions and a quiet connection make three), 429 for
     // any request, a session's or not.
+    // No request of ours may still be counted when the quiet connection arrives.
+    std::thread::sleep(Duration::from_millis(300));
     let quiet = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
     let t0 = Instant::now();
     while server.get("/healthz").0 != 429 {
