@@ -62,7 +62,7 @@ links: [tone -> speaker, mic -> rec]
     let s = playback_summary(&err);
     assert_eq!(s["underruns"], 0.0, "{err}");
     assert_eq!(s["dropped"], 0.0, "{err}");
-    assert!((s["played_s"] - 4.0).abs() < 0.05, "{s:?}");
+    assert!((s["played_s"] - 4.0).abs() < 0.05, "{s:?}\n{err}");
     // Captured from the sink's monitor: the whole tone, at 440 Hz and its level.
     let mut r = WavReader::open(&pa.dir().join("captured.wav")).unwrap();
     let rate = r.rate();
@@ -96,7 +96,7 @@ fn a_live_loopback_pipeline_runs_in_real_time() {
     assert!(o.status.success(), "{err}");
     let s = playback_summary(&err);
     assert_eq!(s["underruns"], 0.0, "{err}");
-    assert!(s["played_s"] > 3.5, "{s:?}");
+    assert!(s["played_s"] > 3.5, "{s:?}\n{err}");
     // Mouth to ear: capture instant -> playback instant, through the resamplers and framer.
     let m2e = s["mouth_to_ear_p50_ms"];
     // A frame's first sample plays once the jitter buffer has drained to it: the depth before
@@ -141,6 +141,18 @@ fn a_missing_device_is_named_with_the_devices_there_are() {
 }
 
 fn lost_device_run(reconnect: bool) -> (std::process::Output, Pulse) {
+    device_fault_run(reconnect, |pa| {
+        pa.kill();
+        std::thread::sleep(Duration::from_millis(1000));
+        pa.spawn();
+    })
+}
+
+/// Plays a 12 s tone; `fault` runs on the sound server 2 s after the pipeline starts playing.
+fn device_fault_run(
+    reconnect: bool,
+    fault: impl FnOnce(&mut Pulse),
+) -> (std::process::Output, Pulse) {
     let mut pa = Pulse::start();
     let p = write(
         pa.dir(),
@@ -154,19 +166,46 @@ links: [tone -> speaker]
 "#
         ),
     );
-    let child = pa
+    let mut child = pa
         .duplex()
         .args(["run", p.to_str().unwrap()])
-        .stdout(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(3));
-    // The sound server goes away and comes back.
-    pa.kill();
-    std::thread::sleep(Duration::from_millis(1000));
-    pa.spawn();
-    (child.wait_with_output().unwrap(), pa)
+    // The log is read as it comes, to know when the pipeline plays.
+    let (open_tx, open_rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut all = String::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("playback open") {
+                let _ = open_tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    // Once the pipeline plays and the stream has settled (a loaded machine can take seconds to
+    // start one), the sound server goes away and comes back.
+    let _ = open_rx.recv_timeout(Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    fault(&mut pa);
+    let status = child.wait().unwrap();
+    let stderr = reader.join().unwrap().into_bytes();
+    (
+        std::process::Output {
+            status,
+            stdout: Vec::new(),
+            stderr,
+        },
+        pa,
+    )
 }
 
 #[test]
@@ -193,6 +232,23 @@ fn a_lost_device_stops_the_pipeline_without_reconnect() {
     assert!(err.contains("stage `speaker` failed"), "{err}");
     assert!(
         err.contains("was lost") && err.contains("set `reconnect: true`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_frozen_sound_server_is_reported_as_a_stalled_device() {
+    // SIGSTOP: the stream stays open and reports nothing; its callbacks just stop.
+    let (o, _pa) = device_fault_run(false, |pa| {
+        pa.signal("-STOP");
+        std::thread::sleep(Duration::from_secs(5));
+        pa.signal("-CONT");
+    });
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("output device \"alsa:default\" was lost: no audio callback for 3.")
+            && err.contains("the stream stalled"),
         "{err}"
     );
 }

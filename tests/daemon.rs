@@ -603,6 +603,12 @@ fn daemon_rides_out_a_sound_server_restart_and_healthz_follows() {
             .all(|k| s["devices"][*k]["state"] == "running")
     };
     d.wait_status(10, "devices running", up);
+    // Lost once it has been talking (a stream failing in its first second is start-up trouble,
+    // retried quietly).
+    let f0 = d.frames();
+    d.wait_status(15, "frames flow", |s| {
+        s["frames"].as_u64().unwrap_or(0) >= f0 + 25
+    });
     d.pa.kill();
     // Reported down: a device state other than running (not yet published is not down).
     let down = |s: &serde_json::Value| {

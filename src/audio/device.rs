@@ -5,7 +5,12 @@
 //! atomics (see [`jitter`](super::jitter) for playback). The device thread owns the cpal stream:
 //! it opens it, watches for errors reported by cpal's error callback, and either reports the
 //! device as failed or, with `reconnect`, tries again after 100 ms, 200 ms, … up to 2 s, handing
-//! the new ring endpoints to the stage through a channel.
+//! the new ring endpoints to the stage through a channel. Failures before a stream has run for
+//! a second, within a few seconds of opening, are the sound server settling (a new PulseAudio
+//! stream can fail with EIO under load): they are retried quietly, the state saying `Opening`
+//! meanwhile, so that the stage drops frames rather than queueing them into a stream that is
+//! gone. A stream whose data callbacks stop for seconds without an error is treated as lost
+//! too.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -270,6 +275,8 @@ pub struct DeviceStatus {
     pub errors: AtomicU64,
     /// Times the stream was reopened after a loss.
     pub reconnects: AtomicU64,
+    /// Data callbacks so far (the device thread's sign that a stream is alive).
+    pub callbacks: AtomicU64,
     last_error: Mutex<Option<String>>,
     /// The device's id.
     pub name: String,
@@ -294,6 +301,11 @@ impl DeviceStatus {
     /// The last error reported, if any.
     pub fn last_error(&self) -> Option<String> {
         self.last_error.lock().ok().and_then(|g| g.clone())
+    }
+
+    /// Called by a stream's data callback, every time (one atomic increment).
+    pub fn beat(&self) {
+        self.callbacks.fetch_add(1, Ordering::Relaxed);
     }
 
     fn error(&self, e: String) {
@@ -331,6 +343,13 @@ impl Drop for DeviceHandle {
 pub type Opener =
     Box<dyn FnMut(Arc<AtomicBool>, Arc<DeviceStatus>) -> Result<cpal::Stream, AudioError> + Send>;
 
+/// How long after opening a device its stream's failures are retried as start-up trouble.
+const STARTUP: Duration = Duration::from_secs(6);
+/// A stream without a data callback for this long is treated as lost.
+const STALL: Duration = Duration::from_secs(3);
+/// The same while starting (a stream that never calls back is restarted sooner).
+const STALL_STARTING: Duration = Duration::from_millis(2500);
+
 /// Starts a device thread running streams made by `open`. Waits for the first open: its error
 /// is returned as is (a device missing at start is a configuration error, not a loss).
 ///
@@ -342,6 +361,7 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
         state: AtomicU8::new(DeviceState::Opening as u8),
         errors: AtomicU64::new(0),
         reconnects: AtomicU64::new(0),
+        callbacks: AtomicU64::new(0),
         last_error: Mutex::new(None),
         name: name.clone(),
     });
@@ -353,8 +373,13 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
         .name(format!("duplex:device:{name}"))
         .spawn(move || {
             let mut first = Some(first_tx);
+            let spawned = Instant::now();
+            // Until a stream has run for a second, failures are the sound server still settling
+            // (PulseAudio's ALSA plugin fails new streams with EIO for a while under load):
+            // retried quietly with a short backoff for up to `STARTUP`, not reported as losses.
+            let mut settled = false;
+            let mut startup_backoff = Duration::from_millis(50);
             let mut backoff = Duration::from_millis(100);
-            let mut startup_retries = 3;
             let sleep = |d: Duration| {
                 let end = Instant::now() + d;
                 while Instant::now() < end && !sp.load(Ordering::Acquire) {
@@ -363,59 +388,92 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
             };
             while !sp.load(Ordering::Acquire) {
                 let lost = Arc::new(AtomicBool::new(false));
-                match open(lost.clone(), st.clone()).and_then(|s| {
+                let result = open(lost.clone(), st.clone()).and_then(|s| {
                     s.play().map_err(|e| AudioError::Device {
                         direction: "",
                         name: st.name.clone(),
                         detail: format!("starting the stream: {e}"),
                     })?;
                     Ok(s)
-                }) {
+                });
+                match result {
                     Ok(stream) => {
                         if let Some(tx) = first.take() {
                             let _ = tx.send(Ok(()));
-                        } else {
+                        } else if settled {
                             st.reconnects.fetch_add(1, Ordering::Relaxed);
                             tracing::info!(device = %st.name, "audio device reopened");
+                        } else {
+                            tracing::debug!(device = %st.name, "stream restarted while starting");
                         }
                         st.set(DeviceState::Running);
                         backoff = Duration::from_millis(100);
                         let opened = Instant::now();
+                        // A stream whose callbacks stop without an error (a sound server that
+                        // stalls it) is as lost as one that reports one.
+                        let (mut beats, mut beat_at) = (st.callbacks.load(Ordering::Relaxed), opened);
+                        let mut first_beat = None;
                         while !sp.load(Ordering::Acquire) && !lost.load(Ordering::Acquire) {
                             std::thread::sleep(Duration::from_millis(20));
+                            let now = st.callbacks.load(Ordering::Relaxed);
+                            if now != beats {
+                                (beats, beat_at) = (now, Instant::now());
+                                first_beat.get_or_insert(beat_at);
+                            } else {
+                                let ran = first_beat.is_some_and(|t| {
+                                    beat_at.duration_since(t) >= Duration::from_secs(1)
+                                });
+                                let limit = if settled || ran { STALL } else { STALL_STARTING };
+                                if beat_at.elapsed() >= limit {
+                                    st.error(format!(
+                                        "no audio callback for {:.1} s: the stream stalled",
+                                        beat_at.elapsed().as_secs_f64()
+                                    ));
+                                    break;
+                                }
+                            }
                         }
                         drop(stream);
                         if sp.load(Ordering::Acquire) {
                             break;
                         }
                         st.errors.fetch_add(1, Ordering::Relaxed);
-                        // Some sound servers fail a stream in its first moments (seen with
-                        // PulseAudio's ALSA plugin): a few quick retries are not a reconnect.
-                        if opened.elapsed() < Duration::from_secs(1) && startup_retries > 0 {
-                            startup_retries -= 1;
-                            tracing::debug!(device = %st.name, error = ?st.last_error(), "stream failed while starting; retrying");
-                            sleep(Duration::from_millis(50));
-                            continue;
-                        }
-                        if !reconnect {
-                            tracing::error!(device = %st.name, error = ?st.last_error(), "audio device lost");
-                            st.set(DeviceState::Failed);
-                            return;
-                        }
-                        tracing::warn!(device = %st.name, error = ?st.last_error(), "audio device lost; reopening");
-                        st.set(DeviceState::Reconnecting);
+                        // Settled: its callbacks ran for a second.
+                        settled |= first_beat
+                            .is_some_and(|t| beat_at.duration_since(t) >= Duration::from_secs(1));
                     }
                     Err(e) => {
                         if let Some(tx) = first.take() {
+                            // A device that cannot be opened at all is a configuration error.
                             st.set(DeviceState::Failed);
                             let _ = tx.send(Err(e));
                             return;
                         }
+                        st.errors.fetch_add(1, Ordering::Relaxed);
                         st.error(e.to_string());
-                        sleep(backoff);
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
                     }
                 }
+                if !settled && spawned.elapsed() < STARTUP {
+                    // Frames meanwhile are dropped and counted by the stage (not queued into a
+                    // stream that is gone).
+                    st.set(DeviceState::Opening);
+                    tracing::debug!(device = %st.name, error = ?st.last_error(), "stream failed while starting; retrying");
+                    sleep(startup_backoff);
+                    startup_backoff = (startup_backoff * 2).min(Duration::from_millis(800));
+                    continue;
+                }
+                settled = true;
+                if !reconnect {
+                    tracing::error!(device = %st.name, error = ?st.last_error(), "audio device lost");
+                    st.set(DeviceState::Failed);
+                    return;
+                }
+                if st.state() != DeviceState::Reconnecting {
+                    tracing::warn!(device = %st.name, error = ?st.last_error(), "audio device lost; reopening");
+                    st.set(DeviceState::Reconnecting);
+                }
+                sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
             st.set(DeviceState::Closed);
         })

@@ -114,7 +114,9 @@ pub fn open_capture(
     let (dev, name) = device::find(Direction::Input, spec)?;
     let cfg = pick_config(Direction::Input, &dev, &name, rate)?;
     let (rate, channels, format) = (cfg.sample_rate(), cfg.channels(), cfg.sample_format());
-    let (tx, rx) = crossbeam_channel::bounded::<CaptureRing>(4);
+    // One slot, newest wins: after several restarts only the live stream's ring is handed over.
+    let (tx, rx) = crossbeam_channel::bounded::<CaptureRing>(1);
+    let stale = rx.clone();
     let overflow = Arc::new(AtomicU64::new(0));
     let ov = overflow.clone();
     let captured = Arc::new(AtomicU64::new(0));
@@ -162,11 +164,14 @@ pub fn open_capture(
                 let origin = (now + newest).checked_sub(behind).unwrap_or(now);
                 let _ = mprod.try_push((pos, origin));
             };
+            let beat = status.clone();
+            let beat16 = status.clone();
             let err = device::error_callback(status, lost);
             let stream = match format {
                 cpal::SampleFormat::F32 => dev.build_input_stream::<f32, _, _>(
                     config,
                     move |data: &[f32], info: &cpal::InputCallbackInfo| {
+                        beat.beat();
                         let n = data.len() / ch;
                         let mut it = data
                             .chunks_exact(ch)
@@ -179,6 +184,7 @@ pub fn open_capture(
                 cpal::SampleFormat::I16 => dev.build_input_stream::<i16, _, _>(
                     config,
                     move |data: &[i16], info: &cpal::InputCallbackInfo| {
+                        beat16.beat();
                         let n = data.len() / ch;
                         let mut it = data.chunks_exact(ch).map(|f| {
                             f.iter().map(|&v| v as f32).sum::<f32>() / (32768.0 * ch as f32)
@@ -191,6 +197,7 @@ pub fn open_capture(
                 other => return Err(unsupported_format(Direction::Input, &spec, other)),
             }
             .map_err(|e| dev_err(Direction::Input, &spec, format!("opening the stream: {e}")))?;
+            while stale.try_recv().is_ok() {}
             let _ = tx.try_send(CaptureRing {
                 samples: cons,
                 marks: mcons,
@@ -279,7 +286,9 @@ pub fn open_playback(
     let (rate, channels, format) = (cfg.sample_rate(), cfg.channels(), cfg.sample_format());
     let jcfg = JitterConfig { rate, ..jitter_cfg };
     let stats = Arc::new(JitterStats::default());
-    let (tx, rx) = crossbeam_channel::bounded::<JitterWriter>(4);
+    // One slot, newest wins: after several restarts only the live stream's writer is handed over.
+    let (tx, rx) = crossbeam_channel::bounded::<JitterWriter>(1);
+    let stale = rx.clone();
     let st = stats.clone();
     let spec = spec.to_string();
     let mut first = Some(dev);
@@ -317,11 +326,14 @@ pub fn open_playback(
                     done += n;
                 }
             };
+            let beat = status.clone();
+            let beat16 = status.clone();
             let err = device::error_callback(status, lost);
             let stream = match format {
                 cpal::SampleFormat::F32 => dev.build_output_stream::<f32, _, _>(
                     config,
                     move |data: &mut [f32], info: &cpal::OutputCallbackInfo| {
+                        beat.beat();
                         let frames = data.len() / ch;
                         render(frames, info, &mut |i, v| {
                             for c in &mut data[i * ch..(i + 1) * ch] {
@@ -335,6 +347,7 @@ pub fn open_playback(
                 cpal::SampleFormat::I16 => dev.build_output_stream::<i16, _, _>(
                     config,
                     move |data: &mut [i16], info: &cpal::OutputCallbackInfo| {
+                        beat16.beat();
                         let frames = data.len() / ch;
                         render(frames, info, &mut |i, v| {
                             let s = (v * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
@@ -349,6 +362,7 @@ pub fn open_playback(
                 other => return Err(unsupported_format(Direction::Output, &spec, other)),
             }
             .map_err(|e| dev_err(Direction::Output, &spec, format!("opening the stream: {e}")))?;
+            while stale.try_recv().is_ok() {}
             let _ = tx.try_send(writer);
             Ok(stream)
         });

@@ -140,7 +140,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
 /// Opens the capture device (`rate`, or its own) and waits for it to deliver audio at its rate.
 fn open(spec: &str, rate: Option<u32>, reconnect: bool) -> Result<Capture, AudioError> {
     let cap = open_capture(spec, rate, reconnect, Duration::from_secs(2))?;
-    if !cap.wait_ready(Duration::from_secs(5)) {
+    if !cap.wait_ready(Duration::from_secs(8)) {
         tracing::warn!(device = %cap.handle.status().name, "the device is not delivering audio at its rate yet");
     }
     Ok(cap)

@@ -174,7 +174,7 @@ impl Opener {
         } else {
             open_playback(device, rate, self.reconnect, self.jitter)
         }?;
-        if player.device.is_some() && !player.wait_ready(Duration::from_secs(5)) {
+        if player.device.is_some() && !player.wait_ready(Duration::from_secs(8)) {
             tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
         }
         tracing::info!(device = %player.name, rate = player.rate, "playback open");
