@@ -44,8 +44,17 @@ enum Cmd {
     },
     /// List the stage kinds with their ports and params.
     Stages,
-    /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out.
+    /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out; or re-run a
+    /// recording's LM headless (`--recording DIR --out NEW_DIR`) and compare it with the live run.
     Replay(app::ReplayArgs),
+    /// Compare a recording with its replay: per-stage quantiles by context, trend, bimodality,
+    /// a verdict (environment or code), and whether the token streams are the same.
+    Compare {
+        /// The live recording.
+        recording: PathBuf,
+        /// The headless replay's recording (`duplex replay --recording … --out …`).
+        replay: PathBuf,
+    },
     /// List sound devices (inputs and outputs) with their default configuration.
     Devices {
         /// Also list every configuration each device supports.
@@ -127,11 +136,17 @@ fn main() -> ExitCode {
             };
             out(&app::validate(&file, &opts, &Registry::builtin())?)
         }
+        Cmd::Replay(args) if args.recording.is_some() => {
+            let (report, comparison) = app::replay_recording(&args)?;
+            app::logging::report(&app::timing_table(&report));
+            out(&comparison.to_string())
+        }
         Cmd::Replay(args) => {
             let report = app::replay(&args)?;
             app::logging::report(&app::timing_table(&report));
             Ok(())
         }
+        Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),
         Cmd::Daemon { config, check } => {
             if check {
                 let c = app::daemon::check(config.as_deref())?;

@@ -291,3 +291,24 @@ fn a_stage_that_cannot_be_built_names_its_file() {
         "{msg}"
     );
 }
+
+#[test]
+fn an_inject_delay_option_is_checked_like_the_stage_of_that_name() {
+    let (e, msg) = validate_err(
+        "stages:\n  d: { kind: resample, to: 16000, inject_delay: { mode: sideways } }\n",
+    );
+    assert_eq!(e.kind, ConfigErrorKind::OutOfRange);
+    assert_eq!(
+        msg,
+        "p.yaml: stage `d.inject_delay`: `mode`: \"sideways\" is not one of none, bimodal, ramp"
+    );
+    let (_, msg) = validate_err(
+        "stages:\n  d: { kind: resample, to: 16000, inject_delay: { slow_ms: -1 } }\n",
+    );
+    assert!(msg.contains("stage `d.inject_delay`: `slow_ms`"), "{msg}");
+    let (_, msg) = validate_err("stages:\n  d: { kind: resample, to: 16000, inject_delay: 5 }\n");
+    assert_eq!(
+        msg,
+        "p.yaml: stage `d`: `inject_delay`: expected a map of `inject_delay` params (mode, base_ms, …), got 5 (an integer)"
+    );
+}

@@ -124,7 +124,7 @@ fn kyutai_and_web_clients_get_the_reply_and_the_transcript_the_session_logged() 
 #[test]
 fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
     let server = Server::start(
-        "sampling:\n  text_temperature: 0\n  audio_temperature: 0\n",
+        "sampling:\n  text_temperature: 0\n  audio_temperature: 0\nrecord:\n  dir: recordings\n",
         60_000,
     );
     let wav = server.dir.path().join("in.wav");
@@ -163,6 +163,36 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
             "frame {i} differs"
         );
     }
+    // The session was recorded (`record.dir`): its recording replays to the same tokens.
+    let recs = server.dir.path().join("recordings");
+    let rec = std::fs::read_dir(&recs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_str().unwrap().ends_with(&format!("-s{id}")))
+        .unwrap_or_else(|| panic!("no recording of session {id} in {}", recs.display()));
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["replay", "--recording"])
+        .arg(&rec)
+        .arg("--out")
+        .arg(server.dir.path().join("replay-rec"))
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&st.stdout);
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    assert!(report.contains("graphs: the same"), "{report}");
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("tokens: ") && l.ends_with(" steps identical"))
+        .unwrap_or_else(|| panic!("{report}"));
+    let n: Vec<usize> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(n[0] == n[1] && n[0] >= live.len(), "{report}");
 }
 
 /// Frames the framer → encoder edges dropped, summed over sessions.

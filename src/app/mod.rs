@@ -17,11 +17,28 @@ use crate::config::{
     self, ConfigError, ConfigErrorKind, LoadOptions, Override, Params, PipelineSpec,
 };
 use crate::runtime::{
-    ControlPlane, Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle,
+    Body, ControlPlane, Link, Node, PipelineBuilder, RunOptions, RunReport, StopHandle,
 };
 use crate::stages::{BuildContext, BuildError, BuildErrorKind, Registry};
 
-pub use replay::{run as replay, ReplayArgs};
+pub use replay::{run as replay, run_recording as replay_recording, ReplayArgs};
+
+/// `duplex compare`: reads two recordings and compares them.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the recording that cannot be read (exit code 2).
+pub fn compare(
+    live: &Path,
+    replay: &Path,
+) -> Result<crate::observe::compare::Comparison, ConfigError> {
+    use crate::observe::record::Recorded;
+    let read = |d: &Path| Recorded::open(d).map_err(|m| replay::recording_error(&m));
+    Ok(crate::observe::compare::compare(
+        &read(live)?,
+        &read(replay)?,
+    ))
+}
 pub use report::timing_table;
 
 /// Loads `file` and builds (but does not start) its pipeline.
@@ -83,8 +100,30 @@ pub fn build_session(
         let cx = BuildContext::new(&s.name, &spec.file, &plane, kind)
             .with_session(session)
             .with_recording(recording);
-        let body = (kind.build)(&cx, &s.params)
+        let mut body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
+        if let Some(p) = &s.inject {
+            body = match body {
+                Body::Stage(st) => Body::Stage(crate::stages::inject_delay::delayed(
+                    st,
+                    crate::stages::inject_delay::Signature::new(p),
+                )),
+                Body::Source(_) => {
+                    return Err(ConfigError::new(
+                        &spec.file,
+                        ConfigErrorKind::Build,
+                        format!(
+                            "`{}` applies to stages with inputs; `{}` is a source (put an \
+                             `inject_delay` stage after it)",
+                            config::INJECT_KEY,
+                            s.kind
+                        ),
+                    )
+                    .stage(s.name.clone())
+                    .key(config::INJECT_KEY))
+                }
+            };
+        }
         b = b.node(Node {
             name: s.name.clone(),
             kind: s.kind.clone(),
@@ -243,43 +282,51 @@ pub fn record(
     Ok(Some(std::sync::Arc::new(r)))
 }
 
+/// A pack's graphs by SHA-256 (the `.onnx` files; external weight files by size).
+pub(crate) fn pack_files(pack: &str) -> serde_json::Value {
+    use sha2::Digest;
+    let mut files = serde_json::Map::new();
+    let root = Path::new(pack);
+    for g in ["temporal", "depformer", "mimi_encoder", "mimi_decoder"] {
+        for (name, hash) in [("model.onnx", true), ("model.onnx.data", false)] {
+            let f = root.join(g).join(name);
+            let Ok(meta) = std::fs::metadata(&f) else {
+                continue;
+            };
+            let mut v = serde_json::json!({ "bytes": meta.len() });
+            if hash {
+                if let Ok(b) = std::fs::read(&f) {
+                    v["sha256"] = format!("{:x}", sha2::Sha256::digest(&b)).into();
+                }
+            }
+            files.insert(format!("{g}/{name}"), v);
+        }
+    }
+    files.into()
+}
+
 /// What a recording says ran: the pipeline, its stages and links, and each pack's graphs by
 /// SHA-256 (the `.onnx` files; external weight files by size).
-fn manifest(spec: &PipelineSpec) -> serde_json::Value {
-    use sha2::Digest;
+pub(crate) fn manifest(spec: &PipelineSpec) -> serde_json::Value {
     let mut packs = serde_json::Map::new();
+    let typed = |p: &Params| -> serde_json::Map<String, serde_json::Value> {
+        p.iter()
+            .map(|(k, v)| (k.to_string(), v.to_json()))
+            .collect()
+    };
     let stages: Vec<serde_json::Value> = spec
         .stages
         .iter()
         .map(|s| {
-            let params: serde_json::Map<String, serde_json::Value> = s
-                .params
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string().into()))
-                .collect();
             if let Some(crate::config::ParamValue::Str(p)) = s.params.get("pack") {
-                packs.entry(p.clone()).or_insert_with(|| {
-                    let mut files = serde_json::Map::new();
-                    let root = Path::new(p);
-                    for g in ["temporal", "depformer", "mimi_encoder", "mimi_decoder"] {
-                        for (name, hash) in [("model.onnx", true), ("model.onnx.data", false)] {
-                            let f = root.join(g).join(name);
-                            let Ok(meta) = std::fs::metadata(&f) else {
-                                continue;
-                            };
-                            let mut v = serde_json::json!({ "bytes": meta.len() });
-                            if hash {
-                                if let Ok(b) = std::fs::read(&f) {
-                                    v["sha256"] = format!("{:x}", sha2::Sha256::digest(&b)).into();
-                                }
-                            }
-                            files.insert(format!("{g}/{name}"), v);
-                        }
-                    }
-                    files.into()
-                });
+                packs.entry(p.clone()).or_insert_with(|| pack_files(p));
             }
-            serde_json::json!({ "name": s.name, "kind": s.kind, "params": params })
+            let mut stage =
+                serde_json::json!({ "name": s.name, "kind": s.kind, "params": typed(&s.params) });
+            if let Some(p) = &s.inject {
+                stage[config::INJECT_KEY] = typed(p).into();
+            }
+            stage
         })
         .collect();
     let links: Vec<String> = spec

@@ -1,24 +1,40 @@
 //! `duplex replay`: the LM on any pack, codes in, tokens out — the `lm-replay` pipeline built
-//! from command-line flags instead of a file.
+//! from command-line flags instead of a file; or, with `--recording`, a recorded conversation
+//! re-run headless through the same LM stages with the same params and inputs (the user codes
+//! the model saw), itself recorded, then compared with the live run
+//! ([`compare`](crate::observe::compare)).
 
 use std::path::PathBuf;
 
 use config::{Value, ValueKind};
 
 use crate::config::{params, ConfigError, ConfigErrorKind};
+use crate::observe::compare::{self, Comparison};
+use crate::observe::record::{Recorded, Recording};
 use crate::runtime::{ControlPlane, Link, Node, PipelineBuilder, RunReport};
 use crate::stages::{BuildContext, Registry};
 
 /// Flags of `duplex replay`.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ReplayArgs {
-    /// Model pack directory (a bare exporter directory works with PersonaPlex defaults).
+    /// Model pack directory (a bare exporter directory works with PersonaPlex defaults). With
+    /// `--recording`: run on this pack instead of the recorded one.
     #[arg(long)]
-    pub pack: PathBuf,
+    pub pack: Option<PathBuf>,
     /// User codes: a JSON array of frames, each an array of 8 ints.
+    #[arg(long, conflicts_with = "recording")]
+    pub codes: Option<PathBuf>,
+    /// A recording (`record:` of a pipeline): re-run its LM headless and compare.
     #[arg(long)]
-    pub codes: PathBuf,
-    /// Output: one JSON line per agent frame.
+    pub recording: Option<PathBuf>,
+    /// With `--recording`: the execution provider to replay on (default: the recorded one).
+    #[arg(long, value_parser = ["cpu", "cuda"])]
+    pub provider: Option<String>,
+    /// With `--recording`: feed frames at real time (80 ms) instead of as fast as possible.
+    #[arg(long)]
+    pub paced: bool,
+    /// Output: one JSON line per agent frame; with `--recording`, a new folder for the replay's
+    /// own recording (timings, LM stream, tokens).
     #[arg(long)]
     pub out: PathBuf,
     /// Sampling seed.
@@ -59,7 +75,19 @@ fn node(
     kind: &str,
     raw: Vec<(&str, Value)>,
 ) -> Result<Node, ConfigError> {
-    let file = "duplex replay";
+    let raw: Vec<(String, Value)> = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    node_at(reg, plane, "duplex replay", name, kind, raw, None)
+}
+
+fn node_at(
+    reg: &Registry,
+    plane: &ControlPlane,
+    file: &str,
+    name: &str,
+    kind: &str,
+    raw: Vec<(String, Value)>,
+    recording: Option<&Recording>,
+) -> Result<Node, ConfigError> {
     let Some(k) = reg.get(kind) else {
         return Err(ConfigError::new(
             file,
@@ -67,10 +95,9 @@ fn node(
             format!("no stage kind `{kind}`"),
         ));
     };
-    let raw: Vec<(String, Value)> = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let p = params::check(file, name, kind, k.params, &raw)?;
-    let body = (k.build)(&BuildContext::new(name, file, plane, k), &p)
-        .map_err(|e| super::build_error(file, name, &p, e))?;
+    let cx = BuildContext::new(name, file, plane, k).with_recording(recording);
+    let body = (k.build)(&cx, &p).map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
         kind: kind.into(),
@@ -87,7 +114,16 @@ fn node(
 /// A [`ConfigError`] naming the flag's stage and the problem (missing pack, bad codes file…).
 pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
     let reg = Registry::builtin();
-    let pack = a.pack.display().to_string();
+    let missing = |flag: &str| {
+        ConfigError::new(
+            "duplex replay",
+            ConfigErrorKind::Missing,
+            format!("`{flag}` is required (or give `--recording DIR`)"),
+        )
+    };
+    let pack = a.pack.as_ref().ok_or_else(|| missing("--pack"))?;
+    let codes = a.codes.as_ref().ok_or_else(|| missing("--codes"))?;
+    let pack = pack.display().to_string();
     let mut temporal = vec![("pack", s(&pack))];
     if !a.persona_tokens.is_empty() {
         temporal.push((
@@ -123,7 +159,7 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
             &plane,
             "codes",
             "codes_source",
-            vec![("path", s(&a.codes.display().to_string()))],
+            vec![("path", s(&codes.display().to_string()))],
         )?)
         .node(node(&reg, &plane, "temporal", "temporal", temporal)?)
         .node(node(&reg, &plane, "depformer", "depformer", depformer)?)
@@ -148,8 +184,219 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
 ///
 /// Configuration errors (exit code 2) and run errors (exit code 1).
 pub fn run(a: &ReplayArgs) -> anyhow::Result<RunReport> {
+    if a.recording.is_some() {
+        return Ok(run_recording(a)?.0);
+    }
     let p = build(a)?.build()?;
     let running = p.start();
     let _signals = super::SignalGuard::install(running.stop_handle());
     Ok(running.wait().into_result()?)
+}
+
+/// A recording reader's message (`PATH: what`) as a configuration error naming that file.
+pub(crate) fn recording_error(m: &str) -> ConfigError {
+    let (file, what) = m.split_once(": ").unwrap_or(("recording", m));
+    ConfigError::new(file, ConfigErrorKind::Build, what)
+}
+
+/// A replay of a recording: the pipeline to run, the replay's own recording, and the live run.
+struct FromRecording {
+    builder: PipelineBuilder,
+    recording: std::sync::Arc<Recording>,
+    live: Recorded,
+}
+
+/// A recorded stage's params as raw values (for the kind's own check), with `overrides`.
+fn recorded_params(
+    file: &str,
+    stage: &serde_json::Value,
+    overrides: &[(&str, Option<Value>)],
+) -> Result<Vec<(String, Value)>, ConfigError> {
+    let name = stage["name"].as_str().unwrap_or("?");
+    let mut raw = Vec::new();
+    for (k, v) in stage["params"].as_object().into_iter().flatten() {
+        if overrides.iter().any(|(o, v)| o == k && v.is_some()) {
+            continue;
+        }
+        let v = params::json_to_config(v).ok_or_else(|| {
+            ConfigError::new(
+                file,
+                ConfigErrorKind::WrongType,
+                format!("recorded value {v} is not a param value; was the manifest edited?"),
+            )
+            .stage(name)
+            .key(k.clone())
+        })?;
+        raw.push((k.clone(), v));
+    }
+    for (k, v) in overrides {
+        if let Some(v) = v {
+            raw.push((k.to_string(), v.clone()));
+        }
+    }
+    Ok(raw)
+}
+
+fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
+    let dir = a.recording.as_deref().unwrap_or(std::path::Path::new("."));
+    let file = dir.join("manifest.json").display().to_string();
+    let bad = |m: String| ConfigError::new(&file, ConfigErrorKind::Build, m);
+    let live = Recorded::open(dir).map_err(|m| recording_error(&m))?;
+    let lm_stage = |kind: &str| {
+        live.stage_of_kind(kind).cloned().ok_or_else(|| {
+            bad(format!(
+                "the recording has no `{kind}` stage: only the LM (temporal, depformer) is replayed"
+            ))
+        })
+    };
+    let (temporal, depformer) = (lm_stage("temporal")?, lm_stage("depformer")?);
+    if live.steps.is_empty() {
+        return Err(bad(format!(
+            "{}: no LM steps recorded (the conversation had not started); nothing to replay",
+            dir.join("lm.jsonl").display()
+        )));
+    }
+    // The user codes as the model saw them.
+    let out = &a.out;
+    std::fs::create_dir_all(out).map_err(|e| {
+        ConfigError::new(
+            "duplex replay",
+            ConfigErrorKind::Build,
+            format!("`--out` {}: {e}", out.display()),
+        )
+    })?;
+    let codes_path = out.join("codes.json");
+    let codes: Vec<&serde_json::Value> = live.steps.iter().map(|s| &s.user).collect();
+    std::fs::write(
+        &codes_path,
+        serde_json::to_string(&codes).unwrap_or_default(),
+    )
+    .map_err(|e| {
+        ConfigError::new(
+            "duplex replay",
+            ConfigErrorKind::Build,
+            format!("{}: {e}", codes_path.display()),
+        )
+    })?;
+    let pack_override = a.pack.as_ref().map(|p| s(&p.display().to_string()));
+    let provider = a.provider.as_deref().map(s);
+    let overrides = [
+        ("pack", pack_override.clone()),
+        ("execution_provider", provider.clone()),
+    ];
+    let t_raw = recorded_params(&file, &temporal, &overrides)?;
+    let d_raw = recorded_params(&file, &depformer, &overrides)?;
+    let pack = t_raw
+        .iter()
+        .find(|(k, _)| k == "pack")
+        .and_then(|(_, v)| v.clone().into_string().ok())
+        .unwrap_or_default();
+    let reg = Registry::builtin();
+    // Checked here too, for the manifest's typed values (defaults filled in).
+    let typed = |name: &str, kind: &str, raw: &[(String, Value)]| {
+        let specs = reg.get(kind).map(|k| k.params).unwrap_or(&[]);
+        params::check(&file, name, kind, specs, raw).map(|p| {
+            p.iter()
+                .map(|(k, v)| (k.to_string(), v.to_json()))
+                .collect::<serde_json::Map<_, _>>()
+        })
+    };
+    let tname = temporal["name"].as_str().unwrap_or("temporal").to_string();
+    let dname = depformer["name"]
+        .as_str()
+        .unwrap_or("depformer")
+        .to_string();
+    let manifest = serde_json::json!({
+        "pipeline": "duplex replay",
+        "replay_of": dir.display().to_string(),
+        "paced": a.paced,
+        "replayed": [tname, dname],
+        "stages": [
+            { "name": "codes", "kind": "codes_source", "params": { "path": codes_path.display().to_string() } },
+            { "name": tname, "kind": "temporal", "params": typed(&tname, "temporal", &t_raw)? },
+            { "name": dname, "kind": "depformer", "params": typed(&dname, "depformer", &d_raw)? },
+        ],
+        "packs": { pack.clone(): super::pack_files(&pack) },
+    });
+    let recording = std::sync::Arc::new(
+        Recording::create_at(out, manifest, u64::MAX / 2).map_err(|m| {
+            ConfigError::new("duplex replay", ConfigErrorKind::Build, m).key("--out")
+        })?,
+    );
+    let plane = ControlPlane::new();
+    let rec = Some(&*recording);
+    let codes_raw = vec![
+        ("path".to_string(), s(&codes_path.display().to_string())),
+        (
+            "realtime".to_string(),
+            Value::new(None, ValueKind::Boolean(a.paced)),
+        ),
+    ];
+    let tokens_raw = vec![(
+        "path".to_string(),
+        s(&out.join("tokens.jsonl").display().to_string()),
+    )];
+    let builder = PipelineBuilder::new()
+        .origin("duplex replay")
+        .node(node_at(
+            &reg,
+            &plane,
+            &file,
+            "codes",
+            "codes_source",
+            codes_raw,
+            rec,
+        )?)
+        .node(node_at(
+            &reg, &plane, &file, &tname, "temporal", t_raw, rec,
+        )?)
+        .node(node_at(
+            &reg,
+            &plane,
+            &file,
+            &dname,
+            "depformer",
+            d_raw,
+            rec,
+        )?)
+        .node(node_at(
+            &reg,
+            &plane,
+            &file,
+            "tokens",
+            "token_sink",
+            tokens_raw,
+            rec,
+        )?)
+        .link(Link::new("codes", format!("{tname}.codes")))
+        .link(Link::new(format!("{tname}.step"), dname.clone()))
+        .link(Link::new(dname.clone(), format!("{tname}.tokens")).feedback())
+        .link(Link::new(format!("{tname}.agent"), "tokens"))
+        .control(plane);
+    Ok(FromRecording {
+        builder,
+        recording,
+        live,
+    })
+}
+
+/// Replays `--recording` headless into `--out` and compares the two runs.
+///
+/// # Errors
+///
+/// A [`ConfigError`] for a bad recording or flags (exit code 2), a run error (exit code 1).
+pub fn run_recording(a: &ReplayArgs) -> anyhow::Result<(RunReport, Comparison)> {
+    let FromRecording {
+        builder,
+        recording,
+        live,
+    } = build_from_recording(a)?;
+    let p = builder.observer(recording.clone()).build()?;
+    let running = p.start();
+    let _signals = super::SignalGuard::install(running.stop_handle());
+    let report = running.wait().into_result()?;
+    recording.finish();
+    let replay = Recorded::open(recording.dir()).map_err(anyhow::Error::msg)?;
+    let c = compare::compare(&live, &replay);
+    Ok((report, c))
 }

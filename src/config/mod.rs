@@ -24,7 +24,7 @@ pub use layers::Override;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
     load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RecordSettings,
-    RuntimeSettings, StageSpec,
+    RuntimeSettings, StageSpec, INJECT_KEY,
 };
 
 /// The built-in defaults every pipeline file is layered over (the text of `configs/default.yaml`).

@@ -127,6 +127,37 @@ impl fmt::Display for ParamValue {
     }
 }
 
+impl ParamValue {
+    /// As JSON, typed (a recording's manifest; read back by [`ParamValue::to_config`]).
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            ParamValue::Bool(b) => (*b).into(),
+            ParamValue::Int(i) => (*i).into(),
+            ParamValue::Float(x) => (*x).into(),
+            ParamValue::Str(s) => s.clone().into(),
+            ParamValue::IntList(v) => v.clone().into(),
+        }
+    }
+}
+
+/// A JSON value as a raw config value, for [`check`] (`None` for what params never hold:
+/// objects, nulls, lists of anything but numbers).
+pub fn json_to_config(v: &serde_json::Value) -> Option<Value> {
+    let kind = match v {
+        serde_json::Value::Bool(b) => ValueKind::Boolean(*b),
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(i) => ValueKind::I64(i),
+            None => ValueKind::Float(n.as_f64()?),
+        },
+        serde_json::Value::String(s) => ValueKind::String(s.clone()),
+        serde_json::Value::Array(a) => {
+            ValueKind::Array(a.iter().map(json_to_config).collect::<Option<Vec<_>>>()?)
+        }
+        _ => return None,
+    };
+    Some(Value::new(None, kind))
+}
+
 /// The checked params of one stage: every declared param with a value or a default is present.
 #[derive(Debug, Clone, Default)]
 pub struct Params {

@@ -29,7 +29,13 @@ pub struct StageSpec {
     pub kind: String,
     /// Checked params, defaults filled in.
     pub params: Params,
+    /// Its `inject_delay:` option: the params of an `inject_delay` latency signature laid on the
+    /// stage itself (drills and tests of the diagnosis).
+    pub inject: Option<Params>,
 }
+
+/// The per-stage option that lays a latency signature on any stage.
+pub const INJECT_KEY: &str = "inject_delay";
 
 /// One link as declared in the file, defaults filled in.
 #[derive(Debug, Clone)]
@@ -357,14 +363,36 @@ pub fn load(
         };
         let raw: Vec<(String, Value)> = t
             .iter()
-            .filter(|(k, _)| k.as_str() != "kind")
+            .filter(|(k, _)| k.as_str() != "kind" && k.as_str() != INJECT_KEY)
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         let params = check(&fname, name, &kind, specs, &raw)?;
+        let inject = match (t.get(INJECT_KEY), catalog.params(INJECT_KEY)) {
+            (None, _) | (_, None) => None,
+            (Some(v), Some(specs)) => {
+                let ValueKind::Table(it) = &v.kind else {
+                    return Err(e(
+                        ConfigErrorKind::WrongType,
+                        format!(
+                            "expected a map of `inject_delay` params (mode, base_ms, …), got {}",
+                            describe(v)
+                        ),
+                    )
+                    .stage(name.clone())
+                    .key(INJECT_KEY)
+                    .from_value(v));
+                };
+                let raw: Vec<(String, Value)> =
+                    it.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                let label = format!("{name}.{INJECT_KEY}");
+                Some(check(&fname, &label, INJECT_KEY, specs, &raw)?)
+            }
+        };
         stages.push(StageSpec {
             name: name.clone(),
             kind,
             params,
+            inject,
         });
     }
 

@@ -33,7 +33,7 @@ const FLUSH: Duration = Duration::from_millis(100);
 /// The manifest's format name and version.
 pub const FORMAT: &str = "duplex-recording";
 /// The version of the recording format this build writes.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 enum Event {
     Open(usize, String),
@@ -69,15 +69,52 @@ impl Recording {
     /// A message naming the folder or file that could not be created.
     pub fn create(
         root: &Path,
+        manifest: serde_json::Value,
+        max_file_bytes: u64,
+    ) -> Result<Recording, String> {
+        Self::create_tagged(root, "", manifest, max_file_bytes)
+    }
+
+    /// As [`Recording::create`], the folder's name ending in `-TAG` (a session's id).
+    ///
+    /// # Errors
+    ///
+    /// As [`Recording::create`].
+    pub fn create_tagged(
+        root: &Path,
+        tag: &str,
+        manifest: serde_json::Value,
+        max_file_bytes: u64,
+    ) -> Result<Recording, String> {
+        let mut name = format!(
+            "{}-{}",
+            chrono_like(now_us() / 1_000_000),
+            std::process::id()
+        );
+        if !tag.is_empty() {
+            name = format!("{name}-{tag}");
+        }
+        Self::create_at(&root.join(name), manifest, max_file_bytes)
+    }
+
+    /// Starts a recording in `dir` itself (created; refused when it already holds a recording).
+    ///
+    /// # Errors
+    ///
+    /// As [`Recording::create`].
+    pub fn create_at(
+        dir: &Path,
         mut manifest: serde_json::Value,
         max_file_bytes: u64,
     ) -> Result<Recording, String> {
         let started = now_us();
-        let dir = root.join(format!(
-            "{}-{}",
-            chrono_like(started / 1_000_000),
-            std::process::id()
-        ));
+        let dir = dir.to_path_buf();
+        if dir.join("manifest.json").exists() {
+            return Err(format!(
+                "{}: already holds a recording (give a new folder)",
+                dir.display()
+            ));
+        }
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         manifest["format"] = FORMAT.into();
         manifest["version"] = VERSION.into();
@@ -345,8 +382,250 @@ impl Writer {
     }
 }
 
+/// Deletes the oldest recordings under `root` (folders holding a `manifest.json`, oldest by
+/// name, which starts with the UTC start time) until what is left takes at most `budget` bytes,
+/// never touching the newest `keep` (those being written). Returns how many were deleted.
+pub fn prune(root: &Path, budget: u64, keep: usize) -> usize {
+    fn size(p: &Path) -> u64 {
+        std::fs::read_dir(p)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    }
+    let mut recs: Vec<(PathBuf, u64)> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("manifest.json").is_file())
+        .map(|p| {
+            let n = size(&p);
+            (p, n)
+        })
+        .collect();
+    recs.sort();
+    let mut total: u64 = recs.iter().map(|(_, n)| n).sum();
+    let mut deleted = 0;
+    let deletable = recs.len().saturating_sub(keep);
+    for (p, n) in recs.into_iter().take(deletable) {
+        if total <= budget {
+            break;
+        }
+        match std::fs::remove_dir_all(&p) {
+            Ok(()) => {
+                total -= n;
+                deleted += 1;
+                tracing::info!(dir = %p.display(), bytes = n, "recording deleted: over the recordings' size budget");
+            }
+            Err(e) => tracing::warn!(dir = %p.display(), "recording not deleted: {e}"),
+        }
+    }
+    deleted
+}
+
+/// A recording read back: its manifest, every stage's per-frame service times, and the LM's
+/// stream. A last line cut short (a killed process) is ignored; any other line that does not
+/// parse is an error naming the file and line.
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    /// The folder.
+    pub dir: PathBuf,
+    /// `manifest.json`.
+    pub manifest: serde_json::Value,
+    /// Stage names, in the runtime's order.
+    pub stages: Vec<String>,
+    /// Per stage (by name): (frame, seconds inside the stage), in order.
+    pub service: std::collections::BTreeMap<String, Vec<(u64, f64)>>,
+    /// The LM's steps in order: the user codes it saw, the agent frame it produced (`null`
+    /// while it had none), the context length after it.
+    pub steps: Vec<RecordedStep>,
+    /// Priming scripts, with the number of steps before each.
+    pub primes: Vec<(usize, serde_json::Value)>,
+}
+
+/// One LM step of a recording.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedStep {
+    /// The user codes as the model saw them.
+    pub user: serde_json::Value,
+    /// The agent frame (`{text, audio}`) or `null`.
+    pub agent: serde_json::Value,
+    /// KV length after the step, when recorded.
+    pub kv: Option<u64>,
+}
+
+/// Lines of a JSON Lines file; a bad last line is dropped (cut short by a kill), any other is an
+/// error.
+fn json_lines(path: &Path) -> Result<Vec<serde_json::Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::with_capacity(lines.len());
+    for (i, l) in lines.iter().enumerate() {
+        match serde_json::from_str::<serde_json::Value>(l) {
+            Ok(v) => out.push(v),
+            Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+            Err(e) => {
+                return Err(format!(
+                    "{}:{}: not a recording line ({e}); was the file edited?",
+                    path.display(),
+                    i + 1
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl Recorded {
+    /// Reads the recording in `dir`.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the folder or file: not a recording, written by another format version,
+    /// a line that does not parse, an index that names no stage.
+    pub fn open(dir: &Path) -> Result<Recorded, String> {
+        let mpath = dir.join("manifest.json");
+        if !dir.is_dir() {
+            return Err(format!("{}: no such recording folder", dir.display()));
+        }
+        let text = std::fs::read_to_string(&mpath).map_err(|e| {
+            format!(
+                "{}: not a recording ({}: {e})",
+                dir.display(),
+                mpath.display()
+            )
+        })?;
+        let manifest: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not valid JSON ({e})", mpath.display()))?;
+        if manifest["format"] != FORMAT {
+            return Err(format!(
+                "{}: not a duplex recording (format {})",
+                mpath.display(),
+                manifest["format"]
+            ));
+        }
+        let version = manifest["version"].as_u64().unwrap_or(0);
+        if version != u64::from(VERSION) {
+            return Err(format!(
+                "{}: recording format version {version} (duplex {}); this build reads version \
+                 {VERSION}",
+                mpath.display(),
+                manifest["duplex"].as_str().unwrap_or("?")
+            ));
+        }
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("timings.") && n.ends_with(".jsonl"))
+            })
+            .collect();
+        files.sort();
+        let mut r = Recorded {
+            dir: dir.to_path_buf(),
+            manifest,
+            ..Default::default()
+        };
+        for f in &files {
+            let lines = json_lines(f)?;
+            let Some(header) = lines.first() else {
+                continue;
+            };
+            let stages: Vec<String> = header["stages"]
+                .as_array()
+                .ok_or_else(|| format!("{}:1: no header naming the stages", f.display()))?
+                .iter()
+                .map(|s| s.as_str().unwrap_or("").to_string())
+                .collect();
+            r.stages = stages.clone();
+            for (i, l) in lines.iter().enumerate().skip(1) {
+                let (Some(st), Some(us)) = (l["stage"].as_u64(), l["service_us"].as_u64()) else {
+                    continue;
+                };
+                let name = stages.get(st as usize).ok_or_else(|| {
+                    format!("{}:{}: stage {st} is not in the header", f.display(), i + 1)
+                })?;
+                r.service
+                    .entry(name.clone())
+                    .or_default()
+                    .push((l["frame"].as_u64().unwrap_or(0), us as f64 / 1e6));
+            }
+        }
+        let lm = dir.join("lm.jsonl");
+        if lm.exists() {
+            for l in json_lines(&lm)? {
+                if l.get("step").is_some() {
+                    r.steps.push(RecordedStep {
+                        user: l["user"].clone(),
+                        agent: l["agent"].clone(),
+                        kv: l["kv"].as_u64(),
+                    });
+                } else if let Some(p) = l.get("prime") {
+                    r.primes.push((r.steps.len(), p.clone()));
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// The manifest's stage named `name`: (kind, params, the rest).
+    pub fn stage(&self, name: &str) -> Option<&serde_json::Value> {
+        self.manifest["stages"]
+            .as_array()?
+            .iter()
+            .find(|s| s["name"] == name)
+    }
+
+    /// The first stage of `kind` in the manifest.
+    pub fn stage_of_kind(&self, kind: &str) -> Option<&serde_json::Value> {
+        self.manifest["stages"]
+            .as_array()?
+            .iter()
+            .find(|s| s["kind"] == kind)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn pruning_deletes_the_oldest_recordings_down_to_the_budget_and_keeps_the_newest() {
+        let root = tempfile::tempdir().unwrap();
+        for (name, bytes) in [
+            ("20260101-000000-1", 3000),
+            ("20260102-000000-1", 3000),
+            ("20260103-000000-1", 3000),
+            ("20260104-000000-1", 3000),
+        ] {
+            let d = root.path().join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("manifest.json"), "{}").unwrap();
+            std::fs::write(d.join("timings.0000.jsonl"), vec![b'x'; bytes]).unwrap();
+        }
+        // Not a recording: never touched.
+        std::fs::create_dir_all(root.path().join("notes")).unwrap();
+        let left = |r: &Path| {
+            let mut v: Vec<String> = std::fs::read_dir(r)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(super::prune(root.path(), 7000, 1), 2);
+        assert_eq!(
+            left(root.path()),
+            ["20260103-000000-1", "20260104-000000-1", "notes"]
+        );
+        // The newest `keep` stay even over budget.
+        assert_eq!(super::prune(root.path(), 0, 1), 1);
+        assert_eq!(left(root.path()), ["20260104-000000-1", "notes"]);
+    }
+
     #[test]
     fn folder_names_are_utc_dates() {
         assert_eq!(super::chrono_like(0), "19700101-000000");

@@ -2,6 +2,11 @@
 //! signatures the diagnosis tells apart: `bimodal` (good frames mixed with slow ones, as when
 //! another job contends for the GPU) and `ramp` (a cost that grows frame after frame, as when a
 //! KV cache is copied every step).
+//!
+//! The same signatures can be laid on any stage with inputs: its `inject_delay:` option (a map
+//! of these params) makes the stage itself slow, inside its own service time, as contention for
+//! its device would ([`Signature`], [`delayed`]). That is how a drill reproduces a contended LM
+//! step without a second job on the machine.
 
 use std::time::Duration;
 
@@ -91,19 +96,12 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(InjectDelay {
-        mode: p.str("mode").to_string(),
-        base: p.float("base_ms") / 1e3,
-        jitter: p.float("jitter_ms") / 1e3,
-        slow: p.float("slow_ms") / 1e3,
-        slow_fraction: p.float("slow_fraction"),
-        ramp_to: p.float("ramp_to_ms") / 1e3,
-        ramp_frames: p.int("ramp_frames") as f64,
-        rng: crate::model::sampling::Rng::new(p.int("seed") as u64),
-        n: 0,
+        sig: Signature::new(p),
     })))
 }
 
-struct InjectDelay {
+/// A latency signature: the delay of each frame in turn.
+pub struct Signature {
     mode: String,
     base: f64,
     jitter: f64,
@@ -115,13 +113,24 @@ struct InjectDelay {
     n: u64,
 }
 
-impl Stage for InjectDelay {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
-        Ok(inputs.to_vec())
+impl Signature {
+    /// From checked `inject_delay` params.
+    pub fn new(p: &Params) -> Self {
+        Signature {
+            mode: p.str("mode").to_string(),
+            base: p.float("base_ms") / 1e3,
+            jitter: p.float("jitter_ms") / 1e3,
+            slow: p.float("slow_ms") / 1e3,
+            slow_fraction: p.float("slow_fraction"),
+            ramp_to: p.float("ramp_to_ms") / 1e3,
+            ramp_frames: p.int("ramp_frames") as f64,
+            rng: crate::model::sampling::Rng::new(p.int("seed") as u64),
+            n: 0,
+        }
     }
 
-    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
-        let f = input.take::<Pcm>()?;
+    /// The next frame's delay.
+    pub fn next_delay(&mut self) -> Duration {
         let noise = self.jitter * self.rng.next_f64();
         let d = match self.mode.as_str() {
             "bimodal" if self.rng.next_f64() < self.slow_fraction => self.slow + noise,
@@ -133,9 +142,58 @@ impl Stage for InjectDelay {
             _ => 0.0,
         };
         self.n += 1;
-        if d > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(d));
+        Duration::from_secs_f64(d.max(0.0))
+    }
+
+    fn sleep(&mut self) {
+        let d = self.next_delay();
+        if !d.is_zero() {
+            std::thread::sleep(d);
         }
+    }
+}
+
+struct InjectDelay {
+    sig: Signature,
+}
+
+impl Stage for InjectDelay {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        Ok(inputs.to_vec())
+    }
+
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        let f = input.take::<Pcm>()?;
+        self.sig.sleep();
         cx.emit(0, f.meta.origin, f.data)
+    }
+}
+
+/// `stage` made slow by `sig` before each frame it processes (inside its service time).
+pub fn delayed(stage: Box<dyn Stage>, sig: Signature) -> Box<dyn Stage> {
+    Box::new(Delayed { inner: stage, sig })
+}
+
+struct Delayed {
+    inner: Box<dyn Stage>,
+    sig: Signature,
+}
+
+impl Stage for Delayed {
+    fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
+        self.inner.start(cx)
+    }
+
+    fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
+        self.sig.sleep();
+        self.inner.process(input, cx)
+    }
+
+    fn finish(&mut self, cx: &mut Context<'_>) -> StageResult {
+        self.inner.finish(cx)
+    }
+
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+        self.inner.caps(inputs)
     }
 }

@@ -12,7 +12,7 @@ mod codes_sink;
 mod codes_source;
 mod depformer;
 mod framer;
-mod inject_delay;
+pub mod inject_delay;
 mod mic;
 mod mimi_decode;
 mod mimi_encode;

@@ -448,7 +448,12 @@ impl Stage for TemporalStage {
             let agent = out
                 .as_ref()
                 .map(|a| serde_json::json!({ "text": a.text, "audio": a.audio }));
-            r.write(&serde_json::json!({ "step": self.steps, "user": f.data.0, "agent": agent }));
+            r.write(&serde_json::json!({
+                "step": self.steps,
+                "user": f.data.0,
+                "agent": agent,
+                "kv": self.half.temporal.kv_len(),
+            }));
         }
         self.steps += 1;
         self.context.set(self.half.temporal.kv_len() as f64);

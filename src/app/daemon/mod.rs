@@ -429,8 +429,19 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
 /// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.
 fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
     let spec = c.pipeline_spec()?;
-    let builder = super::build_spec(&spec, &crate::stages::Registry::builtin())?;
+    // The pipeline's `record:` section: every (re)built pipeline records into a folder of its own.
+    let recording = super::record(&spec)?;
+    let builder = super::build_session(
+        &spec,
+        &crate::stages::Registry::builtin(),
+        None,
+        recording.as_deref(),
+    )?;
     let (builder, monitor) = super::observe(builder, &spec.metrics);
+    let builder = match recording {
+        Some(r) => builder.observer(r),
+        None => builder,
+    };
     Ok(Built {
         pipeline: builder.build()?,
         monitor,

@@ -32,7 +32,9 @@ const KEYS: &[&str] = &[
     "sampling",
     "limits",
     "drain_timeout_s",
+    "record",
 ];
+const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
 const SAMPLING_KEYS: &[&str] = &[
     "text_temperature",
     "text_top_k",
@@ -61,6 +63,17 @@ pub struct Sampling {
     pub audio_top_k: i64,
     /// Seed; `None`: a fresh one per session.
     pub seed: Option<u64>,
+}
+
+/// Recording of sessions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordSessions {
+    /// Every session is recorded into a folder of its own under this one.
+    pub dir: PathBuf,
+    /// Rotation size of a session's timing files.
+    pub max_file_bytes: u64,
+    /// Recordings kept under `dir` at most; the oldest are deleted to make room.
+    pub max_total_bytes: u64,
 }
 
 /// Per-session limits.
@@ -105,6 +118,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// How long live sessions may run after SIGTERM.
     pub drain_timeout: Duration,
+    /// Session recording (`None`: off).
+    pub record: Option<RecordSessions>,
     origins: HashMap<String, String>,
 }
 
@@ -187,6 +202,10 @@ impl Fields<'_> {
             _ => Err(self.err(ConfigErrorKind::WrongType, k, "expected a map".into())),
         }
     }
+}
+
+fn r_err(f: &Fields<'_>, m: String) -> ConfigError {
+    ConfigError::new(f.fname, ConfigErrorKind::Read, m).key("record.dir")
 }
 
 fn origin_of(v: &Value, fname: &str, key: &str) -> String {
@@ -280,7 +299,22 @@ pub fn load(
         max_session: (max_session > 0.0).then(|| seconds(max_session)),
         handshake_timeout: seconds(l.number("handshake_timeout_s", 0.1, 1e6)?),
     };
+    let r = f.table("record")?;
+    r.known(RECORD_KEYS)?;
+    let record = match r.string("dir")?.trim() {
+        "" => None,
+        d => Some(RecordSessions {
+            dir: PathBuf::from(d),
+            max_file_bytes: (r.number("max_file_kb", 4.0, 1e9)? * 1024.0) as u64,
+            max_total_bytes: (r.number("max_total_mb", 1.0, 1e9)? * 1024.0 * 1024.0) as u64,
+        }),
+    };
+    if let Some(r) = &record {
+        std::fs::create_dir_all(&r.dir)
+            .map_err(|e| r_err(&f, format!("{}: {e}", r.dir.display())))?;
+    }
     let config = ServeConfig {
+        record,
         address,
         pipeline,
         pack: Some(f.string("pack")?).filter(|p| !p.trim().is_empty()),

@@ -164,8 +164,25 @@ fn start(
         params,
         &id.to_string(),
     )?;
-    let b = crate::app::build_session(&spec, &server.registry, Some(end), None)?;
+    let recording = server.cfg.record.as_ref().and_then(|r| {
+        use crate::observe::record::{prune, Recording};
+        prune(&r.dir, r.max_total_bytes, server.cfg.max_sessions);
+        let tag = format!("s{id}");
+        match Recording::create_tagged(&r.dir, &tag, crate::app::manifest(&spec), r.max_file_bytes)
+        {
+            Ok(rec) => Some(Arc::new(rec)),
+            Err(e) => {
+                tracing::error!(session = id, "recording: {e}; the session runs unrecorded");
+                None
+            }
+        }
+    });
+    let b = crate::app::build_session(&spec, &server.registry, Some(end), recording.as_deref())?;
     let (b, monitor) = crate::app::observe_with(b, &spec.metrics, false);
+    let b = match recording {
+        Some(r) => b.observer(r),
+        None => b,
+    };
     let running = b.build()?.start();
     let handle = running.handle();
     Ok(Started {
