@@ -74,7 +74,7 @@ enum Cmd {
     /// pipeline per client, built from a session template.
     Serve(app::serve::ServeArgs),
     /// Send a command to the running daemon: status, reset, persona TEXT, mute, unmute, pause,
-    /// resume.
+    /// resume, record on|off.
     Ctl {
         /// Control socket (default: $XDG_RUNTIME_DIR/duplex/control.sock, or the config's).
         #[arg(long)]

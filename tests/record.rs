@@ -279,6 +279,11 @@ fn live_contention_replayed_headless_is_blamed_on_the_environment() {
     );
     assert!(r.contains("tokens: 500 of 500 steps identical"), "{r}");
     assert!(r.contains("graphs: the same"), "{r}");
+    // The live monitor's verdict changed as it ran, and the recording kept it.
+    assert!(
+        r.contains("live verdict changes: temporal steady→contention at frame"),
+        "{r}"
+    );
     // The replay is a recording of its own, with the tokens the live run gave.
     let tokens = |p: &Path| std::fs::read_to_string(p).unwrap();
     assert_eq!(

@@ -67,6 +67,8 @@ pub enum Command {
     Mute(bool),
     /// Pause (`true`) or resume the conversation.
     Pause(bool),
+    /// Record (`true`: a new, recorded conversation) or stop recording.
+    Record(bool),
 }
 
 /// Reads one command line.
@@ -90,8 +92,10 @@ pub fn parse(line: &str) -> Result<Command, String> {
         ("unmute", "") => Ok(Command::Mute(false)),
         ("pause", "") => Ok(Command::Pause(true)),
         ("resume", "") => Ok(Command::Pause(false)),
+        ("record", "on") => Ok(Command::Record(true)),
+        ("record", "off") => Ok(Command::Record(false)),
         _ => Err(format!(
-            "unknown or malformed command {:?}; commands: status, reset, persona <text>, mute, unmute, pause, resume",
+            "unknown or malformed command {:?}; commands: status, reset, persona <text>, mute, unmute, pause, resume, record on|off",
             line.chars().take(80).collect::<String>()
         )),
     }

@@ -238,9 +238,12 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     serve_metrics(&spec.metrics);
     let recording = record(&spec)?;
     let builder = build_session(&spec, &registry, None, recording.as_deref())?;
-    let (builder, _monitor) = observe(builder, &spec.metrics);
+    let (builder, monitor) = observe(builder, &spec.metrics);
     let builder = match &recording {
-        Some(r) => builder.observer(r.clone()),
+        Some(r) => {
+            monitor.record_changes(r.stream("verdicts"));
+            builder.observer(r.clone())
+        }
         None => builder,
     };
     let pipeline = builder

@@ -229,6 +229,8 @@ pub struct Comparison {
     pub stages: Vec<StageComparison>,
     /// Same computation?
     pub same: Sameness,
+    /// The live run's verdict changes, as recorded.
+    pub live_verdicts: Vec<serde_json::Value>,
 }
 
 fn graph_hashes(r: &Recorded) -> std::collections::BTreeMap<String, String> {
@@ -313,6 +315,7 @@ pub fn compare(live: &Recorded, replay: &Recorded) -> Comparison {
     Comparison {
         stages,
         same: sameness(live, replay),
+        live_verdicts: live.verdicts.clone(),
     }
 }
 
@@ -395,6 +398,29 @@ impl fmt::Display for Comparison {
             writeln!(f, "  live:     {}", shape(&s.live))?;
             writeln!(f, "  headless: {}", shape(&s.headless))?;
             writeln!(f, "  => {}", s.cause.words())?;
+        }
+        if !self.live_verdicts.is_empty() {
+            let shown: Vec<String> = self
+                .live_verdicts
+                .iter()
+                .take(6)
+                .map(|v| {
+                    format!(
+                        "{} {}→{} at frame {}",
+                        v["stage"].as_str().unwrap_or("?"),
+                        v["from"].as_str().unwrap_or("?"),
+                        v["to"].as_str().unwrap_or("?"),
+                        v["frame"]
+                    )
+                })
+                .collect();
+            let more = self.live_verdicts.len().saturating_sub(shown.len());
+            let more = if more > 0 {
+                format!(", and {more} more")
+            } else {
+                String::new()
+            };
+            writeln!(f, "live verdict changes: {}{more}", shown.join(", "))?;
         }
         let same = &self.same;
         if same.graphs.is_empty() {

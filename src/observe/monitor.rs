@@ -17,6 +17,7 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use super::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
 use super::names;
+use super::record::RecordStream;
 use crate::runtime::Observer;
 
 /// What the actor threads update.
@@ -61,6 +62,8 @@ pub struct Monitor {
     samples: Sender<Sample>,
     /// Samples the diagnosis thread could not take in time.
     skipped: AtomicU64,
+    /// Where verdict changes are also written (a recording's `verdicts` stream).
+    changes: Arc<Mutex<Option<RecordStream>>>,
 }
 
 impl Monitor {
@@ -112,9 +115,11 @@ impl Monitor {
             .collect();
         let (tx, rx) = crossbeam_channel::bounded(QUEUE);
         let shared = stages.clone();
+        let changes: Arc<Mutex<Option<RecordStream>>> = Arc::new(Mutex::new(None));
+        let sink = changes.clone();
         let spawned = std::thread::Builder::new()
             .name("duplex:diagnosis".into())
-            .spawn(move || diagnose(rx, diagnoses, &shared));
+            .spawn(move || diagnose(rx, diagnoses, &shared, &sink));
         if let Err(e) = spawned {
             tracing::error!("latency diagnosis not running: {e}");
         }
@@ -124,6 +129,14 @@ impl Monitor {
             rtf_now: AtomicU64::new(0f64.to_bits()),
             samples: tx,
             skipped: AtomicU64::new(0),
+            changes,
+        }
+    }
+
+    /// Also writes every verdict change to `stream` (a recording's), with its wall-clock time.
+    pub fn record_changes(&self, stream: RecordStream) {
+        if let Ok(mut c) = self.changes.lock() {
+            *c = Some(stream);
         }
     }
 
@@ -166,7 +179,12 @@ impl Monitor {
 }
 
 /// The diagnosis thread: takes samples until the monitor is dropped.
-fn diagnose(rx: Receiver<Sample>, mut diagnoses: Vec<Diagnosis>, stages: &[StageMon]) {
+fn diagnose(
+    rx: Receiver<Sample>,
+    mut diagnoses: Vec<Diagnosis>,
+    stages: &[StageMon],
+    changes: &Mutex<Option<RecordStream>>,
+) {
     for s in rx.iter() {
         let (Some(d), Some(mon)) = (diagnoses.get_mut(s.stage), stages.get(s.stage)) else {
             continue;
@@ -197,6 +215,18 @@ fn diagnose(rx: Receiver<Sample>, mut diagnoses: Vec<Diagnosis>, stages: &[Stage
                 outliers = format!("{:.3}", r.outlier_fraction),
                 "latency pattern changed"
             );
+            if let Some(c) = changes.lock().ok().as_ref().and_then(|c| c.as_ref()) {
+                c.write(&serde_json::json!({
+                    "t": super::record::now_us(),
+                    "stage": mon.name,
+                    "frame": s.frame,
+                    "from": before.name(),
+                    "to": now.name(),
+                    "slope_ms_per_1k_frames": r.slope_per_1k * 1e3,
+                    "bimodality": r.bimodality,
+                    "outliers": r.outlier_fraction,
+                }));
+            }
         }
     }
 }

@@ -12,7 +12,8 @@
 //! `{"t", "edge": i, "wait_us": x}`, `{"t", "stage": i, "interval_us": x}` (a sink's completion),
 //! `{"t", "edge": i, "dropped": 1}`; the first line of each file names the stages and edges.
 //! Stages may add streams of their own ([`Recording::stream`]): the temporal stage writes
-//! `lm.jsonl`, the inputs of every step as its model saw them.
+//! `lm.jsonl`, the inputs of every step as its model saw them (and the context length after
+//! it); the monitor writes `verdicts.jsonl`, every change of a stage's verdict.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -43,9 +44,12 @@ enum Event {
     Wait(usize, Duration, u64),
     Completion(usize, Duration, u64),
     Dropped(usize, u64),
+    /// Stop writing (the run ended, or the recording was switched off while it goes on).
+    Stop,
 }
 
-fn now_us() -> u64 {
+/// Microseconds since the Unix epoch (the recordings' clock).
+pub fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
@@ -54,6 +58,8 @@ fn now_us() -> u64 {
 /// A recording in progress: a runtime observer.
 pub struct Recording {
     dir: PathBuf,
+    /// Set by [`Recording::stop`]: nothing more is queued, by the observer or the streams.
+    closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
     streams: AtomicU64,
     tx: Mutex<Option<Sender<Event>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -139,6 +145,7 @@ impl Recording {
             .map_err(|e| format!("recording thread: {e}"))?;
         Ok(Recording {
             dir,
+            closed: Default::default(),
             streams: AtomicU64::new(0),
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
@@ -152,7 +159,11 @@ impl Recording {
     pub fn stream(&self, name: &str) -> RecordStream {
         let id = self.streams.fetch_add(1, Ordering::Relaxed) as usize;
         let tx = self.tx.lock().ok().and_then(|t| t.clone());
-        let s = RecordStream { tx, id };
+        let s = RecordStream {
+            tx,
+            id,
+            closed: self.closed.clone(),
+        };
         s.send(Event::Open(id, name.to_string()));
         s
     }
@@ -167,10 +178,26 @@ impl Recording {
         self.skipped.load(Ordering::Relaxed)
     }
 
+    /// Stops recording while the run goes on: what is queued is written and the files are
+    /// closed; later events, and lines of the stages' streams, are not recorded.
+    pub fn stop(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.finish();
+    }
+
+    /// Whether [`Recording::stop`] was called.
+    pub fn stopped(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Writes what is queued and closes the files (also done when dropped).
     pub fn finish(&self) {
-        if let Ok(mut tx) = self.tx.lock() {
-            tx.take();
+        if let Some(tx) = self.tx.lock().ok().and_then(|mut t| t.take()) {
+            // Blocking, once: the writer writes everything queued before it, then ends (the
+            // stages' streams and the monitor may still hold senders).
+            let _ = tx.send(Event::Stop);
         }
         if let Some(w) = self.writer.lock().ok().and_then(|mut w| w.take()) {
             let _ = w.join();
@@ -185,6 +212,9 @@ impl Recording {
     }
 
     fn send(&self, e: Event) {
+        if self.closed.load(Ordering::Relaxed) {
+            return;
+        }
         let Ok(tx) = self.tx.lock() else { return };
         if let Some(tx) = tx.as_ref() {
             if let Err(TrySendError::Full(_)) = tx.try_send(e) {
@@ -205,10 +235,14 @@ impl Drop for Recording {
 pub struct RecordStream {
     tx: Option<Sender<Event>>,
     id: usize,
+    closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RecordStream {
     fn send(&self, e: Event) {
+        if self.closed.load(Ordering::Relaxed) {
+            return;
+        }
         if let Some(tx) = &self.tx {
             let _ = tx.try_send(e);
         }
@@ -275,6 +309,7 @@ impl Writer {
         let mut last_flush = Instant::now();
         loop {
             match rx.recv_timeout(FLUSH) {
+                Ok(Event::Stop) => break,
                 Ok(e) => self.write(e),
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
                 Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
@@ -377,6 +412,7 @@ impl Writer {
                 d.as_micros()
             ),
             Event::Dropped(edge, t) => format!("{{\"t\":{t},\"edge\":{edge},\"dropped\":1}}"),
+            Event::Stop => return,
         };
         self.line(&text);
     }
@@ -442,6 +478,8 @@ pub struct Recorded {
     pub steps: Vec<RecordedStep>,
     /// Priming scripts, with the number of steps before each.
     pub primes: Vec<(usize, serde_json::Value)>,
+    /// The live verdict changes (`verdicts.jsonl`), in order.
+    pub verdicts: Vec<serde_json::Value>,
 }
 
 /// One LM step of a recording.
@@ -567,6 +605,10 @@ impl Recorded {
                     r.primes.push((r.steps.len(), p.clone()));
                 }
             }
+        }
+        let v = dir.join("verdicts.jsonl");
+        if v.exists() {
+            r.verdicts = json_lines(&v)?;
         }
         Ok(r)
     }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use config::{Map, Value, ValueKind};
 
-use crate::config::params::{as_f64, as_i64, as_string, describe, did_you_mean};
+use crate::config::params::{as_bool, as_f64, as_i64, as_string, describe, did_you_mean};
 use crate::config::{layers, ConfigError, ConfigErrorKind, LoadOptions, Override, PipelineSpec};
 use crate::stages::Registry;
 
@@ -67,6 +67,10 @@ pub struct DaemonConfig {
     pub metrics_address: Option<std::net::SocketAddr>,
     /// Control socket path.
     pub control_socket: PathBuf,
+    /// Whether conversations are recorded (`record`, and `ctl record on|off`).
+    pub record: bool,
+    /// Where they are recorded.
+    pub record_dir: PathBuf,
     /// Where each key's value came from, in words (`FILE: `persona``, `environment variable
     /// DUPLEX__PACK`), for messages.
     pub origins: BTreeMap<String, String>,
@@ -85,6 +89,8 @@ const KEYS: &[&str] = &[
     "long_session",
     "metrics_address",
     "control_socket",
+    "record",
+    "record_dir",
 ];
 
 const SAMPLING_KEYS: &[&str] = &[
@@ -99,6 +105,16 @@ const SAMPLING_KEYS: &[&str] = &[
 /// `~/.config/duplex/daemon.yaml`, when it exists.
 pub fn config_path(explicit: Option<&Path>) -> Option<PathBuf> {
     layers::user_file(explicit, "daemon.yaml")
+}
+
+/// `$XDG_STATE_HOME/duplex/recordings`, else `~/.local/state/duplex/recordings`.
+fn default_recordings() -> PathBuf {
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir);
+    state.join("duplex").join("recordings")
 }
 
 fn default_socket() -> PathBuf {
@@ -310,6 +326,21 @@ pub fn load_config(
         })?)
     };
     let sock = string("control_socket")?;
+    let record = match &get("record").kind {
+        ValueKind::Nil => false,
+        _ => as_bool(get("record")).ok_or_else(|| {
+            e(
+                ConfigErrorKind::WrongType,
+                format!("expected true or false, got {}", describe(get("record"))),
+            )
+            .key("record")
+            .from_value(get("record"))
+        })?,
+    };
+    let record_dir = match string("record_dir")?.trim() {
+        "" => default_recordings(),
+        d => PathBuf::from(d),
+    };
     let pipeline = PathBuf::from(string("pipeline")?);
     if let Err(err) = crate::files::check_regular(&pipeline) {
         return Err(e(
@@ -337,6 +368,8 @@ pub fn load_config(
         } else {
             PathBuf::from(sock)
         },
+        record,
+        record_dir,
         origins,
     })
 }
@@ -409,6 +442,13 @@ impl DaemonConfig {
                 &format!("sampling.{k}"),
                 &format!("stages.depformer.{k}"),
                 val,
+            ));
+        }
+        if self.record {
+            v.push(set(
+                "record_dir",
+                "record.dir",
+                self.record_dir.display().to_string(),
             ));
         }
         v

@@ -17,6 +17,8 @@ use crate::runtime::{ControlError, Handle, Pending, Value};
 pub(super) struct Live {
     pub handle: Handle,
     pub monitor: Arc<Monitor>,
+    /// The conversation's recording, when it is recorded.
+    pub recording: Option<Arc<crate::observe::record::Recording>>,
 }
 
 /// A status value as JSON.

@@ -123,6 +123,7 @@ struct Built {
     pipeline: Pipeline,
     monitor: Arc<Monitor>,
     config: DaemonConfig,
+    recording: Option<Arc<crate::observe::record::Recording>>,
 }
 
 struct Shared {
@@ -178,6 +179,11 @@ impl Shared {
             "reloads": self.reloads.lock().ok().map(|r| serde_json::json!({ "done": r.0, "last": r.1 })),
             "muted": self.muted.load(Ordering::Acquire),
             "paused": self.paused.load(Ordering::Acquire),
+            "recording": self
+                .live()
+                .and_then(|l| l.recording.clone())
+                .filter(|r| !r.stopped())
+                .map(|r| r.dir().display().to_string()),
         });
         let pipeline = self
             .live()
@@ -196,7 +202,7 @@ impl Shared {
     }
 
     /// Carries out a command of the control socket on the running pipeline.
-    fn command(&self, c: Command) -> serde_json::Value {
+    fn command(self: &Arc<Self>, c: Command) -> serde_json::Value {
         let ask = |command: &str, arg: &str, pending: &str| match self.live() {
             Some(live) => match live.send(command, arg) {
                 Ok(p) => applied(p.wait(STAGE_ANSWER), pending),
@@ -217,6 +223,70 @@ impl Shared {
             Command::Persona(p) => ask("persona", &p, "the persona changes at the next frame"),
             Command::Mute(on) => self.switch(&self.muted, on, "mute", "unmute"),
             Command::Pause(on) => self.switch(&self.paused, on, "pause", "resume"),
+            Command::Record(on) => self.record(on),
+        }
+    }
+
+    /// `record on`: a new conversation, recorded, on a pipeline built beside the running one
+    /// (a recording starts with the LM's warm-up and priming, so that it replays); `record
+    /// off`: the running conversation's recording stops, the conversation goes on.
+    fn record(self: &Arc<Self>, on: bool) -> serde_json::Value {
+        let live = self.live();
+        let current = live
+            .as_ref()
+            .and_then(|l| l.recording.clone())
+            .filter(|r| !r.stopped());
+        let set = |on: bool| {
+            for m in [&self.config, &self.last_good] {
+                if let Ok(mut c) = m.lock() {
+                    c.record = on;
+                }
+            }
+        };
+        match (on, current) {
+            (true, Some(r)) => serde_json::json!({
+                "ok": true,
+                "done": format!("already recording into {}", r.dir().display()),
+            }),
+            (true, None) => {
+                let Some(mut new) = lock(&self.config) else {
+                    return serde_json::json!({ "ok": false, "error": "configuration lock poisoned" });
+                };
+                new.record = true;
+                let dir = new.record_dir.clone();
+                let shared = self.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("duplex:record".into())
+                    .spawn(move || {
+                        let Ok(_one) = shared.reloading.lock() else {
+                            return;
+                        };
+                        reload::rebuild(&shared, new);
+                    });
+                if let Err(e) = spawned {
+                    return serde_json::json!({ "ok": false, "error": format!("record: {e}") });
+                }
+                serde_json::json!({
+                    "ok": true,
+                    "done": format!(
+                        "a new conversation, recorded into a new folder under {}, once its pipeline is built beside the running one",
+                        dir.display()
+                    ),
+                })
+            }
+            (false, Some(r)) => {
+                r.stop();
+                set(false);
+                tracing::info!(dir = %r.dir().display(), "recording stopped");
+                serde_json::json!({
+                    "ok": true,
+                    "done": format!("recording stopped: {}", r.dir().display()),
+                })
+            }
+            (false, None) => {
+                set(false);
+                serde_json::json!({ "ok": true, "done": "not recording" })
+            }
         }
     }
 
@@ -361,6 +431,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         let live = Live {
             handle: running.handle(),
             monitor: built.monitor,
+            recording: built.recording,
         };
         // The user's switches carry over to the new pipeline.
         for (flag, command) in [(&shared.muted, "mute"), (&shared.paused, "pause")] {
@@ -438,14 +509,18 @@ fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
         recording.as_deref(),
     )?;
     let (builder, monitor) = super::observe(builder, &spec.metrics);
-    let builder = match recording {
-        Some(r) => builder.observer(r),
+    let builder = match &recording {
+        Some(r) => {
+            monitor.record_changes(r.stream("verdicts"));
+            builder.observer(r.clone())
+        }
         None => builder,
     };
     Ok(Built {
         pipeline: builder.build()?,
         monitor,
         config: c.clone(),
+        recording,
     })
 }
 

@@ -36,10 +36,8 @@ pub(super) fn finish_reload(shared: &Shared, outcome: Result<String, String>) {
 /// configuration that ran is built again.
 ///
 /// Runs on the reload thread, under the reload lock: a SIGHUP during a rebuild waits for it.
-fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
-    tracing::warn!(
-        "reload: pack or pipeline changed: building the new pipeline beside the running one"
-    );
+pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
+    tracing::warn!("building a new pipeline beside the running one");
     let t0 = Instant::now();
     match build_pipeline(&new) {
         Ok(built) if !shared.shutdown.load(Ordering::Acquire) => {
@@ -96,6 +94,9 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
     let Some(cur) = lock(&shared.config) else {
         return;
     };
+    // Recording is switched at run time (`ctl record on|off`); the file's `record` applies at
+    // start-up.
+    new.record = cur.record;
     if new.metrics_address != cur.metrics_address || new.control_socket != cur.control_socket {
         tracing::warn!(
             "reload: `metrics_address` and `control_socket` are bound at start-up; the new values apply after a restart"

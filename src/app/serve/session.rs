@@ -180,7 +180,10 @@ fn start(
     let b = crate::app::build_session(&spec, &server.registry, Some(end), recording.as_deref())?;
     let (b, monitor) = crate::app::observe_with(b, &spec.metrics, false);
     let b = match recording {
-        Some(r) => b.observer(r),
+        Some(r) => {
+            monitor.record_changes(r.stream("verdicts"));
+            b.observer(r)
+        }
         None => b,
     };
     let running = b.build()?.start();
