@@ -184,6 +184,10 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
         String::from_utf8_lossy(&st.stderr)
     );
     assert!(report.contains("graphs: the same"), "{report}");
+    // The LM and the agent's decoder were replayed and compared, stage by stage.
+    for stage in ["temporal", "depformer", "decode"] {
+        assert!(report.contains(&format!("stage {stage} (")), "{report}");
+    }
     let line = report
         .lines()
         .find(|l| l.starts_with("tokens: ") && l.ends_with(" steps identical"))

@@ -1,7 +1,8 @@
 //! `duplex replay`: the LM on any pack, codes in, tokens out — the `lm-replay` pipeline built
 //! from command-line flags instead of a file; or, with `--recording`, a recorded conversation
 //! re-run headless through the same LM stages with the same params and inputs (the user codes
-//! the model saw), itself recorded, then compared with the live run
+//! the model saw; the agent's Mimi decoder too when the live run had one), itself recorded,
+//! then compared with the live run
 //! ([`compare`](crate::observe::compare)).
 
 use std::path::PathBuf;
@@ -306,16 +307,30 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
         .as_str()
         .unwrap_or("depformer")
         .to_string();
+    // The agent's codec, when the live run decoded the agent's tokens: the same work per frame.
+    let decode = match live.stage_of_kind("mimi_decode") {
+        Some(d) => {
+            let name = d["name"].as_str().unwrap_or("decode").to_string();
+            Some((name, recorded_params(&file, d, &overrides)?))
+        }
+        None => None,
+    };
+    let mut stages = vec![
+        serde_json::json!({ "name": "codes", "kind": "codes_source", "params": { "path": codes_path.display().to_string() } }),
+        serde_json::json!({ "name": tname, "kind": "temporal", "params": typed(&tname, "temporal", &t_raw)? }),
+        serde_json::json!({ "name": dname, "kind": "depformer", "params": typed(&dname, "depformer", &d_raw)? }),
+    ];
+    let mut replayed = vec![tname.clone(), dname.clone()];
+    if let Some((name, raw)) = &decode {
+        stages.push(serde_json::json!({ "name": name, "kind": "mimi_decode", "params": typed(name, "mimi_decode", raw)? }));
+        replayed.push(name.clone());
+    }
     let manifest = serde_json::json!({
         "pipeline": "duplex replay",
         "replay_of": dir.display().to_string(),
         "paced": a.paced,
-        "replayed": [tname, dname],
-        "stages": [
-            { "name": "codes", "kind": "codes_source", "params": { "path": codes_path.display().to_string() } },
-            { "name": tname, "kind": "temporal", "params": typed(&tname, "temporal", &t_raw)? },
-            { "name": dname, "kind": "depformer", "params": typed(&dname, "depformer", &d_raw)? },
-        ],
+        "replayed": replayed,
+        "stages": stages,
         "packs": { pack.clone(): super::pack_files(&pack) },
     });
     let recording = std::sync::Arc::new(
@@ -371,8 +386,32 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
         .link(Link::new("codes", format!("{tname}.codes")))
         .link(Link::new(format!("{tname}.step"), dname.clone()))
         .link(Link::new(dname.clone(), format!("{tname}.tokens")).feedback())
-        .link(Link::new(format!("{tname}.agent"), "tokens"))
-        .control(plane);
+        .link(Link::new(format!("{tname}.agent"), "tokens"));
+    let builder = match decode {
+        Some((name, raw)) => builder
+            .node(node_at(
+                &reg,
+                &plane,
+                &file,
+                &name,
+                "mimi_decode",
+                raw,
+                rec,
+            )?)
+            .node(node_at(
+                &reg,
+                &plane,
+                &file,
+                "decoded",
+                "null_sink",
+                Vec::new(),
+                rec,
+            )?)
+            .link(Link::new(format!("{tname}.agent"), name.clone()))
+            .link(Link::new(name, "decoded")),
+        None => builder,
+    };
+    let builder = builder.control(plane);
     Ok(FromRecording {
         builder,
         recording,

@@ -20,6 +20,8 @@ use super::record::Recorded;
 const MAX_FRAMES: usize = 4096;
 /// Context buckets per stage.
 const BUCKETS: usize = 4;
+/// Growth is judged on runs of at least this many frames (the live diagnosis's window).
+const MIN_GROWTH_FRAMES: usize = 256;
 /// Growth: the least rise across a whole run that counts, seconds.
 const MIN_RISE_S: f64 = 0.000_25;
 /// The model's frame period (1920 samples at 24 kHz).
@@ -98,7 +100,11 @@ pub fn shape(times: &[f64], context: Option<&[u64]>) -> Shape {
     let e = d.evaluate();
     Shape {
         frames: n,
-        growth: picked.len() >= 16 && grows(&picked, e.slope_per_1k / 1e3, e.rise),
+        growth: n >= MIN_GROWTH_FRAMES
+            && grows(&picked, e.slope_per_1k / 1e3, e.rise)
+            // A rise that goes on (later buckets above earlier ones), not one step at the start.
+            && buckets.len() == BUCKETS
+            && buckets[BUCKETS - 1].q[0] - buckets[1].q[0] >= 0.25 * e.rise,
         buckets,
         slope_per_1k: e.slope_per_1k,
         bimodality: e.bimodality,
@@ -153,19 +159,18 @@ pub enum Cause {
 
 impl Cause {
     /// From the live and headless shapes.
+    ///
+    /// Growth in both is the code's. Otherwise a live slow mode that headless lacks is the
+    /// environment's, even if headless shows a slight growth of its own (it does not explain a
+    /// second mode); then growth on one side only, then a slow mode headless has too.
     pub fn of(live: &Shape, headless: &Shape) -> Cause {
         match (live.growth, headless.growth) {
-            (true, true) => return Cause::Code,
-            (true, false) if !headless.contention => return Cause::EnvironmentGrowth,
-            (false, true) => return Cause::GrowthHeadless,
-            _ => {}
-        }
-        if headless.contention {
-            Cause::BimodalHeadless
-        } else if live.contention {
-            Cause::Environment
-        } else {
-            Cause::Nothing
+            (true, true) => Cause::Code,
+            _ if live.contention && !headless.contention => Cause::Environment,
+            (true, false) if !headless.contention => Cause::EnvironmentGrowth,
+            (false, true) => Cause::GrowthHeadless,
+            _ if headless.contention => Cause::BimodalHeadless,
+            _ => Cause::Nothing,
         }
     }
 
@@ -476,6 +481,8 @@ mod tests {
         assert!(bimodal.contention && !bimodal.growth, "{bimodal:?}");
         assert!(growing.growth, "{growing:?}");
         assert_eq!(Cause::of(&bimodal, &flat), Cause::Environment);
+        // A slight headless growth does not explain a live second mode.
+        assert_eq!(Cause::of(&bimodal, &growing), Cause::Environment);
         assert_eq!(Cause::of(&growing, &growing), Cause::Code);
         assert_eq!(Cause::of(&growing, &flat), Cause::EnvironmentGrowth);
         assert_eq!(Cause::of(&bimodal, &bimodal), Cause::BimodalHeadless);
