@@ -31,6 +31,18 @@ fn frequency(x: &[f32], rate: u32) -> f64 {
 
 #[test]
 fn a_sine_played_is_captured_back_at_its_frequency_in_real_time() {
+    // The private PulseAudio sometimes fails a young stream with EIO on a loaded machine (seen
+    // up to 1.5 s after it opened): such a run is done again once, on a fresh server; any other
+    // failure, or a second one, fails the test.
+    if !sine_run(true) {
+        eprintln!("the sound server failed the stream with EIO; once more on a fresh server");
+        sine_run(false);
+    }
+}
+
+/// One run of the sine test; false when the sound server failed the stream with EIO and
+/// `may_retry`.
+fn sine_run(may_retry: bool) -> bool {
     let pa = Pulse::start();
     let d = pa.dir().display();
     let p = write(
@@ -54,6 +66,9 @@ links: [tone -> speaker, mic -> rec]
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
+    if may_retry && !o.status.success() && err.contains("I/O error (5)") {
+        return false;
+    }
     assert!(o.status.success(), "{err}");
     assert!(
         t0.elapsed() >= Duration::from_secs(4),
@@ -76,6 +91,7 @@ links: [tone -> speaker, mic -> rec]
     assert!((f / 440.0 - 1.0).abs() < 0.01, "captured {f} Hz");
     let rms = (mid.iter().map(|v| (v * v) as f64).sum::<f64>() / mid.len() as f64).sqrt();
     assert!((rms / (0.5 / 2f64.sqrt()) - 1.0).abs() < 0.02, "rms {rms}");
+    true
 }
 
 #[test]
