@@ -1,5 +1,5 @@
-//! The resampler and the framer's hot paths allocate nothing per frame once built (the output
-//! vector is the caller's, reserved up front). Checked with a counting global allocator that
+//! The resampler's, the jitter buffer's and the speaker reference tap's hot paths allocate
+//! nothing per frame once built (the output vector is the caller's, reserved up front). Checked with a counting global allocator that
 //! counts only on the thread under test.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -117,4 +117,31 @@ fn jitter_render_allocates_nothing_in_any_state() {
         "every path was taken: {s:?}"
     );
     assert_eq!(n, 0, "{n} allocations in 4000 renders");
+}
+
+#[test]
+fn the_speaker_reference_tap_allocates_nothing_in_the_callback() {
+    use duplex::audio::reference::ReferenceTap;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let tap = Arc::new(ReferenceTap::default());
+    let mut reader = tap.reader(24_000);
+    let mut w = tap.writer(48_000);
+    let frame = vec![0.1f32; 480];
+    let t0 = Instant::now();
+    w.push(&frame, t0);
+    let n = count_allocs(|| {
+        // Far more than the ring holds: the full ring's drops are taken too.
+        for i in 0..2000u64 {
+            w.push(&frame, t0 + Duration::from_millis(10 * i));
+        }
+    });
+    assert!(
+        tap.dropped.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the full-ring path was taken"
+    );
+    let mut got = 0;
+    reader.read(|s| got += s.len()).unwrap();
+    assert!(got > 0);
+    assert_eq!(n, 0, "{n} allocations in 2000 pushes");
 }

@@ -786,3 +786,41 @@ fn onnx_runtime_logs_go_through_our_logging_without_colour() {
     );
     assert!(!err.contains('\u{1b}'), "colour codes in: {err}");
 }
+
+#[test]
+fn an_echo_canceller_naming_no_playback_stage_is_refused_before_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, aec, want) in [
+        (
+            "aec.yaml",
+            "reference: spekaer",
+            "aec.yaml: stage `aec`: `reference`: \"spekaer\" names no playback stage (playback \
+             stages here: speaker)",
+        ),
+        (
+            "rate.yaml",
+            "rate: 44123",
+            "rate.yaml: stage `aec`: `rate`: 44123 Hz",
+        ),
+    ] {
+        let p = write(
+            dir.path(),
+            name,
+            &format!(
+                "stages:
+  tone: {{ kind: synth_source, duration: 0.2 }}
+  aec: {{ kind: aec, {aec} }}
+  speaker: {{ kind: playback, device: virtual }}
+links:
+  - tone -> aec
+  - aec -> speaker
+"
+            ),
+        );
+        let mut c = duplex();
+        c.arg("run").arg(&p);
+        let o = run_within(c, 60);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(error_line(&o).contains(want), "{}", stderr(&o));
+    }
+}

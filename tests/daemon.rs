@@ -32,6 +32,10 @@ fn check_names_the_file_and_key_of_a_bad_config() {
             "`long_session`: \"forever\" is not one of",
         ),
         (
+            "echo_cancel: maybe\n",
+            "`echo_cancel`: \"maybe\" is not one of auto, on, off",
+        ),
+        (
             "pipeline: /nonexistent.yaml\n",
             "`pipeline`: pipeline file /nonexistent.yaml: No such file",
         ),
@@ -959,5 +963,36 @@ fn ctl_record_on_records_a_new_conversation_that_replays_and_off_ends_it() {
     assert!(
         line.ends_with("steps identical") && n[0] == n[1] && n[0] >= 30,
         "{report}"
+    );
+}
+
+#[test]
+fn echo_cancellation_is_on_by_default_on_open_speakers_reported_and_switched_off_by_a_reload() {
+    // The test server's microphone is the speaker's monitor: the worst open-speaker room.
+    let d = Daemon::start("");
+    d.wait_status(60, "echo canceller running", |s| {
+        s["echo_cancel"]["state"] == "cancelling" && s["frames"].as_u64().unwrap_or(0) >= 40
+    });
+    let s = d.status().unwrap();
+    let why = s["echo_cancel"]["why"].as_str().unwrap_or_default();
+    assert!(why.contains("auto, on"), "{s}");
+    assert!(d.log().contains("echo cancellation on"), "{}", d.log());
+    // The canceller's state is exported.
+    let (code, metrics) = http_get(d.metrics_port(), "/metrics");
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("duplex_aec_double_talk_ratio{stage=\"aec\"}"),
+        "{metrics}"
+    );
+    // A reload to `off` rebuilds the pipeline with the canceller passing audio through.
+    let text = std::fs::read_to_string(&d.config).unwrap();
+    let out = d.reload(&format!("{text}echo_cancel: off\n"));
+    assert!(!out.contains("error"), "{out}");
+    d.wait_status(60, "echo canceller off", |s| {
+        s["echo_cancel"]["state"] == "off" && s["ready"] == true
+    });
+    assert_eq!(
+        d.status().unwrap()["echo_cancel"]["why"],
+        "echo_cancel: off"
     );
 }

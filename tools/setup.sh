@@ -6,7 +6,7 @@
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
 #   - cmake and g++ (the SentencePiece library is built from source by its crate)
 #   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
-#     real, paced sound device without a sound card
+#     real, paced sound device without a sound card; espeak-ng speaks into the echo tests' room
 #   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
 #   - sphn, opuslib and aiohttp in .venv: independent clients of `duplex serve` in the tests, and
 #     Chromium (headless) for the browser client's tests
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium espeak-ng)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }

@@ -83,6 +83,7 @@ pub fn build_session(
 ) -> Result<PipelineBuilder, ConfigError> {
     load_ort(spec)?;
     let plane = ControlPlane::new();
+    let taps = crate::audio::reference::Taps::default();
     let mut b = PipelineBuilder::new()
         .origin(spec.file.clone())
         .options(RunOptions {
@@ -99,7 +100,8 @@ pub fn build_session(
         };
         let cx = BuildContext::new(&s.name, &spec.file, &plane, kind)
             .with_session(session)
-            .with_recording(recording);
+            .with_recording(recording)
+            .with_taps(&taps);
         let mut body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         if let Some(p) = &s.inject {
@@ -131,6 +133,28 @@ pub fn build_session(
             outputs: (kind.outputs)(),
             body,
         });
+    }
+    if let Some((reader, name)) = taps.unprovided().into_iter().next() {
+        let known = spec
+            .stages
+            .iter()
+            .filter(|s| s.kind == "playback")
+            .map(|s| s.name.as_str())
+            .collect::<Vec<_>>();
+        return Err(ConfigError::new(
+            &spec.file,
+            ConfigErrorKind::Build,
+            format!(
+                "{name:?} names no playback stage (playback stages here: {})",
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        )
+        .stage(reader)
+        .key("reference"));
     }
     b = b.control(plane);
     for l in &spec.links {

@@ -195,6 +195,94 @@ pub fn server_hint() -> String {
     }
 }
 
+/// Names and sound-server properties that say "headset": the microphone cannot hear the
+/// speaker.
+const HEADSET: &str =
+    r"(?i)head(set|phone)|earbud|earphone|airpods|hands-?free|\bh[sf]p\b|head[_-]unit";
+
+/// Why the devices `input` and `output` (specs as [`find`] takes them) look like a headset, or
+/// None: by their names and descriptions, and for a sound server's default route by what the
+/// server says of its default sink and source (active port, form factor, Bluetooth profile).
+pub fn headset(input: &str, output: &str) -> Option<String> {
+    let re = regex::Regex::new(HEADSET).ok()?;
+    for (dir, spec) in [(Direction::Output, output), (Direction::Input, input)] {
+        if spec == "virtual" {
+            continue;
+        }
+        let Ok((d, id)) = find(dir, spec) else {
+            continue;
+        };
+        let desc = device_description(&d);
+        if re.is_match(&id) || re.is_match(&desc) {
+            return Some(format!(
+                "the {} device {id:?} ({desc}) is a headset",
+                dir.name()
+            ));
+        }
+        if ["default", "pulse", "pipewire"]
+            .iter()
+            .any(|s| id.contains(s))
+        {
+            if let Some(why) = server_headset(dir, &re) {
+                return Some(why);
+            }
+        }
+    }
+    None
+}
+
+/// What the sound server says of its default sink (or source), when that is a headset.
+fn server_headset(dir: Direction, re: &regex::Regex) -> Option<String> {
+    let (get, list) = match dir {
+        Direction::Output => ("get-default-sink", "sinks"),
+        Direction::Input => ("get-default-source", "sources"),
+    };
+    let name = pactl(&[get])?.trim().to_string();
+    let why = headset_in_listing(&pactl(&["list", list])?, &name, re)?;
+    Some(format!(
+        "the sound server's default {} {name} has {why}",
+        dir.name()
+    ))
+}
+
+/// The line of `name`'s block in a `pactl list sinks|sources` listing that says "headset".
+fn headset_in_listing(listing: &str, name: &str, re: &regex::Regex) -> Option<String> {
+    let block = listing
+        .split("\n\n")
+        .find(|b| b.lines().any(|l| l.trim() == format!("Name: {name}")))?;
+    block
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.starts_with("Active Port:")
+                || l.starts_with("device.form_factor")
+                || l.starts_with("api.bluez5.profile")
+                || l.starts_with("bluetooth.protocol")
+        })
+        .find(|l| re.is_match(l))
+        .map(str::to_string)
+}
+
+/// `pactl ARGS`' output, or None when it is missing, fails or takes over a second (a stalled
+/// server must not hold up start-up; the process is left to finish on its own thread).
+fn pactl(args: &[&str]) -> Option<String> {
+    let child = std::process::Command::new("pactl")
+        .args(args)
+        .env("LC_ALL", "C")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(1)) {
+        Ok(Ok(o)) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
+        _ => None,
+    }
+}
+
 /// Finds a device: `default`, an exact id or description, or else a regular expression matched
 /// against both.
 ///
@@ -273,6 +361,9 @@ pub struct DeviceStatus {
     state: AtomicU8,
     /// Times the stream reported an error.
     pub errors: AtomicU64,
+    /// Buffer under- or overruns the host reported and recovered from itself (a glitch, not a
+    /// lost device).
+    pub xruns: AtomicU64,
     /// Times the stream was reopened after a loss.
     pub reconnects: AtomicU64,
     /// Data callbacks so far (the device thread's sign that a stream is alive).
@@ -360,6 +451,7 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
     let status = Arc::new(DeviceStatus {
         state: AtomicU8::new(DeviceState::Opening as u8),
         errors: AtomicU64::new(0),
+        xruns: AtomicU64::new(0),
         reconnects: AtomicU64::new(0),
         callbacks: AtomicU64::new(0),
         last_error: Mutex::new(None),
@@ -498,14 +590,63 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
     }
 }
 
-/// Records the error of a stream's error callback and flags the stream as lost.
+/// Records the error of a stream's error callback and flags the stream as lost; counts an xrun
+/// (which the host recovers from) instead.
 pub fn error_callback(
     status: Arc<DeviceStatus>,
     lost: Arc<AtomicBool>,
 ) -> impl FnMut(cpal::Error) + Send + 'static {
-    move |e| {
-        // Not the audio callback: cpal calls this from its own thread.
-        status.error(e.to_string());
-        lost.store(true, Ordering::Release);
+    move |e: cpal::Error| {
+        // cpal calls this from its stream thread (outside the data callback): no logging here.
+        match e.kind() {
+            // The host prepares the stream again by itself: a glitch, counted, not a loss.
+            cpal::ErrorKind::Xrun => {
+                status.xruns.fetch_add(1, Ordering::Relaxed);
+            }
+            // Audio still plays, without real-time priority.
+            cpal::ErrorKind::RealtimeDenied => {}
+            _ => {
+                status.error(e.to_string());
+                lost.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headsets_are_told_by_name_and_by_what_the_sound_server_lists() {
+        let re = regex::Regex::new(HEADSET).unwrap();
+        for name in [
+            "bluez_output.00_1B_66_AA_BB_CC.headset-head-unit",
+            "Jabra Evolve 40 Headset Mono",
+            "USB Headphones",
+            "AirPods Pro",
+            "bluez_source.00_1B.handsfree_head_unit",
+        ] {
+            assert!(re.is_match(name), "{name}");
+        }
+        for name in [
+            "alsa:default",
+            "alsa_output.pci-0000_00_1f.3.analog-stereo",
+            "Built-in Audio Analog Stereo",
+            "HDA Intel PCH, HDMI 0",
+            "nullsink",
+        ] {
+            assert!(!re.is_match(name), "{name}");
+        }
+        let listing =
+            "Sink #0\n\tState: RUNNING\n\tName: speakers\n\tActive Port: analog-output-speaker\n\
+                       \n\tProperties:\n\t\tdevice.form_factor = \"internal\"\n\n\
+                       Sink #1\n\tName: jack\n\tActive Port: analog-output-headphones\n";
+        assert_eq!(headset_in_listing(listing, "speakers", &re), None);
+        assert_eq!(
+            headset_in_listing(listing, "jack", &re).as_deref(),
+            Some("Active Port: analog-output-headphones")
+        );
+        assert_eq!(headset_in_listing(listing, "missing", &re), None);
     }
 }

@@ -19,6 +19,7 @@ use ringbuf::{HeapCons, HeapRb};
 
 use super::device::{self, DeviceHandle, DeviceStatus, Direction};
 use super::jitter::{jitter_with_stats, JitterBuffer, JitterConfig, JitterStats, JitterWriter};
+use super::reference::ReferenceTap;
 use super::{AudioError, WavFormat, WavWriter};
 
 /// What a capture stream hands to the pipeline: mono samples and, per callback, the position
@@ -270,7 +271,8 @@ impl Player {
     }
 }
 
-/// Opens an output device with a jitter buffer (mono, copied to every channel).
+/// Opens an output device with a jitter buffer (mono, copied to every channel). When `tap` has
+/// a reader, every stream hands it what it plays, with the instant it is played.
 ///
 /// # Errors
 ///
@@ -280,6 +282,7 @@ pub fn open_playback(
     rate: Option<u32>,
     reconnect: bool,
     jitter_cfg: JitterConfig,
+    tap: Option<Arc<ReferenceTap>>,
 ) -> Result<Player, AudioError> {
     let (dev, name) = device::find(Direction::Output, spec)?;
     let cfg = pick_config(Direction::Output, &dev, &name, rate)?;
@@ -299,6 +302,7 @@ pub fn open_playback(
                 None => device::find(Direction::Output, &spec)?.0,
             };
             let (writer, mut buf) = jitter_with_stats(&jcfg, st.clone());
+            let mut reference = tap.as_ref().map(|t| t.writer(rate));
             let stats_cb = st.clone();
             let ch = channels as usize;
             let mut scratch = vec![0.0f32; 16_384];
@@ -320,6 +324,10 @@ pub fn open_playback(
                 while done < frames {
                     let n = (frames - done).min(scratch.len());
                     buf.render(&mut scratch[..n], now);
+                    if let Some(r) = reference.as_mut() {
+                        let offset = Duration::from_secs_f64(done as f64 / rate as f64);
+                        r.push(&scratch[..n], now + offset);
+                    }
                     for (i, &v) in scratch[..n].iter().enumerate() {
                         put(done + i, v);
                     }
@@ -396,7 +404,8 @@ impl Drop for VirtualClock {
 }
 
 /// A player without a sound card: a real-time timer thread pulls the jitter buffer every
-/// `period`, like a device would, optionally writing what it "plays" to a WAV file.
+/// `period`, like a device would, optionally writing what it "plays" to a WAV file and handing
+/// it to `tap`.
 ///
 /// # Errors
 ///
@@ -406,10 +415,12 @@ pub fn open_virtual(
     period: Duration,
     jitter_cfg: JitterConfig,
     capture: Option<PathBuf>,
+    tap: Option<Arc<ReferenceTap>>,
 ) -> Result<Player, AudioError> {
     let jcfg = JitterConfig { rate, ..jitter_cfg };
     let stats = Arc::new(JitterStats::default());
     let (writer, buf) = jitter_with_stats(&jcfg, stats.clone());
+    let mut reference = tap.as_ref().map(|t| t.writer(rate));
     let (tx, rx): (Sender<JitterWriter>, Receiver<JitterWriter>) = crossbeam_channel::bounded(1);
     let _ = tx.send(writer);
     let mut wav = match capture {
@@ -432,7 +443,11 @@ pub fn open_virtual(
                 if let Some(d) = due.checked_duration_since(Instant::now()) {
                     std::thread::sleep(d);
                 }
-                buf.render(&mut scratch, Instant::now());
+                let now = Instant::now();
+                buf.render(&mut scratch, now);
+                if let Some(r) = reference.as_mut() {
+                    r.push(&scratch, now);
+                }
                 if let Some(w) = wav.as_mut() {
                     w.write(&scratch)?;
                 }

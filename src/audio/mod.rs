@@ -5,12 +5,14 @@
 //! runtime.
 
 pub mod device;
+pub mod echo;
 mod error;
 pub mod framer;
 pub mod jitter;
 pub mod live;
 pub mod opus;
 pub mod pcm;
+pub mod reference;
 pub mod resample;
 pub mod synth;
 pub mod wav;

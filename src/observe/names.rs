@@ -86,3 +86,12 @@ pub const CONNECTIONS_OPEN: &str = "duplex_connections_open";
 /// Counter, label `reason` (`no_request|error`): connections closed by the server before or
 /// outside a session (`no_request`: nothing within `limits.handshake_timeout_s`).
 pub const CONNECTIONS_CLOSED: &str = "duplex_connections_closed_total";
+
+/// Echo return loss enhancement of an `aec` stage over the recent single talk, dB (`stage`).
+pub const AEC_ERLE: &str = "duplex_aec_erle_db";
+/// The echo path's delay past the devices as an `aec` stage estimates it (`stage`).
+pub const AEC_DELAY: &str = "duplex_aec_delay_seconds";
+/// Share of an `aec` stage's recent speaker-active blocks with the user talking too (`stage`).
+pub const AEC_DOUBLE_TALK: &str = "duplex_aec_double_talk_ratio";
+/// Times an `aec` stage realigned its reference to the capture clock (`stage`).
+pub const AEC_REALIGNS: &str = "duplex_aec_realigns_total";

@@ -249,6 +249,12 @@ impl Source for Mic {
                 self.cap.capture_delay_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e6
             ),
             overflow = self.cap.overflow.load(std::sync::atomic::Ordering::Relaxed),
+            xruns = self
+                .cap
+                .handle
+                .status()
+                .xruns
+                .load(std::sync::atomic::Ordering::Relaxed),
             "microphone finished"
         );
         Ok(())

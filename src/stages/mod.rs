@@ -8,6 +8,7 @@
 //! A builder's error is a [`BuildError`] that says whether the configuration is wrong or
 //! something is not available now, and which param is at fault.
 
+mod aec;
 mod codes_sink;
 mod codes_source;
 mod depformer;
@@ -52,6 +53,9 @@ pub struct BuildContext<'a> {
     pub session: Option<&'a crate::session::PipelineEnd>,
     /// The recording of the run, when it is recorded (`record.dir`).
     pub recording: Option<&'a crate::observe::record::Recording>,
+    /// The pipeline's reference taps (a `playback` stage provides one under its name, an
+    /// `aec` stage reads it); None where the caller builds stages alone.
+    pub taps: Option<&'a crate::audio::reference::Taps>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -65,7 +69,14 @@ impl<'a> BuildContext<'a> {
             commands: kind.commands,
             session: None,
             recording: None,
+            taps: None,
         }
+    }
+
+    /// The same context for a pipeline whose reference taps are `taps`.
+    pub fn with_taps(mut self, taps: &'a crate::audio::reference::Taps) -> Self {
+        self.taps = Some(taps);
+        self
     }
 
     /// The same context for a pipeline whose run is recorded into `recording`.
@@ -291,6 +302,7 @@ impl Registry {
                 token_sink::KIND,
                 mic::KIND,
                 playback::KIND,
+                aec::KIND,
                 inject_delay::KIND,
                 codes_sink::KIND,
                 opus::DECODE,

@@ -3,17 +3,22 @@
 //! dropped samples, and mouth-to-ear latency (capture instant of a frame → the instant its first
 //! sample reaches the device).
 //!
+//! What it plays (after the jitter buffer) is the reference of the pipeline's `aec` stages that
+//! name this stage, each stream with the instant its samples are played.
+//!
 //! The `switch` command (a device spec, or `virtual`) moves the stage to another device at the
 //! next frame, at the same sample rate, without stopping the pipeline; when the new device
 //! cannot be opened the old one is kept, and the reply and the `switch_error` status say why.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::audio::device::DeviceState;
 use crate::audio::jitter::{JitterConfig, JitterWriter};
 use crate::audio::live::{open_playback, open_virtual, Player};
+use crate::audio::reference::ReferenceTap;
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
@@ -136,6 +141,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         jitter: cfg,
         reconnect: p.bool("reconnect"),
         period: Duration::from_secs_f64(p.float("period_ms") / 1000.0),
+        tap: cx.taps.map(|t| t.provide(cx.stage)),
     };
     let capture = p.opt_str("capture").map(PathBuf::from);
     let player = opener.open(p.str("device"), rate, capture)?;
@@ -160,6 +166,8 @@ struct Opener {
     jitter: JitterConfig,
     reconnect: bool,
     period: Duration,
+    /// What is played goes to the pipeline's `aec` stages that name this one.
+    tap: Option<Arc<ReferenceTap>>,
 }
 
 impl Opener {
@@ -170,9 +178,15 @@ impl Opener {
         capture: Option<PathBuf>,
     ) -> Result<Player, crate::audio::AudioError> {
         let player = if device == "virtual" {
-            open_virtual(rate.unwrap_or(24_000), self.period, self.jitter, capture)
+            open_virtual(
+                rate.unwrap_or(24_000),
+                self.period,
+                self.jitter,
+                capture,
+                self.tap.clone(),
+            )
         } else {
-            open_playback(device, rate, self.reconnect, self.jitter)
+            open_playback(device, rate, self.reconnect, self.jitter, self.tap.clone())
         }?;
         if player.device.is_some() && !player.wait_ready(Duration::from_secs(8)) {
             tracing::warn!(device = %player.name, "the device is not pulling audio at its rate yet");
@@ -330,6 +344,11 @@ impl Stage for Playback {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.observe();
+        let xruns = self
+            .player
+            .status()
+            .map(|d| d.xruns.load(Ordering::Relaxed))
+            .unwrap_or(0);
         self.player.close();
         let s = self.player.stats.snapshot();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -340,6 +359,7 @@ impl Stage for Playback {
             concealed = s.concealed,
             dropped = s.dropped,
             lost_frames = self.lost_frames,
+            xruns,
             target_ms = format!("{:.0}", s.target as f64 / rate * 1e3),
             device_delay_ms = format!(
                 "{:.1}",

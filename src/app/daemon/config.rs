@@ -17,6 +17,9 @@ use crate::config::params::{as_bool, as_f64, as_i64, as_string, describe, did_yo
 use crate::config::{layers, ConfigError, ConfigErrorKind, LoadOptions, Override, PipelineSpec};
 use crate::stages::Registry;
 
+/// The echo canceller's stage in the daemon's pipeline file (`echo_cancel` switches it).
+pub const AEC_STAGE: &str = "aec";
+
 /// The defaults (the text of `configs/daemon.yaml`).
 pub const DEFAULTS_YAML: &str = include_str!("../../../configs/daemon.yaml");
 
@@ -63,6 +66,8 @@ pub struct DaemonConfig {
     pub sampling: Sampling,
     /// Long-session policy.
     pub long_session: String,
+    /// Echo cancellation: `auto` (on unless the devices are a headset), `on` or `off`.
+    pub echo_cancel: String,
     /// `/metrics` and `/healthz`.
     pub metrics_address: Option<std::net::SocketAddr>,
     /// Control socket path.
@@ -87,6 +92,7 @@ const KEYS: &[&str] = &[
     "voice",
     "sampling",
     "long_session",
+    "echo_cancel",
     "metrics_address",
     "control_socket",
     "record",
@@ -312,6 +318,19 @@ pub fn load_config(
         .key("long_session")
         .from_value(get("long_session")));
     }
+    let echo_cancel = match &get("echo_cancel").kind {
+        ValueKind::Nil => "auto".to_string(),
+        ValueKind::Boolean(b) => if *b { "on" } else { "off" }.to_string(),
+        _ => string("echo_cancel")?,
+    };
+    if !["auto", "on", "off"].contains(&echo_cancel.as_str()) {
+        return Err(e(
+            ConfigErrorKind::OutOfRange,
+            format!("{echo_cancel:?} is not one of auto, on, off"),
+        )
+        .key("echo_cancel")
+        .from_value(get("echo_cancel")));
+    }
     let addr = string("metrics_address")?;
     let metrics_address = if addr.trim().is_empty() {
         None
@@ -362,6 +381,7 @@ pub fn load_config(
         voice: string("voice")?,
         sampling,
         long_session,
+        echo_cancel,
         metrics_address,
         control_socket: if sock.trim().is_empty() {
             default_socket()
@@ -460,11 +480,62 @@ impl DaemonConfig {
     ///
     /// A [`ConfigError`] blaming the daemon key when the pipeline refuses one of its values.
     pub fn pipeline_spec(&self) -> Result<PipelineSpec, ConfigError> {
-        let opts = LoadOptions {
-            sets: self.sets(),
-            env: Some(HashMap::new()),
+        self.pipeline_spec_with(&self.echo_decision())
+    }
+
+    /// [`pipeline_spec`](Self::pipeline_spec) with the echo canceller on or off as `echo`
+    /// (from [`echo_decision`](Self::echo_decision)) says.
+    ///
+    /// # Errors
+    ///
+    /// As [`pipeline_spec`](Self::pipeline_spec).
+    pub fn pipeline_spec_with(&self, echo: &(bool, String)) -> Result<PipelineSpec, ConfigError> {
+        let load = |sets| {
+            let opts = LoadOptions {
+                sets,
+                env: Some(HashMap::new()),
+            };
+            crate::config::load(&self.pipeline, &opts, &Registry::builtin())
         };
-        crate::config::load(&self.pipeline, &opts, &Registry::builtin())
+        let spec = load(self.sets())?;
+        let has_aec = spec.stages.iter().any(|s| s.name == AEC_STAGE);
+        let (enabled, why) = echo;
+        if !has_aec {
+            if self.echo_cancel == "on" {
+                return Err(ConfigError::new(
+                    &self.file,
+                    ConfigErrorKind::Conflict,
+                    format!(
+                        "`on` needs an `{AEC_STAGE}` stage in the pipeline file {}",
+                        self.pipeline.display()
+                    ),
+                )
+                .key("echo_cancel"));
+            }
+            return Ok(spec);
+        }
+        let mut sets = self.sets();
+        sets.push(Override::by(
+            format!("{} ({why})", self.origin("echo_cancel")),
+            format!("stages.{AEC_STAGE}.enabled"),
+            enabled.to_string(),
+        ));
+        load(sets)
+    }
+
+    /// Whether echo cancellation runs, and why (for the log and `ctl status`).
+    pub fn echo_decision(&self) -> (bool, String) {
+        match self.echo_cancel.as_str() {
+            "on" => (true, "echo_cancel: on".into()),
+            "off" => (false, "echo_cancel: off".into()),
+            _ => match crate::audio::device::headset(&self.input_device, &self.output_device) {
+                Some(why) => (false, format!("echo_cancel: auto, off: {why}")),
+                None => (
+                    true,
+                    "echo_cancel: auto, on: the devices are not a headset".into(),
+                ),
+            },
+        }
     }
 }
 

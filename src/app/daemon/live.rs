@@ -2,13 +2,14 @@
 //! stages' status) and its monitor (verdicts, real-time factor); what `ctl status`,
 //! `/healthz` and the watchdog read, and where the control socket's commands go.
 //!
-//! The daemon's pipeline file names its device stages `mic` and `speaker` and its LM stage
-//! `temporal` (the configuration's overrides name them too); commands go to whichever stage
-//! declares them.
+//! The daemon's pipeline file names its device stages `mic` and `speaker`, its LM stage
+//! `temporal` and its echo canceller `aec` (the configuration's overrides name them too);
+//! commands go to whichever stage declares them.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::config::AEC_STAGE as AEC;
 use crate::observe::monitor::Monitor;
 use crate::runtime::{ControlError, Handle, Pending, Value};
 
@@ -19,6 +20,8 @@ pub(super) struct Live {
     pub monitor: Arc<Monitor>,
     /// The conversation's recording, when it is recorded.
     pub recording: Option<Arc<crate::observe::record::Recording>>,
+    /// Why echo cancellation is on or off.
+    pub echo: String,
 }
 
 /// A status value as JSON.
@@ -108,6 +111,13 @@ impl Live {
             "devices": {
                 "input": { "name": get("mic", "name"), "state": get("mic", "device") },
                 "output": { "name": get("speaker", "name"), "state": get("speaker", "device") },
+            },
+            "echo_cancel": {
+                "state": get(AEC, "state"),
+                "why": self.echo,
+                "erle_db": get(AEC, "erle_db"),
+                "delay_ms": get(AEC, "delay_ms"),
+                "double_talk": get(AEC, "double_talk"),
             },
             "execution_providers": by_stage("model"),
             "verdicts": verdicts,

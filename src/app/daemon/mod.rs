@@ -124,6 +124,8 @@ struct Built {
     monitor: Arc<Monitor>,
     config: DaemonConfig,
     recording: Option<Arc<crate::observe::record::Recording>>,
+    /// Why echo cancellation is on or off.
+    echo: String,
 }
 
 struct Shared {
@@ -432,6 +434,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
             handle: running.handle(),
             monitor: built.monitor,
             recording: built.recording,
+            echo: built.echo,
         };
         // The user's switches carry over to the new pipeline.
         for (flag, command) in [(&shared.muted, "mute"), (&shared.paused, "pause")] {
@@ -499,7 +502,18 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
 
 /// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.
 fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
-    let spec = c.pipeline_spec()?;
+    let echo = c.echo_decision();
+    let spec = c.pipeline_spec_with(&echo)?;
+    let echo = if spec.stages.iter().any(|s| s.name == config::AEC_STAGE) {
+        tracing::info!(
+            "echo cancellation {}: {}",
+            if echo.0 { "on" } else { "off" },
+            echo.1
+        );
+        echo.1
+    } else {
+        format!("the pipeline file has no `{}` stage", config::AEC_STAGE)
+    };
     // The pipeline's `record:` section: every (re)built pipeline records into a folder of its own.
     let recording = super::record(&spec)?;
     let builder = super::build_session(
@@ -521,6 +535,7 @@ fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
         monitor,
         config: c.clone(),
         recording,
+        echo,
     })
 }
 

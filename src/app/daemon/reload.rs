@@ -111,6 +111,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         || new.voice != cur.voice
         || new.tokenizer != cur.tokenizer
         || new.long_session != cur.long_session
+        || new.echo_cancel != cur.echo_cancel
         || new.sampling.seed != cur.sampling.seed
     {
         rebuild(shared, new);
