@@ -35,6 +35,7 @@ bench: setup
 	$(CARGO) bench --bench jitter
 	$(CARGO) bench --bench serve
 	$(CARGO) bench --bench browser
+	$(CARGO) bench --bench aec
 
 clean:
 	$(CARGO) clean

@@ -1,8 +1,10 @@
-//! Audio building blocks: PCM buffers, WAV files, resampling, framing, test signals.
+//! Audio building blocks: PCM buffers, WAV files, resampling, framing, test signals, echo
+//! cancellation; and the sound devices.
 //!
-//! Plain single-threaded code with unit tests that need no sound card and no runtime. Nothing
-//! here knows about stages, threads or channels; the `stages` layer adapts these blocks to the
-//! runtime.
+//! Plain single-threaded code with unit tests that need no sound card and no runtime, except
+//! the device modules (`device`, `live`, `reference`), which own the device threads and the
+//! lock-free rings between their callbacks and the rest. Nothing here knows about stages; the
+//! `stages` layer adapts these blocks to the runtime.
 
 pub mod device;
 pub mod echo;
