@@ -973,7 +973,13 @@ fn echo_cancellation_is_on_by_default_on_open_speakers_reported_and_switched_off
     d.wait_status(60, "echo canceller running", |s| {
         s["echo_cancel"]["state"] == "cancelling" && s["frames"].as_u64().unwrap_or(0) >= 40
     });
+    // The agent's voice (the tiny model's) is cancelled from what the microphone hears.
+    d.wait_status(60, "the echo cancelled by 20 dB", |s| {
+        s["echo_cancel"]["erle_db"].as_f64().unwrap_or(0.0) >= 20.0
+    });
     let s = d.status().unwrap();
+    eprintln!("{}", s["echo_cancel"]);
+    assert!(s["echo_cancel"]["delay_ms"].is_number(), "{s}");
     let why = s["echo_cancel"]["why"].as_str().unwrap_or_default();
     assert!(why.contains("auto, on"), "{s}");
     assert!(d.log().contains("echo cancellation on"), "{}", d.log());
