@@ -6,6 +6,8 @@
 //! 2. Resident memory over 6000 LM frames (tiny packs): flat once the context window is full.
 //! 3. End-to-end frames per second of the full duplex pipeline on the tiny pack and with a
 //!    full-size Mimi, and the completion interval against the sum of stage times.
+//! 4. The depformer's time per frame on the `small` pack with every substep run against the
+//!    user stream's substeps skipped (`user_substeps: skip`), same tokens checked.
 //!
 //! `cargo bench --bench model`. Packs that are missing are built with `tools/make_pack.py`.
 
@@ -243,6 +245,60 @@ fn e2e_bench() {
     }
 }
 
+fn depformer_bench() {
+    use duplex::model::depformer::{DepformerInput, UnusedSubsteps};
+    use duplex::model::sampling::{Sampler, SamplingParams};
+    println!("\n4. depformer per frame, small pack: every substep vs the user stream's skipped");
+    let p = Pack::open(&pack("small-gqa", &["--size", "small", "--variant", "gqa"])).unwrap();
+    let mut dep = Depformer::open(&p, &SessionOptions::default()).unwrap();
+    let steps = dep.steps();
+    let hidden: Vec<f32> = (0..dep.info.hidden_dim)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let target: Vec<i64> = (0..steps as i64).map(|i| i * 3 + 1).collect();
+    // A conversation: the agent's channels sampled, the user's provided.
+    let provided: Vec<bool> = (0..steps).map(|i| i >= steps / 2).collect();
+    let frame = DepformerInput {
+        hidden: &hidden,
+        text: 3,
+        target: &target,
+        provided: &provided,
+    };
+    let n = 200;
+    let mut per = Vec::new();
+    let mut outs = Vec::new();
+    for mode in [UnusedSubsteps::Run, UnusedSubsteps::Skip] {
+        dep.unused = mode;
+        let mut sampler = Sampler::new(5);
+        let mut out = Vec::new();
+        let mut all = Vec::new();
+        for _ in 0..10 {
+            dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
+                .unwrap();
+        }
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
+                    .unwrap();
+                all.extend(out[..steps / 2].iter().copied());
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / n as f64);
+        }
+        per.push(best);
+        outs.push(all);
+    }
+    assert_eq!(outs[0], outs[1], "skip changed the agent's tokens");
+    println!(
+        "   run every substep {:.3} ms, skip the user's {:.3} ms per frame: ratio {:.2} (the agent's tokens identical over {} frames)",
+        per[0] * 1e3,
+        per[1] * 1e3,
+        per[1] / per[0],
+        outs[0].len() / (steps / 2)
+    );
+}
+
 fn tempfile_dir() -> PathBuf {
     let d = std::env::temp_dir().join(format!("duplex-bench-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -264,5 +320,8 @@ fn main() {
     }
     if all || which == "e2e" {
         e2e_bench();
+    }
+    if all || which == "depformer" {
+        depformer_bench();
     }
 }

@@ -46,7 +46,7 @@ enum Cmd {
     Stages,
     /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out; or re-run a
     /// recording's LM headless (`--recording DIR --out NEW_DIR`) and compare it with the live run.
-    Replay(app::ReplayArgs),
+    Replay(Box<app::ReplayArgs>),
     /// Compare a recording with its replay: per-stage quantiles by context, trend, bimodality,
     /// a verdict (environment or code), and whether the token streams are the same.
     Compare {

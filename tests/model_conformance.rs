@@ -70,20 +70,23 @@ fn greedy_tokens_match_the_reference_step_by_step() {
             ),
             (vec!["--silence-frames", "0"], vec!["--silence-frames", "0"]),
         ] {
-            let mut ours = ours.clone();
-            ours.push("--greedy");
-            let a = replay(&pack, &codes, &dir.path().join("ours.jsonl"), &ours);
             let b = reference(&pack, &codes, &dir.path().join("ref.jsonl"), &theirs);
-            let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
-            assert_eq!(a.len(), b.len(), "{name} {ours:?}: frame counts");
-            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-                assert_eq!(x, y, "{name} {ours:?}: first difference at agent frame {i}");
-            }
-            // Without priming, N user frames give N - 2 agent frames.
-            if ours.contains(&"0") {
-                assert_eq!(a.len(), 38, "{name}");
-            } else {
-                assert_eq!(a.len(), 40, "{name}: primed, the ring is already full");
+            // Both depformer modes: every substep run, or those nothing reads skipped.
+            for mode in ["run", "skip"] {
+                let mut ours = ours.clone();
+                ours.extend(["--greedy", "--user-substeps", mode]);
+                let a = replay(&pack, &codes, &dir.path().join("ours.jsonl"), &ours);
+                let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
+                assert_eq!(a.len(), b.len(), "{name} {ours:?}: frame counts");
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert_eq!(x, y, "{name} {ours:?}: first difference at agent frame {i}");
+                }
+                // Without priming, N user frames give N - 2 agent frames.
+                if ours.contains(&"0") {
+                    assert_eq!(a.len(), 38, "{name}");
+                } else {
+                    assert_eq!(a.len(), 40, "{name}: primed, the ring is already full");
+                }
             }
         }
     }
@@ -102,6 +105,21 @@ fn replays_are_reproducible_and_the_seed_decides() {
     let s2 = replay(&pack, &codes, &out("s2"), &["--seed", "7"]);
     let s3 = replay(&pack, &codes, &out("s3"), &["--seed", "8"]);
     assert_eq!(s1, s2, "same seed, same tokens");
+    // Skipping the substeps nothing reads takes the same draws: the same sampled tokens.
+    let r1 = replay(
+        &pack,
+        &codes,
+        &out("r1"),
+        &["--seed", "7", "--user-substeps", "run"],
+    );
+    let k1 = replay(
+        &pack,
+        &codes,
+        &out("k1"),
+        &["--seed", "7", "--user-substeps", "skip"],
+    );
+    assert_eq!(r1, k1, "skip and run, same seed");
+    assert_eq!(s1, k1, "skip is the default");
     assert_ne!(s1, s3, "another seed, another voice");
     assert_ne!(s1, g1);
     // The host round trip computes the same tokens as the resident cache.

@@ -312,3 +312,50 @@ fn a_voice_prompt_is_encoded_and_primes_the_agent() {
         "{err}"
     );
 }
+
+#[test]
+fn skipping_the_substeps_nothing_reads_keeps_greedy_and_sampled_streams_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    write_input(&dir.path().join("in.wav"));
+    let pack = packs::pack("tiny-gqa");
+    // A persona primes with forced agent codes: every substep of those steps is provided.
+    let p = pipeline_yaml(dir.path(), &pack, ", persona_tokens: [5, 17, 33, 2]");
+    for greedy in [false, true] {
+        let mut streams = Vec::new();
+        for mode in ["run", "skip"] {
+            let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+                .args(["run", p.to_str().unwrap()])
+                .args(["--set", &format!("stages.depformer.user_substeps={mode}")])
+                .args(["--set", &format!("stages.depformer.greedy={greedy}")])
+                .env("RUST_LOG", "info")
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr).to_string();
+            assert!(o.status.success(), "{err}");
+            let line = err
+                .lines()
+                .find(|l| l.contains("depformer finished"))
+                .unwrap_or_else(|| panic!("no depformer summary\n{err}"))
+                .to_string();
+            let count = |k: &str| -> u64 {
+                line.split_whitespace()
+                    .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("{k} in {line}"))
+            };
+            let (run, skipped) = (count("substeps_run"), count("substeps_skipped"));
+            match mode {
+                "run" => assert_eq!(skipped, 0, "{line}"),
+                // At least the 8 user substeps of every step, and whole priming steps.
+                _ => assert!(skipped > run, "{line}"),
+            }
+            streams.push((tokens_of(dir.path()), run + skipped));
+        }
+        assert_eq!(streams[0].1, streams[1].1, "the same number of substeps");
+        assert_eq!(streams[0].0.len(), 51);
+        assert_eq!(
+            streams[0].0, streams[1].0,
+            "greedy {greedy}: skip changed the tokens"
+        );
+    }
+}

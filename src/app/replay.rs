@@ -59,6 +59,10 @@ pub struct ReplayArgs {
     /// KV cache handling: resident (default) or host.
     #[arg(long)]
     pub kv: Option<String>,
+    /// Depformer substeps whose tokens are all provided (the user stream's): skip their graph
+    /// runs (default; the same tokens) or run them.
+    #[arg(long, value_parser = ["skip", "run"])]
+    pub user_substeps: Option<String>,
 }
 
 fn s(v: &str) -> Value {
@@ -147,11 +151,14 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
     if let Some(kv) = &a.kv {
         temporal.push(("kv", s(kv)));
     }
-    let depformer = vec![
+    let mut depformer = vec![
         ("pack", s(&pack)),
         ("seed", i(a.seed as i64)),
         ("greedy", Value::new(None, ValueKind::Boolean(a.greedy))),
     ];
+    if let Some(u) = &a.user_substeps {
+        depformer.push(("user_substeps", s(u)));
+    }
     let plane = ControlPlane::new();
     let b = PipelineBuilder::new()
         .origin("duplex replay")

@@ -27,6 +27,32 @@ pub struct DepformerInput<'a> {
     pub provided: &'a [bool],
 }
 
+/// What to do with the substeps whose tokens are all provided (the user stream's, always; the
+/// agent's too while priming forces them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnusedSubsteps {
+    /// Run every substep (the reference's way).
+    Run,
+    /// Skip the graph runs of the trailing substeps whose tokens are provided: nothing reads
+    /// what they predict (the provided token is kept, and no later substep attends to them), and
+    /// the sampler takes the same draws, so the token streams are the same as `Run`'s.
+    Skip,
+}
+
+impl UnusedSubsteps {
+    /// The names a config gives.
+    pub const NAMES: [&'static str; 2] = ["skip", "run"];
+
+    /// From a config name (`skip`, `run`).
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s {
+            "skip" => Some(UnusedSubsteps::Skip),
+            "run" => Some(UnusedSubsteps::Run),
+            _ => None,
+        }
+    }
+}
+
 /// The depformer of a pack.
 pub struct Depformer {
     binding: IoBinding,
@@ -45,6 +71,10 @@ pub struct Depformer {
     steps: usize,
     text_limit: i64,
     audio_limit: i64,
+    /// What is done with the substeps nothing reads.
+    pub unused: UnusedSubsteps,
+    /// Substeps run and skipped so far.
+    pub counts: (u64, u64),
 }
 
 impl Depformer {
@@ -94,6 +124,8 @@ impl Depformer {
             steps,
             text_limit: m.text_vocab + 1,
             audio_limit: m.audio_vocab + 1,
+            unused: UnusedSubsteps::Run,
+            counts: (0, 0),
             info,
         };
         let hd = dep.info.hidden_dim as i64;
@@ -120,7 +152,9 @@ impl Depformer {
     /// `frame.text` is the frame's text token (fed at substep 0); `frame.target` /
     /// `frame.provided` hold the audio channels' provided tokens (teacher forcing: a provided
     /// token, not the sampled one, is fed to the next substep). Writes the sampled token of every
-    /// substep, one random draw each, in order.
+    /// substep, one random draw each, in order; with [`UnusedSubsteps::Skip`], the trailing
+    /// substeps whose tokens are all provided are not run: their draw is taken without logits and
+    /// their provided token written in place of a sample nothing would read.
     ///
     /// # Errors
     ///
@@ -158,6 +192,15 @@ impl Depformer {
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         out.clear();
         let mut prev = text;
+        // Substeps from `needed` on predict only provided tokens, and no substep before them
+        // attends to their cache rows.
+        let needed = match self.unused {
+            UnusedSubsteps::Run => self.steps,
+            UnusedSubsteps::Skip => (0..self.steps)
+                .rev()
+                .find(|&cb| !provided[cb])
+                .map_or(0, |cb| cb + 1),
+        };
         for cb in 0..self.steps {
             let (limit, channel) = if cb == 0 {
                 (self.text_limit, "prev_token (text, substep 0)".to_string())
@@ -175,6 +218,14 @@ impl Depformer {
                     limit,
                 });
             }
+            if cb >= needed {
+                sampler.skip(params);
+                out.push(target[cb]);
+                prev = target[cb];
+                self.counts.1 += 1;
+                continue;
+            }
+            self.counts.0 += 1;
             self.prev.as_slice::<i64>()[0] = prev;
             self.substep.as_slice::<i64>()[0] = cb as i64;
             self.kv

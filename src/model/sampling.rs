@@ -110,6 +110,15 @@ impl Sampler {
         self.rng = Rng::new(seed);
     }
 
+    /// Takes the random draw [`sample`](Self::sample) would take with `p` (one when not
+    /// greedy), without logits: for a token whose value is not used, so that the tokens after
+    /// it are drawn as if it had been.
+    pub fn skip(&mut self, p: SamplingParams) {
+        if p.temperature > 0.0 {
+            self.rng.next_f64();
+        }
+    }
+
     /// Picks a token: argmax when `temperature <= 0`, else a draw from the softmax of the
     /// `top_k` largest logits divided by the temperature. Always consumes exactly one random
     /// number when not greedy, so the random stream advances the same way whatever the logits.
@@ -157,6 +166,26 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_skipped_draw_leaves_the_stream_where_a_sample_would() {
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 31) % 300) as f32 / 40.0).collect();
+        for p in [SamplingParams::AUDIO, SamplingParams::GREEDY] {
+            let (mut a, mut b) = (Sampler::new(9), Sampler::new(9));
+            let mut ta = Vec::new();
+            let mut tb = Vec::new();
+            for i in 0..64 {
+                ta.push(a.sample(&logits, p));
+                if i % 3 == 1 {
+                    b.skip(p);
+                    tb.push(ta[i]);
+                } else {
+                    tb.push(b.sample(&logits, p));
+                }
+            }
+            assert_eq!(ta, tb, "{p:?}");
+        }
+    }
 
     #[test]
     fn argmax_takes_the_first_maximum_and_ignores_nan() {

@@ -3,7 +3,7 @@
 //! temporal stage with the step's tokens, which go back on the feedback link.
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::depformer::Depformer;
+use crate::model::depformer::{Depformer, UnusedSubsteps};
 use crate::model::lm::{SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
 use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
@@ -58,6 +58,12 @@ pub(super) const KIND: StageKind = StageKind {
             doc: "argmax everywhere (overrides temperatures)"
         },
         ParamSpec {
+            name: "user_substeps",
+            ty: T::Choice(&UnusedSubsteps::NAMES),
+            default: D::Str("skip"),
+            doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep"
+        },
+        ParamSpec {
             name: "seed",
             ty: T::Int {
                 min: 0,
@@ -100,7 +106,8 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let dep = Depformer::open(&pack, &session_options(p))?;
+    let mut dep = Depformer::open(&pack, &session_options(p))?;
+    dep.unused = UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run);
     let control = cx.endpoint();
     control.set("model", dep.runs_on());
     Ok(Body::Stage(Box::new(DepformerStage {
@@ -158,5 +165,16 @@ impl Stage for DepformerStage {
         }
         let tokens = self.half.sample(&step.data)?;
         cx.emit(0, step.meta.origin, tokens)
+    }
+
+    fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        let (run, skipped) = self.half.depformer.counts;
+        tracing::info!(
+            substeps_run = run,
+            substeps_skipped = skipped,
+            user_substeps = format!("{:?}", self.half.depformer.unused).to_lowercase(),
+            "depformer finished"
+        );
+        Ok(())
     }
 }
