@@ -986,10 +986,16 @@ fn echo_cancellation_is_on_by_default_on_open_speakers_reported_and_switched_off
     // The canceller's state is exported.
     let (code, metrics) = http_get(d.metrics_port(), "/metrics");
     assert_eq!(code, 200);
-    assert!(
-        metrics.contains("duplex_aec_double_talk_ratio{stage=\"aec\"}"),
-        "{metrics}"
-    );
+    for series in [
+        "duplex_aec_erle_db",
+        "duplex_aec_delay_seconds",
+        "duplex_aec_double_talk_ratio",
+    ] {
+        assert!(
+            metrics.contains(&format!("{series}{{stage=\"aec\"}}")),
+            "{series}: {metrics}"
+        );
+    }
     // A reload to `off` rebuilds the pipeline with the canceller passing audio through.
     let text = std::fs::read_to_string(&d.config).unwrap();
     let out = d.reload(&format!("{text}echo_cancel: off\n"));
