@@ -273,8 +273,16 @@ fn live_contention_replayed_headless_is_blamed_on_the_environment() {
         r.contains("stage temporal (500 live frames, 500 headless)"),
         "{r}"
     );
+    // The contention is the environment's; on the tiny pack the attention's own growth with the
+    // context may also stand out in both runs, and is then named as the code's.
+    let verdict = r
+        .lines()
+        .find(|l| l.starts_with("verdict: temporal: "))
+        .unwrap_or("");
     assert!(
-        r.contains("verdict: temporal: headless is flat and unimodal while live was bimodal: the live slowdown came from the environment (contention)"),
+        verdict.ends_with("came from the environment (contention)")
+            && (verdict.contains("headless is flat and unimodal while live was bimodal")
+                || verdict.contains("headless grows like live")),
         "{r}"
     );
     assert!(r.contains("tokens: 500 of 500 steps identical"), "{r}");

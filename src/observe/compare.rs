@@ -98,13 +98,16 @@ pub fn shape(times: &[f64], context: Option<&[u64]>) -> Shape {
         d.push(x, y);
     }
     let e = d.evaluate();
+    let noise = bucket_noise(&picked, e.slope_per_1k / 1e3);
     Shape {
         frames: n,
         growth: n >= MIN_GROWTH_FRAMES
-            && grows(&picked, e.slope_per_1k / 1e3, e.rise)
-            // A rise that goes on (later buckets above earlier ones), not one step at the start.
+            && grows(&picked, e.rise, noise)
+            // A rise that goes on (the last bucket above the second by a quarter of the rise, or
+            // by 3 standard errors of a bucket's median when the rise flattens), not one step at
+            // the start.
             && buckets.len() == BUCKETS
-            && buckets[BUCKETS - 1].q[0] - buckets[1].q[0] >= 0.25 * e.rise,
+            && buckets[BUCKETS - 1].q[0] - buckets[1].q[0] >= (0.25 * e.rise).min(3.0 * noise),
         buckets,
         slope_per_1k: e.slope_per_1k,
         bimodality: e.bimodality,
@@ -125,8 +128,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// of the median, and 4 standard errors of a context bucket's median (per-frame noise averages
 /// out over a whole run, unlike the live window's 256 frames, whose test is against the noise
 /// of one frame).
-fn grows(points: &[(f64, f64)], slope: f64, rise: f64) -> bool {
+fn grows(points: &[(f64, f64)], rise: f64, bucket_noise: f64) -> bool {
     let ys: Vec<f64> = points.iter().map(|p| p.1).collect();
+    rise >= MIN_RISE_S && rise >= 0.10 * median(ys) && rise >= 4.0 * bucket_noise
+}
+
+/// The standard error of a context bucket's median: the robust spread of the detrended times
+/// over the square root of a bucket's frames.
+fn bucket_noise(points: &[(f64, f64)], slope: f64) -> f64 {
     let level = median(points.iter().map(|&(x, y)| y - slope * x).collect());
     let dev = 1.4826
         * median(
@@ -136,8 +145,7 @@ fn grows(points: &[(f64, f64)], slope: f64, rise: f64) -> bool {
                 .collect(),
         );
     let per_bucket = (points.len() / BUCKETS).max(1) as f64;
-    let bucket_noise = 1.2533 * dev / per_bucket.sqrt();
-    rise >= MIN_RISE_S && rise >= 0.10 * median(ys) && rise >= 4.0 * bucket_noise
+    1.2533 * dev / per_bucket.sqrt()
 }
 
 /// What the two runs of one stage say together.
@@ -147,6 +155,9 @@ pub enum Cause {
     Environment,
     /// Headless grows like live: the code's cost grows with the conversation.
     Code,
+    /// Both grow (the code's), and live also had a slow mode headless lacks (the
+    /// environment's): two causes at once.
+    CodeAndEnvironment,
     /// Live grew, headless does not.
     EnvironmentGrowth,
     /// Headless is bimodal as well.
@@ -160,11 +171,13 @@ pub enum Cause {
 impl Cause {
     /// From the live and headless shapes.
     ///
-    /// Growth in both is the code's. Otherwise a live slow mode that headless lacks is the
+    /// Growth in both is the code's (and a live slow mode that headless lacks is the
+    /// environment's as well). Otherwise a live slow mode that headless lacks is the
     /// environment's, even if headless shows a slight growth of its own (it does not explain a
     /// second mode); then growth on one side only, then a slow mode headless has too.
     pub fn of(live: &Shape, headless: &Shape) -> Cause {
         match (live.growth, headless.growth) {
+            (true, true) if live.contention && !headless.contention => Cause::CodeAndEnvironment,
             (true, true) => Cause::Code,
             _ if live.contention && !headless.contention => Cause::Environment,
             (true, false) if !headless.contention => Cause::EnvironmentGrowth,
@@ -182,6 +195,11 @@ impl Cause {
                  from the environment (contention)"
             }
             Cause::Code => "headless grows like live: the cost is in the code (growth)",
+            Cause::CodeAndEnvironment => {
+                "headless grows like live: the cost is in the code (growth); and live was \
+                 bimodal while headless is unimodal: its slow mode came from the environment \
+                 (contention)"
+            }
             Cause::EnvironmentGrowth => {
                 "live grew but headless is flat: the growth came from the environment, not the \
                  code"
@@ -484,6 +502,14 @@ mod tests {
         // A slight headless growth does not explain a live second mode.
         assert_eq!(Cause::of(&bimodal, &growing), Cause::Environment);
         assert_eq!(Cause::of(&growing, &growing), Cause::Code);
+        let both = shape(
+            &series(600, |i| {
+                noise(i) + i as f64 * 0.0001 + if i % 10 == 3 { 0.030 } else { 0.0 }
+            }),
+            None,
+        );
+        assert!(both.growth && both.contention, "{both:?}");
+        assert_eq!(Cause::of(&both, &growing), Cause::CodeAndEnvironment);
         assert_eq!(Cause::of(&growing, &flat), Cause::EnvironmentGrowth);
         assert_eq!(Cause::of(&bimodal, &bimodal), Cause::BimodalHeadless);
         assert_eq!(Cause::of(&flat, &flat), Cause::Nothing);
