@@ -632,6 +632,14 @@ fn check_validates_everything_and_bad_settings_name_their_file_key_or_variable()
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("voice_prompt"), "{err}");
 
+    write("record:\n  dir: /proc/no/recordings\n");
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("{c}: `record.dir`: /proc/no/recordings: ")),
+        "{err}"
+    );
+
     // A template that is not a session's.
     std::fs::write(
         &cfg,

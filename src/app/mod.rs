@@ -336,11 +336,6 @@ pub(crate) fn pack_files(pack: &str) -> serde_json::Value {
 /// SHA-256 (the `.onnx` files; external weight files by size).
 pub(crate) fn manifest(spec: &PipelineSpec) -> serde_json::Value {
     let mut packs = serde_json::Map::new();
-    let typed = |p: &Params| -> serde_json::Map<String, serde_json::Value> {
-        p.iter()
-            .map(|(k, v)| (k.to_string(), v.to_json()))
-            .collect()
-    };
     let stages: Vec<serde_json::Value> = spec
         .stages
         .iter()
@@ -349,9 +344,9 @@ pub(crate) fn manifest(spec: &PipelineSpec) -> serde_json::Value {
                 packs.entry(p.clone()).or_insert_with(|| pack_files(p));
             }
             let mut stage =
-                serde_json::json!({ "name": s.name, "kind": s.kind, "params": typed(&s.params) });
+                serde_json::json!({ "name": s.name, "kind": s.kind, "params": s.params.to_json_map() });
             if let Some(p) = &s.inject {
-                stage[config::INJECT_KEY] = typed(p).into();
+                stage[config::INJECT_KEY] = p.to_json_map().into();
             }
             stage
         })

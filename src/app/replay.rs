@@ -303,11 +303,7 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
     // Checked here too, for the manifest's typed values (defaults filled in).
     let typed = |name: &str, kind: &str, raw: &[(String, Value)]| {
         let specs = reg.get(kind).map(|k| k.params).unwrap_or(&[]);
-        params::check(&file, name, kind, specs, raw).map(|p| {
-            p.iter()
-                .map(|(k, v)| (k.to_string(), v.to_json()))
-                .collect::<serde_json::Map<_, _>>()
-        })
+        params::check(&file, name, kind, specs, raw).map(|p| p.to_json_map())
     };
     let tname = temporal["name"].as_str().unwrap_or("temporal").to_string();
     let dname = depformer["name"]

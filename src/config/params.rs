@@ -247,6 +247,13 @@ impl Params {
     pub fn iter(&self) -> impl Iterator<Item = (&str, &ParamValue)> {
         self.values.iter().map(|(k, v)| (k.as_str(), v))
     }
+
+    /// Every param as typed JSON (what a recording's manifest holds).
+    pub fn to_json_map(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.iter()
+            .map(|(k, v)| (k.to_string(), v.to_json()))
+            .collect()
+    }
 }
 
 /// Describes a raw value for messages: `"abc" (a string)`.

@@ -204,10 +204,6 @@ impl Fields<'_> {
     }
 }
 
-fn r_err(f: &Fields<'_>, m: String) -> ConfigError {
-    ConfigError::new(f.fname, ConfigErrorKind::Read, m).key("record.dir")
-}
-
 fn origin_of(v: &Value, fname: &str, key: &str) -> String {
     layers::origin_in(v, fname, DEFAULTS_ORIGIN, key)
 }
@@ -309,9 +305,14 @@ pub fn load(
             max_total_bytes: (r.number("max_total_mb", 1.0, 1e9)? * 1024.0 * 1024.0) as u64,
         }),
     };
-    if let Some(r) = &record {
-        std::fs::create_dir_all(&r.dir)
-            .map_err(|e| r_err(&f, format!("{}: {e}", r.dir.display())))?;
+    if let Some(rec) = &record {
+        std::fs::create_dir_all(&rec.dir).map_err(|e| {
+            r.err(
+                ConfigErrorKind::Read,
+                "dir",
+                format!("{}: {e}", rec.dir.display()),
+            )
+        })?;
     }
     let config = ServeConfig {
         record,
