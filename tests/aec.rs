@@ -156,6 +156,29 @@ struct Run {
 /// Plays the agent for `seconds`, the user from `user_at` s after the start (when given); returns what the microphone
 /// heard before and after the canceller.
 fn run(r: &Room, enabled: bool, seconds: f64, user_at: Option<f64>) -> Run {
+    try_run(r, enabled, seconds, user_at).unwrap_or_else(|log| panic!("{log}"))
+}
+
+/// [`run`] in a room of its own (a `latency_ms` loopback), done once more in a fresh room when
+/// the private sound server fails a stream with an I/O error (it does under load, now and then,
+/// with nothing wrong on our side; any other failure, or a second one, fails the test).
+fn run_in_room(latency_ms: u32, enabled: bool, seconds: f64, user_at: Option<f64>) -> (Room, Run) {
+    let r = room(latency_ms);
+    match try_run(&r, enabled, seconds, user_at) {
+        Ok(run) => (r, run),
+        Err(log) if log.contains("I/O error") => {
+            eprintln!("the sound server failed a stream with EIO; once more on a fresh server");
+            drop(r);
+            let r = room(latency_ms);
+            let run = run(&r, enabled, seconds, user_at);
+            (r, run)
+        }
+        Err(log) => panic!("{log}"),
+    }
+}
+
+/// [`run`], or the log of a run that failed.
+fn try_run(r: &Room, enabled: bool, seconds: f64, user_at: Option<f64>) -> Result<Run, String> {
     let agent = r.dir.join("agent.wav");
     espeak(
         &agent,
@@ -219,14 +242,16 @@ links:
     }
     let o = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(o.status.success(), "{log}");
+    if !o.status.success() {
+        return Err(log);
+    }
     assert!(t0.elapsed() < Duration::from_secs_f64(seconds + 30.0));
-    Run {
+    Ok(Run {
         raw: read_24k(&raw),
         out: read_24k(&out),
         user: read_24k(&user_wav),
         log,
-    }
+    })
 }
 
 /// ERLE between `from` and `to` s: the microphone's power over the output's.
@@ -274,8 +299,7 @@ fn per_second(run: &Run) {
 #[test]
 fn echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let r = room(40);
-    let on = run(&r, true, 14.0, Some(8.0));
+    let (_r, on) = run_in_room(40, true, 14.0, Some(8.0));
     per_second(&on);
     // The echo was there: the microphone heard the agent at about -6 dB.
     assert!(
@@ -319,7 +343,7 @@ fn echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives() {
     assert!(on.log.contains("echo canceller finished"), "{}", on.log);
 
     // The same run with the canceller off shows the echo.
-    let off = run(&r, false, 6.0, None);
+    let (_, off) = run_in_room(40, false, 6.0, None);
     let e = erle(&off, 1.0, 5.5);
     eprintln!("aec off: ERLE {e:.1} dB");
     assert!(e.abs() < 1.0, "off: {e:.1} dB");
@@ -328,8 +352,7 @@ fn echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives() {
 #[test]
 fn a_half_second_echo_path_is_cancelled_once_the_reference_is_delayed() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let r = room(500);
-    let on = run(&r, true, 14.0, Some(11.0));
+    let (_r, on) = run_in_room(500, true, 14.0, Some(11.0));
     per_second(&on);
     let (start, _, _) = user_speech(&on);
     // Judged once the coarse search has delayed the reference (it needs a few seconds of
