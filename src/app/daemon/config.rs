@@ -474,13 +474,17 @@ impl DaemonConfig {
         v
     }
 
-    /// The live pipeline's spec with this configuration's overrides.
+    /// The live pipeline's spec with this configuration's overrides, for checking: `auto`
+    /// counts as on without probing the devices (the pipeline that runs is built from
+    /// [`pipeline_spec_with`](Self::pipeline_spec_with) and [`echo_decision`](Self::echo_decision),
+    /// which probes them once).
     ///
     /// # Errors
     ///
     /// A [`ConfigError`] blaming the daemon key when the pipeline refuses one of its values.
     pub fn pipeline_spec(&self) -> Result<PipelineSpec, ConfigError> {
-        self.pipeline_spec_with(&self.echo_decision())
+        let unprobed = self.echo_cancel != "off";
+        self.pipeline_spec_with(&(unprobed, format!("echo_cancel: {}", self.echo_cancel)))
     }
 
     /// [`pipeline_spec`](Self::pipeline_spec) with the echo canceller on or off as `echo`
