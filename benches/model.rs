@@ -8,6 +8,10 @@
 //!    full-size Mimi, and the completion interval against the sum of stage times.
 //! 4. The depformer's time per frame on the `small` pack with every substep run against the
 //!    user stream's substeps skipped (`user_substeps: skip`), same tokens checked.
+//! 5. The shared LM engine on the `small` pack: the time of one frame of B conversations
+//!    stepped in batched ticks against the same B conversations stepped one after another on
+//!    graphs of their own (B = 1, 2, 4, 8, 16), the tokens checked equal; and resident memory
+//!    for 1 and 16 conversations both ways.
 //!
 //! `cargo bench --bench model`. Packs that are missing are built with `tools/make_pack.py`.
 
@@ -323,5 +327,166 @@ fn main() {
     }
     if all || which == "depformer" {
         depformer_bench();
+    }
+    if all || which == "engine" {
+        engine_bench();
+    }
+}
+
+fn own_lm(p: &Pack, seed: u64) -> LmLoop {
+    let so = SessionOptions::default();
+    LmLoop {
+        temporal: TemporalHalf::new(
+            LmGen::new(p.manifest.layout()),
+            Temporal::open(
+                p,
+                &TemporalOptions {
+                    max_positions: 300,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        ),
+        sampling: SamplingHalf::new(
+            Depformer::open(p, &so).unwrap(),
+            SamplingConfig {
+                seed,
+                ..Default::default()
+            },
+        ),
+    }
+}
+
+fn shared_lm(e: &std::sync::Arc<duplex::model::engine::SharedLm>, p: &Pack, seed: u64) -> LmLoop {
+    let mut d = e.depformer_client();
+    d.unused = duplex::model::depformer::UnusedSubsteps::Skip;
+    LmLoop {
+        temporal: TemporalHalf::new(
+            LmGen::new(p.manifest.layout()),
+            e.temporal_slot(300).unwrap(),
+        ),
+        sampling: SamplingHalf::new(
+            d,
+            SamplingConfig {
+                seed,
+                ..Default::default()
+            },
+        ),
+    }
+}
+
+/// The user codes of conversation `c` at frame `t`.
+fn user(c: usize, t: usize) -> Vec<i64> {
+    (0..8)
+        .map(|k| ((t * 131 + c * 977 + k * 61) % 2048) as i64)
+        .collect()
+}
+
+fn engine_bench() {
+    use duplex::model::engine::{self, EngineOptions};
+    println!("\n5. shared LM engine, small pack (GQA fp32), sampled, user substeps skipped both ways, 1 thread per graph");
+    let p = Pack::open(&pack("small-gqa", &["--size", "small", "--variant", "gqa"])).unwrap();
+    let frames = 30;
+    let warm = 5;
+    let rss0 = rss_mb();
+    let e = engine::shared(
+        &p,
+        &EngineOptions {
+            slots: 16,
+            max_positions: 300,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let rss_engine = rss_mb();
+    // Resident memory: 16 conversations on the engine, then 1 and 16 on graphs of their own.
+    let mut held: Vec<LmLoop> = Vec::new();
+    held.push(shared_lm(&e, &p, 0));
+    let rss_shared1 = rss_mb();
+    for c in 1..16 {
+        held.push(shared_lm(&e, &p, c as u64));
+    }
+    let rss_shared16 = rss_mb();
+    drop(held);
+    let mut own: Vec<LmLoop> = vec![own_lm(&p, 0)];
+    let rss_own1 = rss_mb();
+    for c in 1..16 {
+        own.push(own_lm(&p, c as u64));
+    }
+    let rss_own16 = rss_mb();
+    for l in own.iter_mut() {
+        l.sampling
+            .depformer
+            .set_unused(duplex::model::depformer::UnusedSubsteps::Skip);
+    }
+    println!(
+        "   memory: engine open (weights once + 16 KV slots of 300 positions) +{:.0} MB; conversations on it: 1st +{:.1} MB, 16 in all +{:.1} MB",
+        rss_engine - rss0,
+        rss_shared1 - rss_engine,
+        rss_shared16 - rss_engine
+    );
+    println!(
+        "   memory: graphs of their own: 1 conversation +{:.0} MB, 16 conversations +{:.0} MB ({:.0} MB per extra conversation)",
+        rss_own1 - rss_shared16,
+        rss_own16 - rss_shared16,
+        (rss_own16 - rss_own1) / 15.0
+    );
+    for b in [1usize, 2, 4, 8, 16] {
+        // One after another on graphs of their own.
+        let mut seq_out = vec![Vec::new(); b];
+        let mut seq_time = Duration::ZERO;
+        for l in own.iter_mut().take(b) {
+            l.temporal.reset(true);
+        }
+        for t in 0..warm + frames {
+            let t0 = Instant::now();
+            for (c, l) in own.iter_mut().take(b).enumerate() {
+                seq_out[c].push(l.step(&user(c, t), None, None).unwrap());
+            }
+            if t >= warm {
+                seq_time += t0.elapsed();
+            }
+        }
+        // Together on the engine: one thread per conversation.
+        let ticks0 = e
+            .stats
+            .temporal_ticks
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let barrier = std::sync::Barrier::new(b);
+        let (shared_time, shared_out): (Vec<Duration>, Vec<Vec<_>>) = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..b)
+                .map(|c| {
+                    let (e, p, barrier) = (&e, &p, &barrier);
+                    s.spawn(move || {
+                        let mut l = shared_lm(e, p, c as u64);
+                        let mut out = Vec::new();
+                        let mut t0 = Instant::now();
+                        for t in 0..warm + frames {
+                            if t == warm {
+                                barrier.wait();
+                                t0 = Instant::now();
+                            }
+                            out.push(l.step(&user(c, t), None, None).unwrap());
+                        }
+                        (t0.elapsed(), out)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).unzip()
+        });
+        let ticks = e
+            .stats
+            .temporal_ticks
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - ticks0;
+        assert_eq!(seq_out, shared_out, "batch {b}: the engine's tokens differ");
+        let shared = shared_time.into_iter().max().unwrap().as_secs_f64() * 1e3 / frames as f64;
+        let seq = seq_time.as_secs_f64() * 1e3 / frames as f64;
+        println!(
+            "   batch {b:>2}: engine {shared:7.2} ms per frame of all ({:.1} rows per temporal tick)   one after another {seq:7.2} ms   ratio {:.2}{}",
+            (b * (warm + frames)) as f64 / ticks.max(1) as f64,
+            shared / seq,
+            if b == 16 { " (target <= 0.30)" } else { "" }
+        );
     }
 }

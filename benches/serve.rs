@@ -8,6 +8,8 @@
 //!    second, split into the model stages and everything else (network, Opus, framing).
 //! 2. Memory per additional session (resident), and what a quiet session costs (the model's clock
 //!    keeps running on silence).
+//! 3. Both again with the session template's LM on the process's shared engine (`engine:
+//!    shared`: weights once, every session stepped in one batched call per tick), side by side.
 //!
 //! Run with `cargo bench --bench serve`.
 
@@ -36,13 +38,24 @@ impl Drop for Server {
     }
 }
 
-fn start() -> Server {
+fn start(shared: bool) -> Server {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = tempfile::tempdir().unwrap();
     let tpl = dir.path().join("session.yaml");
-    let text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
+    let mut text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
         .unwrap()
         .replace("models/", &format!("{}/models/", root.display()));
+    if shared {
+        text = text
+            .replace(
+                "    kind: temporal\n",
+                "    kind: temporal\n    engine: shared\n",
+            )
+            .replace(
+                "    kind: depformer\n",
+                "    kind: depformer\n    engine: shared\n",
+            );
+    }
     std::fs::write(&tpl, text).unwrap();
     let cfg = dir.path().join("serve.yaml");
     std::fs::write(
@@ -160,7 +173,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 }
 
 /// CPU seconds used by the threads of the model stages (`duplex:encode`, …, as the kernel
-/// truncates their names) that are alive now.
+/// truncates their names) and of the shared engine (`duplex:engine`) that are alive now.
 fn model_thread_seconds(pid: u32) -> f64 {
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let names: Vec<String> = MODEL_STAGES
@@ -242,21 +255,42 @@ async fn client(port: u16, seconds: f64, quiet: bool) -> usize {
         .unwrap_or(0)
 }
 
-const MODEL_STAGES: &[&str] = &["encode", "temporal", "depformer", "decode"];
+const MODEL_STAGES: &[&str] = &["encode", "temporal", "depformer", "decode", "engine"];
 
 fn main() {
-    let server = start();
-    let pid = server.child.id();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(1));
-    let rss0 = rss_mib(pid);
     println!(
         "duplex serve, tiny pack, {} cores, {SECONDS} s per level",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let mut caps = Vec::new();
+    for shared in [false, true] {
+        let server = start(shared);
+        println!(
+            "\n{}",
+            if shared {
+                "LM on the shared engine (engine: shared)"
+            } else {
+                "LM graphs of each session's own (engine: own)"
+            }
+        );
+        caps.push(levels(&server, &rt));
+        quiet(&server, &rt);
+    }
+    println!(
+        "\nreal-time sessions per process: {} with graphs of their own, {} on the shared engine",
+        caps[0], caps[1]
+    );
+}
+
+/// Raises the number of sessions until one falls behind; returns the last level that kept up.
+fn levels(server: &Server, rt: &tokio::runtime::Runtime) -> usize {
+    let pid = server.child.id();
+    std::thread::sleep(Duration::from_secs(1));
+    let rss0 = rss_mib(pid);
     println!("server at rest: {rss0:.0} MiB resident\n");
     println!(
         "{:>8} {:>10} {:>10} {:>8} {:>8} {:>13} {:>14} {:>9} {:>10}",
@@ -274,6 +308,7 @@ fn main() {
     for &n in LEVELS {
         let m0 = http_get(server.port, "/metrics");
         let cpu0 = cpu_seconds(pid);
+        let model0 = model_thread_seconds(pid);
         let port = server.port;
         // Just before the clients stop: resident memory with every session live, and the CPU
         // of the process and of the model stages' threads (which end with their sessions).
@@ -295,6 +330,7 @@ fn main() {
         std::thread::sleep(Duration::from_millis(500));
         let m1 = http_get(server.port, "/metrics");
         let cpu = cpu_at - cpu0;
+        let model = model - model0;
         let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
         let late = over(&h0, &h1, 0.16);
         let dropped = sum(&m1, "duplex_edge_dropped_total") - sum(&m0, "duplex_edge_dropped_total");
@@ -324,7 +360,12 @@ fn main() {
             break;
         }
     }
-    println!("\nkeeps up with {capacity} concurrent real-time sessions (no frame later than 160 ms, none dropped)");
+    println!("keeps up with {capacity} concurrent real-time sessions (no frame later than 160 ms, none dropped)");
+    capacity
+}
+
+fn quiet(server: &Server, rt: &tokio::runtime::Runtime) {
+    let pid = server.child.id();
 
     // Quiet sessions: the clock keeps running on silence.
     let n = 4;

@@ -142,8 +142,20 @@ fn main() -> ExitCode {
             out(&comparison.to_string())
         }
         Cmd::Replay(args) => {
-            let report = app::replay(&args)?;
-            app::logging::report(&app::timing_table(&report));
+            let reports = app::replay(&args)?;
+            for (i, report) in reports.iter().enumerate() {
+                if reports.len() > 1 {
+                    app::logging::report(&format!(
+                        "conversation {} ({})",
+                        i + 1,
+                        args.codes
+                            .get(i)
+                            .map(|c| c.display().to_string())
+                            .unwrap_or_default()
+                    ));
+                }
+                app::logging::report(&app::timing_table(report));
+            }
             Ok(())
         }
         Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),

@@ -141,3 +141,59 @@ fn a_bare_export_directory_works_with_personaplex_defaults() {
     let b = replay(&src, &codes, &dir.path().join("b"), &["--greedy"]);
     assert_eq!(a, b);
 }
+
+/// The conformance check again with three conversations of different lengths stepped as one
+/// batch of the shared engine (`duplex replay` with several `--codes`): each conversation's
+/// stream equals the reference's for it alone.
+#[test]
+fn batched_replays_match_the_reference_for_each_conversation() {
+    let dir = tempfile::tempdir().unwrap();
+    let codes: Vec<_> = [(40, 1), (25, 2), (33, 3)]
+        .iter()
+        .map(|&(n, seed)| user_codes(dir.path(), n, seed))
+        .collect();
+    for name in ["tiny-gqa", "tiny-gqa-fp16"] {
+        let pack = packs::pack(name);
+        let refs: Vec<String> = codes
+            .iter()
+            .map(|c| {
+                let out = dir.path().join("ref.jsonl");
+                reference(&pack, c, &out, &["--persona", "10,20,31999"])
+            })
+            .collect();
+        for mode in ["run", "skip"] {
+            let out = dir.path().join(format!("batch-{name}-{mode}"));
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_duplex"));
+            cmd.args(["replay", "--greedy", "--user-substeps", mode])
+                .args(["--persona-tokens", "10,20,31999", "--pack"])
+                .arg(&pack)
+                .arg("--out")
+                .arg(&out);
+            for c in &codes {
+                cmd.arg("--codes").arg(c);
+            }
+            let o = cmd.output().unwrap();
+            let log = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{log}");
+            // They were stepped together: three rows in a tick.
+            let max_batch: u64 = log
+                .split("max_batch=")
+                .nth(1)
+                .and_then(|t| t.split_whitespace().next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no engine summary: {log}"));
+            assert_eq!(max_batch, 3, "{log}");
+            for (c, r) in codes.iter().zip(&refs) {
+                let stem = c.file_stem().unwrap().to_str().unwrap();
+                let ours = std::fs::read_to_string(out.join(format!("{stem}.jsonl"))).unwrap();
+                let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), r.lines().collect());
+                assert_eq!(a.len(), b.len(), "{name} {mode} {stem}: frame counts");
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert_eq!(
+                        x, y,
+                        "{name} {mode} {stem}: first difference at agent frame {i}"
+                    );
+                }
+            }
+        }
+    }
+}

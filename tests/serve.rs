@@ -15,6 +15,43 @@ use std::time::{Duration, Instant};
 
 use serve::{client, client_command, speech_wav, token_log, Server};
 
+/// Replays a session's logged user codes (`duplex replay --greedy` and `extra`, on the tiny
+/// pack) into `out` and checks every frame's tokens equal those the session logged; returns the
+/// number of frames.
+fn assert_replay_matches(
+    session: &std::path::Path,
+    out: &std::path::Path,
+    extra: &[&str],
+) -> usize {
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["replay", "--greedy", "--pack"])
+        .arg(packs::pack("tiny-gqa"))
+        .arg("--codes")
+        .arg(session.join("user.jsonl"))
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let live = token_log(&session.join("agent.jsonl"));
+    let replayed = token_log(out);
+    assert_eq!(live.len(), replayed.len(), "{}", session.display());
+    for (i, (a, b)) in live.iter().zip(&replayed).enumerate() {
+        assert_eq!(
+            (&a["text"], &a["audio"]),
+            (&b["text"], &b["audio"]),
+            "{}: frame {i} differs",
+            session.display()
+        );
+    }
+    live.len()
+}
+
 /// The session id the server gave the client that connected from `port`, from its log.
 fn session_of(server: &Server, port: u64) -> u64 {
     let needle = format!("client=127.0.0.1:{port}");
@@ -137,32 +174,8 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
     let dir = server.session_dir(id);
     // The session has fully ended (its logs are complete) once it is no longer listed.
     server.wait_sessions(0, 20);
-    let out = server.dir.path().join("replay.jsonl");
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["replay", "--greedy", "--pack"])
-        .arg(packs::pack("tiny-gqa"))
-        .arg("--codes")
-        .arg(dir.join("user.jsonl"))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let live = token_log(&dir.join("agent.jsonl"));
-    let replayed = token_log(&out);
-    assert!(live.len() >= 45, "{} frames", live.len());
-    assert_eq!(live.len(), replayed.len());
-    for (i, (a, b)) in live.iter().zip(&replayed).enumerate() {
-        assert_eq!(
-            (&a["text"], &a["audio"]),
-            (&b["text"], &b["audio"]),
-            "frame {i} differs"
-        );
-    }
+    let frames = assert_replay_matches(&dir, &server.dir.path().join("replay.jsonl"), &[]);
+    assert!(frames >= 45, "{frames} frames");
     // The session was recorded (`record.dir`): its recording replays to the same tokens.
     let recs = server.dir.path().join("recordings");
     let rec = std::fs::read_dir(&recs)
@@ -196,7 +209,84 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
         .split_whitespace()
         .filter_map(|w| w.parse().ok())
         .collect();
-    assert!(n[0] == n[1] && n[0] >= live.len(), "{report}");
+    assert!(n[0] == n[1] && n[0] >= frames, "{report}");
+}
+
+#[test]
+fn shared_engine_sessions_give_the_replay_tokens_and_its_slots_bound_admission() {
+    // Every session's LM in the process's shared engine, which holds two slots: the server
+    // admits two sessions although `max_sessions` allows three.
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("session.yaml");
+    let text = serve::template(&dir.path().join("sessions"), 60_000)
+        .replace(
+            "    kind: temporal\n",
+            "    kind: temporal\n    engine: shared\n    slots: 2\n",
+        )
+        .replace(
+            "    kind: depformer\n",
+            "    kind: depformer\n    engine: shared\n",
+        );
+    std::fs::write(&tpl, text).unwrap();
+    let server = Server::start_with(
+        dir,
+        "max_sessions: 3\nsampling:\n  text_temperature: 0\n  audio_temperature: 0\n",
+        &tpl,
+    );
+    let (code, body) = server.get("/readyz");
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["capacity"], 2, "{body}");
+    let threads: Vec<_> = [170.0, 230.0]
+        .iter()
+        .enumerate()
+        .map(|(i, pitch)| {
+            let wav = server.dir.path().join(format!("in{i}.wav"));
+            speech_wav(&wav, 5.0, *pitch);
+            let url = server.url();
+            std::thread::spawn(move || {
+                client(&url, &["--mode", "kyutai", "--wav", wav.to_str().unwrap()])
+            })
+        })
+        .collect();
+    server.wait_sessions(2, 30);
+    let refused = client(&server.url(), &["--silent", "1"]);
+    assert_eq!(refused["refused"]["status"], 503, "{refused}");
+    let results: Vec<serde_json::Value> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    server.wait_sessions(0, 20);
+    for r in &results {
+        assert!(r["errors"].as_array().unwrap().is_empty(), "{r}");
+        let id = session_of(&server, r["local_port"].as_u64().unwrap());
+        let dir = server.session_dir(id);
+        let out = server.dir.path().join(format!("replay-{id}.jsonl"));
+        // Replayed alone, on graphs of its own.
+        let frames = assert_replay_matches(&dir, &out, &["--engine", "own"]);
+        assert!(frames >= 55, "session {id}: {frames} frames");
+    }
+    let m = server.metrics();
+    assert_eq!(
+        serve::metric_value_of(&m, "duplex_engine_slots"),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        serve::metric_value_of(&m, "duplex_engine_slots_used"),
+        0.0,
+        "{m}"
+    );
+    assert_eq!(
+        serve::metric_value_of(&m, "duplex_sessions_capacity"),
+        2.0,
+        "{m}"
+    );
+    assert!(
+        serve::metric_value_of(&m, "duplex_engine_batch_size_count{engine=\"temporal\"}") >= 110.0,
+        "{m}"
+    );
+    assert!(
+        m.contains("duplex_engine_tick_seconds_bucket{engine=\"temporal\",context=\"0-374\""),
+        "{m}"
+    );
 }
 
 /// Frames the framer → encoder edges dropped, summed over sessions.

@@ -22,9 +22,16 @@ pub struct ReplayArgs {
     /// `--recording`: run on this pack instead of the recorded one.
     #[arg(long)]
     pub pack: Option<PathBuf>,
-    /// User codes: a JSON array of frames, each an array of 8 ints.
+    /// User codes: a JSON array of frames, each an array of 8 ints. Repeat it to run several
+    /// conversations as one batch of the shared engine (`--out` is then a folder, with one
+    /// `<codes file name>.jsonl` per conversation).
     #[arg(long, conflicts_with = "recording")]
-    pub codes: Option<PathBuf>,
+    pub codes: Vec<PathBuf>,
+    /// The LM's graphs: `own` (one session per conversation) or `shared` (the process's
+    /// engine, every conversation stepped in one batched call). Default: own for one
+    /// conversation, shared for several.
+    #[arg(long, value_parser = ["own", "shared"])]
+    pub engine: Option<String>,
     /// A recording (`record:` of a pipeline): re-run its LM headless and compare.
     #[arg(long)]
     pub recording: Option<PathBuf>,
@@ -34,8 +41,8 @@ pub struct ReplayArgs {
     /// With `--recording`: feed frames at real time (80 ms) instead of as fast as possible.
     #[arg(long)]
     pub paced: bool,
-    /// Output: one JSON line per agent frame; with `--recording`, a new folder for the replay's
-    /// own recording (timings, LM stream, tokens).
+    /// Output: one JSON line per agent frame (a folder of them for several `--codes`); with
+    /// `--recording`, a new folder for the replay's own recording (timings, LM stream, tokens).
     #[arg(long)]
     pub out: PathBuf,
     /// Sampling seed.
@@ -112,12 +119,43 @@ fn node_at(
     })
 }
 
-/// Builds the replay pipeline.
+/// The output file of each `--codes` file: `--out` itself for one, `--out/<name>.jsonl` for
+/// several.
+fn outputs(a: &ReplayArgs) -> Result<Vec<PathBuf>, ConfigError> {
+    if a.codes.len() < 2 {
+        return Ok(vec![a.out.clone()]);
+    }
+    let bad = |m: String| ConfigError::new("duplex replay", ConfigErrorKind::Build, m);
+    std::fs::create_dir_all(&a.out)
+        .map_err(|e| bad(format!("`--out` {}: {e}", a.out.display())))?;
+    let mut outs: Vec<PathBuf> = Vec::new();
+    for c in &a.codes {
+        let stem = c
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "codes".into());
+        let o = a.out.join(format!("{stem}.jsonl"));
+        if outs.contains(&o) {
+            return Err(bad(format!(
+                "two `--codes` files are named `{stem}`: their outputs would both be {}",
+                o.display()
+            )));
+        }
+        outs.push(o);
+    }
+    Ok(outs)
+}
+
+/// Builds the replay pipeline of one conversation.
 ///
 /// # Errors
 ///
 /// A [`ConfigError`] naming the flag's stage and the problem (missing pack, bad codes file…).
-pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
+fn build_one(
+    a: &ReplayArgs,
+    codes: Option<&std::path::Path>,
+    out: &std::path::Path,
+) -> Result<PipelineBuilder, ConfigError> {
     let reg = Registry::builtin();
     let missing = |flag: &str| {
         ConfigError::new(
@@ -127,9 +165,14 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
         )
     };
     let pack = a.pack.as_ref().ok_or_else(|| missing("--pack"))?;
-    let codes = a.codes.as_ref().ok_or_else(|| missing("--codes"))?;
+    let codes = codes.ok_or_else(|| missing("--codes"))?;
     let pack = pack.display().to_string();
-    let mut temporal = vec![("pack", s(&pack))];
+    let engine = match (&a.engine, a.codes.len()) {
+        (Some(e), _) => e.as_str(),
+        (None, n) if n > 1 => "shared",
+        (None, _) => "own",
+    };
+    let mut temporal = vec![("pack", s(&pack)), ("engine", s(engine))];
     if !a.persona_tokens.is_empty() {
         temporal.push((
             "persona_tokens",
@@ -153,6 +196,7 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
     }
     let mut depformer = vec![
         ("pack", s(&pack)),
+        ("engine", s(engine)),
         ("seed", i(a.seed as i64)),
         ("greedy", Value::new(None, ValueKind::Boolean(a.greedy))),
     ];
@@ -176,7 +220,7 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
             &plane,
             "tokens",
             "token_sink",
-            vec![("path", s(&a.out.display().to_string()))],
+            vec![("path", s(&out.display().to_string()))],
         )?)
         .link(Link::new("codes", "temporal.codes"))
         .link(Link::new("temporal.step", "depformer"))
@@ -191,14 +235,51 @@ pub fn build(a: &ReplayArgs) -> Result<PipelineBuilder, ConfigError> {
 /// # Errors
 ///
 /// Configuration errors (exit code 2) and run errors (exit code 1).
-pub fn run(a: &ReplayArgs) -> anyhow::Result<RunReport> {
+pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     if a.recording.is_some() {
-        return Ok(run_recording(a)?.0);
+        return Ok(vec![run_recording(a)?.0]);
     }
-    let p = build(a)?.build()?;
-    let running = p.start();
-    let _signals = super::SignalGuard::install(running.stop_handle());
-    Ok(running.wait().into_result()?)
+    let outs = outputs(a)?;
+    // The shared engine holds one slot per conversation.
+    crate::model::engine::set_default_slots(outs.len());
+    let mut built = Vec::new();
+    for (i, out) in outs.iter().enumerate() {
+        built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out)?.build()?);
+    }
+    let running: Vec<_> = built.into_iter().map(|p| p.start()).collect();
+    let _signals = running
+        .first()
+        .map(|r| super::SignalGuard::install(r.stop_handle()));
+    let mut reports = Vec::new();
+    let mut first_err = None;
+    for r in running {
+        match r.wait().into_result() {
+            Ok(rep) => reports.push(rep),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e.into());
+    }
+    if outs.len() > 1 || a.engine.as_deref() == Some("shared") {
+        for e in crate::model::engine::opened() {
+            let st = &e.stats;
+            use std::sync::atomic::Ordering::Relaxed;
+            tracing::info!(
+                conversations = outs.len(),
+                temporal_ticks = st.temporal_ticks.load(Relaxed),
+                temporal_steps = st.temporal_rows.load(Relaxed),
+                mean_batch = format!("{:.2}", st.mean_temporal_batch()),
+                max_batch = st.temporal_max_batch.load(Relaxed),
+                depformer_ticks = st.depformer_ticks.load(Relaxed),
+                late = st.late.load(Relaxed),
+                "shared engine"
+            );
+        }
+    }
+    Ok(reports)
 }
 
 /// A recording reader's message (`PATH: what`) as a configuration error naming that file.

@@ -65,7 +65,7 @@ pub struct Depformer {
     hidden: Buffer,
     prev: Buffer,
     substep: Buffer,
-    logits: Buffer,
+    logits_out: Buffer,
     scratch: Vec<f32>,
     alloc: Allocator,
     steps: usize,
@@ -75,6 +75,11 @@ pub struct Depformer {
     pub unused: UnusedSubsteps,
     /// Substeps run and skipped so far.
     pub counts: (u64, u64),
+    /// Keep every substep's logits of the last frame in [`logits`](Self::logits) (diagnostics:
+    /// comparing runs; off by default).
+    pub keep_logits: bool,
+    /// The last frame's logits per substep run, when `keep_logits` is set.
+    pub logits: Vec<Vec<f32>>,
 }
 
 impl Depformer {
@@ -114,7 +119,7 @@ impl Depformer {
             .map_err(e)?,
             prev: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(e)?,
             substep: Buffer::zeros(&alloc, TensorElementType::Int64, &[]).map_err(e)?,
-            logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
+            logits_out: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
                 .map_err(e)?,
             scratch: Vec::with_capacity(info.vocab),
             session: os.session,
@@ -126,6 +131,8 @@ impl Depformer {
             audio_limit: m.audio_vocab + 1,
             unused: UnusedSubsteps::Run,
             counts: (0, 0),
+            keep_logits: false,
+            logits: Vec::new(),
             info,
         };
         let hd = dep.info.hidden_dim as i64;
@@ -136,7 +143,7 @@ impl Depformer {
         let v = dep.substep.view(&dep.alloc, &[]).map_err(e)?;
         dep.binding.bind_input("substep_index", &v).map_err(e)?;
         let vocab = dep.info.vocab as i64;
-        let v = dep.logits.view(&dep.alloc, &[1, 1, vocab]).map_err(e)?;
+        let v = dep.logits_out.view(&dep.alloc, &[1, 1, vocab]).map_err(e)?;
         dep.binding.bind_output("logits", v).map_err(e)?;
         report("depformer", dep.provider, dep.info.kv.name());
         Ok(dep)
@@ -191,6 +198,7 @@ impl Depformer {
         write_floats(&mut self.hidden, hidden);
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         out.clear();
+        self.logits.clear();
         let mut prev = text;
         // Substeps from `needed` on predict only provided tokens, and no substep before them
         // attends to their cache rows.
@@ -232,7 +240,10 @@ impl Depformer {
                 .bind(&mut self.binding, &self.alloc, cb % 2, h, cb as i64, d)
                 .map_err(e)?;
             drop(self.session.run_binding(&self.binding).map_err(e)?);
-            read_floats(&mut self.logits, self.info.vocab, &mut self.scratch);
+            read_floats(&mut self.logits_out, self.info.vocab, &mut self.scratch);
+            if self.keep_logits {
+                self.logits.push(self.scratch.clone());
+            }
             let tok = sampler.sample(&self.scratch, params) as i64;
             out.push(tok);
             prev = if provided[cb] { target[cb] } else { tok };

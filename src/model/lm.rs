@@ -10,7 +10,8 @@
 //! [`LmLoop`] composes them sequentially. [`priming_script`] lists the forced steps that prime a
 //! persona and a voice before the conversation.
 
-use super::depformer::{Depformer, DepformerInput};
+use super::depformer::{Depformer, DepformerInput, UnusedSubsteps};
+use super::engine::{DepformerClient, TemporalSlot};
 use super::error::ModelError;
 use super::lmgen::{AgentFrame, LmGen, StepIo};
 use super::pack::PackManifest;
@@ -31,6 +32,9 @@ pub struct LmStep {
     /// Restart the random stream (from the sampler's seed) before this step: sent once, after
     /// warmup.
     pub reseed: bool,
+    /// The conversation's slot in the shared engine, when its temporal half has one: lets the
+    /// engine know the depformer request belongs to the same conversation.
+    pub slot: Option<usize>,
 }
 
 /// The tokens chosen for one step: text, then one per audio channel.
@@ -153,21 +157,186 @@ pub fn priming_script(
     s
 }
 
+/// A temporal transformer of the conversation's own, or its slot in the process's shared
+/// engine ([`engine`](super::engine)): the same steps either way.
+// One per conversation, built once and never moved per step: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum TemporalModel {
+    /// Sessions of its own.
+    Own(Temporal),
+    /// A KV slot of the shared engine.
+    Shared(TemporalSlot),
+}
+
+impl From<Temporal> for TemporalModel {
+    fn from(t: Temporal) -> Self {
+        TemporalModel::Own(t)
+    }
+}
+
+impl From<TemporalSlot> for TemporalModel {
+    fn from(t: TemporalSlot) -> Self {
+        TemporalModel::Shared(t)
+    }
+}
+
+impl TemporalModel {
+    /// What the graph runs on.
+    pub fn runs_on(&self) -> String {
+        match self {
+            TemporalModel::Own(t) => t.runs_on(),
+            TemporalModel::Shared(t) => t.runs_on(),
+        }
+    }
+
+    /// Forgets the conversation.
+    pub fn reset(&mut self) {
+        match self {
+            TemporalModel::Own(t) => t.reset(),
+            TemporalModel::Shared(t) => t.reset(),
+        }
+    }
+
+    /// Rows in the KV cache.
+    pub fn kv_len(&self) -> usize {
+        match self {
+            TemporalModel::Own(t) => t.kv_len(),
+            TemporalModel::Shared(t) => t.kv_len(),
+        }
+    }
+
+    /// Positions used since the last reset.
+    pub fn position(&self) -> usize {
+        match self {
+            TemporalModel::Own(t) => t.position(),
+            TemporalModel::Shared(t) => t.position(),
+        }
+    }
+
+    /// Steps left before the positions run out.
+    pub fn positions_left(&self) -> usize {
+        match self {
+            TemporalModel::Own(t) => t.positions_left(),
+            TemporalModel::Shared(t) => t.positions_left(),
+        }
+    }
+
+    /// One step.
+    ///
+    /// # Errors
+    ///
+    /// As [`Temporal::step`].
+    pub fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
+        match self {
+            TemporalModel::Own(t) => t.step(input),
+            TemporalModel::Shared(t) => t.step(input),
+        }
+    }
+
+    /// The last step's hidden state.
+    pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
+        match self {
+            TemporalModel::Own(t) => t.read_hidden(out),
+            TemporalModel::Shared(t) => t.read_hidden(out),
+        }
+    }
+
+    /// The last step's text logits.
+    pub fn read_logits(&mut self, out: &mut Vec<f32>) {
+        match self {
+            TemporalModel::Own(t) => t.read_logits(out),
+            TemporalModel::Shared(t) => t.read_logits(out),
+        }
+    }
+}
+
+/// A depformer of the conversation's own, or a client of the shared engine.
+#[allow(clippy::large_enum_variant)]
+pub enum DepformerModel {
+    /// A session of its own.
+    Own(Depformer),
+    /// The shared engine's.
+    Shared(DepformerClient),
+}
+
+impl From<Depformer> for DepformerModel {
+    fn from(d: Depformer) -> Self {
+        DepformerModel::Own(d)
+    }
+}
+
+impl From<DepformerClient> for DepformerModel {
+    fn from(d: DepformerClient) -> Self {
+        DepformerModel::Shared(d)
+    }
+}
+
+impl DepformerModel {
+    /// What the graph runs on.
+    pub fn runs_on(&self) -> String {
+        match self {
+            DepformerModel::Own(d) => d.runs_on(),
+            DepformerModel::Shared(d) => d.runs_on(),
+        }
+    }
+
+    /// Substeps run and skipped so far.
+    pub fn counts(&self) -> (u64, u64) {
+        match self {
+            DepformerModel::Own(d) => d.counts,
+            DepformerModel::Shared(d) => d.counts,
+        }
+    }
+
+    /// What is done with the substeps nothing reads.
+    pub fn unused(&self) -> UnusedSubsteps {
+        match self {
+            DepformerModel::Own(d) => d.unused,
+            DepformerModel::Shared(d) => d.unused,
+        }
+    }
+
+    /// Sets what is done with the substeps nothing reads.
+    pub fn set_unused(&mut self, u: UnusedSubsteps) {
+        match self {
+            DepformerModel::Own(d) => d.unused = u,
+            DepformerModel::Shared(d) => d.unused = u,
+        }
+    }
+
+    fn run(
+        &mut self,
+        slot: Option<usize>,
+        frame: DepformerInput<'_>,
+        sampler: &mut Sampler,
+        params: super::sampling::SamplingParams,
+        out: &mut Vec<i64>,
+    ) -> Result<(), ModelError> {
+        match self {
+            DepformerModel::Own(d) => d.run(frame, sampler, params, out),
+            DepformerModel::Shared(d) => {
+                d.conversation = slot;
+                d.run(frame, sampler, params, out)
+            }
+        }
+    }
+}
+
 /// The token ring and the temporal transformer.
 pub struct TemporalHalf {
     /// Token bookkeeping.
     pub gen: LmGen,
     /// The transformer.
-    pub temporal: Temporal,
+    pub temporal: TemporalModel,
     pending_reseed: bool,
 }
 
 impl TemporalHalf {
     /// Joins a ring and a transformer.
-    pub fn new(gen: LmGen, temporal: Temporal) -> Self {
+    pub fn new(gen: LmGen, temporal: impl Into<TemporalModel>) -> Self {
         TemporalHalf {
             gen,
-            temporal,
+            temporal: temporal.into(),
             pending_reseed: false,
         }
     }
@@ -210,6 +379,10 @@ impl TemporalHalf {
             target,
             provided,
             reseed: std::mem::take(&mut self.pending_reseed),
+            slot: match &self.temporal {
+                TemporalModel::Own(_) => None,
+                TemporalModel::Shared(t) => Some(t.slot()),
+            },
         };
         self.temporal.read_hidden(&mut step.hidden);
         self.temporal.read_logits(&mut step.text_logits);
@@ -252,7 +425,7 @@ impl Default for SamplingConfig {
 /// The sampler and the depformer.
 pub struct SamplingHalf {
     /// The depformer.
-    pub depformer: Depformer,
+    pub depformer: DepformerModel,
     /// Sampling settings (may change between steps).
     pub config: SamplingConfig,
     sampler: Sampler,
@@ -260,9 +433,9 @@ pub struct SamplingHalf {
 
 impl SamplingHalf {
     /// Joins a depformer and a sampler seeded from `config.seed`.
-    pub fn new(depformer: Depformer, config: SamplingConfig) -> Self {
+    pub fn new(depformer: impl Into<DepformerModel>, config: SamplingConfig) -> Self {
         SamplingHalf {
-            depformer,
+            depformer: depformer.into(),
             sampler: Sampler::new(config.seed),
             config,
         }
@@ -296,8 +469,13 @@ impl SamplingHalf {
             target: step.target.get(1..).unwrap_or(&[]),
             provided: step.provided.get(1..).unwrap_or(&[]),
         };
-        self.depformer
-            .run(frame, &mut self.sampler, self.config.audio, &mut audio)?;
+        self.depformer.run(
+            step.slot,
+            frame,
+            &mut self.sampler,
+            self.config.audio,
+            &mut audio,
+        )?;
         Ok(Sampled { text, audio })
     }
 }

@@ -1,9 +1,11 @@
 //! Model building blocks: finding and loading ONNX Runtime, the LM's token bookkeeping and
 //! sampling.
 //!
-//! Nothing here knows about stages, threads or channels.
+//! Nothing here knows about stages; only the shared engine ([`engine`]) runs threads and
+//! channels of its own, to batch many conversations' steps.
 
 pub mod depformer;
+pub mod engine;
 mod error;
 pub mod lm;
 pub mod lmgen;

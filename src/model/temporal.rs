@@ -263,39 +263,7 @@ impl Temporal {
     ///
     /// [`ModelError::Token`] naming the channel.
     pub fn validate(&self, input: &[i64]) -> Result<(), ModelError> {
-        if input.len() != self.channels {
-            return Err(ModelError::contract(
-                "temporal",
-                format!(
-                    "input frame has {} channels, expected {}",
-                    input.len(),
-                    self.channels
-                ),
-            ));
-        }
-        for (k, &v) in input.iter().enumerate() {
-            let limit = if k == 0 {
-                self.text_limit
-            } else {
-                self.audio_limit
-            };
-            if !(0..limit).contains(&v) {
-                let name = if k == 0 {
-                    "0 (text)".to_string()
-                } else if k <= (self.channels - 1) / 2 {
-                    format!("{k} (agent audio)")
-                } else {
-                    format!("{k} (user audio)")
-                };
-                return Err(ModelError::Token {
-                    graph: "temporal".into(),
-                    channel: name,
-                    value: v,
-                    limit,
-                });
-            }
-        }
-        Ok(())
+        validate_frame(input, self.channels, self.text_limit, self.audio_limit)
     }
 
     /// Runs one step on `input` (one token per channel). Read the results with
@@ -463,4 +431,46 @@ impl Temporal {
     pub fn read_logits(&mut self, out: &mut Vec<f32>) {
         read_floats(&mut self.logits, self.info.vocab, out);
     }
+}
+
+/// Checks a temporal input frame: `channels` tokens, the text one below `text_limit`, the audio
+/// ones below `audio_limit`.
+///
+/// # Errors
+///
+/// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
+pub(crate) fn validate_frame(
+    input: &[i64],
+    channels: usize,
+    text_limit: i64,
+    audio_limit: i64,
+) -> Result<(), ModelError> {
+    if input.len() != channels {
+        return Err(ModelError::contract(
+            "temporal",
+            format!(
+                "input frame has {} channels, expected {channels}",
+                input.len()
+            ),
+        ));
+    }
+    for (k, &v) in input.iter().enumerate() {
+        let limit = if k == 0 { text_limit } else { audio_limit };
+        if !(0..limit).contains(&v) {
+            let name = if k == 0 {
+                "0 (text)".to_string()
+            } else if k <= (channels - 1) / 2 {
+                format!("{k} (agent audio)")
+            } else {
+                format!("{k} (user audio)")
+            };
+            return Err(ModelError::Token {
+                graph: "temporal".into(),
+                channel: name,
+                value: v,
+                limit,
+            });
+        }
+    }
+    Ok(())
 }

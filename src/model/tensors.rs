@@ -141,6 +141,22 @@ impl PingPong {
         rows: i64,
         head_dim: i64,
     ) -> ort::Result<()> {
+        self.bind_batch(binding, alloc, from, 1, heads, rows, head_dim)
+    }
+
+    /// As [`bind`](Self::bind) for `batch` rows, each laid out compactly after the other: a
+    /// view of fewer rows than the last present is that present's first rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_batch(
+        &mut self,
+        binding: &mut ort::session::IoBinding,
+        alloc: &Allocator,
+        from: usize,
+        batch: i64,
+        heads: i64,
+        rows: i64,
+        head_dim: i64,
+    ) -> ort::Result<()> {
         let (a, b) = self.sets.split_at_mut(1);
         let (src, dst) = if from == 0 {
             (&mut a[0], &mut b[0])
@@ -149,8 +165,8 @@ impl PingPong {
         };
         for (i, (s, d)) in src.chunks_mut(2).zip(dst.chunks_mut(2)).enumerate() {
             for (j, kv) in ["key", "value"].iter().enumerate() {
-                let past = s[j].view(alloc, &[1, heads, rows, head_dim])?;
-                let present = d[j].view(alloc, &[1, heads, rows + 1, head_dim])?;
+                let past = s[j].view(alloc, &[batch, heads, rows, head_dim])?;
+                let present = d[j].view(alloc, &[batch, heads, rows + 1, head_dim])?;
                 binding.bind_input(format!("past_key_values.{i}.{kv}"), &past)?;
                 binding.bind_output(format!("present.{i}.{kv}"), present)?;
             }
@@ -179,5 +195,31 @@ pub(crate) fn write_floats(buf: &mut Buffer, values: &[f32]) {
             }
         }
         _ => buf.as_slice::<f32>()[..values.len()].copy_from_slice(values),
+    }
+}
+
+/// Reads row `row` of `n` floats (f32 or f16) of a buffer into `out` as f32.
+pub(crate) fn read_row(buf: &mut Buffer, row: usize, n: usize, out: &mut Vec<f32>) {
+    out.clear();
+    let r = row * n..(row + 1) * n;
+    match buf.ty {
+        TensorElementType::Float16 => {
+            out.extend(buf.as_slice::<half::f16>()[r].iter().map(|v| v.to_f32()))
+        }
+        _ => out.extend_from_slice(&buf.as_slice::<f32>()[r]),
+    }
+}
+
+/// Writes f32 values as row `row` (rows of `values.len()`) of a float buffer (f32 or f16).
+pub(crate) fn write_row(buf: &mut Buffer, row: usize, values: &[f32]) {
+    let at = row * values.len();
+    match buf.ty {
+        TensorElementType::Float16 => {
+            let dst = &mut buf.as_slice::<half::f16>()[at..at + values.len()];
+            for (d, &s) in dst.iter_mut().zip(values) {
+                *d = half::f16::from_f32(s);
+            }
+        }
+        _ => buf.as_slice::<f32>()[at..at + values.len()].copy_from_slice(values),
     }
 }

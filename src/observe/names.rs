@@ -95,3 +95,17 @@ pub const AEC_DELAY: &str = "duplex_aec_delay_seconds";
 pub const AEC_DOUBLE_TALK: &str = "duplex_aec_double_talk_ratio";
 /// Times an `aec` stage realigned its reference to the capture clock (`stage`).
 pub const AEC_REALIGNS: &str = "duplex_aec_realigns_total";
+
+/// Histogram, label `engine` (`temporal|depformer`) and, for the temporal engine, `context` (the
+/// longest KV context in the batch, in buckets of 375 frames): one batched step of the shared LM
+/// engine, every session in the tick at once.
+pub const ENGINE_TICK: &str = "duplex_engine_tick_seconds";
+/// Histogram, label `engine`: sessions stepped in one tick of the shared LM engine.
+pub const ENGINE_BATCH: &str = "duplex_engine_batch_size";
+/// Counter: requests a conversation had not submitted when the tick that expected it ran (it is
+/// stepped in a later tick; the others did not wait longer for it).
+pub const ENGINE_LATE: &str = "duplex_engine_late_frames_total";
+/// Gauge: KV slots of the shared LM engine (conversations it can hold).
+pub const ENGINE_SLOTS: &str = "duplex_engine_slots";
+/// Gauge: KV slots of the shared LM engine in use.
+pub const ENGINE_SLOTS_USED: &str = "duplex_engine_slots_used";

@@ -1,14 +1,19 @@
 //! `depformer`: samples each step's text token and runs the 16 depformer substeps, from one
 //! seeded random stream (text first, then substeps 0..15). Answers every `LmStep` from the
-//! temporal stage with the step's tokens, which go back on the feedback link.
+//! temporal stage with the step's tokens, which go back on the feedback link. With `engine:
+//! shared` the substeps run in the process's shared engine, batched with the other
+//! conversations' (this stage's sampler and settings travel with each frame).
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::depformer::{Depformer, UnusedSubsteps};
-use crate::model::lm::{SamplingConfig, SamplingHalf};
+use crate::model::lm::{DepformerModel, SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
 use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
+use super::model_params::{
+    model_params, open_pack, session_options, shared_engine, ENGINE_PARAM, MODEL_STATUS,
+    SLOTS_PARAM,
+};
 use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -63,6 +68,8 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Str("skip"),
             doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep"
         },
+        ENGINE_PARAM,
+        SLOTS_PARAM,
         ParamSpec {
             name: "seed",
             ty: T::Int {
@@ -106,8 +113,13 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let mut dep = Depformer::open(&pack, &session_options(p))?;
-    dep.unused = UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run);
+    let mut dep: DepformerModel = match shared_engine(&pack, p, usize::MAX)? {
+        Some(lm) => lm.depformer_client().into(),
+        None => Depformer::open(&pack, &session_options(p))?.into(),
+    };
+    dep.set_unused(
+        UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run),
+    );
     let control = cx.endpoint();
     control.set("model", dep.runs_on());
     Ok(Body::Stage(Box::new(DepformerStage {
@@ -168,11 +180,11 @@ impl Stage for DepformerStage {
     }
 
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
-        let (run, skipped) = self.half.depformer.counts;
+        let (run, skipped) = self.half.depformer.counts();
         tracing::info!(
             substeps_run = run,
             substeps_skipped = skipped,
-            user_substeps = format!("{:?}", self.half.depformer.unused).to_lowercase(),
+            user_substeps = format!("{:?}", self.half.depformer.unused()).to_lowercase(),
             "depformer finished"
         );
         Ok(())

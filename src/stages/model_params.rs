@@ -51,3 +51,40 @@ pub(super) fn session_options(p: &Params) -> SessionOptions {
 pub(super) fn open_pack(p: &Params) -> Result<Pack, BuildError> {
     Ok(Pack::open(Path::new(p.str("pack")))?)
 }
+
+/// `engine`: the LM stages' choice between sessions of their own and the process's shared
+/// engine.
+pub(super) const ENGINE_PARAM: crate::config::ParamSpec = crate::config::ParamSpec {
+    name: "engine",
+    ty: crate::config::ParamType::Choice(&["own", "shared"]),
+    default: crate::config::ParamDefault::Str("own"),
+    doc: "own: graphs of this pipeline's own; shared: the process's engine (weights loaded once, every conversation stepped in one batched call per tick; GQA packs)",
+};
+
+/// `slots`: conversations the shared engine holds (the first stage to open it decides).
+pub(super) const SLOTS_PARAM: crate::config::ParamSpec = crate::config::ParamSpec {
+    name: "slots",
+    ty: crate::config::ParamType::Int { min: 0, max: 4096 },
+    default: crate::config::ParamDefault::Int(0),
+    doc: "KV slots of the shared engine (0 = the conversations the process hosts: `duplex serve`'s `max_sessions`)",
+};
+
+/// The process's shared engine for the stage's pack when `engine: shared`, else `None`.
+pub(super) fn shared_engine(
+    pack: &Pack,
+    p: &Params,
+    max_positions: usize,
+) -> Result<Option<std::sync::Arc<crate::model::engine::SharedLm>>, BuildError> {
+    if p.str("engine") != "shared" {
+        return Ok(None);
+    }
+    let opts = crate::model::engine::EngineOptions {
+        session: session_options(p),
+        slots: p.int("slots") as usize,
+        max_positions,
+        ..Default::default()
+    };
+    crate::model::engine::shared(pack, &opts)
+        .map(Some)
+        .map_err(|e| BuildError::invalid(e.to_string()).key("engine"))
+}

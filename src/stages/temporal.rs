@@ -7,6 +7,9 @@
 //! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
 //! primes again; `stop` ends the stream cleanly.
 //!
+//! With `engine: shared` the transformer is a KV slot of the process's shared engine
+//! ([`crate::model::engine`]): the same steps, batched with the other conversations'.
+//!
 //! Commands, taken at frame boundaries: `persona` (text or token ids: a new conversation primed
 //! with it), `reset` (a new conversation), `pause` and `resume` (frames are dropped while
 //! paused). Each is answered once applied, or refused with the reason.
@@ -16,7 +19,7 @@ use std::time::Instant;
 
 use crate::audio::{StreamResampler, WavReader};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::lm::{persona_tokens, priming_script, ForcedStep, TemporalHalf};
+use crate::model::lm::{persona_tokens, priming_script, ForcedStep, TemporalHalf, TemporalModel};
 use crate::model::lmgen::LmGen;
 use crate::model::mimi::MimiEncoder;
 use crate::model::pack::PackManifest;
@@ -28,7 +31,10 @@ use crate::runtime::{
     StatusSpec,
 };
 
-use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
+use super::model_params::{
+    model_params, open_pack, session_options, shared_engine, ENGINE_PARAM, MODEL_STATUS,
+    SLOTS_PARAM,
+};
 use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -41,6 +47,8 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Str("resident"),
             doc: "KV cache where the session computes, or through host arrays (naive)"
         },
+        ENGINE_PARAM,
+        SLOTS_PARAM,
         ParamSpec {
             name: "max_positions",
             ty: T::Int {
@@ -218,7 +226,20 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             n => n as usize,
         },
     };
-    let temporal = Temporal::open(&pack, &opts)?;
+    let temporal: TemporalModel = match shared_engine(&pack, p, opts.max_positions)? {
+        Some(lm) => {
+            if opts.kv == KvMode::Host {
+                return Err(BuildError::invalid(
+                    "`kv: host` needs a session of its own: the shared engine keeps every cache resident",
+                )
+                .key("kv"));
+            }
+            lm.temporal_slot(opts.max_positions)
+                .map_err(|e| BuildError::invalid(e.to_string()).key("slots"))?
+                .into()
+        }
+        None => Temporal::open(&pack, &opts)?.into(),
+    };
     let cap = temporal.positions_left();
     if cap <= script.len() + 1 {
         return Err(BuildError::invalid(format!(

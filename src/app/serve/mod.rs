@@ -66,6 +66,8 @@ pub(crate) struct Server {
     sessions: Mutex<BTreeMap<u64, Live>>,
     /// Slots taken: sessions admitted and not yet ended.
     taken: AtomicUsize,
+    /// Sessions admitted at once (`max_sessions`, or the shared engine's slots when fewer).
+    capacity: usize,
     per_ip: Mutex<HashMap<IpAddr, usize>>,
     ready: AtomicBool,
     draining: AtomicBool,
@@ -145,7 +147,7 @@ impl Server {
                 "the models are still loading".into(),
             ));
         }
-        let max = self.cfg.max_sessions;
+        let max = self.capacity;
         match self
             .taken
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
@@ -168,8 +170,7 @@ impl Server {
     }
 
     fn free_slots(&self) -> usize {
-        self.cfg
-            .max_sessions
+        self.capacity
             .saturating_sub(self.taken.load(Ordering::Acquire))
     }
 }
@@ -198,7 +199,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // A session built once, not started: every stage of the template is checked and the
     // models are loaded (their graphs, ONNX Runtime) before anything is served.
     let t0 = Instant::now();
+    // A shared LM engine (`engine: shared`) holds one slot per session the server admits.
+    crate::model::engine::set_default_slots(cfg.max_sessions);
     session::check_template(&cfg, &template, &registry)?;
+    let capacity = capacity(&cfg);
     if args.check {
         println!(
             "ok: {} (session template {}, {} stages, checked in {:.1} s); would serve {} sessions on {}",
@@ -206,7 +210,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             cfg.pipeline.display(),
             template.stages.len(),
             t0.elapsed().as_secs_f64(),
-            cfg.max_sessions,
+            capacity,
             cfg.address
         );
         return Ok(());
@@ -216,16 +220,36 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .thread_name("duplex:serve")
         .enable_all()
         .build()?;
-    rt.block_on(serve(cfg, template, registry))
+    rt.block_on(serve(cfg, template, registry, capacity))
 }
 
-async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> anyhow::Result<()> {
+/// Sessions the server admits at once: `max_sessions`, or fewer when the template's shared LM
+/// engine has fewer slots (each session holds one).
+fn capacity(cfg: &ServeConfig) -> usize {
+    let slots = crate::model::engine::total_slots().unwrap_or(usize::MAX);
+    if slots < cfg.max_sessions {
+        tracing::warn!(
+            max_sessions = cfg.max_sessions,
+            slots,
+            "the shared LM engine has fewer slots than `max_sessions`: admitting {slots} sessions at once"
+        );
+    }
+    cfg.max_sessions.min(slots)
+}
+
+async fn serve(
+    cfg: ServeConfig,
+    template: PipelineSpec,
+    registry: Registry,
+    capacity: usize,
+) -> anyhow::Result<()> {
     let handle = crate::observe::exporter::recorder().map_err(anyhow::Error::msg)?;
     let listener = tokio::net::TcpListener::bind(cfg.address)
         .await
         .map_err(|e| anyhow::anyhow!("listening on {} (`address`): {e}", cfg.address))?;
     let addr = listener.local_addr()?;
-    metrics::gauge!(names::SESSIONS_CAPACITY).set(cfg.max_sessions as f64);
+    metrics::gauge!(names::SESSIONS_CAPACITY).set(capacity as f64);
+    crate::model::engine::publish();
     let (close_all, _) = tokio::sync::watch::channel(false);
     let server = Arc::new(Server {
         registry,
@@ -239,6 +263,7 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
         started: Instant::now(),
         close_all,
         active: metrics::gauge!(names::SESSIONS_ACTIVE),
+        capacity,
         cfg,
     });
     server.active.set(0.0);
@@ -266,7 +291,7 @@ async fn serve(cfg: ServeConfig, template: PipelineSpec, registry: Registry) -> 
         .fallback(crate::observe::exporter::not_found);
     tracing::info!(
         "serving {} sessions of {} on ws://{addr}/api/chat",
-        server.cfg.max_sessions,
+        server.capacity,
         server.cfg.pipeline.display()
     );
     // Stdout for whoever started us (tests, scripts): where we listen, once bound.
@@ -563,7 +588,7 @@ async fn readyz(State(server): State<Arc<Server>>) -> Response {
         "models_loaded": ready,
         "draining": draining,
         "sessions": server.taken.load(Ordering::Acquire),
-        "capacity": server.cfg.max_sessions,
+        "capacity": server.capacity,
     });
     if ok {
         (StatusCode::OK, axum::Json(body)).into_response()
@@ -654,7 +679,7 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
     };
     axum::Json(json!({
         "sessions": list,
-        "capacity": server.cfg.max_sessions,
+        "capacity": server.capacity,
         "draining": server.draining.load(Ordering::Acquire),
     }))
     .into_response()
