@@ -45,17 +45,15 @@ fn start(shared: bool) -> Server {
     let mut text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
         .unwrap()
         .replace("models/", &format!("{}/models/", root.display()));
-    if shared {
-        text = text
-            .replace(
-                "    kind: temporal\n",
-                "    kind: temporal\n    engine: shared\n",
-            )
-            .replace(
-                "    kind: depformer\n",
-                "    kind: depformer\n    engine: shared\n",
-            );
+    // The default template runs the LM on the shared engine.
+    if !shared {
+        text = text.replace("    engine: shared\n", "    engine: own\n");
     }
+    assert!(
+        text.contains("engine: "),
+        "the template has no `engine:` param"
+    );
+
     std::fs::write(&tpl, text).unwrap();
     let cfg = dir.path().join("serve.yaml");
     std::fs::write(

@@ -418,3 +418,25 @@ fn a_standard_pack_cannot_share_an_engine() {
     assert!(err.contains("GQA") && err.contains("engine"), "{err}");
     assert!(!Path::new(&dir.path().join("o.jsonl")).exists());
 }
+
+#[test]
+fn a_slot_runs_out_of_positions_alone_and_a_reset_gives_them_back() {
+    let (_keep, dir) = packs::variant("tiny-gqa", "");
+    let pack = Pack::open(&dir).unwrap();
+    let lm = open_engine(&pack, 2);
+    let mut short = lm.temporal_slot(12).unwrap();
+    let mut long = lm.temporal_slot(usize::MAX).unwrap();
+    for _ in 0..12 {
+        short.step(&[0; 17]).unwrap();
+        long.step(&[0; 17]).unwrap();
+    }
+    assert_eq!(short.positions_left(), 0);
+    let err = short.step(&[0; 17]).unwrap_err().to_string();
+    assert!(err.contains("no position left"), "{err}");
+    // The other conversation goes on; the short one starts again after a reset.
+    long.step(&[0; 17]).unwrap();
+    assert_eq!(long.kv_len(), 13);
+    short.reset();
+    short.step(&[0; 17]).unwrap();
+    assert_eq!((short.kv_len(), short.positions_left()), (1, 11));
+}

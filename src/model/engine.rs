@@ -24,6 +24,11 @@
 //!   rows are a prefix of the previous one's. Every row brings its own sampler: the draws of a
 //!   session are taken in its own order (text, substeps 0..15), whatever else is in the batch.
 //!
+//! The temporal tick gets the stages' latency diagnosis (`duplex_latency_pattern{stage="engine"}`):
+//! its time against the longest context in the batch, one window per batch size, so that a
+//! cost growing with the conversations reads `growth` and a device shared with another job
+//! reads `contention`.
+//!
 //! Only GQA temporal graphs can share an engine (the standard graph has one past length for the
 //! whole batch). Knows nothing of stages, pipelines or the network.
 
@@ -45,7 +50,11 @@ use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
 use super::temporal::validate_frame;
 use super::tensors::{element, read_row, write_row, Buffer, PingPong};
+use crate::observe::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
 use crate::observe::names;
+
+/// The `stage` label of the temporal tick's latency verdict, trend and bimodality.
+pub const ENGINE_STAGE: &str = "engine";
 
 /// Options of a shared engine (taken from the first stage that opens it).
 #[derive(Debug, Clone, Copy)]
@@ -504,7 +513,8 @@ fn gather(
         .filter(|k| conv.expected(*k) && !tick.has(*k))
         .collect();
     for k in &late {
-        // Not waited for again until it comes straight back once more.
+        // Not waited for again until it has been served once more.
+        conv.transit.remove(k);
         conv.prompt.remove(k);
     }
     Some(late.len())
@@ -520,6 +530,9 @@ fn run_engine(
 ) {
     let mut conv = Conversations::default();
     let mut tick = Tick::default();
+    // The latency diagnosis of the temporal tick against the longest context in it, one window
+    // per batch size (a batch that grows is not a conversation that grows).
+    let mut diagnosers: HashMap<usize, Diagnoser> = HashMap::new();
     while let Some(late) = gather(rx, &mut tick, &mut conv, max_wait) {
         metrics::counter!(names::ENGINE_LATE).increment(late as u64);
         stats.late.fetch_add(late as u64, Ordering::Relaxed);
@@ -553,13 +566,28 @@ fn run_engine(
                     j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
                 }
             }
+            let secs = t0.elapsed().as_secs_f64();
             let bucket = context / 375 * 375;
             metrics::histogram!(
                 names::ENGINE_TICK,
                 "engine" => "temporal",
                 "context" => format!("{}-{}", bucket, bucket + 374)
             )
-            .record(t0.elapsed().as_secs_f64());
+            .record(secs);
+            let d = diagnosers.entry(n).or_insert_with(|| {
+                let mut d = Diagnoser::new(DiagnosisConfig::default());
+                d.set_period(0.08);
+                d
+            });
+            if let Some(r) = d.push(context as f64, secs) {
+                for p in Pattern::ALL {
+                    metrics::gauge!(names::LATENCY_PATTERN, "stage" => ENGINE_STAGE, "pattern" => p.name())
+                        .set(if p == r.pattern { 1.0 } else { 0.0 });
+                }
+                metrics::gauge!(names::LATENCY_TREND, "stage" => ENGINE_STAGE).set(r.slope_per_1k);
+                metrics::gauge!(names::LATENCY_BIMODALITY, "stage" => ENGINE_STAGE)
+                    .set(r.bimodality);
+            }
             for (k, j) in tick.temporal.drain(..) {
                 conv.transit.insert(k, Transit::Depformer);
                 let tx = j.reply.clone();
