@@ -24,6 +24,8 @@ test: setup lint
 lint: setup
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --release -- -D warnings
+	# The CUDA path must compile (it runs only where a GPU build of ONNX Runtime is loaded).
+	$(CARGO) check --release --features cuda
 
 # The bad-input suite with many more generated cases per parser than `make test` runs.
 fuzz: setup

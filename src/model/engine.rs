@@ -697,6 +697,11 @@ impl TemporalWorker {
             info,
         };
         report("temporal (shared engine)", w.provider, w.info.kv.name());
+        if matches!(w.provider, Provider::Cuda { .. }) {
+            tracing::warn!(
+                "temporal (shared engine): the KV slots are in host memory, so every tick copies them to the GPU and back; device-resident slots are not built yet"
+            );
+        }
         Ok(w)
     }
 

@@ -177,6 +177,11 @@ impl Temporal {
         };
         t.bind_fixed()?;
         report("temporal", t.provider, t.info.kv.name());
+        if matches!(t.provider, Provider::Cuda { .. }) && opts.kv == KvMode::Resident {
+            tracing::warn!(
+                "temporal: the KV cache is in host memory, so every step copies it to the GPU and back; a device-resident cache is not built yet"
+            );
+        }
         tracing::info!(
             variant = ?t.info.variant,
             layers = t.info.layers,
