@@ -12,7 +12,10 @@ use super::error::ModelError;
 use super::pack::{check_depformer, Graph, LmGraphInfo, Pack};
 use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
-use super::tensors::{element, read_floats, write_floats, Buffer, PingPong};
+use super::tensors::{
+    allocator_at, element, input_placements, kv_placements, placement_of, read_floats,
+    write_floats, Buffer, PingPong, Placement,
+};
 
 /// What the depformer works from for one frame.
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +71,9 @@ pub struct Depformer {
     logits_out: Buffer,
     scratch: Vec<f32>,
     alloc: Allocator,
+    /// The KV buffers' allocator: the memory the session reads them from.
+    kv_alloc: Allocator,
+    wanted: Vec<(String, Placement)>,
     steps: usize,
     text_limit: i64,
     audio_limit: i64,
@@ -100,13 +106,16 @@ impl Depformer {
         let info = check_depformer(&os.session, graph)?;
         let e = |err: ort::Error| ModelError::ort(graph, err);
         let alloc = Allocator::default();
+        let wanted = input_placements(&os.session).map_err(e)?;
+        let kv_alloc = allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
+            .map_err(e)?;
         let steps = 2 * m.codebooks;
         let (h, d) = (info.heads as i64, info.head_dim as i64);
         let kv = element(info.kv);
         let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
         for set in bufs.iter_mut() {
             for _ in 0..2 * info.layers {
-                set.push(Buffer::zeros(&alloc, kv, &[1, h, steps as i64, d]).map_err(e)?);
+                set.push(Buffer::zeros(&kv_alloc, kv, &[1, h, steps as i64, d]).map_err(e)?);
             }
         }
         let mut dep = Depformer {
@@ -126,6 +135,8 @@ impl Depformer {
             provider: os.provider,
             kv: PingPong { sets: bufs },
             alloc,
+            kv_alloc,
+            wanted,
             steps,
             text_limit: m.text_vocab + 1,
             audio_limit: m.audio_vocab + 1,
@@ -147,6 +158,15 @@ impl Depformer {
         dep.binding.bind_output("logits", v).map_err(e)?;
         report("depformer", dep.provider, dep.info.kv.name());
         Ok(dep)
+    }
+
+    /// Every KV buffer: its input name, where it is, and where the session wants that input.
+    pub fn cache_placements(&self) -> Vec<(String, Placement, Placement)> {
+        kv_placements(
+            self.kv.sets.iter().flatten(),
+            self.info.layers,
+            &self.wanted,
+        )
     }
 
     /// Substeps per frame (16).
@@ -237,7 +257,7 @@ impl Depformer {
             self.prev.as_slice::<i64>()[0] = prev;
             self.substep.as_slice::<i64>()[0] = cb as i64;
             self.kv
-                .bind(&mut self.binding, &self.alloc, cb % 2, h, cb as i64, d)
+                .bind(&mut self.binding, &self.kv_alloc, cb % 2, h, cb as i64, d)
                 .map_err(e)?;
             drop(self.session.run_binding(&self.binding).map_err(e)?);
             read_floats(&mut self.logits_out, self.info.vocab, &mut self.scratch);

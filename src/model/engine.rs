@@ -49,7 +49,10 @@ use super::pack::{check_depformer, check_temporal, Graph, LmGraphInfo, Pack, Var
 use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
 use super::temporal::validate_frame;
-use super::tensors::{element, read_row, write_row, Buffer, PingPong};
+use super::tensors::{
+    allocator_at, element, input_placements, kv_placements, placement_of, read_row, write_row,
+    Buffer, PingPong, Placement,
+};
 use crate::observe::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
 use crate::observe::names;
 
@@ -187,6 +190,9 @@ pub struct SharedLm {
     pub depformer_info: LmGraphInfo,
     /// The execution provider in use.
     pub provider: Provider,
+    /// Every KV buffer of both graphs: its input name, where it is, and where the session wants
+    /// that input.
+    pub cache_placements: Vec<(String, Placement, Placement)>,
     tx: Sender<Msg>,
     taken: Mutex<Vec<bool>>,
     next_client: AtomicUsize,
@@ -224,7 +230,13 @@ impl SharedLm {
                     });
                 match opened {
                     Ok((t, d)) => {
-                        let infos = (t.info.clone(), d.info.clone(), t.provider);
+                        let mut places = kv_placements(&t.kv, t.info.layers, &t.wanted);
+                        places.extend(kv_placements(
+                            d.kv.sets.iter().flatten(),
+                            d.info.layers,
+                            &d.wanted,
+                        ));
+                        let infos = (t.info.clone(), d.info.clone(), t.provider, places);
                         let _ = ready_tx.send(Ok(infos));
                         run_engine(t, d, &rx, wait, &st);
                     }
@@ -232,7 +244,7 @@ impl SharedLm {
                 }
             })
             .map_err(|e| ModelError::contract("engine", format!("no thread: {e}")))?;
-        let (tinfo, dinfo, provider) = ready_rx
+        let (tinfo, dinfo, provider, cache_placements) = ready_rx
             .recv()
             .map_err(|_| ModelError::contract("temporal", "the engine's thread ended"))??;
         if tinfo.hidden_dim != dinfo.hidden_dim {
@@ -260,6 +272,7 @@ impl SharedLm {
             temporal_info: tinfo,
             depformer_info: dinfo,
             provider,
+            cache_placements,
             tx,
             taken: Mutex::new(vec![false; slots]),
             next_client: AtomicUsize::new(0),
@@ -644,6 +657,9 @@ struct TemporalWorker {
     hidden: Buffer,
     logits: Buffer,
     alloc: Allocator,
+    /// The KV slots' allocator: the memory the session reads them from.
+    kv_alloc: Allocator,
+    wanted: Vec<(String, Placement)>,
     channels: usize,
     rows: usize,
     len: Vec<usize>,
@@ -668,11 +684,17 @@ impl TemporalWorker {
         }
         let e = |err: ort::Error| ModelError::ort(graph, err);
         let alloc = Allocator::default();
+        // The slots live where the session reads them (device memory under CUDA).
+        let wanted = input_placements(&os.session).map_err(e)?;
+        let kv_alloc = allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
+            .map_err(e)?;
         let rows = capacity + 1;
         let (s, h, d) = (slots as i64, info.heads as i64, info.head_dim as i64);
         let mut kv = Vec::new();
         for _ in 0..2 * info.layers {
-            kv.push(Buffer::zeros(&alloc, element(info.kv), &[s, h, rows as i64, d]).map_err(e)?);
+            kv.push(
+                Buffer::zeros(&kv_alloc, element(info.kv), &[s, h, rows as i64, d]).map_err(e)?,
+            );
         }
         let w = TemporalWorker {
             binding: os.session.create_binding().map_err(e)?,
@@ -691,17 +713,14 @@ impl TemporalWorker {
             provider: os.provider,
             kv,
             alloc,
+            kv_alloc,
+            wanted,
             channels,
             rows,
             len: vec![0; slots],
             info,
         };
         report("temporal (shared engine)", w.provider, w.info.kv.name());
-        if matches!(w.provider, Provider::Cuda { .. }) {
-            tracing::warn!(
-                "temporal (shared engine): the KV slots are in host memory, so every tick copies them to the GPU and back; device-resident slots are not built yet"
-            );
-        }
         Ok(w)
     }
 
@@ -760,8 +779,8 @@ impl TemporalWorker {
         for i in 0..self.info.layers {
             for (j, kv) in ["key", "value"].iter().enumerate() {
                 let buf = &mut self.kv[2 * i + j];
-                let past = buf.view(a, &shape)?;
-                let present = buf.view(a, &shape)?;
+                let past = buf.view(&self.kv_alloc, &shape)?;
+                let present = buf.view(&self.kv_alloc, &shape)?;
                 self.binding
                     .bind_input(format!("past_key_values.{i}.{kv}"), &past)?;
                 self.binding
@@ -951,6 +970,8 @@ struct DepformerWorker {
     substep: Buffer,
     logits: Buffer,
     alloc: Allocator,
+    kv_alloc: Allocator,
+    wanted: Vec<(String, Placement)>,
     steps: usize,
     scratch: Vec<f32>,
 }
@@ -967,12 +988,16 @@ impl DepformerWorker {
         let info = check_depformer(&os.session, graph)?;
         let e = |err: ort::Error| ModelError::ort(graph, err);
         let alloc = Allocator::default();
+        let wanted = input_placements(&os.session).map_err(e)?;
+        let kv_alloc = allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
+            .map_err(e)?;
         let (s, h, d) = (slots as i64, info.heads as i64, info.head_dim as i64);
         let mut sets: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
         for set in sets.iter_mut() {
             for _ in 0..2 * info.layers {
                 set.push(
-                    Buffer::zeros(&alloc, element(info.kv), &[s, h, steps as i64, d]).map_err(e)?,
+                    Buffer::zeros(&kv_alloc, element(info.kv), &[s, h, steps as i64, d])
+                        .map_err(e)?,
                 );
             }
         }
@@ -992,6 +1017,8 @@ impl DepformerWorker {
             provider: os.provider,
             kv: PingPong { sets },
             alloc,
+            kv_alloc,
+            wanted,
             steps,
             scratch: Vec::with_capacity(info.vocab),
             info,
@@ -1042,8 +1069,15 @@ impl DepformerWorker {
                 self.binding.bind_input("substep_index", &v)?;
                 let v = self.logits.view(a, &[bn, 1, vocab as i64])?;
                 self.binding.bind_output("logits", v)?;
-                self.kv
-                    .bind_batch(&mut self.binding, a, cb % 2, bn, h, cb as i64, d)?;
+                self.kv.bind_batch(
+                    &mut self.binding,
+                    &self.kv_alloc,
+                    cb % 2,
+                    bn,
+                    h,
+                    cb as i64,
+                    d,
+                )?;
                 drop(self.session.run_binding(&self.binding)?);
             }
             for (r, &i) in order.iter().enumerate() {

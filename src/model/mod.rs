@@ -19,6 +19,6 @@ pub mod temporal;
 mod tensors;
 pub mod tokenizer;
 
-pub use tensors::buffer_allocations;
+pub use tensors::{buffer_allocations, Placement};
 
 pub use error::ModelError;

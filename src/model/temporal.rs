@@ -25,7 +25,10 @@ use ort::value::TensorElementType;
 use super::error::ModelError;
 use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
 use super::session::{open, report, Provider, SessionOptions};
-use super::tensors::{element, read_floats, Buffer, PingPong};
+use super::tensors::{
+    allocator_at, element, input_placements, kv_placements, placement_of, read_floats, Buffer,
+    PingPong, Placement,
+};
 
 /// How the KV cache is held between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +85,10 @@ pub struct Temporal {
     hidden: Buffer,
     logits: Buffer,
     alloc: Allocator,
+    /// The KV buffers' allocator: the memory the session reads them from.
+    kv_alloc: Allocator,
+    /// Where the session wants each input.
+    wanted: Vec<(String, Placement)>,
     channels: usize,
     text_limit: i64,
     audio_limit: i64,
@@ -115,6 +122,17 @@ impl Temporal {
         let info = check_temporal(&os.session, graph, channels)?;
         let e = ort_err(graph);
         let alloc = Allocator::default();
+        let wanted = input_placements(&os.session).map_err(&e)?;
+        // The GQA cache lives where the session reads it (device memory under CUDA: nothing
+        // crosses PCIe per step); the standard graph's window is trimmed on the host, and the
+        // host mode is the host.
+        let kv_alloc = match (opts.kv, info.variant) {
+            (KvMode::Resident, Variant::Gqa) => {
+                allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
+                    .map_err(&e)?
+            }
+            _ => Allocator::default(),
+        };
         let (h, d) = (info.heads as i64, info.head_dim as i64);
         let capacity = opts.max_positions.min(m.max_positions).max(1);
         let window = m.context.max(2);
@@ -132,7 +150,9 @@ impl Temporal {
         };
         for set in bufs.iter_mut().take(sets) {
             for _ in 0..2 * info.layers {
-                set.push(Buffer::zeros(&alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?);
+                set.push(
+                    Buffer::zeros(&kv_alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?,
+                );
             }
         }
         let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1])
@@ -166,6 +186,8 @@ impl Temporal {
             session: os.session,
             provider: os.provider,
             alloc,
+            kv_alloc,
+            wanted,
             channels,
             text_limit: m.text_vocab + 1,
             audio_limit: m.audio_vocab + 1,
@@ -177,9 +199,14 @@ impl Temporal {
         };
         t.bind_fixed()?;
         report("temporal", t.provider, t.info.kv.name());
-        if matches!(t.provider, Provider::Cuda { .. }) && opts.kv == KvMode::Resident {
+        let on_host = t.cache.sets[0]
+            .first()
+            .is_none_or(|b| b.placement().device == "Cpu");
+        if matches!(t.provider, Provider::Cuda { .. }) && on_host {
             tracing::warn!(
-                "temporal: the KV cache is in host memory, so every step copies it to the GPU and back; a device-resident cache is not built yet"
+                variant = ?t.info.variant,
+                kv = ?opts.kv,
+                "temporal: the KV cache is in host memory, so every step copies it to the GPU and back (the GQA graph with `kv: resident` keeps it on the device)"
             );
         }
         tracing::info!(
@@ -221,8 +248,8 @@ impl Temporal {
                 for (j, kv) in ["key", "value"].iter().enumerate() {
                     let shape = [1, self.info.heads as i64, rows, self.info.head_dim as i64];
                     let buf = &mut self.cache.sets[0][2 * i + j];
-                    let past = buf.view(&self.alloc, &shape).map_err(&e)?;
-                    let present = buf.view(&self.alloc, &shape).map_err(&e)?;
+                    let past = buf.view(&self.kv_alloc, &shape).map_err(&e)?;
+                    let present = buf.view(&self.kv_alloc, &shape).map_err(&e)?;
                     self.binding
                         .bind_input(format!("past_key_values.{i}.{kv}"), &past)
                         .map_err(&e)?;
@@ -420,11 +447,20 @@ impl Temporal {
             _ => return None,
         };
         let buf = self.cache.sets[0].get_mut(2 * layer)?;
+        if buf.placement().device != "Cpu" {
+            return None;
+        }
         let idx = row.min(rows - 1) * self.info.head_dim;
         match self.info.kv {
             super::pack::FloatType::F32 => buf.as_slice::<f32>().get(idx).copied(),
             super::pack::FloatType::F16 => buf.as_slice::<half::f16>().get(idx).map(|v| v.to_f32()),
         }
+    }
+
+    /// Every bound KV buffer: its input name, where it is, and where the session wants that
+    /// input (the two must agree, or ONNX Runtime copies the cache every step).
+    pub fn cache_placements(&self) -> Vec<(String, Placement, Placement)> {
+        kv_placements(&self.cache.sets[0], self.info.layers, &self.wanted)
     }
 
     /// The last step's hidden state, as f32.

@@ -7,7 +7,8 @@
 
 use std::ptr::NonNull;
 
-use ort::memory::Allocator;
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::Session;
 use ort::value::{DynTensor, TensorElementType};
 use ort::AsPointer;
 
@@ -50,14 +51,17 @@ pub(crate) struct Buffer {
 }
 
 impl Buffer {
-    /// A zero-filled CPU buffer of `shape`.
+    /// A buffer of `shape` from `alloc`: zero-filled in host memory; in a device's memory, as
+    /// the device gives it (a KV cache is only read where it has been written).
     pub fn zeros(alloc: &Allocator, ty: TensorElementType, shape: &[i64]) -> ort::Result<Buffer> {
         ALLOCATIONS.with(|a| a.set(a.get() + 1));
         let mut tensor = DynTensor::new(alloc, ty, shape.to_vec())?;
         let capacity = shape.iter().product::<i64>().max(0) as usize;
         let bytes = capacity * element_size(ty);
-        // SAFETY: a freshly allocated CPU tensor of `capacity` elements owns `bytes` bytes.
-        unsafe { std::ptr::write_bytes(tensor.data_ptr_mut().cast::<u8>(), 0, bytes) };
+        if tensor.memory_info().is_cpu_accessible() {
+            // SAFETY: a freshly allocated host tensor of `capacity` elements owns `bytes` bytes.
+            unsafe { std::ptr::write_bytes(tensor.data_ptr_mut().cast::<u8>(), 0, bytes) };
+        }
         Ok(Buffer {
             tensor,
             ty,
@@ -93,17 +97,7 @@ impl Buffer {
                 &mut out,
             )
         };
-        if !status.0.is_null() {
-            // SAFETY: a non-null status is a valid OrtStatus, released once here.
-            let msg = unsafe {
-                let m = std::ffi::CStr::from_ptr((ort::api().GetErrorMessage)(status.0))
-                    .to_string_lossy()
-                    .into_owned();
-                (ort::api().ReleaseStatus)(status.0);
-                m
-            };
-            return Err(ort::Error::new(msg));
-        }
+        status_result(status)?;
         let Some(ptr) = NonNull::new(out) else {
             return Err(ort::Error::new(
                 "CreateTensorWithDataAsOrtValue returned null",
@@ -111,6 +105,15 @@ impl Buffer {
         };
         // SAFETY: `ptr` is a valid tensor value we own; the allocator only keeps a handle.
         Ok(unsafe { DynTensor::from_ptr(ptr, Some(alloc)) })
+    }
+
+    /// Where the buffer lives.
+    pub fn placement(&self) -> Placement {
+        let m = self.tensor.memory_info();
+        Placement {
+            device: m.allocation_device().as_str().to_string(),
+            id: m.device_id(),
+        }
     }
 
     /// The buffer's data as `T` (CPU buffers only).
@@ -121,6 +124,124 @@ impl Buffer {
             std::slice::from_raw_parts_mut(self.tensor.data_ptr_mut().cast::<T>(), self.capacity)
         }
     }
+}
+
+/// An ONNX Runtime status as a result (releasing it).
+fn status_result(status: ort::sys::OrtStatusPtr) -> ort::Result<()> {
+    if status.0.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null status is a valid OrtStatus, released once here.
+    let msg = unsafe {
+        let m = std::ffi::CStr::from_ptr((ort::api().GetErrorMessage)(status.0))
+            .to_string_lossy()
+            .into_owned();
+        (ort::api().ReleaseStatus)(status.0);
+        m
+    };
+    Err(ort::Error::new(msg))
+}
+
+/// Where memory lives, as ONNX Runtime names it: device `Cpu` or `Cuda`, and its index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// ONNX Runtime's device name (`Cpu`, `Cuda`, …).
+    pub device: String,
+    /// The device's index.
+    pub id: i32,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.device, self.id)
+    }
+}
+
+/// Where the session wants each of its inputs (ONNX Runtime's own answer: the memory of the
+/// execution provider whose kernel reads it), by input name.
+///
+/// # Errors
+///
+/// ONNX Runtime's.
+pub(crate) fn input_placements(session: &Session) -> ort::Result<Vec<(String, Placement)>> {
+    let names: Vec<String> = session
+        .inputs()
+        .iter()
+        .map(|i| i.name().to_string())
+        .collect();
+    let mut infos: Vec<*const ort::sys::OrtMemoryInfo> = vec![std::ptr::null(); names.len()];
+    // SAFETY: the session is valid; `infos` has room for one pointer per input; the returned
+    // memory infos belong to the session and are only read here.
+    let status = unsafe {
+        (ort::api().SessionGetMemoryInfoForInputs)(session.ptr(), infos.as_mut_ptr(), infos.len())
+    };
+    status_result(status)?;
+    let mut out = Vec::with_capacity(names.len());
+    for (name, info) in names.into_iter().zip(infos) {
+        if info.is_null() {
+            return Err(ort::Error::new(format!(
+                "no memory info for input `{name}`"
+            )));
+        }
+        let mut dev: *const std::ffi::c_char = std::ptr::null();
+        let mut id: std::ffi::c_int = 0;
+        // SAFETY: `info` is a valid memory info of the session; the name it gives is a C string
+        // owned by it.
+        let device = unsafe {
+            status_result((ort::api().MemoryInfoGetName)(info, &mut dev))?;
+            status_result((ort::api().MemoryInfoGetId)(info, &mut id))?;
+            std::ffi::CStr::from_ptr(dev).to_string_lossy().into_owned()
+        };
+        out.push((name, Placement { device, id }));
+    }
+    Ok(out)
+}
+
+/// The placement the session wants for input `name` (host memory when it does not say).
+pub(crate) fn placement_of(wanted: &[(String, Placement)], name: &str) -> Placement {
+    wanted
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, p)| p.clone())
+        .unwrap_or(Placement {
+            device: "Cpu".into(),
+            id: 0,
+        })
+}
+
+/// An allocator of `session` for memory at `p` (the default host allocator for the CPU).
+///
+/// # Errors
+///
+/// A device ONNX Runtime has no allocator for here.
+pub(crate) fn allocator_at(session: &Session, p: &Placement) -> ort::Result<Allocator> {
+    let device = match p.device.as_str() {
+        "Cpu" => return Ok(Allocator::default()),
+        "Cuda" => AllocationDevice::CUDA,
+        other => AllocationDevice::new(other),
+    };
+    Allocator::new(
+        session,
+        MemoryInfo::new(device, p.id, AllocatorType::Device, MemoryType::Default)?,
+    )
+}
+
+/// KV buffers (`K, V` per layer, for `layers` layers, set after set) against where the session
+/// wants each: `(input name, where the buffer is, where the session reads it)`.
+pub(crate) fn kv_placements<'a>(
+    bufs: impl IntoIterator<Item = &'a Buffer>,
+    layers: usize,
+    wanted: &[(String, Placement)],
+) -> Vec<(String, Placement, Placement)> {
+    bufs.into_iter()
+        .enumerate()
+        .map(|(k, b)| {
+            let kv = if k % 2 == 0 { "key" } else { "value" };
+            let name = format!("past_key_values.{}.{kv}", (k / 2) % layers.max(1));
+            let want = placement_of(wanted, &name);
+            (name, b.placement(), want)
+        })
+        .collect()
 }
 
 /// Ping-pong KV cache buffers: per layer a K and a V buffer in each of two sets.

@@ -1,0 +1,61 @@
+//! Every KV buffer is allocated where its session reads that input (ONNX Runtime's own answer
+//! for each input of the session), for every graph that holds a cache, on graphs of their own
+//! and in the shared engine: the code that puts a CUDA session's caches in device memory is the
+//! code that runs here, so a build cannot quietly keep them on the host and copy them over PCIe
+//! every step.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use duplex::model::depformer::Depformer;
+use duplex::model::engine::{self, EngineOptions};
+use duplex::model::pack::Pack;
+use duplex::model::session::SessionOptions;
+use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::Placement;
+
+fn check(what: &str, places: &[(String, Placement, Placement)], buffers: usize) {
+    assert_eq!(places.len(), buffers, "{what}: {places:?}");
+    for (input, at, wanted) in places {
+        assert_eq!(
+            at, wanted,
+            "{what}: {input} is at {at}, its session reads it at {wanted}"
+        );
+        // The CPU provider reads everything from host memory.
+        assert_eq!(wanted.device, "Cpu", "{what}: {input}");
+    }
+}
+
+#[test]
+fn every_cache_buffer_is_where_its_session_reads_it() {
+    for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let layers = t.info.layers;
+        check(
+            &format!("{name} temporal"),
+            &t.cache_placements(),
+            2 * layers,
+        );
+        let d = Depformer::open(&pack, &SessionOptions::default()).unwrap();
+        // Two ping-pong sets of K and V per layer.
+        let dl = d.info.layers;
+        check(&format!("{name} depformer"), &d.cache_placements(), 4 * dl);
+        if name != "tiny" {
+            let lm = engine::shared(
+                &pack,
+                &EngineOptions {
+                    slots: 2,
+                    max_positions: 100,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            check(
+                &format!("{name} shared engine"),
+                &lm.cache_placements,
+                2 * layers + 4 * dl,
+            );
+        }
+    }
+}
