@@ -115,6 +115,15 @@ pub fn shared(pack: &Pack, opts: &EngineOptions) -> Result<Arc<SharedLm>, ModelE
         .lock()
         .map_err(|_| ModelError::contract("engine", "the engine registry is poisoned"))?;
     if let Some(e) = map.get(&key) {
+        // The first stage to open the engine decided its size.
+        if opts.slots != 0 && opts.slots != e.slots {
+            tracing::warn!(
+                pack = %pack.dir.display(),
+                slots = e.slots,
+                asked = opts.slots,
+                "the shared engine is already open: `slots` of this stage is not applied"
+            );
+        }
         return Ok(e.clone());
     }
     let e = Arc::new(SharedLm::open(pack, opts)?);
