@@ -83,7 +83,8 @@ enum Cmd {
         #[arg(required = true, num_args = 1..)]
         command: Vec<String>,
     },
-    /// Check the environment: ONNX Runtime library and version.
+    /// Check the environment: ONNX Runtime library and version, the execution providers it
+    /// offers, and whether CUDA initialises (and what is missing when it does not).
     Doctor {
         /// Path of libonnxruntime to use instead of discovering it.
         #[arg(long)]
@@ -247,6 +248,14 @@ fn main() -> ExitCode {
             );
             if let Some(info) = duplex::model::ortlib::build_info() {
                 text.push_str(&format!("build: {info}\n"));
+            }
+            match duplex::model::session::available_providers() {
+                Ok(p) => text.push_str(&format!("providers: {}\n", p.join(", "))),
+                Err(e) => text.push_str(&format!("providers: unknown ({e})\n")),
+            }
+            match duplex::model::session::cuda_check(0) {
+                Ok(()) => text.push_str("cuda: available (device 0)\n"),
+                Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
             }
             out(&text)
         }

@@ -22,6 +22,22 @@ fn doctor_finds_the_project_venv() {
         "{s}"
     );
     assert!(s.contains("ORT Build Info"), "{s}");
+    // The providers the loaded library offers, as it lists them; CUDA refused with the reason.
+    let providers = s
+        .lines()
+        .find_map(|l| l.strip_prefix("providers: "))
+        .unwrap_or_else(|| panic!("{s}"));
+    assert!(providers.contains("CPUExecutionProvider"), "{s}");
+    let cuda = s
+        .lines()
+        .find_map(|l| l.strip_prefix("cuda: "))
+        .unwrap_or_else(|| panic!("{s}"));
+    // This machine has the CPU-only library (and the test binary may be built without CUDA).
+    assert!(
+        cuda.starts_with("not available: ")
+            && (cuda.contains("--features cuda") || cuda.contains("onnxruntime-gpu")),
+        "{s}"
+    );
 }
 
 #[test]

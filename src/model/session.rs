@@ -119,6 +119,57 @@ fn with_cuda(
     Err("this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into())
 }
 
+/// The execution providers the loaded ONNX Runtime library was built with
+/// (`CPUExecutionProvider`, `CUDAExecutionProvider`, …), as it lists them.
+///
+/// # Errors
+///
+/// ONNX Runtime's message.
+pub fn available_providers() -> Result<Vec<String>, String> {
+    let mut list: *mut *mut std::ffi::c_char = std::ptr::null_mut();
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: ONNX Runtime fills `list` with `n` C strings it owns, released once below.
+    let status = unsafe { (ort::api().GetAvailableProviders)(&mut list, &mut n) };
+    if !status.0.is_null() {
+        // SAFETY: a non-null status is a valid OrtStatus, released once here.
+        let msg = unsafe {
+            let m = std::ffi::CStr::from_ptr((ort::api().GetErrorMessage)(status.0))
+                .to_string_lossy()
+                .into_owned();
+            (ort::api().ReleaseStatus)(status.0);
+            m
+        };
+        return Err(msg);
+    }
+    let mut out = Vec::new();
+    for i in 0..n.max(0) as usize {
+        // SAFETY: `list` holds `n` valid C strings.
+        out.push(unsafe {
+            std::ffi::CStr::from_ptr(*list.add(i))
+                .to_string_lossy()
+                .into_owned()
+        });
+    }
+    // SAFETY: `list` and `n` are what GetAvailableProviders returned.
+    let status = unsafe { (ort::api().ReleaseAvailableProviders)(list, n) };
+    if !status.0.is_null() {
+        // SAFETY: as above.
+        unsafe { (ort::api().ReleaseStatus)(status.0) };
+    }
+    Ok(out)
+}
+
+/// Whether the CUDA execution provider can be registered for device `device_id` here: `Ok`, or
+/// what is missing (a build without CUDA support, a CPU-only ONNX Runtime, CUDA libraries, a GPU).
+///
+/// # Errors
+///
+/// Why CUDA cannot take effect.
+pub fn cuda_check(device_id: i32) -> Result<(), String> {
+    let b = builder("doctor", &SessionOptions::default()).map_err(|e| e.to_string())?;
+    with_cuda("doctor", b, device_id).map(|_| ())
+}
+
 /// Logs the provider and dtype a graph really runs with, and exports them as
 /// `duplex_model_info{graph, execution_provider, dtype} = 1`. (The model's owner learns it from
 /// the model itself: `runs_on`.)
