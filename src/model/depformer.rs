@@ -30,6 +30,30 @@ pub struct DepformerInput<'a> {
     pub provided: &'a [bool],
 }
 
+impl DepformerInput<'_> {
+    /// Checks the frame's sizes: a hidden state of `hidden_dim` values and `steps` targets.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Contract`] saying what it got.
+    pub(crate) fn check(&self, hidden_dim: usize, steps: usize) -> Result<(), ModelError> {
+        if self.hidden.len() != hidden_dim
+            || self.target.len() < steps
+            || self.provided.len() < steps
+        {
+            return Err(ModelError::contract(
+                "depformer",
+                format!(
+                    "hidden of {} values and {} targets, expected {hidden_dim} and {steps}",
+                    self.hidden.len(),
+                    self.target.len(),
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What to do with the substeps whose tokens are all provided (the user stream's, always; the
 /// agent's too while priming forces them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,21 +224,7 @@ impl Depformer {
             provided,
         } = frame;
         let e = |err: ort::Error| ModelError::ort("depformer", err);
-        if hidden.len() != self.info.hidden_dim
-            || target.len() < self.steps
-            || provided.len() < self.steps
-        {
-            return Err(ModelError::contract(
-                "depformer",
-                format!(
-                    "hidden of {} values and {} targets, expected {} and {}",
-                    hidden.len(),
-                    target.len(),
-                    self.info.hidden_dim,
-                    self.steps
-                ),
-            ));
-        }
+        frame.check(self.info.hidden_dim, self.steps)?;
         write_floats(&mut self.hidden, hidden);
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         out.clear();

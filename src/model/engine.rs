@@ -352,7 +352,6 @@ impl SharedLm {
                 reply: tx,
             }),
             capacity: max_positions.min(self.capacity).max(1),
-            len: 0,
             pos: 0,
         })
     }
@@ -764,13 +763,9 @@ impl TemporalWorker {
         }
         // A row's valid length is its own (right padding); a dummy row writes at its length,
         // past what it attends to, where its next real step writes again.
-        let total = (0..n)
-            .map(|b| self.len[b].min(self.rows - 1))
-            .max()
-            .unwrap_or(0)
-            + 1;
+        let lens: Vec<usize> = (0..n).map(|b| self.len[b].min(self.rows - 1)).collect();
+        let total = lens.iter().max().copied().unwrap_or(0) + 1;
         {
-            let lens: Vec<usize> = (0..n).map(|b| self.len[b].min(self.rows - 1)).collect();
             let mask = self.mask.as_slice::<i64>();
             for (b, &l) in lens.iter().enumerate() {
                 let row = &mut mask[b * total..(b + 1) * total];
@@ -823,7 +818,7 @@ pub struct TemporalSlot {
     reply: Receiver<TemporalJob>,
     job: Option<TemporalJob>,
     capacity: usize,
-    len: usize,
+    /// Positions since the last reset: also the rows in the slot (nothing is dropped).
     pos: usize,
 }
 
@@ -845,7 +840,6 @@ impl TemporalSlot {
 
     /// Forgets the conversation: the slot's next step starts from an empty cache.
     pub fn reset(&mut self) {
-        self.len = 0;
         self.pos = 0;
         if let Some(j) = self.job.as_mut() {
             j.fresh = true;
@@ -854,7 +848,7 @@ impl TemporalSlot {
 
     /// Rows in the slot's KV cache.
     pub fn kv_len(&self) -> usize {
-        self.len
+        self.pos
     }
 
     /// Positions used since the last reset.
@@ -916,7 +910,6 @@ impl TemporalSlot {
         if let Some(e) = err {
             return Err(e);
         }
-        self.len += 1;
         self.pos += 1;
         Ok(())
     }
@@ -1162,21 +1155,7 @@ impl DepformerClient {
         out: &mut Vec<i64>,
     ) -> Result<(), ModelError> {
         let steps = self.lm.steps;
-        let info = &self.lm.depformer_info;
-        if frame.hidden.len() != info.hidden_dim
-            || frame.target.len() < steps
-            || frame.provided.len() < steps
-        {
-            return Err(ModelError::contract(
-                "depformer",
-                format!(
-                    "hidden of {} values and {} targets, expected {} and {steps}",
-                    frame.hidden.len(),
-                    frame.target.len(),
-                    info.hidden_dim
-                ),
-            ));
-        }
+        frame.check(self.lm.depformer_info.hidden_dim, steps)?;
         if !(0..self.lm.text_limit).contains(&frame.text) {
             return Err(ModelError::Token {
                 graph: "depformer".into(),
