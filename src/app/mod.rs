@@ -431,6 +431,17 @@ pub fn observe_with(
     )
 }
 
+/// The `count`th stop signal for `handles`: the first drains them, a later one aborts them.
+fn stop_all(handles: &[StopHandle], count: u32) {
+    if count == 1 {
+        tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
+        handles.iter().for_each(|h| h.stop());
+    } else {
+        tracing::warn!("second stop request: aborting");
+        handles.iter().for_each(|h| h.abort());
+    }
+}
+
 /// Stops a pipeline on SIGINT/SIGTERM: the first signal drains, a second aborts. The handler
 /// runs on a small tokio runtime of its own and ends when the guard is dropped.
 pub struct SignalGuard {
@@ -441,23 +452,24 @@ pub struct SignalGuard {
 impl SignalGuard {
     /// Installs the handler for `handle`.
     pub fn install(handle: StopHandle) -> Self {
-        Self::install_with_reload(handle, || {
-            tracing::info!("SIGHUP ignored: nothing to reload");
-        })
+        Self::install_all(vec![handle])
+    }
+
+    /// Installs the handler for pipelines that run together: a signal drains (a second one
+    /// aborts) every one of them.
+    pub fn install_all(handles: Vec<StopHandle>) -> Self {
+        Self::install_hooks(
+            move |count| stop_all(&handles, count),
+            || {
+                tracing::info!("SIGHUP ignored: nothing to reload");
+            },
+        )
     }
 
     /// Installs the handler for `handle`; SIGHUP calls `reload`.
     pub fn install_with_reload(handle: StopHandle, reload: impl Fn() + Send + 'static) -> Self {
         Self::install_hooks(
-            move |count| {
-                if count == 1 {
-                    tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
-                    handle.stop();
-                } else {
-                    tracing::warn!("second stop request: aborting");
-                    handle.abort();
-                }
-            },
+            move |count| stop_all(std::slice::from_ref(&handle), count),
             reload,
         )
     }

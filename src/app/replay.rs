@@ -247,9 +247,9 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
         built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out)?.build()?);
     }
     let running: Vec<_> = built.into_iter().map(|p| p.start()).collect();
-    let _signals = running
-        .first()
-        .map(|r| super::SignalGuard::install(r.stop_handle()));
+    // A signal stops every conversation, not only the first.
+    let _signals =
+        super::SignalGuard::install_all(running.iter().map(|r| r.stop_handle()).collect());
     let mut reports = Vec::new();
     let mut first_err = None;
     for r in running {
