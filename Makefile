@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DUPLEX := target/release/duplex
 
-.PHONY: setup demo test bench lint build clean fuzz
+.PHONY: setup demo test bench lint build clean fuzz export-deps setup-gpu
 
 setup:
 	@tools/setup.sh
@@ -38,6 +38,15 @@ bench: setup
 	$(CARGO) bench --bench serve
 	$(CARGO) bench --bench browser
 	$(CARGO) bench --bench aec
+
+# Extras that `make setup` never installs. export-deps: huggingface_hub, for
+# `tools/export_pack.py --from-hub` (reading a checkpoint needs nothing more than `make setup`).
+export-deps: setup
+	.venv/bin/python -m pip install --quiet --disable-pip-version-check huggingface_hub==2.4.0
+
+# The GPU build of ONNX Runtime with CUDA 13 and cuDNN from PyPI, into .venv-gpu (about 2 GB).
+setup-gpu:
+	@tools/setup-gpu.sh
 
 clean:
 	$(CARGO) clean

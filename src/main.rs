@@ -89,6 +89,17 @@ enum Cmd {
         /// Path of libonnxruntime to use instead of discovering it.
         #[arg(long)]
         ort_lib: Option<PathBuf>,
+        /// Also check a model pack: its files against the graph contract, a session per graph,
+        /// one codec frame and one temporal step (exit 2 when it does not load).
+        #[arg(long, value_name = "DIR")]
+        pack: Option<PathBuf>,
+        /// The provider the pack check runs on: `cpu` or `cuda`.
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        provider: String,
+        /// With `--pack`: also time the temporal step at contexts 50, 1000 and 2500, with the
+        /// cache resident and fed from the host.
+        #[arg(long, requires = "pack")]
+        time: bool,
     },
 }
 
@@ -239,7 +250,12 @@ fn main() -> ExitCode {
             Ok(())
         }
         Cmd::Stages => out(&Registry::builtin().describe()),
-        Cmd::Doctor { ort_lib } => {
+        Cmd::Doctor {
+            ort_lib,
+            pack,
+            provider,
+            time,
+        } => {
             let lib = duplex::model::ortlib::environment(ort_lib.as_deref())?;
             let mut text = format!(
                 "onnxruntime: {} (found via {})\n",
@@ -256,6 +272,27 @@ fn main() -> ExitCode {
             match duplex::model::session::cuda_check(0) {
                 Ok(()) => text.push_str("cuda: available (device 0)\n"),
                 Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
+            }
+            if let Some(dir) = pack {
+                let provider = match provider.as_str() {
+                    "cuda" => duplex::model::session::Provider::Cuda { device_id: 0 },
+                    _ => duplex::model::session::Provider::Cpu,
+                };
+                out(&text)?;
+                let report = app::doctor::pack(&dir, provider).map_err(|e| {
+                    duplex::config::ConfigError::new(
+                        &dir.display().to_string(),
+                        duplex::config::ConfigErrorKind::Build,
+                        format!("the pack does not load: {e}"),
+                    )
+                })?;
+                out(&report)?;
+                if time {
+                    let times =
+                        app::doctor::step_times(&dir, provider, &app::doctor::TIMED_CONTEXTS)?;
+                    out(&times)?;
+                }
+                return Ok(());
             }
             out(&text)
         }

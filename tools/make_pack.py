@@ -77,9 +77,24 @@ class _PlaceholderModule(types.ModuleType):
         return _placeholder(f"{self.__name__}.{name}")
 
 
+# The real safetensors (its numpy API reads checkpoints in tools/export_pack.py) is used when
+# installed; only its torch module, which imports torch, stays a placeholder.
+_REAL_WHEN_INSTALLED = ("safetensors",)
+
+
+def _wants_placeholder(fullname: str, real: frozenset) -> bool:
+    top = fullname.split(".")[0]
+    if top in real:
+        return fullname == f"{top}.torch" or fullname.startswith(f"{top}.torch.")
+    return top in _PLACEHOLDER_PACKAGES
+
+
 class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, real: frozenset = frozenset()):
+        self.real = real
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in _PLACEHOLDER_PACKAGES:
+        if _wants_placeholder(fullname, self.real):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -92,12 +107,17 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _import_exporter():
     """Imports mobius with placeholders for the packages it only needs for checkpoints."""
+    import importlib.util
+
+    real = frozenset(
+        p for p in _REAL_WHEN_INSTALLED if p in sys.modules or importlib.util.find_spec(p)
+    )
     for name in list(sys.modules):
-        if name.split(".")[0] in _PLACEHOLDER_PACKAGES and not isinstance(
+        if _wants_placeholder(name, real) and not isinstance(
             sys.modules[name], _PlaceholderModule
         ):
             sys.exit(f"make_pack: {name} is already imported; run this script on its own")
-    sys.meta_path.insert(0, _PlaceholderFinder())
+    sys.meta_path.insert(0, _PlaceholderFinder(real))
     try:
         import mobius  # noqa: F401
     except ImportError as e:

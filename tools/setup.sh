@@ -11,7 +11,8 @@
 #   - sphn, opuslib and aiohttp in .venv: independent clients of `duplex serve` in the tests, and
 #     Chromium (headless) for the browser client's tests
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
-#     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16
+#     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16;
+#     safetensors, with which tools/export_pack.py reads real checkpoints
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -108,6 +109,14 @@ if [[ -n $wrong ]]; then
   for p in "${EXPORTER_PACKAGES[@]}"; do [[ $p == mobius-onnx==* ]] || deps+=("$p"); done
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "${deps[@]}"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "${EXPORTER_PACKAGES[0]}"
+fi
+
+# tools/export_pack.py reads Kyutai-format checkpoints with safetensors' numpy API (no torch).
+CHECKPOINT_PACKAGES=(safetensors==0.8.0)
+wrong=$(missing_pins "${CHECKPOINT_PACKAGES[@]}")
+if [[ -n $wrong ]]; then
+  say "installing into .venv: $(echo $wrong)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${CHECKPOINT_PACKAGES[@]}"
 fi
 
 # --- Independent implementations for the protocol tests ------------------------------------------

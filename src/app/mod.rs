@@ -4,6 +4,7 @@
 
 pub mod control;
 pub mod daemon;
+pub mod doctor;
 pub mod logging;
 mod replay;
 mod report;

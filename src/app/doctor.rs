@@ -1,0 +1,204 @@
+//! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
+//! it: the pack's files and manifest against the graph contract, then a session for each graph
+//! on the chosen provider, one codec frame through the encoder and decoder, and one temporal
+//! step whose outputs must be finite; with `--time`, the temporal step's time at a few
+//! context lengths with the cache resident and fed from the host. Prints what it found; knows
+//! no stages or pipelines.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::model::depformer::Depformer;
+use crate::model::mimi::{MimiDecoder, MimiEncoder};
+use crate::model::pack::{Graph, Pack};
+use crate::model::session::{Provider, SessionOptions};
+use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::ModelError;
+
+/// Bytes under `dir` (the graph and its external weights).
+fn size_of(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The report of a pack that loads and runs one frame on `provider`.
+///
+/// # Errors
+///
+/// The first [`ModelError`] met, naming the pack's file, key, graph or input.
+pub fn pack(dir: &Path, provider: Provider) -> Result<String, ModelError> {
+    let t0 = Instant::now();
+    let pack = Pack::open(dir)?;
+    let m = &pack.manifest;
+    let mut text = format!("pack: {} ({})\n", dir.display(), m.name);
+    text.push_str(&format!(
+        "manifest: variant {}, dtype {}, mimi {}, context {} frames, max_positions {}\n",
+        m.variant.as_deref().unwrap_or("-"),
+        m.dtype.as_deref().unwrap_or("-"),
+        m.mimi.as_deref().unwrap_or("-"),
+        m.context,
+        m.max_positions
+    ));
+    for g in Graph::ALL {
+        text.push_str(&format!(
+            "  {:<13} {:>9.1} MiB\n",
+            g.dir(),
+            size_of(&dir.join(g.dir())) as f64 / (1u64 << 20) as f64
+        ));
+    }
+    let session = SessionOptions {
+        provider,
+        ..SessionOptions::default()
+    };
+    let mut enc = MimiEncoder::open(&pack, &session, 1)?;
+    let mut dec = MimiDecoder::open(&pack, &session, 1)?;
+    let codes = enc.push(&vec![0.0; m.frame_size])?;
+    let pcm = dec.push(&codes, m.audio_vocab)?;
+    if pcm.len() != m.frame_size || pcm.iter().any(|v| !v.is_finite()) {
+        return Err(ModelError::contract(
+            "mimi_decoder",
+            format!(
+                "decoding one frame gave {} samples (finite: {}), expected {}",
+                pcm.len(),
+                pcm.iter().all(|v| v.is_finite()),
+                m.frame_size
+            ),
+        ));
+    }
+    text.push_str(&format!(
+        "mimi: encoder on {}, decoder on {}; a silent frame encodes to {codes:?}\n",
+        enc.runs_on(),
+        dec.runs_on()
+    ));
+    let mut temporal = Temporal::open(
+        &pack,
+        &TemporalOptions {
+            session,
+            ..TemporalOptions::default()
+        },
+    )?;
+    temporal.step(&m.layout().initial)?;
+    let (mut hidden, mut logits) = (Vec::new(), Vec::new());
+    temporal.read_hidden(&mut hidden);
+    temporal.read_logits(&mut logits);
+    if hidden.iter().chain(&logits).any(|v| !v.is_finite()) {
+        return Err(ModelError::contract(
+            "temporal",
+            "the first step's hidden state or text logits are not finite",
+        ));
+    }
+    let i = &temporal.info;
+    text.push_str(&format!(
+        "temporal: on {}, {} layers, {} heads x {}, hidden {}, text vocab {}; one step finite\n",
+        temporal.runs_on(),
+        i.layers,
+        i.heads,
+        i.head_dim,
+        i.hidden_dim,
+        i.vocab
+    ));
+    let dep = Depformer::open(&pack, &session)?;
+    text.push_str(&format!(
+        "depformer: on {}, {} layers, {} substeps\n",
+        dep.runs_on(),
+        dep.info.layers,
+        dep.steps()
+    ));
+    match pack.tokenizer() {
+        Some(p) => {
+            let tok = Tokenizer::open(&p)?;
+            text.push_str(&format!(
+                "tokenizer: {} ({} pieces)\n",
+                p.display(),
+                tok.len()
+            ));
+        }
+        None => text.push_str("tokenizer: none (persona text and transcripts need one)\n"),
+    }
+    text.push_str(&format!(
+        "ok: the pack loads and runs ({:.1} s)\n",
+        t0.elapsed().as_secs_f64()
+    ));
+    Ok(text)
+}
+
+/// Contexts (positions already in the cache) at which [`step_times`] reports.
+pub const TIMED_CONTEXTS: [usize; 3] = [50, 1000, 2500];
+
+/// Steps averaged around each context.
+const TIMED_STEPS: usize = 20;
+
+/// The temporal step's mean time (ms) at each of `contexts`, per cache mode: the cache bound
+/// where the session computes (`resident`) and fed through host arrays every step (`host`).
+/// Steps the pack's temporal graph from an empty cache to the largest context plus
+/// [`TIMED_STEPS`] on the layout's initial tokens.
+///
+/// # Errors
+///
+/// A [`ModelError`] from opening or stepping the graph.
+pub fn step_times(
+    dir: &Path,
+    provider: Provider,
+    contexts: &[usize],
+) -> Result<String, ModelError> {
+    let pack = Pack::open(dir)?;
+    let frame = pack.manifest.layout().initial;
+    let last = contexts.iter().copied().max().unwrap_or(0) + TIMED_STEPS;
+    let mut text = format!(
+        "temporal step on {} (mean of {TIMED_STEPS} steps from each context):\n",
+        provider.name()
+    );
+    let mut rows = Vec::new();
+    for (name, kv) in [("resident", KvMode::Resident), ("host", KvMode::Host)] {
+        let mut t = Temporal::open(
+            &pack,
+            &TemporalOptions {
+                session: SessionOptions {
+                    provider,
+                    ..SessionOptions::default()
+                },
+                kv,
+                max_positions: last + 1,
+            },
+        )?;
+        let mut times = Vec::with_capacity(last);
+        let mut sink = Vec::new();
+        for _ in 0..last {
+            let t0 = Instant::now();
+            t.step(&frame)?;
+            t.read_logits(&mut sink);
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let means: Vec<f64> = contexts
+            .iter()
+            .map(|&c| times[c..c + TIMED_STEPS].iter().sum::<f64>() / TIMED_STEPS as f64)
+            .collect();
+        rows.push((name, means, t.runs_on()));
+    }
+    for (name, means, runs_on) in &rows {
+        let cells: Vec<String> = contexts
+            .iter()
+            .zip(means)
+            .map(|(c, m)| format!("context {c}: {m:.3} ms"))
+            .collect();
+        text.push_str(&format!("  {name:<8} ({runs_on}) {}\n", cells.join(", ")));
+    }
+    if let [(_, resident, _), (_, host, _)] = rows.as_slice() {
+        let ratios: Vec<String> = resident
+            .iter()
+            .zip(host)
+            .zip(contexts)
+            .map(|((r, h), c)| format!("{c}: {:.2}", r / h))
+            .collect();
+        text.push_str(&format!("  resident / host: {}\n", ratios.join(", ")));
+    }
+    Ok(text)
+}

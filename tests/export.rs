@@ -1,0 +1,227 @@
+//! From a checkpoint in Kyutai's format to a running pack: `tools/make_checkpoint.py` writes a
+//! tiny PersonaPlex-layout checkpoint (Kyutai's tensor names, fused QKV with interleaved RoPE
+//! rows, per-substep depformer weights, Mimi's codebook statistics, bfloat16, `config.json`),
+//! `tools/export_pack.py` turns it into a pack with the real exporter and checks it with
+//! `duplex doctor --pack`, `tools/check_export.py` compares the pack's LM graphs with an
+//! independent numpy implementation of Kyutai's LM reading the checkpoint, and the pack runs
+//! the full-duplex pipeline. Bad checkpoints are refused before anything is built, naming the
+//! file and the tensor or key.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python(script: &str, args: &[&str]) -> Output {
+    Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tools").join(script))
+        .args(args)
+        // The load check runs this build of duplex.
+        .env(
+            "PATH",
+            Path::new(env!("CARGO_BIN_EXE_duplex")).parent().unwrap(),
+        )
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
+    let ck = dir.join("checkpoint");
+    let tok = root().join("models/tokenizer-tiny.model");
+    let mut args = vec![ck.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()];
+    args.extend(extra);
+    let o = python("make_checkpoint.py", &args);
+    assert!(o.status.success(), "{}", text(&o));
+    ck
+}
+
+fn export(ck: &Path, out: &Path, provider: &str) -> Output {
+    python(
+        "export_pack.py",
+        &[
+            ck.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--provider",
+            provider,
+            "--duplex",
+            env!("CARGO_BIN_EXE_duplex"),
+        ],
+    )
+}
+
+/// 2 s of a 440 Hz tone at 24 kHz.
+fn tone(path: &Path) {
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 24_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut w = hound::WavWriter::create(path, spec).unwrap();
+    for i in 0..48_000 {
+        let v = (2.0 * std::f64::consts::PI * 440.0 * i as f64 / 24_000.0).sin() * 0.3;
+        w.write_sample((v * 32767.0) as i16).unwrap();
+    }
+    w.finalize().unwrap();
+}
+
+#[test]
+fn a_kyutai_checkpoint_exports_to_a_pack_equal_to_the_reference_that_runs_a_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = checkpoint(dir.path(), &[]);
+    for (provider, tol) in [("cpu", "1e-5"), ("cuda", "5e-3")] {
+        let pack = dir.path().join(format!("pack-{provider}"));
+        let o = export(&ck, &pack, provider);
+        let log = text(&o);
+        assert!(o.status.success(), "{log}");
+        // What it built, and the load check by duplex itself.
+        assert!(log.contains("temporal 2 layers x 64 (4 heads)"), "{log}");
+        assert!(log.contains("16 steps"), "{log}");
+        assert!(log.contains("ok: the pack loads and runs"), "{log}");
+        let variant = if provider == "cpu" {
+            "variant gqa, dtype f32"
+        } else {
+            "variant gqa-fp16, dtype f16"
+        };
+        assert!(log.contains(variant), "{log}");
+        let manifest = std::fs::read_to_string(pack.join("pack.yaml")).unwrap();
+        assert!(
+            manifest.contains("tokenizer: tokenizer.model"),
+            "{manifest}"
+        );
+        assert!(pack.join("tokenizer.model").is_file());
+
+        // The graphs compute what Kyutai's LM computes from the checkpoint's own tensors.
+        let o = python(
+            "check_export.py",
+            &[ck.to_str().unwrap(), pack.to_str().unwrap(), "--tol", tol],
+        );
+        let report = text(&o);
+        eprintln!("{provider}: {report}");
+        assert!(o.status.success(), "{report}");
+        assert!(report.contains("argmax agrees 96/96"), "{report}");
+    }
+
+    // The fp32 pack runs the full-duplex pipeline, frame for frame as a pack made by
+    // tools/make_pack.py does: as many token lines and as much agent audio.
+    let wav = dir.path().join("tone.wav");
+    tone(&wav);
+    let run = |pack: &Path, name: &str| -> (String, u32) {
+        let (agent, tokens) = (
+            dir.path().join(format!("{name}.wav")),
+            dir.path().join(format!("{name}.jsonl")),
+        );
+        let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
+            .unwrap()
+            .replace("models/tiny-gqa", pack.to_str().unwrap())
+            .replace("out/tone-48k.wav", wav.to_str().unwrap())
+            .replace("out/agent-48k.wav", agent.to_str().unwrap())
+            .replace("out/agent-tokens.jsonl", tokens.to_str().unwrap());
+        let file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&file, yaml).unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .arg("run")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let samples = hound::WavReader::open(&agent).unwrap().duration();
+        (std::fs::read_to_string(tokens).unwrap(), samples)
+    };
+    let (tokens, samples) = run(&dir.path().join("pack-cpu"), "exported");
+    let (made_tokens, made_samples) = run(&root().join("models/tiny-gqa"), "made");
+    assert!(tokens.lines().count() >= 20, "{tokens}");
+    assert_eq!(tokens.lines().count(), made_tokens.lines().count());
+    assert_eq!(samples, made_samples, "agent audio at 48 kHz");
+    assert_ne!(tokens, made_tokens, "different weights, different tokens");
+}
+
+#[test]
+fn bad_checkpoints_are_refused_naming_the_file_and_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = checkpoint(dir.path(), &[]);
+    let out = dir.path().join("pack");
+
+    // A missing file: exit 2, and the exact download command for the missing piece.
+    let tok = ck.join("tokenizer_spm_32k_3.model");
+    std::fs::rename(&tok, dir.path().join("spm")).unwrap();
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("missing tokenizer_spm_32k_3.model")
+            && e.contains("hf download nvidia/personaplex-7b-v1 tokenizer_spm_32k_3.model"),
+        "{e}"
+    );
+    std::fs::rename(dir.path().join("spm"), &tok).unwrap();
+
+    // No config.json: the published 7B sizes are assumed, and these tensors are not them.
+    std::fs::rename(ck.join("config.json"), dir.path().join("config.json")).unwrap();
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(e.contains("the published 7B sizes: dim is 4096 but"), "{e}");
+    assert!(e.contains("model.safetensors has 64"), "{e}");
+
+    // A config the graphs cannot implement, named with its key.
+    let cfg = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    std::fs::write(
+        ck.join("config.json"),
+        cfg.replace(
+            "\"depformer_pos_emb\": \"none\"",
+            "\"depformer_pos_emb\": \"rope\"",
+        ),
+    )
+    .unwrap();
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("config.json: depformer_pos_emb = 'rope'; the exporter's graphs need 'none'"),
+        "{e}"
+    );
+    std::fs::write(ck.join("config.json"), &cfg).unwrap();
+
+    // A file that is not safetensors.
+    let lm = ck.join("model.safetensors");
+    let good = std::fs::read(&lm).unwrap();
+    std::fs::write(&lm, b"not a checkpoint").unwrap();
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("model.safetensors: not a safetensors file"),
+        "{e}"
+    );
+    std::fs::write(&lm, &good).unwrap();
+    assert!(
+        !out.exists(),
+        "nothing was written for a refused checkpoint"
+    );
+
+    // A pack that does not load: `duplex doctor --pack` exits 2 naming it.
+    let broken = dir.path().join("broken");
+    std::fs::create_dir_all(broken.join("temporal")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["doctor", "--pack"])
+        .arg(&broken)
+        .output()
+        .unwrap();
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("the pack does not load") && e.contains("missing mimi_encoder graph"),
+        "{e}"
+    );
+}
