@@ -50,6 +50,8 @@ pub struct DaemonConfig {
     pub pipeline: PathBuf,
     /// The model pack.
     pub pack: String,
+    /// Where the model stages run: `cpu` or `cuda`.
+    pub execution_provider: String,
     /// Input device.
     pub input_device: String,
     /// Output device.
@@ -84,6 +86,7 @@ pub struct DaemonConfig {
 const KEYS: &[&str] = &[
     "pipeline",
     "pack",
+    "execution_provider",
     "input_device",
     "output_device",
     "persona",
@@ -309,6 +312,15 @@ pub fn load_config(
         audio_top_k: num("audio_top_k", 0.0, 1e6)? as i64,
         seed: num("seed", 0.0, 9e15)? as i64,
     };
+    let execution_provider = string("execution_provider")?;
+    if !["cpu", "cuda"].contains(&execution_provider.as_str()) {
+        return Err(e(
+            ConfigErrorKind::OutOfRange,
+            format!("{execution_provider:?} is not one of cpu, cuda"),
+        )
+        .key("execution_provider")
+        .from_value(get("execution_provider")));
+    }
     let long_session = string("long_session")?;
     if !["reset_and_reprime", "stop"].contains(&long_session.as_str()) {
         return Err(e(
@@ -373,6 +385,7 @@ pub fn load_config(
         file: fname.clone(),
         pipeline,
         pack: string("pack")?,
+        execution_provider,
         input_device: string("input_device")?,
         output_device: string("output_device")?,
         persona: string("persona")?,
@@ -430,6 +443,11 @@ impl DaemonConfig {
         ];
         for s in ["encode", "temporal", "depformer", "decode"] {
             v.push(set("pack", &format!("stages.{s}.pack"), self.pack.clone()));
+            v.push(set(
+                "execution_provider",
+                &format!("stages.{s}.execution_provider"),
+                self.execution_provider.clone(),
+            ));
         }
         for (k, val) in [
             ("persona", &self.persona),
@@ -704,6 +722,21 @@ mod tests {
         assert_eq!(
             sets["metrics.address"].value, "",
             "the daemon serves metrics itself"
+        );
+        // Every model stage runs where `execution_provider` says.
+        let c = load_config(None, env(&[("DUPLEX__EXECUTION_PROVIDER", "cuda")])).unwrap();
+        let sets: HashMap<String, Override> =
+            c.sets().into_iter().map(|o| (o.key.clone(), o)).collect();
+        for s in ["encode", "temporal", "depformer", "decode"] {
+            let o = &sets[&format!("stages.{s}.execution_provider")];
+            assert_eq!(o.value, "cuda");
+            assert_eq!(o.origin, "environment variable DUPLEX__EXECUTION_PROVIDER");
+        }
+        let e = load_config(None, env(&[("DUPLEX__EXECUTION_PROVIDER", "gpu")])).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("execution_provider"), "{e}");
+        assert!(
+            e.to_string().contains("\"gpu\" is not one of cpu, cuda"),
+            "{e}"
         );
     }
 

@@ -107,6 +107,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
     // What the models are built with (the voice and the tokenizer are read when the LM stage
     // is built, the seed starts its random stream): a rebuild, built beside the running one.
     if new.pack != cur.pack
+        || new.execution_provider != cur.execution_provider
         || new.pipeline != cur.pipeline
         || new.voice != cur.voice
         || new.tokenizer != cur.tokenizer

@@ -24,6 +24,7 @@ const KEYS: &[&str] = &[
     "address",
     "pipeline",
     "pack",
+    "execution_provider",
     "max_sessions",
     "max_connections_per_ip",
     "voices",
@@ -102,6 +103,8 @@ pub struct ServeConfig {
     pub pipeline: PathBuf,
     /// The pack of every model stage (`None`: the template's).
     pub pack: Option<String>,
+    /// Where every model stage runs, `cpu` or `cuda` (`None`: the template's).
+    pub execution_provider: Option<String>,
     /// Sessions at once.
     pub max_sessions: usize,
     /// Connections per IP address at once.
@@ -314,7 +317,18 @@ pub fn load(
             )
         })?;
     }
+    let execution_provider = Some(f.string("execution_provider")?).filter(|p| !p.trim().is_empty());
+    if let Some(p) = execution_provider.as_deref() {
+        if !["cpu", "cuda"].contains(&p) {
+            return Err(f.err(
+                ConfigErrorKind::OutOfRange,
+                "execution_provider",
+                format!("{p:?} is not one of cpu, cuda (or empty: the template's)"),
+            ));
+        }
+    }
     let config = ServeConfig {
+        execution_provider,
         record,
         address,
         pipeline,
@@ -487,6 +501,13 @@ impl ServeConfig {
                     pack,
                 ));
             }
+            if let (Some(ep), true) = (&self.execution_provider, model.contains(&s.kind.as_str())) {
+                sets.push(Override::by(
+                    self.origin("execution_provider"),
+                    format!("stages.{name}.execution_provider"),
+                    ep,
+                ));
+            }
             match s.kind.as_str() {
                 "depformer" => {
                     let sm = &p.sampling;
@@ -644,5 +665,33 @@ mod tests {
             .session_params(&q(&[("voice_prompt", "../etc/passwd")]))
             .unwrap_err();
         assert!(e.contains("voice"), "{e}");
+    }
+
+    /// `execution_provider` moves every model stage of the template, blaming the key; a
+    /// provider duplex does not have is refused naming it.
+    #[test]
+    fn execution_provider_moves_every_model_stage() {
+        let c = load(None, env(&[("DUPLEX__EXECUTION_PROVIDER", "cuda")])).unwrap();
+        let registry = crate::stages::Registry::builtin();
+        let opts = crate::config::LoadOptions::default();
+        let spec = crate::config::load(&c.pipeline, &opts, &registry).unwrap();
+        let p = c.session_params(&[]).unwrap();
+        let sets = c.session_overrides(&spec, &p);
+        let moved: Vec<&str> = sets
+            .iter()
+            .filter(|o| o.key.ends_with(".execution_provider"))
+            .inspect(|o| {
+                assert_eq!(o.value, "cuda");
+                assert_eq!(o.origin, "environment variable DUPLEX__EXECUTION_PROVIDER");
+            })
+            .map(|o| o.key.as_str())
+            .collect();
+        assert_eq!(moved.len(), 4, "{moved:?}");
+        assert!(defaults().execution_provider.is_none());
+        let e = load(None, env(&[("DUPLEX__EXECUTION_PROVIDER", "tpu")])).unwrap_err();
+        assert!(
+            e.to_string().contains("\"tpu\" is not one of cpu, cuda"),
+            "{e}"
+        );
     }
 }
