@@ -161,7 +161,9 @@ fn bad_checkpoints_are_refused_naming_the_file_and_what_is_wrong() {
     assert_eq!(o.status.code(), Some(2), "{e}");
     assert!(
         e.contains("missing tokenizer_spm_32k_3.model")
-            && e.contains("hf download nvidia/personaplex-7b-v1 tokenizer_spm_32k_3.model"),
+            && e.contains(
+                "hf download nvidia/personaplex-7b-v1 --include 'tokenizer_spm_32k_3.model' --local-dir"
+            ),
         "{e}"
     );
     std::fs::rename(dir.path().join("spm"), &tok).unwrap();

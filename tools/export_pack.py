@@ -102,7 +102,10 @@ class Checkpoint:
 
 
 def download_command(repo: str, folder: str, names: list[str]) -> str:
-    return f"hf download {repo} {' '.join(names)} --local-dir {folder}"
+    """The Hub CLI command (huggingface_hub's `hf`) that fetches `names` (file names or
+    patterns) into `folder`. Gated repositories need `hf auth login` first."""
+    patterns = " ".join(f"'{n}'" for n in names)
+    return f"hf download {repo} --include {patterns} --local-dir {folder}"
 
 
 def find_checkpoint(folder: str, repo_hint: str) -> Checkpoint:
