@@ -167,3 +167,93 @@ fn gqa_appends_in_place_without_allocating() {
         "no cache buffer allocated per step"
     );
 }
+
+/// What CUDA graph replay needs, on the CPU: every input and output bound once at a fixed
+/// shape and address (the mask at full width, right-padded; the frame, the mask and the
+/// outputs copied to and from the session's own buffers) computes what the growing binding
+/// computes, through a reset too, and positions still run out at the limit.
+#[test]
+fn fixed_shape_stepping_equals_the_growing_binding() {
+    for (name, tol) in [("tiny-gqa", 0.0), ("tiny-gqa-fp16", 1e-2)] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let run_fixed = |fixed: bool| {
+            let mut t = Temporal::open(
+                &pack,
+                &TemporalOptions {
+                    fixed_shapes: fixed,
+                    max_positions: 64,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let (mut all, mut logits, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
+            for s in 0..100 {
+                if s == 30 {
+                    t.reset();
+                }
+                if t.positions_left() == 0 {
+                    let e = t.step(&tokens(s)).unwrap_err().to_string();
+                    assert!(e.contains("no position left"), "{e}");
+                    break;
+                }
+                t.step(&tokens(s)).unwrap();
+                t.read_logits(&mut logits);
+                t.read_hidden(&mut hidden);
+                let mut row = logits.clone();
+                row.extend(&hidden);
+                all.push(row);
+            }
+            (all, t.kv_len())
+        };
+        let (fixed, len) = run_fixed(true);
+        let (growing, glen) = run_fixed(false);
+        assert_eq!((fixed.len(), len), (growing.len(), glen), "{name}");
+        assert_eq!(len, 64, "{name}: ran to the limit after the reset");
+        let d = max_diff(&fixed, &growing);
+        eprintln!("{name}: fixed-shape against growing binding, max difference {d:e}");
+        assert!(d <= tol, "{name}: differ by {d}");
+    }
+}
+
+/// `cuda_graph: true` is refused where a CUDA graph cannot apply, saying what it needs.
+#[test]
+fn cuda_graph_is_refused_where_it_cannot_apply() {
+    let err = |pack: &str, opts: TemporalOptions| {
+        let pack = Pack::open(&packs::pack(pack)).unwrap();
+        match Temporal::open(&pack, &opts) {
+            Ok(_) => panic!("{pack:?}: opened"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let on_cpu = err(
+        "tiny-gqa",
+        TemporalOptions {
+            cuda_graph: true,
+            ..Default::default()
+        },
+    );
+    assert!(
+        on_cpu.contains("needs `execution_provider: cuda`"),
+        "{on_cpu}"
+    );
+    let host = err(
+        "tiny-gqa",
+        TemporalOptions {
+            fixed_shapes: true,
+            kv: KvMode::Host,
+            ..Default::default()
+        },
+    );
+    assert!(host.contains("needs `kv: resident`"), "{host}");
+    let standard = err(
+        "tiny",
+        TemporalOptions {
+            fixed_shapes: true,
+            ..Default::default()
+        },
+    );
+    assert!(
+        standard.contains("needs the GroupQueryAttention export"),
+        "{standard}"
+    );
+}

@@ -167,6 +167,7 @@ pub fn step_times(
                 },
                 kv,
                 max_positions: last + 1,
+                ..TemporalOptions::default()
             },
         )?;
         let mut times = Vec::with_capacity(last);

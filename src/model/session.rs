@@ -49,6 +49,9 @@ pub struct SessionOptions {
     pub intra_threads: usize,
     /// Let idle intra-op threads spin. Off by default: several sessions share few cores.
     pub spinning: bool,
+    /// Ask the CUDA provider to capture the first run as a CUDA graph and replay it (the
+    /// caller binds every input and output at fixed addresses and shapes).
+    pub cuda_graph: bool,
 }
 
 impl Default for SessionOptions {
@@ -58,6 +61,7 @@ impl Default for SessionOptions {
             allow_fallback: false,
             intra_threads: 1,
             spinning: false,
+            cuda_graph: false,
         }
     }
 }
@@ -97,9 +101,11 @@ fn with_cuda(
     graph: &str,
     b: ort::session::builder::SessionBuilder,
     device_id: i32,
+    cuda_graph: bool,
 ) -> Result<ort::session::builder::SessionBuilder, String> {
     let ep = ort::ep::CUDA::default()
         .with_device_id(device_id)
+        .with_cuda_graph(cuda_graph)
         .build()
         .error_on_failure();
     b.with_execution_providers([ep]).map_err(|e| {
@@ -115,6 +121,7 @@ fn with_cuda(
     _graph: &str,
     _b: ort::session::builder::SessionBuilder,
     _device_id: i32,
+    _cuda_graph: bool,
 ) -> Result<ort::session::builder::SessionBuilder, String> {
     Err("this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into())
 }
@@ -167,7 +174,7 @@ pub fn available_providers() -> Result<Vec<String>, String> {
 /// Why CUDA cannot take effect.
 pub fn cuda_check(device_id: i32) -> Result<(), String> {
     let b = builder("doctor", &SessionOptions::default()).map_err(|e| e.to_string())?;
-    with_cuda("doctor", b, device_id).map(|_| ())
+    with_cuda("doctor", b, device_id, false).map(|_| ())
 }
 
 /// Logs the provider and dtype a graph really runs with, and exports them as
@@ -200,28 +207,30 @@ pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSessi
     let mut provider = Provider::Cpu;
     let mut b = match opts.provider {
         Provider::Cpu => builder(graph, opts)?,
-        Provider::Cuda { device_id } => match with_cuda(graph, builder(graph, opts)?, device_id) {
-            Ok(b) => {
-                provider = opts.provider;
-                b
-            }
-            Err(detail) if opts.allow_fallback => {
-                tracing::warn!(
+        Provider::Cuda { device_id } => {
+            match with_cuda(graph, builder(graph, opts)?, device_id, opts.cuda_graph) {
+                Ok(b) => {
+                    provider = opts.provider;
+                    b
+                }
+                Err(detail) if opts.allow_fallback => {
+                    tracing::warn!(
                     graph,
                     "execution provider `cuda` is not available ({detail}); running on the CPU because `allow_fallback` is set"
                 );
-                builder(graph, opts)?
+                    builder(graph, opts)?
+                }
+                Err(detail) => {
+                    return Err(ModelError::Provider {
+                        graph: graph.into(),
+                        provider: "cuda".into(),
+                        detail: format!(
+                            "{detail}; set `allow_fallback: true` to run on the CPU instead"
+                        ),
+                    })
+                }
             }
-            Err(detail) => {
-                return Err(ModelError::Provider {
-                    graph: graph.into(),
-                    provider: "cuda".into(),
-                    detail: format!(
-                        "{detail}; set `allow_fallback: true` to run on the CPU instead"
-                    ),
-                })
-            }
-        },
+        }
     };
     let session = b.commit_from_file(path).map_err(|e| {
         use ort::error::ErrorCode as C;

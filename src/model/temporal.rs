@@ -49,6 +49,14 @@ pub struct TemporalOptions {
     pub kv: KvMode,
     /// Most positions one conversation may use (clamped to the pack's `max_positions`).
     pub max_positions: usize,
+    /// Replay a captured CUDA graph every step (ONNX Runtime's CUDA provider): needs
+    /// `fixed_shapes`' binding, which it implies, the GQA graph and the resident cache.
+    pub cuda_graph: bool,
+    /// Bind every input and output once, at a fixed shape and a fixed address in the memory
+    /// the session reads or writes it: the attention mask at full width, right-padded (the
+    /// rows past the conversation are masked), the frame and the outputs in device buffers
+    /// the host copies to and from. What CUDA graph replay needs; exact on any provider.
+    pub fixed_shapes: bool,
 }
 
 impl Default for TemporalOptions {
@@ -57,8 +65,20 @@ impl Default for TemporalOptions {
             session: SessionOptions::default(),
             kv: KvMode::Resident,
             max_positions: usize::MAX,
+            cuda_graph: false,
+            fixed_shapes: false,
         }
     }
+}
+
+/// The inputs and outputs of a fixed-shape step, where the session reads and writes them; the
+/// host copies the frame and the mask in and the hidden state and the logits out.
+struct DeviceIo {
+    alloc: Allocator,
+    frame: Buffer,
+    mask: Buffer,
+    hidden: Buffer,
+    logits: Buffer,
 }
 
 enum Kv {
@@ -84,6 +104,8 @@ pub struct Temporal {
     pos_ids: Option<Buffer>,
     hidden: Buffer,
     logits: Buffer,
+    /// Fixed-shape stepping's buffers, when on.
+    io: Option<DeviceIo>,
     alloc: Allocator,
     /// The KV buffers' allocator: the memory the session reads them from.
     kv_alloc: Allocator,
@@ -117,9 +139,32 @@ impl Temporal {
         let graph = "temporal";
         let m = &pack.manifest;
         let channels = m.delays.len();
+        let fixed = opts.fixed_shapes || opts.cuda_graph;
+        if opts.cuda_graph && !matches!(opts.session.provider, Provider::Cuda { .. }) {
+            return Err(ModelError::contract(
+                graph,
+                "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
+            ));
+        }
+        if fixed && opts.kv == KvMode::Host {
+            return Err(ModelError::contract(
+                graph,
+                "`cuda_graph: true` needs `kv: resident`: a host-fed cache changes shape and address every step",
+            ));
+        }
+        let session_opts = SessionOptions {
+            cuda_graph: opts.cuda_graph,
+            ..opts.session
+        };
         // The dtype is only known once the graph is open; report it after the check.
-        let os = open(&pack.graph_path(Graph::Temporal), graph, &opts.session)?;
+        let os = open(&pack.graph_path(Graph::Temporal), graph, &session_opts)?;
         let info = check_temporal(&os.session, graph, channels)?;
+        if fixed && info.variant == Variant::Standard {
+            return Err(ModelError::contract(
+                graph,
+                "`cuda_graph: true` needs the GroupQueryAttention export (tools/make_pack.py --variant gqa / gqa-fp16, tools/export_pack.py): the standard graph's cache moves between two buffers and its shapes change every step",
+            ));
+        }
         let e = ort_err(graph);
         let alloc = Allocator::default();
         let wanted = input_placements(&os.session).map_err(&e)?;
@@ -157,7 +202,36 @@ impl Temporal {
         }
         let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1])
             .map_err(&e)?;
-        mask.as_slice::<i64>().fill(1);
+        // Growing mask: all ones, viewed one longer each step. Fixed: ones up to the
+        // conversation's length, zeros past it.
+        if !fixed {
+            mask.as_slice::<i64>().fill(1);
+        }
+        let io = if fixed {
+            let at = |name: &str| allocator_at(&os.session, &placement_of(&wanted, name));
+            let (frame_alloc, mask_alloc) = (
+                at("input_frame").map_err(&e)?,
+                at("attention_mask").map_err(&e)?,
+            );
+            let hd = info.hidden_dim as i64;
+            let io = DeviceIo {
+                frame: Buffer::zeros(
+                    &frame_alloc,
+                    TensorElementType::Int64,
+                    &[1, channels as i64, 1],
+                )
+                .map_err(&e)?,
+                mask: Buffer::zeros(&mask_alloc, TensorElementType::Int64, &[1, capacity as i64])
+                    .map_err(&e)?,
+                hidden: Buffer::zeros(&kv_alloc, element(info.hidden), &[1, 1, hd]).map_err(&e)?,
+                logits: Buffer::zeros(&kv_alloc, element(info.logits), &[1, 1, info.vocab as i64])
+                    .map_err(&e)?,
+                alloc: at("past_key_values.0.key").map_err(&e)?,
+            };
+            Some(io)
+        } else {
+            None
+        };
         let mut t = Temporal {
             binding: os.session.create_binding().map_err(&e)?,
             kv: match (opts.kv, info.variant) {
@@ -183,6 +257,7 @@ impl Temporal {
             .map_err(&e)?,
             logits: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
                 .map_err(&e)?,
+            io,
             session: os.session,
             provider: os.provider,
             alloc,
@@ -217,6 +292,8 @@ impl Temporal {
             dtype = t.info.kv.name(),
             kv = ?opts.kv,
             capacity,
+            fixed_shapes = fixed,
+            cuda_graph = opts.cuda_graph,
             "temporal transformer ready"
         );
         Ok(t)
@@ -225,6 +302,28 @@ impl Temporal {
     /// Binds what stays bound for the life of the session.
     fn bind_fixed(&mut self) -> Result<(), ModelError> {
         let e = ort_err("temporal");
+        if let Some(io) = self.io.as_mut() {
+            let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
+            let frame = io
+                .frame
+                .view(&io.alloc, &[1, self.channels as i64, 1])
+                .map_err(&e)?;
+            self.binding.bind_input("input_frame", &frame).map_err(&e)?;
+            let mask = io
+                .mask
+                .view(&io.alloc, &[1, self.capacity as i64])
+                .map_err(&e)?;
+            self.binding
+                .bind_input("attention_mask", &mask)
+                .map_err(&e)?;
+            let hidden = io.hidden.view(&io.alloc, &[1, 1, hd]).map_err(&e)?;
+            self.binding.bind_output("hidden", hidden).map_err(&e)?;
+            let logits = io.logits.view(&io.alloc, &[1, 1, v]).map_err(&e)?;
+            self.binding
+                .bind_output("text_logits", logits)
+                .map_err(&e)?;
+            return self.bind_in_place();
+        }
         let frame = self
             .frame
             .view(&self.alloc, &[1, self.channels as i64, 1])
@@ -242,6 +341,12 @@ impl Temporal {
         self.binding
             .bind_output("text_logits", logits)
             .map_err(&e)?;
+        self.bind_in_place()
+    }
+
+    /// Binds the in-place cache as both past and present (GQA, resident).
+    fn bind_in_place(&mut self) -> Result<(), ModelError> {
+        let e = ort_err("temporal");
         if let Kv::InPlace = self.kv {
             let rows = self.capacity as i64;
             for i in 0..self.info.layers {
@@ -266,6 +371,9 @@ impl Temporal {
     pub fn reset(&mut self) {
         self.len = 0;
         self.pos = 0;
+        if self.io.is_some() {
+            self.mask.as_slice::<i64>().fill(0);
+        }
         if let Kv::PingPong { cur } = &mut self.kv {
             *cur = 0;
         }
@@ -321,6 +429,10 @@ impl Temporal {
             p.as_slice::<i64>()[0] = self.pos as i64;
         }
         let total = self.len as i64 + 1;
+        if self.io.is_some() {
+            self.mask.as_slice::<i64>()[self.len] = 1;
+            return self.step_fixed();
+        }
         let mask = self.mask.view(&self.alloc, &[1, total]).map_err(&e)?;
         self.binding
             .bind_input("attention_mask", &mask)
@@ -436,6 +548,59 @@ impl Temporal {
                 self.len = keep;
             }
         }
+        Ok(())
+    }
+
+    /// A fixed-shape step: the frame and the mask copied to where the session reads them, the
+    /// run (a CUDA graph replay once captured), the hidden state and logits copied back.
+    fn step_fixed(&mut self) -> Result<(), ModelError> {
+        let e = ort_err("temporal");
+        let Some(io) = self.io.as_mut() else {
+            return Ok(());
+        };
+        let (c, cap) = (self.channels as i64, self.capacity as i64);
+        let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
+        let copy =
+            |from: &mut Buffer, fa: &Allocator, to: &mut Buffer, ta: &Allocator, shape: &[i64]| {
+                let src = from.view(fa, shape)?;
+                let mut dst = to.view(ta, shape)?;
+                src.copy_into(&mut dst)
+            };
+        copy(
+            &mut self.frame,
+            &self.alloc,
+            &mut io.frame,
+            &io.alloc,
+            &[1, c, 1],
+        )
+        .map_err(&e)?;
+        copy(
+            &mut self.mask,
+            &self.alloc,
+            &mut io.mask,
+            &io.alloc,
+            &[1, cap],
+        )
+        .map_err(&e)?;
+        self.session.run_binding(&self.binding).map_err(&e)?;
+        copy(
+            &mut io.hidden,
+            &io.alloc,
+            &mut self.hidden,
+            &self.alloc,
+            &[1, 1, hd],
+        )
+        .map_err(&e)?;
+        copy(
+            &mut io.logits,
+            &io.alloc,
+            &mut self.logits,
+            &self.alloc,
+            &[1, 1, v],
+        )
+        .map_err(&e)?;
+        self.len += 1;
+        self.pos += 1;
         Ok(())
     }
 

@@ -44,6 +44,7 @@ pub(super) fn session_options(p: &Params) -> SessionOptions {
         allow_fallback: p.bool("allow_fallback"),
         intra_threads: p.int("intra_threads") as usize,
         spinning: p.bool("spinning"),
+        cuda_graph: false,
     }
 }
 

@@ -50,6 +50,12 @@ pub(super) const KIND: StageKind = StageKind {
         ENGINE_PARAM,
         SLOTS_PARAM,
         ParamSpec {
+            name: "cuda_graph",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "replay a captured CUDA graph every step (execution_provider: cuda, a GQA pack, kv: resident, engine: own)"
+        },
+        ParamSpec {
             name: "max_positions",
             ty: T::Int {
                 min: 0,
@@ -225,7 +231,32 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             0 => usize::MAX,
             n => n as usize,
         },
+        cuda_graph: p.bool("cuda_graph"),
+        fixed_shapes: false,
     };
+    if opts.cuda_graph {
+        let refuse = |key: &'static str, why: &str| {
+            Err(BuildError::invalid(format!("`cuda_graph: true` needs {why}")).key(key))
+        };
+        if p.str("execution_provider") != "cuda" {
+            return refuse(
+                "execution_provider",
+                "`execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
+            );
+        }
+        if opts.kv == KvMode::Host {
+            return refuse(
+                "kv",
+                "`kv: resident`: a host-fed cache changes shape and address every step",
+            );
+        }
+        if p.str("engine") == "shared" {
+            return refuse(
+                "engine",
+                "`engine: own`: the shared engine's batch changes from tick to tick",
+            );
+        }
+    }
     let temporal: TemporalModel = match shared_engine(&pack, p, opts.max_positions)? {
         Some(lm) => {
             if opts.kv == KvMode::Host {
