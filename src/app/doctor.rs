@@ -2,7 +2,8 @@
 //! it: the pack's files and manifest against the graph contract, then a session for each graph
 //! on the chosen provider, one codec frame through the encoder and decoder, and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
-//! context lengths with the cache resident and fed from the host. Prints what it found; knows
+//! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
+//! graph under CUDA). Prints what it found; knows
 //! no stages or pipelines.
 
 use std::path::Path;
@@ -137,7 +138,9 @@ pub const TIMED_CONTEXTS: [usize; 3] = [50, 1000, 2500];
 const TIMED_STEPS: usize = 20;
 
 /// The temporal step's mean time (ms) at each of `contexts`, per cache mode: the cache bound
-/// where the session computes (`resident`) and fed through host arrays every step (`host`).
+/// where the session computes (`resident`), fed through host arrays every step (`host`), and
+/// bound at fixed shapes (`fixed`; `graph` under CUDA, where the step is a captured CUDA graph
+/// replayed; GQA packs).
 /// Steps the pack's temporal graph from an empty cache to the largest context plus
 /// [`TIMED_STEPS`] on the layout's initial tokens.
 ///
@@ -157,7 +160,17 @@ pub fn step_times(
         provider.name()
     );
     let mut rows = Vec::new();
-    for (name, kv) in [("resident", KvMode::Resident), ("host", KvMode::Host)] {
+    let cuda = matches!(provider, Provider::Cuda { .. });
+    // Fixed shapes: under CUDA with graph capture and replay (`cuda_graph: true`).
+    let graph_row = if cuda { "graph" } else { "fixed" };
+    for (name, kv, fixed) in [
+        ("resident", KvMode::Resident, false),
+        ("host", KvMode::Host, false),
+        (graph_row, KvMode::Resident, true),
+    ] {
+        if fixed && pack.manifest.variant.as_deref() == Some("standard") {
+            continue;
+        }
         let mut t = Temporal::open(
             &pack,
             &TemporalOptions {
@@ -167,7 +180,8 @@ pub fn step_times(
                 },
                 kv,
                 max_positions: last + 1,
-                ..TemporalOptions::default()
+                fixed_shapes: fixed,
+                cuda_graph: fixed && cuda,
             },
         )?;
         let mut times = Vec::with_capacity(last);
@@ -192,7 +206,7 @@ pub fn step_times(
             .collect();
         text.push_str(&format!("  {name:<8} ({runs_on}) {}\n", cells.join(", ")));
     }
-    if let [(_, resident, _), (_, host, _)] = rows.as_slice() {
+    if let [(_, resident, _), (_, host, _), ..] = rows.as_slice() {
         let ratios: Vec<String> = resident
             .iter()
             .zip(host)

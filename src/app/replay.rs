@@ -35,7 +35,8 @@ pub struct ReplayArgs {
     /// A recording (`record:` of a pipeline): re-run its LM headless and compare.
     #[arg(long)]
     pub recording: Option<PathBuf>,
-    /// With `--recording`: the execution provider to replay on (default: the recorded one).
+    /// The execution provider the LM runs on, `cpu` or `cuda` (default: cpu; with
+    /// `--recording`, the recorded one).
     #[arg(long, value_parser = ["cpu", "cuda"])]
     pub provider: Option<String>,
     /// With `--recording`: feed frames at real time (80 ms) instead of as fast as possible.
@@ -202,6 +203,10 @@ fn build_one(
     ];
     if let Some(u) = &a.user_substeps {
         depformer.push(("user_substeps", s(u)));
+    }
+    if let Some(p) = &a.provider {
+        temporal.push(("execution_provider", s(p)));
+        depformer.push(("execution_provider", s(p)));
     }
     let plane = ControlPlane::new();
     let b = PipelineBuilder::new()
