@@ -97,7 +97,7 @@ enum Cmd {
         #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
         provider: String,
         /// With `--pack`: also time the temporal step at contexts 50, 1000 and 2500, with the
-        /// cache resident and fed from the host.
+        /// cache resident, fed from the host, and at fixed shapes (a CUDA graph under CUDA).
         #[arg(long, requires = "pack")]
         time: bool,
     },
