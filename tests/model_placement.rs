@@ -2,7 +2,8 @@
 //! for each input of the session), for every graph that holds a cache, on graphs of their own
 //! and in the shared engine: the code that puts a CUDA session's caches in device memory is the
 //! code that runs here, so a build cannot quietly keep them on the host and copy them over PCIe
-//! every step.
+//! every step. With the fixed-shape binding of `cuda_graph`, the frame, the mask and the
+//! outputs are checked the same way.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -37,6 +38,25 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
             &t.cache_placements(),
             2 * layers,
         );
+        assert!(t.io_placements().is_empty(), "{name}: host-bound I/O");
+        if name != "tiny" {
+            // The fixed-shape binding `cuda_graph` uses: the cache, and the frame, the mask
+            // and the outputs too, where the session reads and writes them.
+            let f = Temporal::open(
+                &pack,
+                &TemporalOptions {
+                    fixed_shapes: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            check(
+                &format!("{name} fixed temporal"),
+                &f.cache_placements(),
+                2 * layers,
+            );
+            check(&format!("{name} fixed temporal I/O"), &f.io_placements(), 4);
+        }
         let d = Depformer::open(&pack, &SessionOptions::default()).unwrap();
         // Two ping-pong sets of K and V per layer.
         let dl = d.info.layers;

@@ -622,6 +622,30 @@ impl Temporal {
         }
     }
 
+    /// The fixed-shape binding's buffers (with `fixed_shapes` or `cuda_graph`): each input or
+    /// output name, where its buffer is, and where the session wants it (for the outputs, the
+    /// memory the cache is in); empty otherwise.
+    pub fn io_placements(&self) -> Vec<(String, Placement, Placement)> {
+        let Some(io) = &self.io else {
+            return Vec::new();
+        };
+        let cache = placement_of(&self.wanted, "past_key_values.0.key");
+        vec![
+            (
+                "input_frame".into(),
+                io.frame.placement(),
+                placement_of(&self.wanted, "input_frame"),
+            ),
+            (
+                "attention_mask".into(),
+                io.mask.placement(),
+                placement_of(&self.wanted, "attention_mask"),
+            ),
+            ("hidden".into(), io.hidden.placement(), cache.clone()),
+            ("text_logits".into(), io.logits.placement(), cache),
+        ]
+    }
+
     /// Every bound KV buffer: its input name, where it is, and where the session wants that
     /// input (the two must agree, or ONNX Runtime copies the cache every step).
     pub fn cache_placements(&self) -> Vec<(String, Placement, Placement)> {
