@@ -279,7 +279,7 @@ fn main() -> ExitCode {
                     _ => duplex::model::session::Provider::Cpu,
                 };
                 out(&text)?;
-                let report = app::doctor::pack(&dir, provider).map_err(|e| {
+                let (pack, report) = app::doctor::pack(&dir, provider).map_err(|e| {
                     duplex::config::ConfigError::new(
                         &dir.display().to_string(),
                         duplex::config::ConfigErrorKind::Build,
@@ -289,7 +289,7 @@ fn main() -> ExitCode {
                 out(&report)?;
                 if time {
                     let times =
-                        app::doctor::step_times(&dir, provider, &app::doctor::TIMED_CONTEXTS)?;
+                        app::doctor::step_times(&pack, provider, &app::doctor::TIMED_CONTEXTS)?;
                     out(&times)?;
                 }
                 return Ok(());

@@ -488,9 +488,9 @@ def build_mimi(t: Tensors, s: dict) -> dict:
     return out
 
 
-def frame_codes(pack_dir: str, signal) -> list[int] | None:
-    """The codes the pack's encoder gives the last of a few frames of `signal` (None when
-    onnxruntime is not installed)."""
+def frame_codes(pack_dir: str, *signals) -> list[list[int]] | None:
+    """For each signal, the codes the pack's encoder gives the last of its frames, from one
+    session (None when onnxruntime is not installed)."""
     try:
         import numpy as np
         import onnxruntime as ort
@@ -499,10 +499,12 @@ def frame_codes(pack_dir: str, signal) -> list[int] | None:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     enc = ort.InferenceSession(os.path.join(pack_dir, "mimi_encoder", "model.onnx"), so)
-    x = np.asarray(signal, np.float32)[None, None, :]
     name = enc.get_inputs()[0].name
-    codes = enc.run(None, {name: x})[0]
-    return [int(c) for c in codes[0, :, -1]]
+    out = []
+    for signal in signals:
+        codes = enc.run(None, {name: np.asarray(signal, np.float32)[None, None, :]})[0]
+        out.append([int(c) for c in codes[0, :, -1]])
+    return out
 
 
 def manifest(name: str, provider: str, s: dict, mimi_full: bool, silence, sine) -> str:
@@ -630,8 +632,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     n = 1920 * 4
-    silence = frame_codes(out, np.zeros(n))
-    sine = frame_codes(out, 0.5 * np.sin(2 * np.pi * 440 * np.arange(n) / 24000))
+    silence, sine = frame_codes(out, np.zeros(n), 0.5 * np.sin(2 * np.pi * 440 * np.arange(n) / 24000)) or (None, None)
     if silence is not None and not mimi_full:
         with open(os.path.join(out, "pack.yaml"), "w", encoding="utf-8") as f:
             f.write(manifest(name, args.provider, s, mimi_full, silence, sine))

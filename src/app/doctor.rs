@@ -30,12 +30,12 @@ fn size_of(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The report of a pack that loads and runs one frame on `provider`.
+/// The opened pack and the report of it loading and running one frame on `provider`.
 ///
 /// # Errors
 ///
 /// The first [`ModelError`] met, naming the pack's file, key, graph or input.
-pub fn pack(dir: &Path, provider: Provider) -> Result<String, ModelError> {
+pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError> {
     let t0 = Instant::now();
     let pack = Pack::open(dir)?;
     let m = &pack.manifest;
@@ -128,7 +128,7 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<String, ModelError> {
         "ok: the pack loads and runs ({:.1} s)\n",
         t0.elapsed().as_secs_f64()
     ));
-    Ok(text)
+    Ok((pack, text))
 }
 
 /// Contexts (positions already in the cache) at which [`step_times`] reports.
@@ -140,7 +140,7 @@ const TIMED_STEPS: usize = 20;
 /// The temporal step's mean time (ms) at each of `contexts`, per cache mode: the cache bound
 /// where the session computes (`resident`), fed through host arrays every step (`host`), and
 /// bound at fixed shapes (`fixed`; `graph` under CUDA, where the step is a captured CUDA graph
-/// replayed; GQA packs).
+/// replayed; GQA graphs only).
 /// Steps the pack's temporal graph from an empty cache to the largest context plus
 /// [`TIMED_STEPS`] on the layout's initial tokens.
 ///
@@ -148,11 +148,10 @@ const TIMED_STEPS: usize = 20;
 ///
 /// A [`ModelError`] from opening or stepping the graph.
 pub fn step_times(
-    dir: &Path,
+    pack: &Pack,
     provider: Provider,
     contexts: &[usize],
 ) -> Result<String, ModelError> {
-    let pack = Pack::open(dir)?;
     let frame = pack.manifest.layout().initial;
     let last = contexts.iter().copied().max().unwrap_or(0) + TIMED_STEPS;
     let mut text = format!(
@@ -168,11 +167,15 @@ pub fn step_times(
         ("host", KvMode::Host, false),
         (graph_row, KvMode::Resident, true),
     ] {
-        if fixed && pack.manifest.variant.as_deref() == Some("standard") {
+        // The graph says whether it can be bound at fixed shapes (the resident row is first).
+        let standard = rows
+            .first()
+            .is_some_and(|(_, _, _, v)| *v == crate::model::pack::Variant::Standard);
+        if fixed && standard {
             continue;
         }
         let mut t = Temporal::open(
-            &pack,
+            pack,
             &TemporalOptions {
                 session: SessionOptions {
                     provider,
@@ -196,9 +199,9 @@ pub fn step_times(
             .iter()
             .map(|&c| times[c..c + TIMED_STEPS].iter().sum::<f64>() / TIMED_STEPS as f64)
             .collect();
-        rows.push((name, means, t.runs_on()));
+        rows.push((name, means, t.runs_on(), t.info.variant));
     }
-    for (name, means, runs_on) in &rows {
+    for (name, means, runs_on, _) in &rows {
         let cells: Vec<String> = contexts
             .iter()
             .zip(means)
@@ -206,7 +209,7 @@ pub fn step_times(
             .collect();
         text.push_str(&format!("  {name:<8} ({runs_on}) {}\n", cells.join(", ")));
     }
-    if let [(_, resident, _), (_, host, _), ..] = rows.as_slice() {
+    if let [(_, resident, ..), (_, host, ..), ..] = rows.as_slice() {
         let ratios: Vec<String> = resident
             .iter()
             .zip(host)

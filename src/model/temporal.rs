@@ -71,10 +71,31 @@ impl Default for TemporalOptions {
     }
 }
 
-/// The inputs and outputs of a fixed-shape step, where the session reads and writes them; the
-/// host copies the frame and the mask in and the hidden state and the logits out.
+impl TemporalOptions {
+    /// Why these options cannot be bound at fixed shapes as `cuda_graph` asks: the option in
+    /// the way (`execution_provider`, `kv`) and what `cuda_graph` needs; `None` when they can.
+    /// The graph's own requirement (the GQA export) is checked when it is opened.
+    pub fn fixed_shapes_conflict(&self) -> Option<(&'static str, &'static str)> {
+        if self.cuda_graph && !matches!(self.session.provider, Provider::Cuda { .. }) {
+            return Some((
+                "execution_provider",
+                "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
+            ));
+        }
+        if (self.cuda_graph || self.fixed_shapes) && self.kv == KvMode::Host {
+            return Some((
+                "kv",
+                "`cuda_graph: true` needs `kv: resident`: a host-fed cache changes shape and address every step",
+            ));
+        }
+        None
+    }
+}
+
+/// The inputs and outputs of a fixed-shape step, where the session reads and writes them (the
+/// memory of the cache, whose allocator views them); the host copies the frame and the mask in
+/// and the hidden state and the logits out.
 struct DeviceIo {
-    alloc: Allocator,
     frame: Buffer,
     mask: Buffer,
     hidden: Buffer,
@@ -140,17 +161,8 @@ impl Temporal {
         let m = &pack.manifest;
         let channels = m.delays.len();
         let fixed = opts.fixed_shapes || opts.cuda_graph;
-        if opts.cuda_graph && !matches!(opts.session.provider, Provider::Cuda { .. }) {
-            return Err(ModelError::contract(
-                graph,
-                "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
-            ));
-        }
-        if fixed && opts.kv == KvMode::Host {
-            return Err(ModelError::contract(
-                graph,
-                "`cuda_graph: true` needs `kv: resident`: a host-fed cache changes shape and address every step",
-            ));
+        if let Some((_, why)) = opts.fixed_shapes_conflict() {
+            return Err(ModelError::contract(graph, why));
         }
         let session_opts = SessionOptions {
             cuda_graph: opts.cuda_graph,
@@ -226,7 +238,6 @@ impl Temporal {
                 hidden: Buffer::zeros(&kv_alloc, element(info.hidden), &[1, 1, hd]).map_err(&e)?,
                 logits: Buffer::zeros(&kv_alloc, element(info.logits), &[1, 1, info.vocab as i64])
                     .map_err(&e)?,
-                alloc: at("past_key_values.0.key").map_err(&e)?,
             };
             Some(io)
         } else {
@@ -306,19 +317,19 @@ impl Temporal {
             let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
             let frame = io
                 .frame
-                .view(&io.alloc, &[1, self.channels as i64, 1])
+                .view(&self.kv_alloc, &[1, self.channels as i64, 1])
                 .map_err(&e)?;
             self.binding.bind_input("input_frame", &frame).map_err(&e)?;
             let mask = io
                 .mask
-                .view(&io.alloc, &[1, self.capacity as i64])
+                .view(&self.kv_alloc, &[1, self.capacity as i64])
                 .map_err(&e)?;
             self.binding
                 .bind_input("attention_mask", &mask)
                 .map_err(&e)?;
-            let hidden = io.hidden.view(&io.alloc, &[1, 1, hd]).map_err(&e)?;
+            let hidden = io.hidden.view(&self.kv_alloc, &[1, 1, hd]).map_err(&e)?;
             self.binding.bind_output("hidden", hidden).map_err(&e)?;
-            let logits = io.logits.view(&io.alloc, &[1, 1, v]).map_err(&e)?;
+            let logits = io.logits.view(&self.kv_alloc, &[1, 1, v]).map_err(&e)?;
             self.binding
                 .bind_output("text_logits", logits)
                 .map_err(&e)?;
@@ -570,7 +581,7 @@ impl Temporal {
             &mut self.frame,
             &self.alloc,
             &mut io.frame,
-            &io.alloc,
+            &self.kv_alloc,
             &[1, c, 1],
         )
         .map_err(&e)?;
@@ -578,14 +589,14 @@ impl Temporal {
             &mut self.mask,
             &self.alloc,
             &mut io.mask,
-            &io.alloc,
+            &self.kv_alloc,
             &[1, cap],
         )
         .map_err(&e)?;
         self.session.run_binding(&self.binding).map_err(&e)?;
         copy(
             &mut io.hidden,
-            &io.alloc,
+            &self.kv_alloc,
             &mut self.hidden,
             &self.alloc,
             &[1, 1, hd],
@@ -593,7 +604,7 @@ impl Temporal {
         .map_err(&e)?;
         copy(
             &mut io.logits,
-            &io.alloc,
+            &self.kv_alloc,
             &mut self.logits,
             &self.alloc,
             &[1, 1, v],

@@ -234,28 +234,14 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         cuda_graph: p.bool("cuda_graph"),
         fixed_shapes: false,
     };
-    if opts.cuda_graph {
-        let refuse = |key: &'static str, why: &str| {
-            Err(BuildError::invalid(format!("`cuda_graph: true` needs {why}")).key(key))
-        };
-        if p.str("execution_provider") != "cuda" {
-            return refuse(
-                "execution_provider",
-                "`execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
-            );
-        }
-        if opts.kv == KvMode::Host {
-            return refuse(
-                "kv",
-                "`kv: resident`: a host-fed cache changes shape and address every step",
-            );
-        }
-        if p.str("engine") == "shared" {
-            return refuse(
-                "engine",
-                "`engine: own`: the shared engine's batch changes from tick to tick",
-            );
-        }
+    if let Some((key, why)) = opts.fixed_shapes_conflict() {
+        return Err(BuildError::invalid(why).key(key));
+    }
+    if opts.cuda_graph && p.str("engine") == "shared" {
+        return Err(BuildError::invalid(
+            "`cuda_graph: true` needs `engine: own`: the shared engine's batch changes from tick to tick",
+        )
+        .key("engine"));
     }
     let temporal: TemporalModel = match shared_engine(&pack, p, opts.max_positions)? {
         Some(lm) => {
