@@ -7,6 +7,7 @@
 //! one is kept, and the reply and the `switch_error` status say why. `mute` and `unmute` send
 //! silence instead of what is captured, keeping the clock running.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ringbuf::traits::{Consumer, Observer};
@@ -86,6 +87,7 @@ pub(super) const KIND: StageKind = StageKind {
     status: &[
         device_status::NAME,
         device_status::STATE,
+        device_status::RECONNECTS,
         StatusSpec {
             name: "muted",
             doc: "silence is sent",
@@ -132,6 +134,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         limit,
         last_mark: None,
         published: None,
+        published_reconnects: 0,
         lost: metrics::counter!(names::DEVICE_ERRORS, &labels),
         cap,
     })))
@@ -167,6 +170,8 @@ struct Mic {
     last_mark: Option<(u64, Instant)>,
     /// The device state last published (this loop polls every 2 ms: publish changes only).
     published: Option<DeviceState>,
+    /// The reconnect count last published.
+    published_reconnects: u64,
     lost: metrics::Counter,
 }
 
@@ -289,6 +294,11 @@ impl Source for Mic {
                 self.position = 0;
             }
             let status = self.cap.handle.status();
+            let reconnects = status.reconnects.load(Ordering::Relaxed);
+            if self.published_reconnects != reconnects {
+                self.published_reconnects = reconnects;
+                self.control.set("reconnects", reconnects);
+            }
             if self.published != Some(status.state()) {
                 self.published = Some(status.state());
                 self.control

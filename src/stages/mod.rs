@@ -264,6 +264,11 @@ pub(crate) mod device_status {
         name: "device",
         doc: "its state: opening, running, reconnecting, failed, closed",
     };
+    /// Times the device was reopened after a loss.
+    pub const RECONNECTS: StatusSpec = StatusSpec {
+        name: "reconnects",
+        doc: "times the device was reopened after it was lost",
+    };
     /// Why the last switch failed.
     pub const SWITCH_ERROR: StatusSpec = StatusSpec {
         name: "switch_error",

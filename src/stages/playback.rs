@@ -98,6 +98,7 @@ pub(super) const KIND: StageKind = StageKind {
     status: &[
         device_status::NAME,
         device_status::STATE,
+        device_status::RECONNECTS,
         StatusSpec {
             name: "underruns",
             doc: "times the jitter buffer ran dry",
@@ -310,6 +311,8 @@ impl Stage for Playback {
         if let Some(status) = self.player.status() {
             self.control
                 .set("device", format!("{:?}", status.state()).to_lowercase());
+            self.control
+                .set("reconnects", status.reconnects.load(Ordering::Relaxed));
             match status.state() {
                 DeviceState::Failed => {
                     return Err(StageError::msg(format!(
