@@ -28,7 +28,7 @@ fn swapped_pack(dir: &Path) -> PathBuf {
     let p = dir.join("swapped");
     std::fs::create_dir_all(&p).unwrap();
     let src = packs::pack("tiny-gqa");
-    for g in ["mimi_encoder", "mimi_decoder"] {
+    for g in packs::CODEC_GRAPHS {
         std::os::unix::fs::symlink(src.join(g), p.join(g)).unwrap();
     }
     std::os::unix::fs::symlink(src.join("depformer"), p.join("temporal")).unwrap();
@@ -113,7 +113,7 @@ fn fifty_reloads_good_and_bad_leave_the_last_good_configuration_running() {
     let corrupt = dir.join("corrupt");
     std::fs::create_dir_all(&corrupt).unwrap();
     let src = packs::pack("tiny-gqa");
-    for g in ["mimi_encoder", "mimi_decoder", "depformer"] {
+    for g in packs::CODEC_GRAPHS.iter().chain(&["depformer"]) {
         std::os::unix::fs::symlink(src.join(g), corrupt.join(g)).unwrap();
     }
     std::fs::create_dir_all(corrupt.join("temporal")).unwrap();

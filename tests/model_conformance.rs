@@ -133,7 +133,7 @@ fn a_bare_export_directory_works_with_personaplex_defaults() {
     let src = packs::pack("tiny");
     let bare = dir.path().join("bare");
     std::fs::create_dir(&bare).unwrap();
-    for g in ["mimi_encoder", "mimi_decoder", "temporal", "depformer"] {
+    for g in packs::ALL_GRAPHS {
         std::os::unix::fs::symlink(src.join(g), bare.join(g)).unwrap();
     }
     let codes = user_codes(dir.path(), 10, 3);

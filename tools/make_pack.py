@@ -11,7 +11,8 @@ weight is drawn from a generator seeded by its parameter name, so a rebuild is b
     python tools/make_pack.py --all-tiny --out models     # models/tiny, tiny-gqa, tiny-gqa-fp16
 
 A pack is `<out>/{mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx` (weights in
-`model.onnx.data` beside each) plus `<out>/pack.yaml`. Variants:
+`model.onnx.data` beside each) plus `<out>/pack.yaml`, and Mimi's step graphs
+(`mimi_{encoder,decoder}_step{,_f16}/`, see tools/make_mimi_step.py) unless `--no-step-graphs`. Variants:
 
     standard  temporal exported for provider "default": plain attention, takes position_ids
     gqa       provider "cpu", fp32: com.microsoft GroupQueryAttention, no position_ids
@@ -433,6 +434,12 @@ def main(argv=None) -> int:
         help="build the three tiny packs into OUT/" + ", OUT/".join(ALL_TINY),
     )
     parser.add_argument("--out", required=True, help="pack folder (with --all-tiny: its parent)")
+    parser.add_argument(
+        "--no-step-graphs",
+        action="store_true",
+        help="leave out Mimi's step graphs (tools/make_mimi_step.py): the pack streams its codec "
+        "with the rolling window only",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the exporter's log")
     args = parser.parse_args(argv)
@@ -468,7 +475,12 @@ def main(argv=None) -> int:
         graphs.update(build_lm(size, variant, args.seed))
         manifest = pack_yaml(pack_name(size, variant, mimi_size), size, variant, mimi_size)
         save_pack(out_dir, graphs, manifest)
-        say(f"wrote {out_dir} ({size}, {variant}, mimi {mimi_size})")
+        if not args.no_step_graphs:
+            import make_mimi_step
+
+            make_mimi_step.add_step_graphs(out_dir, say=lambda _m: None)
+        say(f"wrote {out_dir} ({size}, {variant}, mimi {mimi_size}"
+            + (")" if args.no_step_graphs else ", with step graphs)"))
     say(f"done in {time.monotonic() - start:.1f} s")
     return 0
 

@@ -132,10 +132,11 @@ fi
 
 # The stamp records what built the packs: a changed script or pin rebuilds them.
 stamp=models/.tiny-packs.stamp
-want="make_pack.py $(sha256sum tools/make_pack.py | cut -d' ' -f1) ${EXPORTER_PACKAGES[*]}"
+want="make_pack.py $(sha256sum tools/make_pack.py | cut -d' ' -f1) make_mimi_step.py $(sha256sum tools/make_mimi_step.py | cut -d' ' -f1) ${EXPORTER_PACKAGES[*]}"
 built=1
 for p in "${TINY_PACKS[@]}"; do
-  for f in pack.yaml {mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx{,.data}; do
+  for f in pack.yaml {mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx{,.data} \
+    mimi_{encoder,decoder}_step{,_f16}/{model.onnx,model.onnx.data,state.json}; do
     [[ -f models/$p/$f ]] || built=0
   done
 done

@@ -85,6 +85,7 @@ pub fn build_session(
     load_ort(spec)?;
     let plane = ControlPlane::new();
     let taps = crate::audio::reference::Taps::default();
+    let conversation = crate::stages::Conversation::default();
     let mut b = PipelineBuilder::new()
         .origin(spec.file.clone())
         .options(RunOptions {
@@ -102,7 +103,8 @@ pub fn build_session(
         let cx = BuildContext::new(&s.name, &spec.file, &plane, kind)
             .with_session(session)
             .with_recording(recording)
-            .with_taps(&taps);
+            .with_taps(&taps)
+            .with_conversation(&conversation);
         let mut body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         if let Some(p) = &s.inject {

@@ -81,9 +81,16 @@ fn i(v: i64) -> Value {
     Value::new(None, ValueKind::I64(v))
 }
 
+/// A replayed pipeline's control plane and conversation count, shared by its stages.
+#[derive(Default)]
+struct Plane {
+    control: ControlPlane,
+    conversation: crate::stages::Conversation,
+}
+
 fn node(
     reg: &Registry,
-    plane: &ControlPlane,
+    plane: &Plane,
     name: &str,
     kind: &str,
     raw: Vec<(&str, Value)>,
@@ -94,7 +101,7 @@ fn node(
 
 fn node_at(
     reg: &Registry,
-    plane: &ControlPlane,
+    plane: &Plane,
     file: &str,
     name: &str,
     kind: &str,
@@ -109,7 +116,9 @@ fn node_at(
         ));
     };
     let p = params::check(file, name, kind, k.params, &raw)?;
-    let cx = BuildContext::new(name, file, plane, k).with_recording(recording);
+    let cx = BuildContext::new(name, file, &plane.control, k)
+        .with_recording(recording)
+        .with_conversation(&plane.conversation);
     let body = (k.build)(&cx, &p).map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
@@ -208,7 +217,7 @@ fn build_one(
         temporal.push(("execution_provider", s(p)));
         depformer.push(("execution_provider", s(p)));
     }
-    let plane = ControlPlane::new();
+    let plane = Plane::default();
     let b = PipelineBuilder::new()
         .origin("duplex replay")
         .node(node(
@@ -231,7 +240,7 @@ fn build_one(
         .link(Link::new("temporal.step", "depformer"))
         .link(Link::new("depformer", "temporal.tokens").feedback())
         .link(Link::new("temporal.agent", "tokens"))
-        .control(plane);
+        .control(plane.control);
     Ok(b)
 }
 
@@ -427,7 +436,7 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
             ConfigError::new("duplex replay", ConfigErrorKind::Build, m).key("--out")
         })?,
     );
-    let plane = ControlPlane::new();
+    let plane = Plane::default();
     let rec = Some(&*recording);
     let codes_raw = vec![
         ("path".to_string(), s(&codes_path.display().to_string())),
@@ -500,7 +509,7 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
             .link(Link::new(name, "decoded")),
         None => builder,
     };
-    let builder = builder.control(plane);
+    let builder = builder.control(plane.control);
     Ok(FromRecording {
         builder,
         recording,

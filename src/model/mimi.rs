@@ -10,7 +10,7 @@
 //!
 //! Each frame costs one run over `min(n, W)` frames: about `W` times the cost of one frame once
 //! the window is full (W = 8 by default: ~8 × 9-13 ms per encode on 2 CPU cores at full size).
-//! Graphs with explicit streaming state will make one frame cost one frame.
+//! The step graphs of [`super::mimi_step`] make one frame cost one frame.
 
 use ort::session::Session;
 use ort::value::Tensor;
@@ -176,6 +176,34 @@ impl MimiDecoder {
     /// Forgets the stream.
     pub fn reset(&mut self) {
         self.codes.clear();
+    }
+
+    /// Decodes a whole utterance's codes (frame-major) in one call; returns its samples.
+    ///
+    /// # Errors
+    ///
+    /// Codes of the wrong count, ONNX Runtime errors.
+    pub fn decode(&mut self, frames: &[Vec<i64>]) -> Result<Vec<f32>, ModelError> {
+        if let Some(f) = frames.iter().find(|f| f.len() != self.codebooks) {
+            return Err(ModelError::contract(
+                "mimi_decoder",
+                format!("{} codes, expected {}", f.len(), self.codebooks),
+            ));
+        }
+        let n = frames.len();
+        let layout: Vec<i64> = (0..self.codebooks)
+            .flat_map(|q| frames.iter().map(move |f| f[q]))
+            .collect();
+        let e = err("mimi_decoder");
+        let input = Tensor::from_array(([1usize, self.codebooks, n], layout)).map_err(&e)?;
+        let outputs = self
+            .session
+            .run(ort::inputs!["codes" => input])
+            .map_err(&e)?;
+        let (_, wav) = outputs["waveform"]
+            .try_extract_tensor::<f32>()
+            .map_err(&e)?;
+        Ok(wav.to_vec())
     }
 
     /// Decodes the next frame's codes; returns its `frame_size` samples.

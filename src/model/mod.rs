@@ -10,6 +10,7 @@ mod error;
 pub mod lm;
 pub mod lmgen;
 pub mod mimi;
+pub mod mimi_step;
 pub mod onnx;
 pub mod ortlib;
 pub mod pack;

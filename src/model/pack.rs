@@ -98,6 +98,10 @@ pub struct PackManifest {
     pub temporal: Option<LmShape>,
     /// The depformer's shape (checked against the graph when given).
     pub depformer: Option<LmShape>,
+    /// The codec strategies the pack has: `window` (the whole-utterance graphs, always),
+    /// `stateful` (`mimi_*_step/`), `stateful_f16` (`mimi_*_step_f16/`). Checked against the
+    /// folders; when absent, step graphs present in the folders are used all the same.
+    pub mimi_streaming: Option<Vec<String>>,
 }
 
 /// A transformer's shape as the manifest states it.
@@ -136,6 +140,7 @@ const MANIFEST_KEYS: &[(&str, &[&str])] = &[
     ("temporal", &["dim", "layers", "heads", "head_dim"]),
     ("depformer", &["dim", "layers", "heads", "head_dim"]),
     ("tokenizer", &[]),
+    ("mimi_streaming", &[]),
 ];
 
 impl Default for PackManifest {
@@ -162,6 +167,7 @@ impl Default for PackManifest {
             special_text_ids: None,
             temporal: None,
             depformer: None,
+            mimi_streaming: None,
         }
     }
 }
@@ -249,6 +255,7 @@ impl Pack {
             manifest,
         };
         pack.check_manifest(&mf)?;
+        pack.check_step_graphs(&mf)?;
         pack.check_graphs(&mf)?;
         pack.check_relations(&mf)?;
         Ok(pack)
@@ -604,9 +611,77 @@ impl Pack {
         self.dir.join(g.dir()).join("model.onnx")
     }
 
+    /// The folder of the `role` step graph of precision `dtype` (`f32`, `f16`), when the pack
+    /// has it: `mimi_encoder_step/`, `mimi_decoder_step_f16/`, … (with `model.onnx` and
+    /// `state.json`).
+    pub fn step_graph(&self, role: StepRole, dtype: FloatType) -> Option<PathBuf> {
+        let dir = self.dir.join(step_dir(role, dtype));
+        (dir.join("model.onnx").is_file() && dir.join("state.json").is_file()).then_some(dir)
+    }
+
+    /// `pack.yaml`'s `mimi_streaming` against the folders: a strategy it lists must be there.
+    fn check_step_graphs(&self, mf: &Path) -> Result<(), ModelError> {
+        let Some(listed) = &self.manifest.mimi_streaming else {
+            return Ok(());
+        };
+        for s in listed {
+            let dtype = match s.as_str() {
+                "window" => continue,
+                "stateful" => FloatType::F32,
+                "stateful_f16" => FloatType::F16,
+                other => {
+                    return Err(manifest_error(
+                        mf,
+                        "mimi_streaming",
+                        format!("unknown strategy {other:?}: window, stateful or stateful_f16"),
+                    ))
+                }
+            };
+            for role in [StepRole::Encoder, StepRole::Decoder] {
+                if self.step_graph(role, dtype).is_none() {
+                    let dir = self.dir.join(step_dir(role, dtype));
+                    return Err(ModelError::Pack {
+                        path: dir,
+                        detail: format!(
+                            "pack.yaml lists `{s}` but this folder has no model.onnx and \
+                             state.json (build them with tools/make_mimi_step.py)"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The tokenizer path, if the manifest names one (relative to the pack).
     pub fn tokenizer(&self) -> Option<PathBuf> {
         self.manifest.tokenizer.as_ref().map(|t| self.dir.join(t))
+    }
+}
+
+/// Which side of the codec a step graph is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepRole {
+    /// Samples to codes.
+    Encoder,
+    /// Codes to samples.
+    Decoder,
+}
+
+impl StepRole {
+    /// `mimi_encoder_step`, `mimi_decoder_step`: the graph's name in messages.
+    pub fn graph(&self) -> &'static str {
+        match self {
+            StepRole::Encoder => "mimi_encoder_step",
+            StepRole::Decoder => "mimi_decoder_step",
+        }
+    }
+}
+
+fn step_dir(role: StepRole, dtype: FloatType) -> String {
+    match dtype {
+        FloatType::F32 => role.graph().to_string(),
+        FloatType::F16 => format!("{}_f16", role.graph()),
     }
 }
 

@@ -1,23 +1,20 @@
-//! `mimi_decode`: the agent's codes → 1920-sample frames at 24 kHz, streaming (rolling window).
-//! Runs in its own actor, so decoding frame t overlaps the LM's work on frame t+1.
+//! `mimi_decode`: the agent's codes → 1920-sample frames at 24 kHz, streaming: on the pack's
+//! step graphs (`streaming: stateful`, the default when it has them) or on a rolling window of
+//! the whole-utterance graph. Runs in its own actor, so decoding frame t overlaps the LM's work
+//! on frame t+1. A new conversation starts a new stream at the next frame.
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::mimi::MimiDecoder;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
-use super::{caps, AgentTokens, BuildContext, BuildError, StageKind};
+use super::codec::Decoder;
+use super::model_params::{model_params, open_pack, MODEL_STATUS};
+use super::{caps, AgentTokens, BuildContext, BuildError, Conversation, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mimi_decode",
-    doc: "Mimi decoder: the agent's codes -> 1920-sample 24 kHz frames (rolling window)",
-    params: model_params![ParamSpec {
-        name: "window",
-        ty: T::Int { min: 1, max: 2048 },
-        default: D::Int(8),
-        doc: "frames of left context re-decoded per frame"
-    }],
+    doc: "Mimi decoder: the agent's codes -> 1920-sample 24 kHz frames (stateful step graphs, or a rolling window)",
+    params: model_params![codec;],
     inputs: || vec![PortSpec::new::<AgentTokens>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -27,23 +24,29 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let dec = MimiDecoder::open(&pack, &session_options(p), p.int("window") as usize)?;
+    let dec = Decoder::open(&pack, p, cx.stage)?;
     cx.endpoint().set("model", dec.runs_on());
+    let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiDecode {
         dec,
         rate: pack.manifest.sample_rate,
         frame: pack.manifest.frame_size,
         silence: pack.manifest.silence_codes.clone(),
         vocab: pack.manifest.audio_vocab,
+        seen: conversation.current(),
+        conversation,
     })))
 }
 
 struct MimiDecode {
-    dec: MimiDecoder,
+    dec: Decoder,
     rate: u32,
     frame: usize,
     silence: Vec<i64>,
     vocab: i64,
+    conversation: Conversation,
+    /// The conversation the stream belongs to.
+    seen: u64,
 }
 
 impl Stage for MimiDecode {
@@ -62,6 +65,12 @@ impl Stage for MimiDecode {
 
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
         let f = input.take::<AgentTokens>()?;
+        let now = self.conversation.current();
+        if now != self.seen {
+            self.seen = now;
+            self.dec.reset();
+            tracing::debug!("new conversation: a new decoder stream");
+        }
         let samples = self.dec.push(&f.data.audio, self.vocab)?;
         cx.emit(0, f.meta.origin, Pcm::new(self.rate, samples))
     }

@@ -1,22 +1,20 @@
-//! `mimi_encode`: 1920-sample frames at 24 kHz → the user's codes, streaming (rolling window).
+//! `mimi_encode`: 1920-sample frames at 24 kHz → the user's codes, streaming: on the pack's step
+//! graphs (`streaming: stateful`, the default when it has them) or on a rolling window of the
+//! whole-utterance graph. A new conversation (the LM stage's reset or re-prime) starts a new
+//! stream at the next frame.
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::mimi::MimiEncoder;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::model_params::{model_params, open_pack, session_options, MODEL_STATUS};
-use super::{caps, BuildContext, BuildError, Codes, StageKind};
+use super::codec::Encoder;
+use super::model_params::{model_params, open_pack, MODEL_STATUS};
+use super::{caps, BuildContext, BuildError, Codes, Conversation, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "mimi_encode",
-    doc: "Mimi encoder: 1920-sample 24 kHz frames -> codes (rolling window of `window` frames)",
-    params: model_params![ParamSpec {
-        name: "window",
-        ty: T::Int { min: 1, max: 2048 },
-        default: D::Int(8),
-        doc: "frames of left context re-encoded per frame"
-    }],
+    doc: "Mimi encoder: 1920-sample 24 kHz frames -> codes (stateful step graphs, or a rolling window)",
+    params: model_params![codec;],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Codes>("out")],
     commands: &[],
@@ -26,23 +24,29 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(p)?;
-    let enc = MimiEncoder::open(&pack, &session_options(p), p.int("window") as usize)?;
+    let enc = Encoder::open(&pack, p, cx.stage)?;
     cx.endpoint().set("model", enc.runs_on());
+    let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiEncode {
         enc,
         rate: pack.manifest.sample_rate,
         frame: pack.manifest.frame_size,
         codebooks: pack.manifest.codebooks,
         vocab: pack.manifest.audio_vocab,
+        seen: conversation.current(),
+        conversation,
     })))
 }
 
 struct MimiEncode {
-    enc: MimiEncoder,
+    enc: Encoder,
     rate: u32,
     frame: usize,
     codebooks: usize,
     vocab: i64,
+    conversation: Conversation,
+    /// The conversation the stream belongs to.
+    seen: u64,
 }
 
 impl Stage for MimiEncode {
@@ -72,6 +76,12 @@ impl Stage for MimiEncode {
                 self.rate,
                 self.frame
             )));
+        }
+        let now = self.conversation.current();
+        if now != self.seen {
+            self.seen = now;
+            self.enc.reset();
+            tracing::debug!("new conversation: a new encoder stream");
         }
         let codes = self.enc.push(&f.data.samples)?;
         cx.emit(0, f.meta.origin, Codes(codes))

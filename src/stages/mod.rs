@@ -9,6 +9,7 @@
 //! something is not available now, and which param is at fault.
 
 mod aec;
+mod codec;
 mod codes_sink;
 mod codes_source;
 mod depformer;
@@ -56,6 +57,28 @@ pub struct BuildContext<'a> {
     /// The pipeline's reference taps (a `playback` stage provides one under its name, an
     /// `aec` stage reads it); None where the caller builds stages alone.
     pub taps: Option<&'a crate::audio::reference::Taps>,
+    /// The pipeline's conversation count (the LM stage starts a new conversation, the codec
+    /// stages start new streams); None where the caller builds stages alone.
+    pub conversation: Option<&'a Conversation>,
+}
+
+/// A pipeline's conversation count. The LM stage bumps it when it starts a new conversation
+/// (a reset, a new persona, the long-session policy's re-prime); the codec stages start a new
+/// stream when they see it change, at their next frame. Cheap to clone; every clone is the
+/// same count.
+#[derive(Clone, Default, Debug)]
+pub struct Conversation(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl Conversation {
+    /// The current conversation's number (0 for the first).
+    pub fn current(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Starts the next conversation.
+    pub fn begin(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl<'a> BuildContext<'a> {
@@ -70,7 +93,19 @@ impl<'a> BuildContext<'a> {
             session: None,
             recording: None,
             taps: None,
+            conversation: None,
         }
+    }
+
+    /// The same context for a pipeline whose conversation count is `conversation`.
+    pub fn with_conversation(mut self, conversation: &'a Conversation) -> Self {
+        self.conversation = Some(conversation);
+        self
+    }
+
+    /// The pipeline's conversation count (a count of its own for a stage built alone).
+    pub fn conversation(&self) -> Conversation {
+        self.conversation.cloned().unwrap_or_default()
     }
 
     /// The same context for a pipeline whose reference taps are `taps`.

@@ -17,7 +17,33 @@ pub(super) const MODEL_STATUS: StatusSpec = StatusSpec {
 
 /// Expands to a `&'static [ParamSpec]` of the given specs followed by the pack and session
 /// params every model stage takes.
+///
+/// `model_params![codec; …]` adds the codec strategy's params first (`streaming`,
+/// `step_dtype`, `window`: the Mimi stages').
 macro_rules! model_params {
+    (codec; $($spec:expr),* $(,)?) => {
+        model_params![
+            ParamSpec {
+                name: "streaming",
+                ty: T::Choice(&["auto", "stateful", "window"]),
+                default: D::Str("auto"),
+                doc: "stateful: the pack's step graphs (one frame of work per frame, equal to offline coding); window: the whole-utterance graphs on the last `window` frames; auto: stateful when the pack has step graphs",
+            },
+            ParamSpec {
+                name: "step_dtype",
+                ty: T::Choice(&["f32", "f16"]),
+                default: D::Str("f32"),
+                doc: "precision of the step graphs (stateful)",
+            },
+            ParamSpec {
+                name: "window",
+                ty: T::Int { min: 1, max: 2048 },
+                default: D::Int(8),
+                doc: "frames of left context re-run per frame (window)",
+            },
+            $($spec,)*
+        ]
+    };
     ($($spec:expr),* $(,)?) => {
         &[
             $($spec,)*

@@ -21,7 +21,6 @@ use crate::audio::{StreamResampler, WavReader};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::lm::{persona_tokens, priming_script, ForcedStep, TemporalHalf, TemporalModel};
 use crate::model::lmgen::LmGen;
-use crate::model::mimi::MimiEncoder;
 use crate::model::pack::PackManifest;
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::{Tokenizer, Transcript};
@@ -184,9 +183,8 @@ fn voice_codes(
             pack.manifest.frame_size
         )));
     }
-    let mut enc = MimiEncoder::open(pack, &session_options(p), 1)?;
-    enc.encode(&pcm)
-        .map_err(|e| voice(format!("{}: {e}", path.display())))
+    // The path the `mimi_encode` stage takes: the stateful encoder when the pack has one.
+    super::codec::encode_clip(pack, p, &pcm).map_err(|e| voice(format!("{}: {e}", path.display())))
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
@@ -286,6 +284,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
         rec: cx.recording.map(|r| r.stream("lm")),
         steps: 0,
+        conversation: cx.conversation(),
     })))
 }
 
@@ -310,6 +309,9 @@ struct TemporalStage {
     rec: Option<crate::observe::record::RecordStream>,
     /// Conversation steps since the last priming (for the recording).
     steps: u64,
+    /// The pipeline's conversation count: bumped at every new conversation, so that the codec
+    /// stages start new streams.
+    conversation: super::Conversation,
 }
 
 impl TemporalStage {
@@ -439,6 +441,7 @@ impl Stage for TemporalStage {
                     Ok(()) => {
                         tracing::info!("persona changed: new conversation, primed again");
                         self.half.reset(false);
+                        self.conversation.begin();
                         self.prime(cx)?;
                         Ok("persona changed: new conversation, primed again".to_string())
                     }
@@ -450,6 +453,7 @@ impl Stage for TemporalStage {
                 "reset" => {
                     tracing::info!("conversation reset on request");
                     self.half.reset(false);
+                    self.conversation.begin();
                     self.prime(cx)?;
                     Ok("new conversation, primed again".to_string())
                 }
@@ -479,6 +483,7 @@ impl Stage for TemporalStage {
             );
             self.resets.increment(1);
             self.half.reset(false);
+            self.conversation.begin();
             self.prime(cx)?;
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;

@@ -3,6 +3,28 @@
 
 use std::path::{Path, PathBuf};
 
+/// Every graph folder of the tiny packs: the four graphs and Mimi's step graphs.
+pub const ALL_GRAPHS: [&str; 8] = [
+    "mimi_encoder",
+    "mimi_decoder",
+    "temporal",
+    "depformer",
+    "mimi_encoder_step",
+    "mimi_decoder_step",
+    "mimi_encoder_step_f16",
+    "mimi_decoder_step_f16",
+];
+
+/// The codec's graph folders (whole-utterance and step graphs).
+pub const CODEC_GRAPHS: [&str; 6] = [
+    "mimi_encoder",
+    "mimi_decoder",
+    "mimi_encoder_step",
+    "mimi_decoder_step",
+    "mimi_encoder_step_f16",
+    "mimi_decoder_step_f16",
+];
+
 pub fn pack(name: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("models")
@@ -22,7 +44,7 @@ pub fn variant(name: &str, extra: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let dst = dir.path().join(name);
     std::fs::create_dir(&dst).unwrap();
-    for g in ["mimi_encoder", "mimi_decoder", "temporal", "depformer"] {
+    for g in ALL_GRAPHS {
         std::os::unix::fs::symlink(src.join(g), dst.join(g)).unwrap();
     }
     let mut yaml = std::fs::read_to_string(src.join("pack.yaml")).unwrap();

@@ -1,0 +1,450 @@
+//! Stateful streaming Mimi: one 1920-sample frame per call on step graphs whose state is
+//! explicit, so that one frame costs one frame of work and the stream equals offline coding.
+//!
+//! A pack's `mimi_encoder_step/` and `mimi_decoder_step/` (and their `_f16` twins, built by
+//! `tools/make_mimi_step.py`) each hold a graph and its `state.json`: every state tensor's
+//! input and output names, shape without the batch dimension, element type and initial value.
+//! Nothing here lists the codec's layers: the manifest does.
+//!
+//! Each state tensor is allocated once. A state the graph updates in place (the transformer's
+//! K/V rings, written by `TensorScatter`) is bound as both input and output, so no call copies
+//! it; every other state (conv tails, counters) has two buffers, read from one and written to
+//! the other, and the two bindings are built once and alternate. A call writes the frame into
+//! a bound input, runs, and reads the bound output: no allocation, no copy of the state.
+//!
+//! Buffers are host memory; under CUDA, ONNX Runtime copies them to the device around each run.
+//!
+//! This module knows the step graphs' contract, not the stages that use them.
+
+use std::path::Path;
+
+use ort::memory::Allocator;
+use ort::session::{IoBinding, Session};
+use ort::value::TensorElementType;
+use serde::Deserialize;
+
+use super::error::ModelError;
+use super::pack::{FloatType, Pack, StepRole};
+use super::session::{open, report, Provider, SessionOptions};
+use super::tensors::Buffer;
+
+/// `state.json`: what a step graph keeps from call to call.
+#[derive(Debug, Clone, Deserialize)]
+pub struct StepManifest {
+    /// Format version (1).
+    pub format: u32,
+    /// `encoder` or `decoder`.
+    pub role: String,
+    /// `f32` or `f16`: the graph's compute precision (PCM stays f32 at its edges).
+    pub dtype: String,
+    /// Samples per call (1920).
+    pub frame_samples: usize,
+    /// Codebooks per frame (8).
+    pub codebooks: usize,
+    /// The codec transformer's attention context, in 25 Hz frames (250).
+    pub context: usize,
+    /// Slots of each K/V ring.
+    pub window: usize,
+    /// The encoder's RVQ distance form (`gemm` or `broadcast`).
+    pub rvq: Option<String>,
+    /// The frame input's name (`pcm` or `codes`).
+    pub input: String,
+    /// The frame output's name (`codes` or `pcm`).
+    pub output: String,
+    /// Every state tensor.
+    pub states: Vec<StateSpec>,
+}
+
+/// One state tensor.
+#[derive(Debug, Clone, Deserialize)]
+pub struct StateSpec {
+    /// A name for messages (`encoder.model.0`, `decoder_transformer.3.k`).
+    pub name: String,
+    /// The graph input it is read from.
+    pub input: String,
+    /// The graph output its next value is written to.
+    pub output: String,
+    /// Its shape after the batch dimension.
+    pub shape: Vec<i64>,
+    /// `f32`, `f16` or `i64`.
+    pub dtype: String,
+    /// Its value at the start of a stream (`zeros`).
+    pub init: String,
+    /// Whether the graph writes the next value over the input (bind one buffer to both).
+    pub inplace: bool,
+}
+
+impl StepManifest {
+    /// Reads and checks `dir/state.json`.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Pack`] naming the file and what is wrong with it.
+    pub fn read(dir: &Path) -> Result<StepManifest, ModelError> {
+        let path = dir.join("state.json");
+        let bad = |detail: String| ModelError::Pack {
+            path: path.clone(),
+            detail,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| bad(e.to_string()))?;
+        let m: StepManifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if m.format != 1 {
+            return Err(bad(format!(
+                "format {} (this build reads format 1)",
+                m.format
+            )));
+        }
+        for s in &m.states {
+            if s.init != "zeros" {
+                return Err(bad(format!(
+                    "state `{}`: initial value {:?} (only zeros is known)",
+                    s.name, s.init
+                )));
+            }
+            if !matches!(s.dtype.as_str(), "f32" | "f16" | "i64") {
+                return Err(bad(format!(
+                    "state `{}`: element type {:?} (f32, f16 or i64)",
+                    s.name, s.dtype
+                )));
+            }
+            if s.shape.iter().any(|&d| d < 0) {
+                return Err(bad(format!(
+                    "state `{}`: shape {:?} has a negative dimension",
+                    s.name, s.shape
+                )));
+            }
+        }
+        Ok(m)
+    }
+}
+
+fn element_of(dtype: &str) -> TensorElementType {
+    match dtype {
+        "f16" => TensorElementType::Float16,
+        "i64" => TensorElementType::Int64,
+        _ => TensorElementType::Float32,
+    }
+}
+
+/// One state tensor's buffers: one when updated in place, else two (read one, write the other).
+struct State {
+    bufs: Vec<Buffer>,
+}
+
+/// A step graph with its state: the codec side of one stream.
+pub struct StepCodec {
+    /// Two bindings built once: even calls read set 0 and write set 1, odd calls the reverse.
+    bindings: [IoBinding; 2],
+    session: Session,
+    states: Vec<State>,
+    input: Buffer,
+    output: Buffer,
+    parity: usize,
+    graph: &'static str,
+    /// What the graph says about itself.
+    pub manifest: StepManifest,
+    /// The execution provider in use.
+    pub provider: Provider,
+    /// The compute precision.
+    pub dtype: FloatType,
+    /// Calls since the last reset.
+    pub frames: u64,
+}
+
+impl StepCodec {
+    /// What the graph runs on: `cpu f32 stateful`.
+    pub fn runs_on(&self) -> String {
+        format!("{} {} stateful", self.provider.name(), self.dtype.name())
+    }
+
+    /// Opens the pack's `role` step graph of precision `dtype`.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Pack`] when the pack has no such graph or its manifest is wrong,
+    /// contract errors when the graph disagrees with its manifest, provider and ONNX Runtime
+    /// errors.
+    pub fn open(
+        pack: &Pack,
+        role: StepRole,
+        dtype: FloatType,
+        opts: &SessionOptions,
+    ) -> Result<StepCodec, ModelError> {
+        let graph = role.graph();
+        let Some(dir) = pack.step_graph(role, dtype) else {
+            return Err(ModelError::Pack {
+                path: pack.dir.clone(),
+                detail: format!(
+                    "no {graph} graph of precision {} (build it with tools/make_mimi_step.py)",
+                    dtype.name()
+                ),
+            });
+        };
+        let manifest = StepManifest::read(&dir)?;
+        let m = &pack.manifest;
+        let (want_in, want_out) = match role {
+            StepRole::Encoder => ("pcm", "codes"),
+            StepRole::Decoder => ("codes", "pcm"),
+        };
+        if manifest.input != want_in
+            || manifest.output != want_out
+            || manifest.frame_samples != m.frame_size
+            || manifest.codebooks != m.codebooks
+        {
+            return Err(ModelError::Pack {
+                path: dir.join("state.json"),
+                detail: format!(
+                    "a {graph} of {} samples and {} codebooks ({} -> {}) does not fit this pack \
+                     ({} samples, {} codebooks, {want_in} -> {want_out})",
+                    manifest.frame_samples,
+                    manifest.codebooks,
+                    manifest.input,
+                    manifest.output,
+                    m.frame_size,
+                    m.codebooks
+                ),
+            });
+        }
+        let os = open(&dir.join("model.onnx"), graph, opts)?;
+        let e = |err: ort::Error| ModelError::ort(graph, err);
+        // The graph's inputs and outputs must be the manifest's, no more, no less.
+        let inputs: Vec<String> = os
+            .session
+            .inputs()
+            .iter()
+            .map(|i| i.name().to_string())
+            .collect();
+        let outputs: Vec<String> = os
+            .session
+            .outputs()
+            .iter()
+            .map(|o| o.name().to_string())
+            .collect();
+        let mut want_inputs: Vec<String> =
+            manifest.states.iter().map(|s| s.input.clone()).collect();
+        want_inputs.push(manifest.input.clone());
+        let mut want_outputs: Vec<String> =
+            manifest.states.iter().map(|s| s.output.clone()).collect();
+        want_outputs.push(manifest.output.clone());
+        for (kind, have, want) in [
+            ("input", &inputs, &want_inputs),
+            ("output", &outputs, &want_outputs),
+        ] {
+            if let Some(missing) = want.iter().find(|n| !have.contains(n)) {
+                return Err(ModelError::contract(
+                    graph,
+                    format!("state.json names {kind} `{missing}`, which the graph does not have"),
+                ));
+            }
+            if let Some(extra) = have.iter().find(|n| !want.contains(n)) {
+                return Err(ModelError::contract(
+                    graph,
+                    format!("the graph's {kind} `{extra}` is not in state.json"),
+                ));
+            }
+        }
+        let alloc = Allocator::default();
+        let mut states = Vec::with_capacity(manifest.states.len());
+        for s in &manifest.states {
+            let mut shape = vec![1i64];
+            shape.extend(&s.shape);
+            let n = if s.inplace { 1 } else { 2 };
+            let bufs = (0..n)
+                .map(|_| Buffer::zeros(&alloc, element_of(&s.dtype), &shape))
+                .collect::<ort::Result<Vec<_>>>()
+                .map_err(e)?;
+            states.push(State { bufs });
+        }
+        let (input, output) = match role {
+            StepRole::Encoder => (
+                Buffer::zeros(
+                    &alloc,
+                    TensorElementType::Float32,
+                    &[1, 1, m.frame_size as i64],
+                ),
+                Buffer::zeros(
+                    &alloc,
+                    TensorElementType::Int64,
+                    &[1, m.codebooks as i64, 1],
+                ),
+            ),
+            StepRole::Decoder => (
+                Buffer::zeros(
+                    &alloc,
+                    TensorElementType::Int64,
+                    &[1, m.codebooks as i64, 1],
+                ),
+                Buffer::zeros(
+                    &alloc,
+                    TensorElementType::Float32,
+                    &[1, 1, m.frame_size as i64],
+                ),
+            ),
+        };
+        let (mut input, mut output) = (input.map_err(e)?, output.map_err(e)?);
+        let in_shape: Vec<i64> = match role {
+            StepRole::Encoder => vec![1, 1, m.frame_size as i64],
+            StepRole::Decoder => vec![1, m.codebooks as i64, 1],
+        };
+        let out_shape: Vec<i64> = match role {
+            StepRole::Encoder => vec![1, m.codebooks as i64, 1],
+            StepRole::Decoder => vec![1, 1, m.frame_size as i64],
+        };
+        let mut bind = |parity: usize| -> ort::Result<IoBinding> {
+            let mut b = os.session.create_binding()?;
+            let v = input.view(&alloc, &in_shape)?;
+            b.bind_input(manifest.input.as_str(), &v)?;
+            let v = output.view(&alloc, &out_shape)?;
+            b.bind_output(manifest.output.as_str(), v)?;
+            for (s, st) in manifest.states.iter().zip(states.iter_mut()) {
+                let mut shape = vec![1i64];
+                shape.extend(&s.shape);
+                let (r, w) = if s.inplace {
+                    (0, 0)
+                } else {
+                    (parity, 1 - parity)
+                };
+                let v = st.bufs[r].view(&alloc, &shape)?;
+                b.bind_input(s.input.as_str(), &v)?;
+                let v = st.bufs[w].view(&alloc, &shape)?;
+                b.bind_output(s.output.as_str(), v)?;
+            }
+            Ok(b)
+        };
+        let bindings = [bind(0).map_err(e)?, bind(1).map_err(e)?];
+        let dtype_name = dtype.name();
+        report(graph, os.provider, dtype_name);
+        tracing::debug!(
+            graph,
+            states = manifest.states.len(),
+            in_place = manifest.states.iter().filter(|s| s.inplace).count(),
+            "step graph bound"
+        );
+        Ok(StepCodec {
+            bindings,
+            session: os.session,
+            states,
+            input,
+            output,
+            parity: 0,
+            graph,
+            provider: os.provider,
+            dtype,
+            frames: 0,
+            manifest,
+        })
+    }
+
+    /// Starts a new stream: every state back to its initial value.
+    pub fn reset(&mut self) {
+        for st in &mut self.states {
+            for b in &mut st.bufs {
+                match b.ty {
+                    TensorElementType::Int64 => b.as_slice::<i64>().fill(0),
+                    TensorElementType::Float16 => b.as_slice::<half::f16>().fill(half::f16::ZERO),
+                    _ => b.as_slice::<f32>().fill(0.0),
+                }
+            }
+        }
+        self.parity = 0;
+        self.frames = 0;
+    }
+
+    fn run(&mut self) -> Result<(), ModelError> {
+        drop(
+            self.session
+                .run_binding(&self.bindings[self.parity])
+                .map_err(|e| ModelError::ort(self.graph, e))?,
+        );
+        self.parity ^= 1;
+        self.frames += 1;
+        Ok(())
+    }
+
+    /// Encodes the next frame of exactly `frame_samples` samples (encoder graphs); returns its
+    /// codes.
+    ///
+    /// # Errors
+    ///
+    /// A frame of the wrong size, a decoder graph, ONNX Runtime errors.
+    pub fn encode(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
+        if self.manifest.input != "pcm" {
+            return Err(ModelError::contract(self.graph, "not an encoder"));
+        }
+        if frame.len() != self.manifest.frame_samples {
+            return Err(ModelError::contract(
+                self.graph,
+                format!(
+                    "frame of {} samples, expected {}",
+                    frame.len(),
+                    self.manifest.frame_samples
+                ),
+            ));
+        }
+        self.input.as_slice::<f32>().copy_from_slice(frame);
+        self.run()?;
+        Ok(self.output.as_slice::<i64>().to_vec())
+    }
+
+    /// Decodes the next frame's codes (decoder graphs); returns its samples.
+    ///
+    /// # Errors
+    ///
+    /// Codes of the wrong count or out of `0..audio_vocab`, an encoder graph, ONNX Runtime
+    /// errors.
+    pub fn decode(&mut self, codes: &[i64], audio_vocab: i64) -> Result<Vec<f32>, ModelError> {
+        if self.manifest.input != "codes" {
+            return Err(ModelError::contract(self.graph, "not a decoder"));
+        }
+        if codes.len() != self.manifest.codebooks {
+            return Err(ModelError::contract(
+                self.graph,
+                format!(
+                    "{} codes, expected {}",
+                    codes.len(),
+                    self.manifest.codebooks
+                ),
+            ));
+        }
+        if let Some((q, &c)) = codes
+            .iter()
+            .enumerate()
+            .find(|(_, &c)| !(0..audio_vocab).contains(&c))
+        {
+            return Err(ModelError::Token {
+                graph: self.graph.into(),
+                channel: format!("codebook {q}"),
+                value: c,
+                limit: audio_vocab,
+            });
+        }
+        self.input.as_slice::<i64>().copy_from_slice(codes);
+        self.run()?;
+        Ok(self.output.as_slice::<f32>().to_vec())
+    }
+
+    /// The value of an i64 state (a counter) by name, for diagnostics and tests.
+    pub fn counter(&mut self, name: &str) -> Option<i64> {
+        let i = self.manifest.states.iter().position(|s| s.name == name)?;
+        let st = &mut self.states[i];
+        if st.bufs[0].ty != TensorElementType::Int64 {
+            return None;
+        }
+        // The current value is in the set the next call reads.
+        let r = if st.bufs.len() == 1 { 0 } else { self.parity };
+        st.bufs[r].as_slice::<i64>().first().copied()
+    }
+
+    /// Sets every i64 state called `*.position` to `value` (a stream that started `value`
+    /// transformer frames ago, with nothing valid in its window): how tests show that hours of
+    /// stream do not move the results.
+    pub fn set_position(&mut self, value: i64) {
+        let parity = self.parity;
+        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+            if s.name.ends_with(".position") && st.bufs[0].ty == TensorElementType::Int64 {
+                let r = if st.bufs.len() == 1 { 0 } else { parity };
+                st.bufs[r].as_slice::<i64>().fill(value);
+            }
+        }
+    }
+}

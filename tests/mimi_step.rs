@@ -1,0 +1,404 @@
+//! Stateful streaming Mimi on the tiny packs' step graphs (built by `tools/make_mimi_step.py`
+//! from the exporter's offline graphs), through ONNX Runtime and our step codec:
+//! frame-by-frame coding equals whole-utterance coding for the first 10 s, and past them equals
+//! an offline reference with the codec transformer's 250-frame window; fp16 against fp32; a
+//! reset is a fresh stream; two hours of position change nothing; the GEMM-form RVQ gives the
+//! broadcast form's codes; a pack without step graphs still runs, on the window.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use duplex::model::mimi::{MimiDecoder, MimiEncoder};
+use duplex::model::mimi_step::StepCodec;
+use duplex::model::pack::{FloatType, Pack, StepRole};
+use duplex::model::session::SessionOptions;
+
+const FRAME: usize = 1920;
+const RATE: f64 = 24_000.0;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python(args: &[&str]) {
+    let o = Command::new(root().join(".venv/bin/python"))
+        .args(args)
+        .output()
+        .expect("run .venv/bin/python (make setup)");
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Speech-like test signal: a voiced source (a gliding pitch with harmonics) in syllables of
+/// 150-300 ms with pauses, formant-like resonances that move, and a little noise. `secs`
+/// seconds, whole frames.
+fn speechlike(secs: f64, seed: u64) -> Vec<f32> {
+    let n = (secs * RATE) as usize / FRAME * FRAME;
+    let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    let mut noise = move || {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((rng >> 33) as f64 / (1u64 << 31) as f64) - 1.0
+    };
+    let mut phase = 0.0f64;
+    (0..n)
+        .map(|i| {
+            let t = i as f64 / RATE;
+            let syllable = (t * 4.3).fract();
+            let envelope = if syllable < 0.7 {
+                (std::f64::consts::PI * syllable / 0.7).sin().powi(2)
+            } else {
+                0.0
+            };
+            let pitch = 120.0 + 40.0 * (t * 0.9).sin() + 25.0 * (t * 4.3).floor().rem_euclid(3.0);
+            phase += 2.0 * std::f64::consts::PI * pitch / RATE;
+            let formant = 1.0 + 0.5 * (t * 1.7).sin();
+            let voiced: f64 = (1..12)
+                .map(|h| {
+                    let f = pitch * h as f64;
+                    let gain = 1.0 / (1.0 + ((f - 700.0 * formant) / 300.0).powi(2))
+                        + 0.5 / (1.0 + ((f - 1800.0 * formant) / 400.0).powi(2));
+                    gain * (phase * h as f64).sin()
+                })
+                .sum();
+            (0.25 * envelope * voiced + 0.01 * noise()) as f32
+        })
+        .collect()
+}
+
+fn opts() -> SessionOptions {
+    SessionOptions::default()
+}
+
+fn step(pack: &Pack, role: StepRole, dtype: FloatType) -> StepCodec {
+    StepCodec::open(pack, role, dtype, &opts()).expect("open step graph")
+}
+
+fn encode_frames(enc: &mut StepCodec, pcm: &[f32]) -> Vec<Vec<i64>> {
+    pcm.chunks_exact(FRAME)
+        .map(|f| enc.encode(f).unwrap())
+        .collect()
+}
+
+fn decode_frames(dec: &mut StepCodec, codes: &[Vec<i64>]) -> Vec<f32> {
+    codes
+        .iter()
+        .flat_map(|c| dec.decode(c, 2048).unwrap())
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn snr_db(reference: &[f32], x: &[f32]) -> f64 {
+    let s: f64 = reference.iter().map(|v| (*v as f64).powi(2)).sum();
+    let e: f64 = reference
+        .iter()
+        .zip(x)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    10.0 * (s / e.max(1e-30)).log10()
+}
+
+fn tiny() -> Pack {
+    Pack::open(&packs::pack("tiny")).unwrap()
+}
+
+/// The pack with the exporter's offline codec graphs given the 250-frame window
+/// (`tools/mimi_window_reference.py`).
+fn windowed_reference(dir: &Path) -> PathBuf {
+    let out = dir.join("windowed");
+    python(&[
+        root()
+            .join("tools/mimi_window_reference.py")
+            .to_str()
+            .unwrap(),
+        packs::pack("tiny").to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    out
+}
+
+#[test]
+fn streaming_equals_offline_for_the_first_ten_seconds() {
+    let pack = tiny();
+    let pcm = speechlike(9.0, 1);
+    let offline = MimiEncoder::open(&pack, &opts(), 1)
+        .unwrap()
+        .encode(&pcm)
+        .unwrap();
+    let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+    let streamed = encode_frames(&mut enc, &pcm);
+    assert_eq!(streamed.len(), 112);
+    let differing: Vec<usize> = (0..streamed.len())
+        .filter(|&t| streamed[t] != offline[t])
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "frames whose codes differ: {differing:?}"
+    );
+    // Not a constant: the codes follow the signal.
+    let distinct: std::collections::HashSet<&Vec<i64>> = streamed.iter().collect();
+    assert!(
+        distinct.len() > 50,
+        "{} distinct code frames",
+        distinct.len()
+    );
+
+    let wav_offline = MimiDecoder::open(&pack, &opts(), 1)
+        .unwrap()
+        .decode(&offline)
+        .unwrap();
+    let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
+    let wav = decode_frames(&mut dec, &offline);
+    let d = max_diff(&wav, &wav_offline);
+    let peak = wav_offline.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    eprintln!(
+        "9 s: 112 frames of codes identical; waveform max difference {d:.2e} (peak {peak:.2})"
+    );
+    assert!(peak > 0.1, "peak {peak}");
+    assert!(d < 1e-4, "waveform differs by {d}");
+}
+
+#[test]
+fn past_ten_seconds_streaming_equals_the_windowed_offline_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = Pack::open(&windowed_reference(dir.path())).unwrap();
+    let pack = tiny();
+    let pcm = speechlike(30.0, 2);
+    let offline = MimiEncoder::open(&reference, &opts(), 1)
+        .unwrap()
+        .encode(&pcm)
+        .unwrap();
+    let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+    let streamed = encode_frames(&mut enc, &pcm);
+    assert_eq!(streamed.len(), 375);
+    let differing: Vec<usize> = (0..375).filter(|&t| streamed[t] != offline[t]).collect();
+    assert!(
+        differing.is_empty(),
+        "frames whose codes differ: {differing:?}"
+    );
+    let wav_offline = MimiDecoder::open(&reference, &opts(), 1)
+        .unwrap()
+        .decode(&offline)
+        .unwrap();
+    let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
+    let wav = decode_frames(&mut dec, &offline);
+    let d = max_diff(&wav, &wav_offline);
+    // The reference is not the unwindowed graph: past 10 s that one differs.
+    let unwindowed = MimiEncoder::open(&pack, &opts(), 1)
+        .unwrap()
+        .encode(&pcm)
+        .unwrap();
+    let late_differ = (125..375).filter(|&t| unwindowed[t] != offline[t]).count();
+    eprintln!(
+        "30 s: 375 frames identical to the windowed reference; waveform max difference {d:.2e}; \
+         the unwindowed graph differs on {late_differ} of the 250 frames past 10 s"
+    );
+    assert!(d < 1e-4, "waveform differs by {d}");
+    assert!(late_differ > 25, "{late_differ}");
+}
+
+#[test]
+fn fp16_step_graphs_agree_with_fp32() {
+    let pack = tiny();
+    let pcm = speechlike(9.0, 3);
+    let c32 = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F32), &pcm);
+    let mut e16 = step(&pack, StepRole::Encoder, FloatType::F16);
+    assert_eq!(e16.runs_on(), "cpu f16 stateful");
+    let c16 = encode_frames(&mut e16, &pcm);
+    let same = (0..c32.len()).filter(|&t| c32[t] == c16[t]).count();
+    let agree = same as f64 / c32.len() as f64;
+    let w32 = decode_frames(&mut step(&pack, StepRole::Decoder, FloatType::F32), &c32);
+    let w16 = decode_frames(&mut step(&pack, StepRole::Decoder, FloatType::F16), &c32);
+    let snr = snr_db(&w32, &w16);
+    eprintln!(
+        "fp16 against fp32: codes equal on {same} of {} frames ({:.1} %), decoded SNR {snr:.1} dB",
+        c32.len(),
+        agree * 100.0
+    );
+    assert!(agree >= 0.9, "codes agree on {:.1} %", agree * 100.0);
+    assert!(snr >= 40.0, "SNR {snr:.1} dB");
+}
+
+#[test]
+fn after_a_reset_the_next_frames_equal_a_fresh_streams() {
+    let pack = tiny();
+    let a = speechlike(4.0, 4);
+    let b = speechlike(3.0, 5);
+    let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+    let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
+    let codes_a = encode_frames(&mut enc, &a);
+    let _ = decode_frames(&mut dec, &codes_a);
+    // Without a reset the stream carries the past: the codes of `b` differ from a fresh start.
+    let mut carried = step(&pack, StepRole::Encoder, FloatType::F32);
+    encode_frames(&mut carried, &a);
+    let carried_b = encode_frames(&mut carried, &b);
+    enc.reset();
+    dec.reset();
+    assert_eq!(enc.counter("encoder_transformer.position"), Some(0));
+    let after = encode_frames(&mut enc, &b);
+    let fresh = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F32), &b);
+    assert_eq!(after, fresh);
+    assert_ne!(
+        carried_b, fresh,
+        "the state is real: a carried stream differs"
+    );
+    let wav_after = decode_frames(&mut dec, &fresh);
+    let wav_fresh = decode_frames(&mut step(&pack, StepRole::Decoder, FloatType::F32), &fresh);
+    assert_eq!(wav_after, wav_fresh);
+}
+
+#[test]
+fn two_hours_of_position_change_nothing() {
+    // 90 000 frames of 80 ms (2 h) are 180 000 transformer frames.
+    let pack = tiny();
+    let pcm = speechlike(12.0, 6);
+    let at_zero = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F32), &pcm);
+    let mut late = step(&pack, StepRole::Encoder, FloatType::F32);
+    late.set_position(180_000);
+    let at_late = encode_frames(&mut late, &pcm);
+    assert_eq!(
+        late.counter("encoder_transformer.position"),
+        Some(180_000 + 2 * 150)
+    );
+    assert_eq!(at_zero, at_late);
+    let w0 = decode_frames(
+        &mut step(&pack, StepRole::Decoder, FloatType::F32),
+        &at_zero,
+    );
+    let mut dl = step(&pack, StepRole::Decoder, FloatType::F32);
+    dl.set_position(180_000);
+    let wl = decode_frames(&mut dl, &at_zero);
+    let d = max_diff(&w0, &wl);
+    eprintln!("at position 180000 (2 h): 150 frames of codes identical, waveform within {d:.2e}");
+    assert!(d < 1e-4, "{d}");
+}
+
+#[test]
+fn the_gemm_rvq_gives_the_broadcast_forms_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("broadcast");
+    std::fs::create_dir(&copy).unwrap();
+    let src = packs::pack("tiny");
+    for g in ["mimi_encoder", "mimi_decoder", "temporal", "depformer"] {
+        std::os::unix::fs::symlink(src.join(g), copy.join(g)).unwrap();
+    }
+    let yaml = std::fs::read_to_string(src.join("pack.yaml")).unwrap();
+    let yaml: String = yaml
+        .lines()
+        .filter(|l| !l.starts_with("mimi_streaming:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(copy.join("pack.yaml"), yaml).unwrap();
+    python(&[
+        root().join("tools/make_mimi_step.py").to_str().unwrap(),
+        copy.to_str().unwrap(),
+        "--dtype",
+        "f32",
+        "--rvq",
+        "broadcast",
+        "-q",
+    ]);
+    let broadcast = Pack::open(&copy).unwrap();
+    let pack = tiny();
+    let mut g = step(&pack, StepRole::Encoder, FloatType::F32);
+    let mut b = step(&broadcast, StepRole::Encoder, FloatType::F32);
+    assert_eq!(g.manifest.rvq.as_deref(), Some("gemm"));
+    assert_eq!(b.manifest.rvq.as_deref(), Some("broadcast"));
+    for seed in [7, 8] {
+        let pcm = speechlike(9.0, seed);
+        assert_eq!(encode_frames(&mut g, &pcm), encode_frames(&mut b, &pcm));
+        g.reset();
+        b.reset();
+    }
+}
+
+fn run_pipeline(pack: &Path, dir: &Path, extra: &[&str]) -> std::process::Output {
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let input = out.join("in.wav");
+    let mut w =
+        duplex::audio::WavWriter::create(&input, 24_000, duplex::audio::WavFormat::I16).unwrap();
+    w.write(&speechlike(2.0, 9)).unwrap();
+    w.finalize().unwrap();
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .current_dir(root())
+        .args(["run", "pipelines/duplex-file.yaml"])
+        .args([
+            "--set",
+            &format!("stages.encode.pack={}", pack.display()),
+            "--set",
+            &format!("stages.temporal.pack={}", pack.display()),
+            "--set",
+            &format!("stages.depformer.pack={}", pack.display()),
+            "--set",
+            &format!("stages.decode.pack={}", pack.display()),
+            "--set",
+            &format!("stages.source.path={}", input.display()),
+            "--set",
+            &format!("stages.sink.path={}", out.join("agent.wav").display()),
+            "--set",
+            &format!("stages.tokens.path={}", out.join("tokens.jsonl").display()),
+        ])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run_pipeline(&packs::pack("tiny-gqa"), dir.path(), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(r#"codec streaming stage="encode" strategy="stateful" dtype="f32" why="the pack has step graphs""#),
+        "{err}"
+    );
+    assert!(
+        err.contains(r#"stage="decode" strategy="stateful""#),
+        "{err}"
+    );
+
+    let (_keep, bare) = packs::variant("tiny-gqa", "mimi_streaming: [window]\n");
+    for g in packs::CODEC_GRAPHS.iter().skip(2) {
+        std::fs::remove_file(bare.join(g)).unwrap();
+    }
+    let o = run_pipeline(&bare, dir.path(), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(r#"codec streaming stage="encode" strategy="window" dtype="f32" why="the pack has no step graphs""#),
+        "{err}"
+    );
+    // Asking for the step graphs of a pack that has none is refused before start.
+    let o = run_pipeline(
+        &bare,
+        dir.path(),
+        &["--set", "stages.encode.streaming=stateful"],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("streaming"), "{err}");
+    assert!(err.contains("tools/make_mimi_step.py"), "{err}");
+    // A pack.yaml that lists step graphs the folders lack is refused, naming the folder.
+    let (_keep2, lying) = packs::variant("tiny-gqa", "mimi_streaming: [window, stateful]\n");
+    std::fs::remove_file(lying.join("mimi_decoder_step")).unwrap();
+    let o = run_pipeline(&lying, dir.path(), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("mimi_decoder_step"), "{err}");
+}
