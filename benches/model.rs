@@ -5,7 +5,9 @@
 //!    graph; and cache-buffer allocations per step.
 //! 2. Resident memory over 6000 LM frames (tiny packs): flat once the context window is full.
 //! 3. End-to-end frames per second of the full duplex pipeline on the tiny pack and with a
-//!    full-size Mimi, and the completion interval against the sum of stage times.
+//!    full-size Mimi, and the completion interval against the sum of stage times; with the
+//!    full-size Mimi, the window codec with every depformer substep against the stateful codec
+//!    with the user stream's substeps skipped.
 //! 4. The depformer's time per frame on the `small` pack with every substep run against the
 //!    user stream's substeps skipped (`user_substeps: skip`), same tokens checked.
 //! 5. The shared LM engine on the `small` pack: the time of one frame of B conversations
@@ -13,7 +15,10 @@
 //!    graphs of their own (B = 1, 2, 4, 8, 16), the tokens checked equal; and resident memory
 //!    for 1 and 16 conversations both ways.
 //!
-//! `cargo bench --bench model`. Packs that are missing are built with `tools/make_pack.py`.
+//! 6. Full-size Mimi per frame: the stateful step graphs (fp32 and fp16) against the 8-frame
+//!    rolling window, encoder and decoder.
+//!
+//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec]`. Packs that are missing are built with `tools/make_pack.py`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -174,9 +179,9 @@ fn memory_bench() {
 }
 
 fn e2e_bench() {
-    println!("\n3. end-to-end: full duplex pipeline on a 20 s input, as fast as possible");
+    println!("\n3. end-to-end: full duplex pipeline on a 12 s input, as fast as possible");
     let dir = tempfile_dir();
-    // 20 s of noise at 48 kHz as input.
+    // 12 s of noise at 48 kHz as input.
     let input = dir.join("in.wav");
     let mut s = duplex::audio::Synth::new(
         duplex::audio::Waveform::Noise {
@@ -185,21 +190,37 @@ fn e2e_bench() {
         },
         48_000,
     );
-    let mut x = vec![0.0; 48_000 * 20];
+    let mut x = vec![0.0; 48_000 * 12];
     s.fill(&mut x);
     let mut w =
         duplex::audio::WavWriter::create(&input, 48_000, duplex::audio::WavFormat::I16).unwrap();
     w.write(&x).unwrap();
     w.finalize().unwrap();
-    for (label, name, args) in [
-        ("tiny pack", "tiny-gqa", vec![]),
+    let set = duplex::config::Override::set;
+    let before = || {
+        vec![
+            set("stages.encode.streaming", "window"),
+            set("stages.decode.streaming", "window"),
+            set("stages.depformer.user_substeps", "run"),
+        ]
+    };
+    let mut intervals = Vec::new();
+    for (label, name, args, sets) in [
+        ("tiny pack", "tiny-gqa", vec![], vec![]),
         (
-            "full-size Mimi",
+            "full Mimi, window + every substep",
             "small-gqa-fullmimi",
             vec!["--size", "small", "--variant", "gqa", "--mimi", "full"],
+            before(),
+        ),
+        (
+            "full Mimi, stateful + user substeps skipped",
+            "small-gqa-fullmimi",
+            vec!["--size", "small", "--variant", "gqa", "--mimi", "full"],
+            vec![],
         ),
     ] {
-        let p = pack(name, &args);
+        let p = with_step_graphs(pack(name, &args));
         let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
             .unwrap()
             .replace("models/tiny-gqa", p.to_str().unwrap())
@@ -211,9 +232,9 @@ fn e2e_bench() {
             );
         let file = dir.join("p.yaml");
         std::fs::write(&file, yaml).unwrap();
-        let report = duplex::app::run_file(&file, &[]).expect("pipeline runs");
+        let report = duplex::app::run_file(&file, &sets).expect("pipeline runs");
         let frames = report.stage("temporal").unwrap().frames;
-        assert_eq!(frames, 250, "20 s = 250 frames");
+        assert_eq!(frames, 150, "12 s = 150 frames");
         let fps = frames as f64 / report.wall.as_secs_f64();
         let sum: f64 = ["encode", "temporal", "depformer", "decode"]
             .iter()
@@ -239,12 +260,116 @@ fn e2e_bench() {
             })
             .collect();
         println!(
-            "   {label:<15} {fps:7.1} frames/s ({:.2}x real time); per frame ms: {}; completion interval p50 {:.2} ms vs sum of stage times {:.2} ms -> {:.2}",
+            "   {label:<44} {fps:6.1} frames/s ({:.2}x real time); per frame ms: {}; completion interval p50 {:.2} ms vs sum of stage times {:.2} ms -> {:.2}",
             fps * 0.08,
             per_stage.join(", "),
             interval * 1e3,
             sum * 1e3,
             interval / sum
+        );
+        intervals.push(interval);
+    }
+    println!(
+        "   full Mimi: completion interval stateful + skip / window + every substep: {:.2} ms / {:.2} ms = {:.2} (target <= 0.35; real time is 80 ms)",
+        intervals[2] * 1e3,
+        intervals[1] * 1e3,
+        intervals[2] / intervals[1]
+    );
+}
+
+/// The pack, with Mimi's step graphs added (`tools/make_mimi_step.py`) if it was built without.
+fn with_step_graphs(dir: PathBuf) -> PathBuf {
+    if !dir.join("mimi_encoder_step_f16/state.json").is_file() {
+        eprintln!("adding step graphs to {}", dir.display());
+        let ok = std::process::Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("tools/make_mimi_step.py"))
+            .arg(&dir)
+            .arg("-q")
+            .status()
+            .expect("run tools/make_mimi_step.py (make setup first)")
+            .success();
+        assert!(ok, "building step graphs for {} failed", dir.display());
+    }
+    dir
+}
+
+fn codec_bench() {
+    use duplex::model::mimi::{MimiDecoder, MimiEncoder};
+    use duplex::model::mimi_step::StepCodec;
+    use duplex::model::pack::{FloatType, StepRole};
+    println!("\n6. full-size Mimi per 80 ms frame, 1 thread: stateful step graphs vs the 8-frame window");
+    let dir = with_step_graphs(pack(
+        "small-gqa-fullmimi",
+        &["--size", "small", "--variant", "gqa", "--mimi", "full"],
+    ));
+    let p = Pack::open(&dir).unwrap();
+    let so = SessionOptions::default();
+    let mut noise = duplex::audio::Synth::new(
+        duplex::audio::Waveform::Noise {
+            amplitude: 0.2,
+            seed: 3,
+        },
+        24_000,
+    );
+    let frames: Vec<Vec<f32>> = (0..40)
+        .map(|_| {
+            let mut f = vec![0.0; 1920];
+            noise.fill(&mut f);
+            f
+        })
+        .collect();
+    let time = |f: &mut dyn FnMut(usize)| {
+        // Warm up (and fill the window) on the first 10 frames, time the next 30.
+        for i in 0..10 {
+            f(i);
+        }
+        median(
+            (10..40)
+                .map(|i| {
+                    let t0 = Instant::now();
+                    f(i);
+                    t0.elapsed()
+                })
+                .collect(),
+        )
+    };
+    let mut window = MimiEncoder::open(&p, &so, 8).unwrap();
+    let mut codes = Vec::new();
+    let enc_window = time(&mut |i| {
+        let c = window.push(&frames[i]).unwrap();
+        if codes.len() < 40 {
+            codes.push(c);
+        }
+    });
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut results = Vec::new();
+    for dtype in [FloatType::F32, FloatType::F16] {
+        let mut step = StepCodec::open(&p, StepRole::Encoder, dtype, &so).unwrap();
+        let allocs0 = duplex::model::buffer_allocations();
+        let enc_step = time(&mut |i| {
+            step.encode(&frames[i]).unwrap();
+        });
+        let allocs = duplex::model::buffer_allocations() - allocs0;
+        let mut wdec = MimiDecoder::open(&p, &so, 8).unwrap();
+        let dec_window = time(&mut |i| {
+            wdec.push(&codes[i], 2048).unwrap();
+        });
+        let mut sdec = StepCodec::open(&p, StepRole::Decoder, dtype, &so).unwrap();
+        let dec_step = time(&mut |i| {
+            sdec.decode(&codes[i], 2048).unwrap();
+        });
+        results.push((dtype, enc_step, dec_step, dec_window, allocs));
+    }
+    for (dtype, enc_step, dec_step, dec_window, allocs) in results {
+        println!(
+            "   {:<3} encode: stateful {:6.2} ms vs window {:6.2} ms -> {:.2} (target <= 0.30); decode: stateful {:6.2} ms vs window {:6.2} ms -> {:.2} (target <= 0.30); buffers allocated while stepping: {allocs}",
+            dtype.name(),
+            ms(enc_step),
+            ms(enc_window),
+            enc_step.as_secs_f64() / enc_window.as_secs_f64(),
+            ms(dec_step),
+            ms(dec_window),
+            dec_step.as_secs_f64() / dec_window.as_secs_f64(),
         );
     }
 }
@@ -330,6 +455,9 @@ fn main() {
     }
     if all || which == "engine" {
         engine_bench();
+    }
+    if all || which == "codec" {
+        codec_bench();
     }
 }
 

@@ -166,6 +166,26 @@ def _modules():
                                     op.Constant(value_ints=[2**62]), op.Constant(value_ints=[2])))
             return self.conv(op, joined)
 
+    class TrWeights(nn.Module):
+        """A ConvTranspose1d's weight and bias, as the exporter names them."""
+
+        def __init__(self, in_ch, out_ch, kernel, bias):
+            super().__init__()
+            self.weight = nn.Parameter([in_ch, out_ch, kernel])
+            self.bias = nn.Parameter([out_ch]) if bias else None
+
+        def forward(self, op):
+            b = op.Identity(self.bias) if self.bias is not None else None
+            return op.Identity(self.weight), b
+
+    class TrHolder(nn.Module):
+        def __init__(self, in_ch, out_ch, kernel, bias):
+            super().__init__()
+            self.convtr = TrWeights(in_ch, out_ch, kernel, bias)
+
+        def forward(self, op):
+            return self.convtr(op)
+
     class StepConvTr(nn.Module):
         """A causal ConvTranspose1d as overlap-add: keeps the `kernel - stride` tail, less bias."""
 
@@ -175,9 +195,49 @@ def _modules():
             self._stride = stride
             self._out = out_ch
             self._bias = bias
-            self.convtr = mimi._NormConvTr(in_ch, out_ch, kernel, stride, groups=groups, bias=bias)
+            self._groups = groups
+            self._in = in_ch
+            if groups == 1 and kernel == 2 * stride:
+                self.convtr = TrHolder(in_ch, out_ch, kernel, bias)
+            else:
+                self.convtr = mimi._NormConvTr(
+                    in_ch, out_ch, kernel, stride, groups=groups, bias=bias
+                )
+
+        def _gemm(self, op, x, step, key, frames):
+            """kernel = 2 * stride as one GEMM and an overlap-add of two halves.
+
+            ONNX Runtime's ConvTranspose on a few input frames is bound by its col2im; the
+            GEMM reads the weights (in, out * kernel) once. Frame t's kernel output has a head
+            (its first `stride` samples, at block t) and a tail (at block t + 1): block t is
+            head[t] + tail[t - 1], with tail[-1] the state; the new state is the last tail.
+            """
+            s, c = self._stride, self._out
+            i64 = lambda v: op.Constant(value=ir.tensor(np.array(v, dtype=np.int64)))  # noqa: E731
+            weight, bias = self.convtr(op)
+            w = op.Reshape(weight, i64([self._in, c * 2 * s]))
+            z = op.MatMul(op.Transpose(x, perm=[0, 2, 1]), w)  # (B, T, C * 2s)
+            z = op.Reshape(z, i64([0, frames, c, 2, s]))
+            head = op.Squeeze(op.Slice(z, i64([0]), i64([1]), i64([3])), i64([3]))  # (B,T,C,s)
+            tail = op.Squeeze(op.Slice(z, i64([1]), i64([2]), i64([3])), i64([3]))
+            partial = step.state(key, [c, s])  # (B, C, s)
+            # Tails shifted one block later: the state, then every tail but the last.
+            shifted = op.Concat(
+                op.Unsqueeze(partial, i64([1])),
+                op.Slice(tail, i64([0]), i64([frames - 1]), i64([1])),
+                axis=1,
+            )
+            step.next(key, op.Squeeze(op.Slice(tail, i64([frames - 1]), i64([frames]),
+                                               i64([1])), i64([1])))
+            y = op.Add(head, shifted)  # (B, T, C, s)
+            y = op.Reshape(op.Transpose(y, perm=[0, 2, 1, 3]), i64([0, c, frames * s]))
+            if bias is not None:
+                y = op.Add(y, op.Unsqueeze(bias, i64([0, 2])))
+            return y
 
         def forward(self, op, x, step, key, frames):
+            if self._groups == 1 and self._tail == self._stride:
+                return self._gemm(op, x, step, key, frames)
             y = self.convtr(op, x)  # (B, C, frames * stride + tail)
             emit = frames * self._stride
             partial = step.state(key, [self._out, self._tail])
