@@ -297,7 +297,9 @@ fn codec_bench() {
     use duplex::model::mimi::{MimiDecoder, MimiEncoder};
     use duplex::model::mimi_step::StepCodec;
     use duplex::model::pack::{FloatType, StepRole};
-    println!("\n6. full-size Mimi per 80 ms frame, 1 thread: stateful step graphs vs the 8-frame window");
+    println!(
+        "\n6. full-size Mimi per 80 ms frame, 1 thread: stateful step graphs vs the 8-frame window"
+    );
     let dir = with_step_graphs(pack(
         "small-gqa-fullmimi",
         &["--size", "small", "--variant", "gqa", "--mimi", "full"],

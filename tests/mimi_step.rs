@@ -3,7 +3,8 @@
 //! frame-by-frame coding equals whole-utterance coding for the first 10 s, and past them equals
 //! an offline reference with the codec transformer's 250-frame window; fp16 against fp32; a
 //! reset is a fresh stream; two hours of position change nothing; the GEMM-form RVQ gives the
-//! broadcast form's codes; a pack without step graphs still runs, on the window.
+//! broadcast form's codes; a pack without step graphs still runs, on the window; a new
+//! conversation restarts the codec's streams.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -326,13 +327,13 @@ fn the_gemm_rvq_gives_the_broadcast_forms_codes() {
     }
 }
 
-fn run_pipeline(pack: &Path, dir: &Path, extra: &[&str]) -> std::process::Output {
+fn run_pipeline(pack: &Path, dir: &Path, secs: f64, extra: &[&str]) -> std::process::Output {
     let out = dir.join("out");
     std::fs::create_dir_all(&out).unwrap();
     let input = out.join("in.wav");
     let mut w =
         duplex::audio::WavWriter::create(&input, 24_000, duplex::audio::WavFormat::I16).unwrap();
-    w.write(&speechlike(2.0, 9)).unwrap();
+    w.write(&speechlike(secs, 9)).unwrap();
     w.finalize().unwrap();
     Command::new(env!("CARGO_BIN_EXE_duplex"))
         .current_dir(root())
@@ -361,7 +362,7 @@ fn run_pipeline(pack: &Path, dir: &Path, extra: &[&str]) -> std::process::Output
 #[test]
 fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_window() {
     let dir = tempfile::tempdir().unwrap();
-    let o = run_pipeline(&packs::pack("tiny-gqa"), dir.path(), &[]);
+    let o = run_pipeline(&packs::pack("tiny-gqa"), dir.path(), 2.0, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
@@ -377,7 +378,7 @@ fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_win
     for g in packs::CODEC_GRAPHS.iter().skip(2) {
         std::fs::remove_file(bare.join(g)).unwrap();
     }
-    let o = run_pipeline(&bare, dir.path(), &[]);
+    let o = run_pipeline(&bare, dir.path(), 2.0, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
@@ -388,6 +389,7 @@ fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_win
     let o = run_pipeline(
         &bare,
         dir.path(),
+        2.0,
         &["--set", "stages.encode.streaming=stateful"],
     );
     let err = String::from_utf8_lossy(&o.stderr);
@@ -397,8 +399,43 @@ fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_win
     // A pack.yaml that lists step graphs the folders lack is refused, naming the folder.
     let (_keep2, lying) = packs::variant("tiny-gqa", "mimi_streaming: [window, stateful]\n");
     std::fs::remove_file(lying.join("mimi_decoder_step")).unwrap();
-    let o = run_pipeline(&lying, dir.path(), &[]);
+    let o = run_pipeline(&lying, dir.path(), 2.0, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("mimi_decoder_step"), "{err}");
+}
+
+#[test]
+fn a_new_conversation_starts_new_codec_streams() {
+    // The long-session policy re-primes every ~28 frames at 40 positions: each new conversation
+    // restarts the encoder's and the decoder's streams.
+    let dir = tempfile::tempdir().unwrap();
+    let o = run_pipeline(
+        &packs::pack("tiny-gqa"),
+        dir.path(),
+        6.0,
+        &["--set", "stages.temporal.max_positions=40"],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let resets = err
+        .matches("resetting the conversation and priming again")
+        .count();
+    let enc = err
+        .matches("new conversation: a new encoder stream")
+        .count();
+    let dec = err
+        .matches("new conversation: a new decoder stream")
+        .count();
+    assert!(resets >= 2, "{resets} resets\n{err}");
+    // The encoder runs ahead of the LM (its channel holds a few frames): a reset in the last
+    // frames of the input may come after its last frame.
+    assert!(
+        (resets - 1..=resets).contains(&enc),
+        "{enc} of {resets}\n{err}"
+    );
+    assert!(
+        (resets - 1..=resets).contains(&dec),
+        "{dec} of {resets}\n{err}"
+    );
 }

@@ -21,7 +21,8 @@ graph parameter must receive a tensor of its shape, and every checkpoint tensor 
 be one the graphs do not need (listed); anything else is an error naming the tensor.
 
 The pack: temporal (GroupQueryAttention, fp16 for `--provider cuda`, fp32 for `cpu`),
-depformer (same dtype), Mimi encoder and decoder (fp32), the tokenizer, and `pack.yaml` filled
+depformer (same dtype), Mimi encoder and decoder (fp32) with their step graphs for stateful
+streaming (fp32 and fp16, tools/make_mimi_step.py), the tokenizer, and `pack.yaml` filled
 in from the checkpoint. The pack is then checked by loading it (`duplex doctor --pack`).
 """
 
@@ -639,8 +640,12 @@ def main(argv=None) -> int:
         say(f"this codec's silence codes {silence}, sine codes {sine}")
     elif silence is not None and silence != PUBLISHED_SILENCE:
         say(f"note: this Mimi encodes silence as {silence}, not the published {PUBLISHED_SILENCE}")
-    for g in ("temporal", "depformer", "mimi_encoder", "mimi_decoder"):
-        say(f"  {g:<13} {folder_size(os.path.join(out, g)) / 2**20:9.1f} MiB")
+    # Mimi's step graphs (stateful streaming, fp32 and fp16) from the graphs just written.
+    import make_mimi_step
+
+    steps = make_mimi_step.add_step_graphs(out, say=lambda _m: None)
+    for g in ("temporal", "depformer", "mimi_encoder", "mimi_decoder", *steps):
+        say(f"  {g:<21} {folder_size(os.path.join(out, g)) / 2**20:9.1f} MiB")
     say(f"wrote {out} ({PROVIDERS[args.provider][0]}, {PROVIDERS[args.provider][1]}) in {time.monotonic() - start:.1f} s")
 
     if args.no_check:

@@ -69,7 +69,7 @@ impl Stage for MimiDecode {
         if now != self.seen {
             self.seen = now;
             self.dec.reset();
-            tracing::debug!("new conversation: a new decoder stream");
+            tracing::info!("new conversation: a new decoder stream");
         }
         let samples = self.dec.push(&f.data.audio, self.vocab)?;
         cx.emit(0, f.meta.origin, Pcm::new(self.rate, samples))

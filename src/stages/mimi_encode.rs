@@ -81,7 +81,7 @@ impl Stage for MimiEncode {
         if now != self.seen {
             self.seen = now;
             self.enc.reset();
-            tracing::debug!("new conversation: a new encoder stream");
+            tracing::info!("new conversation: a new encoder stream");
         }
         let codes = self.enc.push(&f.data.samples)?;
         cx.emit(0, f.meta.origin, Codes(codes))
