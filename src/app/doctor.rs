@@ -1,6 +1,7 @@
 //! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
 //! it: the pack's files and manifest against the graph contract, then a session for each graph
-//! on the chosen provider, one codec frame through the encoder and decoder, and one temporal
+//! on the chosen provider, one codec frame through the encoder and decoder (and through Mimi's
+//! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
 //! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
 //! graph under CUDA). Prints what it found; knows
@@ -11,7 +12,8 @@ use std::time::Instant;
 
 use crate::model::depformer::Depformer;
 use crate::model::mimi::{MimiDecoder, MimiEncoder};
-use crate::model::pack::{Graph, Pack};
+use crate::model::mimi_step::StepCodec;
+use crate::model::pack::{FloatType, Graph, Pack, StepRole};
 use crate::model::session::{Provider, SessionOptions};
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::Tokenizer;
@@ -79,6 +81,43 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
         enc.runs_on(),
         dec.runs_on()
     ));
+    // The step graphs the pack has: one frame each way, against the whole-utterance graphs'.
+    for dtype in [FloatType::F32, FloatType::F16] {
+        if pack.step_graph(StepRole::Encoder, dtype).is_none()
+            && pack.step_graph(StepRole::Decoder, dtype).is_none()
+        {
+            continue;
+        }
+        let mut senc = StepCodec::open(&pack, StepRole::Encoder, dtype, &session)?;
+        let mut sdec = StepCodec::open(&pack, StepRole::Decoder, dtype, &session)?;
+        let scodes = senc.encode(&vec![0.0; m.frame_size])?;
+        let spcm = sdec.decode(&codes, m.audio_vocab)?;
+        if spcm.iter().any(|v| !v.is_finite()) {
+            return Err(ModelError::contract(
+                "mimi_decoder_step",
+                "decoding one frame gave samples that are not finite",
+            ));
+        }
+        let worst = spcm
+            .iter()
+            .zip(&pcm)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        text.push_str(&format!(
+            "mimi step graphs ({}): encoder on {}, {} states; decoder on {}, {} states; a silent \
+             frame encodes to {scodes:?} ({}), decodes within {worst:.1e} of the decoder's\n",
+            dtype.name(),
+            senc.runs_on(),
+            senc.manifest.states.len(),
+            sdec.runs_on(),
+            sdec.manifest.states.len(),
+            if scodes == codes {
+                "the same"
+            } else {
+                "not the same"
+            },
+        ));
+    }
     let mut temporal = Temporal::open(
         &pack,
         &TemporalOptions {
