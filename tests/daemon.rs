@@ -330,8 +330,14 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     // The execution provider each graph really runs on.
     let s = d.status().unwrap();
     assert_eq!(s["execution_providers"]["temporal"], "cpu f32", "{s}");
-    assert_eq!(s["execution_providers"]["decode"], "cpu f32", "{s}");
-    assert_eq!(s["stages"]["encode"]["model"], "cpu f32", "{s}");
+    // The codec on the pack's step graphs (stateful streaming).
+    assert_eq!(
+        s["execution_providers"]["decode"], "cpu f32 stateful",
+        "{s}"
+    );
+    assert_eq!(s["stages"]["encode"]["model"], "cpu f32 stateful", "{s}");
+    assert_eq!(s["stages"]["speaker"]["reconnects"], 0, "{s}");
+    assert_eq!(s["stages"]["mic"]["reconnects"], 0, "{s}");
     // Uptime, real-time factor, a verdict for every stage, devices, context length.
     assert!(s["uptime_s"].as_f64().unwrap() > 0.0, "{s}");
     assert!(s["realtime_factor"].as_f64().is_some(), "{s}");

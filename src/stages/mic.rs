@@ -134,7 +134,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         limit,
         last_mark: None,
         published: None,
-        published_reconnects: 0,
+        published_reconnects: u64::MAX,
         lost: metrics::counter!(names::DEVICE_ERRORS, &labels),
         cap,
     })))
@@ -170,7 +170,7 @@ struct Mic {
     last_mark: Option<(u64, Instant)>,
     /// The device state last published (this loop polls every 2 ms: publish changes only).
     published: Option<DeviceState>,
-    /// The reconnect count last published.
+    /// The reconnect count last published (none yet: `u64::MAX`).
     published_reconnects: u64,
     lost: metrics::Counter,
 }
