@@ -13,7 +13,8 @@ use duplex::model::depformer::Depformer;
 use duplex::model::lm::{priming_script, LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
 use duplex::model::lmgen::LmGen;
 use duplex::model::mimi::{MimiDecoder, MimiEncoder};
-use duplex::model::pack::Pack;
+use duplex::model::mimi_step::StepCodec;
+use duplex::model::pack::{FloatType, Pack, StepRole};
 use duplex::model::session::SessionOptions;
 use duplex::model::temporal::{Temporal, TemporalOptions};
 
@@ -68,16 +69,48 @@ links:
     p
 }
 
-/// The same work, one call after another, no actors.
-fn sequential(dir: &Path, pack_dir: &Path) -> String {
+/// The codec of either strategy, called directly.
+enum Codec {
+    Stateful(StepCodec, StepCodec),
+    Window(MimiEncoder, MimiDecoder),
+}
+
+impl Codec {
+    fn encode(&mut self, f: &[f32]) -> Vec<i64> {
+        match self {
+            Codec::Stateful(e, _) => e.encode(f).unwrap(),
+            Codec::Window(e, _) => e.push(f).unwrap(),
+        }
+    }
+
+    fn decode(&mut self, c: &[i64]) -> Vec<f32> {
+        match self {
+            Codec::Stateful(_, d) => d.decode(c, 2048).unwrap(),
+            Codec::Window(_, d) => d.push(c, 2048).unwrap(),
+        }
+    }
+}
+
+/// The same work, one call after another, no actors; the codec stateful (the stages' default
+/// on packs with step graphs) or on the 8-frame window.
+fn sequential(dir: &Path, pack_dir: &Path, stateful: bool) -> String {
     let pack = Pack::open(pack_dir).unwrap();
     let m = pack.manifest.clone();
     let so = SessionOptions::default();
     let mut wav = WavReader::open(&dir.join("in.wav")).unwrap();
     let mut down = StreamResampler::new(48_000, 24_000, 960).unwrap();
     let mut framer = Framer::new(1920);
-    let mut enc = MimiEncoder::open(&pack, &so, 8).unwrap();
-    let mut dec = MimiDecoder::open(&pack, &so, 8).unwrap();
+    let mut codec = if stateful {
+        Codec::Stateful(
+            StepCodec::open(&pack, StepRole::Encoder, FloatType::F32, &so).unwrap(),
+            StepCodec::open(&pack, StepRole::Decoder, FloatType::F32, &so).unwrap(),
+        )
+    } else {
+        Codec::Window(
+            MimiEncoder::open(&pack, &so, 8).unwrap(),
+            MimiDecoder::open(&pack, &so, 8).unwrap(),
+        )
+    };
     let mut up = StreamResampler::new(24_000, 48_000, 480).unwrap();
     let temporal = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
     let depformer = Depformer::open(&pack, &so).unwrap();
@@ -125,14 +158,14 @@ fn sequential(dir: &Path, pack_dir: &Path) -> String {
         frames.push(f);
     }
     for f in frames {
-        let codes = enc.push(&f).unwrap();
+        let codes = codec.encode(&f);
         if let Some(a) = lm.step(&codes, None, None).unwrap() {
             lines.push_str(&format!(
                 "{}\n",
                 serde_json::json!({"frame": index, "text": a.text, "audio": a.audio})
             ));
             index += 1;
-            let samples = dec.push(&a.audio, 2048).unwrap();
+            let samples = codec.decode(&a.audio);
             let mut o = Vec::new();
             up.process(&samples, &mut o).unwrap();
             out.write(&o).unwrap();
@@ -154,30 +187,52 @@ fn run(p: &Path) -> std::process::Output {
 
 #[test]
 fn actors_and_a_sequential_loop_give_byte_identical_tokens_and_audio() {
-    let dir = tempfile::tempdir().unwrap();
-    write_input(&dir.path().join("in.wav"));
-    let pack = packs::pack("tiny-gqa");
-    let p = pipeline_yaml(dir.path(), &pack, "");
-    let o = run(&p);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let seq_tokens = sequential(dir.path(), &pack);
-    let tokens = std::fs::read_to_string(dir.path().join("tokens.jsonl")).unwrap();
-    assert_eq!(
-        tokens.lines().count(),
-        51,
-        "4.03 s at 24 kHz = 51 frames (the last one padded)"
-    );
-    assert_eq!(tokens, seq_tokens);
-    let a = std::fs::read(dir.path().join("out.wav")).unwrap();
-    let b = std::fs::read(dir.path().join("seq.wav")).unwrap();
-    assert_eq!(a.len(), b.len());
-    assert!(a == b, "WAV files differ");
-    // The codec really ran: the output is not silence.
-    let (_, pcm) = {
-        let mut r = WavReader::open(&dir.path().join("out.wav")).unwrap();
-        (r.rate(), r.read_all().unwrap())
-    };
-    assert!(pcm.iter().any(|v| v.abs() > 1e-3));
+    // Both codec strategies: stateful (the default on a pack with step graphs) and the window.
+    for stateful in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        write_input(&dir.path().join("in.wav"));
+        let pack = packs::pack("tiny-gqa");
+        let p = pipeline_yaml(dir.path(), &pack, "");
+        if !stateful {
+            let text = std::fs::read_to_string(&p)
+                .unwrap()
+                .replace(
+                    "kind: mimi_encode,",
+                    "kind: mimi_encode, streaming: window,",
+                )
+                .replace(
+                    "kind: mimi_decode,",
+                    "kind: mimi_decode, streaming: window,",
+                );
+            std::fs::write(&p, text).unwrap();
+        }
+        let o = run(&p);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{err}");
+        let strategy = if stateful { "stateful" } else { "window" };
+        assert!(
+            err.contains(&format!(r#"stage="encode" strategy="{strategy}""#)),
+            "{err}"
+        );
+        let seq_tokens = sequential(dir.path(), &pack, stateful);
+        let tokens = std::fs::read_to_string(dir.path().join("tokens.jsonl")).unwrap();
+        assert_eq!(
+            tokens.lines().count(),
+            51,
+            "4.03 s at 24 kHz = 51 frames (the last one padded)"
+        );
+        assert_eq!(tokens, seq_tokens, "{strategy}");
+        let a = std::fs::read(dir.path().join("out.wav")).unwrap();
+        let b = std::fs::read(dir.path().join("seq.wav")).unwrap();
+        assert_eq!(a.len(), b.len());
+        assert!(a == b, "WAV files differ ({strategy})");
+        // The codec really ran: the output is not silence.
+        let (_, pcm) = {
+            let mut r = WavReader::open(&dir.path().join("out.wav")).unwrap();
+            (r.rate(), r.read_all().unwrap())
+        };
+        assert!(pcm.iter().any(|v| v.abs() > 1e-3));
+    }
 }
 
 fn tokens_of(dir: &Path) -> Vec<serde_json::Value> {

@@ -463,7 +463,8 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let m = server.metrics();
+    // The last /healthz may still be counted for a moment: wait that out too.
+    let m = settled("/metrics").1;
     assert!(
         serve::metric_value_of(&m, "duplex_sessions_refused_total{reason=\"per_ip\"}") >= 2.0,
         "{m}"
