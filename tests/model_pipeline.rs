@@ -71,21 +71,21 @@ links:
 
 /// The codec of either strategy, called directly.
 enum Codec {
-    Stateful(StepCodec, StepCodec),
+    Stateful(Box<(StepCodec, StepCodec)>),
     Window(MimiEncoder, MimiDecoder),
 }
 
 impl Codec {
     fn encode(&mut self, f: &[f32]) -> Vec<i64> {
         match self {
-            Codec::Stateful(e, _) => e.encode(f).unwrap(),
+            Codec::Stateful(c) => c.0.encode(f).unwrap(),
             Codec::Window(e, _) => e.push(f).unwrap(),
         }
     }
 
     fn decode(&mut self, c: &[i64]) -> Vec<f32> {
         match self {
-            Codec::Stateful(_, d) => d.decode(c, 2048).unwrap(),
+            Codec::Stateful(s) => s.1.decode(c, 2048).unwrap(),
             Codec::Window(_, d) => d.push(c, 2048).unwrap(),
         }
     }
@@ -101,10 +101,10 @@ fn sequential(dir: &Path, pack_dir: &Path, stateful: bool) -> String {
     let mut down = StreamResampler::new(48_000, 24_000, 960).unwrap();
     let mut framer = Framer::new(1920);
     let mut codec = if stateful {
-        Codec::Stateful(
+        Codec::Stateful(Box::new((
             StepCodec::open(&pack, StepRole::Encoder, FloatType::F32, &so).unwrap(),
             StepCodec::open(&pack, StepRole::Decoder, FloatType::F32, &so).unwrap(),
-        )
+        )))
     } else {
         Codec::Window(
             MimiEncoder::open(&pack, &so, 8).unwrap(),
