@@ -72,21 +72,21 @@ links:
 /// The codec of either strategy, called directly.
 enum Codec {
     Stateful(Box<(StepCodec, StepCodec)>),
-    Window(MimiEncoder, MimiDecoder),
+    Window(Box<(MimiEncoder, MimiDecoder)>),
 }
 
 impl Codec {
     fn encode(&mut self, f: &[f32]) -> Vec<i64> {
         match self {
             Codec::Stateful(c) => c.0.encode(f).unwrap(),
-            Codec::Window(e, _) => e.push(f).unwrap(),
+            Codec::Window(w) => w.0.push(f).unwrap(),
         }
     }
 
     fn decode(&mut self, c: &[i64]) -> Vec<f32> {
         match self {
             Codec::Stateful(s) => s.1.decode(c, 2048).unwrap(),
-            Codec::Window(_, d) => d.push(c, 2048).unwrap(),
+            Codec::Window(w) => w.1.push(c, 2048).unwrap(),
         }
     }
 }
@@ -106,10 +106,10 @@ fn sequential(dir: &Path, pack_dir: &Path, stateful: bool) -> String {
             StepCodec::open(&pack, StepRole::Decoder, FloatType::F32, &so).unwrap(),
         )))
     } else {
-        Codec::Window(
+        Codec::Window(Box::new((
             MimiEncoder::open(&pack, &so, 8).unwrap(),
             MimiDecoder::open(&pack, &so, 8).unwrap(),
-        )
+        )))
     };
     let mut up = StreamResampler::new(24_000, 48_000, 480).unwrap();
     let temporal = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
