@@ -1,5 +1,6 @@
-//! Stateful streaming Mimi on the tiny packs' step graphs (built by `tools/make_mimi_step.py`
-//! from the exporter's offline graphs), through ONNX Runtime and our step codec:
+//! Stateful streaming Mimi on the step graphs of the tiny packs and of the full-size codec
+//! (built by `tools/make_mimi_step.py` from the exporter's offline graphs), through ONNX Runtime
+//! and our step codec:
 //! frame-by-frame coding equals whole-utterance coding for the first 10 s, and past them equals
 //! an offline reference with the codec transformer's 250-frame window; fp16 against fp32; a
 //! reset is a fresh stream; two hours of position change nothing; the GEMM-form RVQ gives the
@@ -438,4 +439,54 @@ fn a_new_conversation_starts_new_codec_streams() {
         (resets - 1..=resets).contains(&dec),
         "{dec} of {resets}\n{err}"
     );
+}
+
+#[test]
+fn at_the_real_codecs_size_streaming_equals_offline_and_fp16_agrees() {
+    // The full-size Mimi (random weights, the published shapes) with the tiny LM.
+    let pack = Pack::open(&packs::pack("tiny-gqa-mimi-full")).unwrap();
+    let pcm = speechlike(6.0, 10);
+    let offline = MimiEncoder::open(&pack, &opts(), 1)
+        .unwrap()
+        .encode(&pcm)
+        .unwrap();
+    let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+    assert_eq!(enc.manifest.states.len(), 29);
+    let streamed = encode_frames(&mut enc, &pcm);
+    let differing: Vec<usize> = (0..streamed.len())
+        .filter(|&t| streamed[t] != offline[t])
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "frames whose codes differ: {differing:?}"
+    );
+    let wav_offline = MimiDecoder::open(&pack, &opts(), 1)
+        .unwrap()
+        .decode(&offline)
+        .unwrap();
+    let wav = decode_frames(
+        &mut step(&pack, StepRole::Decoder, FloatType::F32),
+        &offline,
+    );
+    let d = max_diff(&wav, &wav_offline);
+    let c16 = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F16), &pcm);
+    let same = (0..c16.len()).filter(|&t| c16[t] == offline[t]).count();
+    let w16 = decode_frames(
+        &mut step(&pack, StepRole::Decoder, FloatType::F16),
+        &offline,
+    );
+    let snr = snr_db(&wav, &w16);
+    eprintln!(
+        "full-size Mimi, 6 s: {} frames of codes identical, waveform within {d:.2e}; fp16 codes \
+         equal on {same} of {} frames, decoded SNR {snr:.1} dB",
+        streamed.len(),
+        c16.len()
+    );
+    assert!(d < 1e-4, "waveform differs by {d}");
+    assert!(
+        same as f64 >= 0.9 * c16.len() as f64,
+        "{same} of {}",
+        c16.len()
+    );
+    assert!(snr >= 40.0, "SNR {snr:.1} dB");
 }

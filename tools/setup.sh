@@ -134,16 +134,19 @@ fi
 stamp=models/.tiny-packs.stamp
 want="make_pack.py $(sha256sum tools/make_pack.py | cut -d' ' -f1) make_mimi_step.py $(sha256sum tools/make_mimi_step.py | cut -d' ' -f1) ${EXPORTER_PACKAGES[*]}"
 built=1
-for p in "${TINY_PACKS[@]}"; do
+for p in "${TINY_PACKS[@]}" tiny-gqa-mimi-full; do
   for f in pack.yaml {mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx{,.data} \
     mimi_{encoder,decoder}_step{,_f16}/{model.onnx,model.onnx.data,state.json}; do
     [[ -f models/$p/$f ]] || built=0
   done
 done
 if [[ $built == 0 || ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  say "building tiny model packs into models/ (${TINY_PACKS[*]})"
+  say "building tiny model packs into models/ (${TINY_PACKS[*]} tiny-gqa-mimi-full)"
   rm -f "$stamp"
   .venv/bin/python tools/make_pack.py --all-tiny --out models --quiet
+  # The tiny LM with the full-size Mimi: the step graphs' tests at the real codec's shapes.
+  .venv/bin/python tools/make_pack.py --size tiny --variant gqa --mimi full \
+    --out models/tiny-gqa-mimi-full --quiet
   printf '%s\n' "$want" >"$stamp"
 fi
 
