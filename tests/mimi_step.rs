@@ -96,6 +96,31 @@ fn decode_frames(dec: &mut StepCodec, codes: &[Vec<i64>]) -> Vec<f32> {
         .collect()
 }
 
+fn offline_codes(pack: &Pack, pcm: &[f32]) -> Vec<Vec<i64>> {
+    MimiEncoder::open(pack, &opts(), 1)
+        .unwrap()
+        .encode(pcm)
+        .unwrap()
+}
+
+fn offline_wav(pack: &Pack, codes: &[Vec<i64>]) -> Vec<f32> {
+    MimiDecoder::open(pack, &opts(), 1)
+        .unwrap()
+        .decode(codes)
+        .unwrap()
+}
+
+fn assert_same_codes(streamed: &[Vec<i64>], offline: &[Vec<i64>]) {
+    assert_eq!(streamed.len(), offline.len());
+    let differing: Vec<usize> = (0..streamed.len())
+        .filter(|&t| streamed[t] != offline[t])
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "frames whose codes differ: {differing:?}"
+    );
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -137,20 +162,11 @@ fn windowed_reference(dir: &Path) -> PathBuf {
 fn streaming_equals_offline_for_the_first_ten_seconds() {
     let pack = tiny();
     let pcm = speechlike(9.0, 1);
-    let offline = MimiEncoder::open(&pack, &opts(), 1)
-        .unwrap()
-        .encode(&pcm)
-        .unwrap();
+    let offline = offline_codes(&pack, &pcm);
     let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
     let streamed = encode_frames(&mut enc, &pcm);
     assert_eq!(streamed.len(), 112);
-    let differing: Vec<usize> = (0..streamed.len())
-        .filter(|&t| streamed[t] != offline[t])
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "frames whose codes differ: {differing:?}"
-    );
+    assert_same_codes(&streamed, &offline);
     // Not a constant: the codes follow the signal.
     let distinct: std::collections::HashSet<&Vec<i64>> = streamed.iter().collect();
     assert!(
@@ -159,10 +175,7 @@ fn streaming_equals_offline_for_the_first_ten_seconds() {
         distinct.len()
     );
 
-    let wav_offline = MimiDecoder::open(&pack, &opts(), 1)
-        .unwrap()
-        .decode(&offline)
-        .unwrap();
+    let wav_offline = offline_wav(&pack, &offline);
     let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
     let wav = decode_frames(&mut dec, &offline);
     let d = max_diff(&wav, &wav_offline);
@@ -180,30 +193,17 @@ fn past_ten_seconds_streaming_equals_the_windowed_offline_reference() {
     let reference = Pack::open(&windowed_reference(dir.path())).unwrap();
     let pack = tiny();
     let pcm = speechlike(30.0, 2);
-    let offline = MimiEncoder::open(&reference, &opts(), 1)
-        .unwrap()
-        .encode(&pcm)
-        .unwrap();
+    let offline = offline_codes(&reference, &pcm);
     let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
     let streamed = encode_frames(&mut enc, &pcm);
     assert_eq!(streamed.len(), 375);
-    let differing: Vec<usize> = (0..375).filter(|&t| streamed[t] != offline[t]).collect();
-    assert!(
-        differing.is_empty(),
-        "frames whose codes differ: {differing:?}"
-    );
-    let wav_offline = MimiDecoder::open(&reference, &opts(), 1)
-        .unwrap()
-        .decode(&offline)
-        .unwrap();
+    assert_same_codes(&streamed, &offline);
+    let wav_offline = offline_wav(&reference, &offline);
     let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
     let wav = decode_frames(&mut dec, &offline);
     let d = max_diff(&wav, &wav_offline);
     // The reference is not the unwindowed graph: past 10 s that one differs.
-    let unwindowed = MimiEncoder::open(&pack, &opts(), 1)
-        .unwrap()
-        .encode(&pcm)
-        .unwrap();
+    let unwindowed = offline_codes(&pack, &pcm);
     let late_differ = (125..375).filter(|&t| unwindowed[t] != offline[t]).count();
     eprintln!(
         "30 s: 375 frames identical to the windowed reference; waveform max difference {d:.2e}; \
@@ -291,20 +291,7 @@ fn two_hours_of_position_change_nothing() {
 
 #[test]
 fn the_gemm_rvq_gives_the_broadcast_forms_codes() {
-    let dir = tempfile::tempdir().unwrap();
-    let copy = dir.path().join("broadcast");
-    std::fs::create_dir(&copy).unwrap();
-    let src = packs::pack("tiny");
-    for g in ["mimi_encoder", "mimi_decoder", "temporal", "depformer"] {
-        std::os::unix::fs::symlink(src.join(g), copy.join(g)).unwrap();
-    }
-    let yaml = std::fs::read_to_string(src.join("pack.yaml")).unwrap();
-    let yaml: String = yaml
-        .lines()
-        .filter(|l| !l.starts_with("mimi_streaming:"))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    std::fs::write(copy.join("pack.yaml"), yaml).unwrap();
+    let (_keep, copy) = packs::without_step_graphs("tiny");
     python(&[
         root().join("tools/make_mimi_step.py").to_str().unwrap(),
         copy.to_str().unwrap(),
@@ -375,10 +362,7 @@ fn the_pipeline_logs_its_strategy_and_a_pack_without_step_graphs_runs_on_the_win
         "{err}"
     );
 
-    let (_keep, bare) = packs::variant("tiny-gqa", "mimi_streaming: [window]\n");
-    for g in packs::CODEC_GRAPHS.iter().skip(2) {
-        std::fs::remove_file(bare.join(g)).unwrap();
-    }
+    let (_keep, bare) = packs::without_step_graphs("tiny-gqa");
     let o = run_pipeline(&bare, dir.path(), 2.0, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
@@ -446,24 +430,12 @@ fn at_the_real_codecs_size_streaming_equals_offline_and_fp16_agrees() {
     // The full-size Mimi (random weights, the published shapes) with the tiny LM.
     let pack = Pack::open(&packs::pack("tiny-gqa-mimi-full")).unwrap();
     let pcm = speechlike(6.0, 10);
-    let offline = MimiEncoder::open(&pack, &opts(), 1)
-        .unwrap()
-        .encode(&pcm)
-        .unwrap();
+    let offline = offline_codes(&pack, &pcm);
     let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
     assert_eq!(enc.manifest.states.len(), 29);
     let streamed = encode_frames(&mut enc, &pcm);
-    let differing: Vec<usize> = (0..streamed.len())
-        .filter(|&t| streamed[t] != offline[t])
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "frames whose codes differ: {differing:?}"
-    );
-    let wav_offline = MimiDecoder::open(&pack, &opts(), 1)
-        .unwrap()
-        .decode(&offline)
-        .unwrap();
+    assert_same_codes(&streamed, &offline);
+    let wav_offline = offline_wav(&pack, &offline);
     let wav = decode_frames(
         &mut step(&pack, StepRole::Decoder, FloatType::F32),
         &offline,

@@ -119,6 +119,9 @@ def _modules():
             self.dtype = dtype
             self.states = []
             self.outputs = []
+            # (B, 1, 1) bool: the stream's first call, set by the transformer (its `filled`
+            # counter), read by the replicate-padded downsample after it.
+            self.first = None
 
         def state(self, key, shape, dtype=None, inplace=False):
             dtype = dtype or self.dtype
@@ -393,7 +396,6 @@ def _modules():
             super().__init__()
             mult = 2 ** len(RATIOS)
             layers = [StepConv(s.dim, mult * s.filters, 7)]
-            self._ratios = []
             for ratio in RATIOS:
                 ch = mult * s.filters
                 layers += [Elu(), StepConvTr(ch, ch // 2, ratio * 2, ratio), StepResnet(ch // 2)]

@@ -190,12 +190,19 @@ impl MimiDecoder {
                 format!("{} codes, expected {}", f.len(), self.codebooks),
             ));
         }
-        let n = frames.len();
-        let layout: Vec<i64> = (0..self.codebooks)
-            .flat_map(|q| frames.iter().map(move |f| f[q]))
-            .collect();
+        self.layout.clear();
+        for q in 0..self.codebooks {
+            self.layout.extend(frames.iter().map(|f| f[q]));
+        }
+        self.run_layout(frames.len(), None)
+    }
+
+    /// Runs the graph on `frames` frames of codes in `layout` (codebook-major); returns the
+    /// last `last` samples of its output (all of it for None).
+    fn run_layout(&mut self, frames: usize, last: Option<usize>) -> Result<Vec<f32>, ModelError> {
         let e = err("mimi_decoder");
-        let input = Tensor::from_array(([1usize, self.codebooks, n], layout)).map_err(&e)?;
+        let input = Tensor::from_array(([1usize, self.codebooks, frames], self.layout.clone()))
+            .map_err(&e)?;
         let outputs = self
             .session
             .run(ort::inputs!["codes" => input])
@@ -203,7 +210,17 @@ impl MimiDecoder {
         let (_, wav) = outputs["waveform"]
             .try_extract_tensor::<f32>()
             .map_err(&e)?;
-        Ok(wav.to_vec())
+        let n = last.unwrap_or(wav.len());
+        if wav.len() < n {
+            return Err(ModelError::contract(
+                "mimi_decoder",
+                format!(
+                    "output `waveform` has {} samples, expected at least {n}",
+                    wav.len()
+                ),
+            ));
+        }
+        Ok(wav[wav.len() - n..].to_vec())
     }
 
     /// Decodes the next frame's codes; returns its `frame_size` samples.
@@ -240,26 +257,6 @@ impl MimiDecoder {
             self.layout
                 .extend((0..frames).map(|t| self.codes[t * self.codebooks + q]));
         }
-        let e = err("mimi_decoder");
-        let input = Tensor::from_array(([1usize, self.codebooks, frames], self.layout.clone()))
-            .map_err(&e)?;
-        let outputs = self
-            .session
-            .run(ort::inputs!["codes" => input])
-            .map_err(&e)?;
-        let (_, wav) = outputs["waveform"]
-            .try_extract_tensor::<f32>()
-            .map_err(&e)?;
-        if wav.len() < self.frame {
-            return Err(ModelError::contract(
-                "mimi_decoder",
-                format!(
-                    "output `waveform` has {} samples, expected at least {}",
-                    wav.len(),
-                    self.frame
-                ),
-            ));
-        }
-        Ok(wav[wav.len() - self.frame..].to_vec())
+        self.run_layout(frames, Some(self.frame))
     }
 }

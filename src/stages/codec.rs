@@ -19,9 +19,14 @@ fn step_dtype(p: &Params) -> FloatType {
     }
 }
 
-/// Whether the stage runs the step graphs: `stateful` needs them, `auto` takes them when the
-/// pack has them. Logged with the reason.
-fn stateful(pack: &Pack, p: &Params, role: StepRole, stage: &str) -> Result<bool, BuildError> {
+/// The step graph the stage runs, opened, or None for the window: `stateful` needs the step
+/// graphs, `auto` takes them when the pack has them. Logged with the reason.
+fn open_step(
+    pack: &Pack,
+    p: &Params,
+    role: StepRole,
+    stage: &str,
+) -> Result<Option<Box<StepCodec>>, BuildError> {
     let dtype = step_dtype(p);
     let have = pack.step_graph(role, dtype).is_some();
     let chosen = match p.str("streaming") {
@@ -52,7 +57,15 @@ fn stateful(pack: &Pack, p: &Params, role: StepRole, stage: &str) -> Result<bool
         why,
         "codec streaming"
     );
-    Ok(chosen)
+    if !chosen {
+        return Ok(None);
+    }
+    Ok(Some(Box::new(StepCodec::open(
+        pack,
+        role,
+        dtype,
+        &session_options(p),
+    )?)))
 }
 
 /// An encoder of either strategy.
@@ -63,19 +76,13 @@ pub(super) enum Encoder {
 
 impl Encoder {
     pub fn open(pack: &Pack, p: &Params, stage: &str) -> Result<Encoder, BuildError> {
-        Ok(if stateful(pack, p, StepRole::Encoder, stage)? {
-            Encoder::Stateful(Box::new(StepCodec::open(
-                pack,
-                StepRole::Encoder,
-                step_dtype(p),
-                &session_options(p),
-            )?))
-        } else {
-            Encoder::Window(MimiEncoder::open(
+        Ok(match open_step(pack, p, StepRole::Encoder, stage)? {
+            Some(s) => Encoder::Stateful(s),
+            None => Encoder::Window(MimiEncoder::open(
                 pack,
                 &session_options(p),
                 p.int("window") as usize,
-            )?)
+            )?),
         })
     }
 
@@ -109,19 +116,13 @@ pub(super) enum Decoder {
 
 impl Decoder {
     pub fn open(pack: &Pack, p: &Params, stage: &str) -> Result<Decoder, BuildError> {
-        Ok(if stateful(pack, p, StepRole::Decoder, stage)? {
-            Decoder::Stateful(Box::new(StepCodec::open(
-                pack,
-                StepRole::Decoder,
-                step_dtype(p),
-                &session_options(p),
-            )?))
-        } else {
-            Decoder::Window(MimiDecoder::open(
+        Ok(match open_step(pack, p, StepRole::Decoder, stage)? {
+            Some(s) => Decoder::Stateful(s),
+            None => Decoder::Window(MimiDecoder::open(
                 pack,
                 &session_options(p),
                 p.int("window") as usize,
-            )?)
+            )?),
         })
     }
 

@@ -373,6 +373,13 @@ impl TemporalStage {
         Ok(())
     }
 
+    /// Clears the conversation, tells the codec stages (a new stream each), and primes again.
+    fn new_conversation(&mut self, cx: &mut Context<'_>) -> StageResult {
+        self.half.reset(false);
+        self.conversation.begin();
+        self.prime(cx)
+    }
+
     fn prime(&mut self, cx: &mut Context<'_>) -> StageResult {
         if let Some(r) = &self.rec {
             let steps: Vec<serde_json::Value> = self
@@ -440,9 +447,7 @@ impl Stage for TemporalStage {
                 "persona" => match self.new_persona(&c.arg) {
                     Ok(()) => {
                         tracing::info!("persona changed: new conversation, primed again");
-                        self.half.reset(false);
-                        self.conversation.begin();
-                        self.prime(cx)?;
+                        self.new_conversation(cx)?;
                         Ok("persona changed: new conversation, primed again".to_string())
                     }
                     Err(e) => {
@@ -452,9 +457,7 @@ impl Stage for TemporalStage {
                 },
                 "reset" => {
                     tracing::info!("conversation reset on request");
-                    self.half.reset(false);
-                    self.conversation.begin();
-                    self.prime(cx)?;
+                    self.new_conversation(cx)?;
                     Ok("new conversation, primed again".to_string())
                 }
                 pause => {
@@ -482,9 +485,7 @@ impl Stage for TemporalStage {
                 "long session: position limit reached, resetting the conversation and priming again"
             );
             self.resets.increment(1);
-            self.half.reset(false);
-            self.conversation.begin();
-            self.prime(cx)?;
+            self.new_conversation(cx)?;
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
         if let Some(r) = &self.rec {

@@ -76,3 +76,12 @@ pub fn variant(name: &str, extra: &str) -> (tempfile::TempDir, PathBuf) {
     std::fs::write(dst.join("pack.yaml"), yaml).unwrap();
     (dir, dst)
 }
+
+/// A copy of pack `name` without Mimi's step graphs (`mimi_streaming: [window]`).
+pub fn without_step_graphs(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let (dir, dst) = variant(name, "mimi_streaming: [window]\n");
+    for g in &CODEC_GRAPHS[2..] {
+        std::fs::remove_file(dst.join(g)).unwrap();
+    }
+    (dir, dst)
+}
