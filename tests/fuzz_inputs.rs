@@ -955,7 +955,7 @@ proptest! {
             let mut cuts = cuts.iter().cycle();
             while !rest.is_empty() {
                 let n = (*cuts.next().unwrap_or(&rest.len())).min(rest.len());
-                reader.push(&rest[..n], &mut out)?;
+                reader.push(&rest[..n], &mut out, &mut duplex::audio::pace::Unlimited)?;
                 rest = &rest[n..];
             }
             Ok::<usize, StreamError>(out.len())
@@ -975,6 +975,67 @@ proptest! {
                 prop_assert!(m.len() < 300, "{m}");
             }
         }
+    }
+}
+
+/// Ogg pages of arbitrary Opus packets (any table of contents, any length up to 3 bytes, none
+/// at all), 255 to a page, as a hostile client would send to make the server decode hours of
+/// audio from a few bytes.
+fn packet_bombs() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::collection::vec(prop::collection::vec(any::<u8>(), 0..4), 1..6),
+        1usize..40,
+    )
+        .prop_map(|(packets, pages)| {
+            use ogg::writing::{PacketWriteEndInfo, PacketWriter};
+            let mut w = PacketWriter::new(Vec::new());
+            let mut head = b"OpusHead".to_vec();
+            head.extend_from_slice(&[1, 1, 0, 0, 0xc0, 0x5d, 0, 0, 0, 0, 0]);
+            w.write_packet(head, 5, PacketWriteEndInfo::EndPage, 0)
+                .unwrap();
+            w.write_packet(
+                b"OpusTags\0\0\0\0\0\0\0\0".to_vec(),
+                5,
+                PacketWriteEndInfo::EndPage,
+                0,
+            )
+            .unwrap();
+            for page in 0..pages {
+                for i in 0..255 {
+                    let end = if i == 254 {
+                        PacketWriteEndInfo::EndPage
+                    } else {
+                        PacketWriteEndInfo::NormalPacket
+                    };
+                    let p = packets[i % packets.len()].clone();
+                    w.write_packet(p, 5, end, (page * 255 + i) as u64).unwrap();
+                }
+            }
+            w.into_inner()
+        })
+}
+
+proptest! {
+    #![proptest_config(config(60))]
+
+    /// The memory property of a session's input: whatever its packets claim, one message
+    /// decodes at most the real-time budget's catch-up (1 s) and one packet more; the rest is
+    /// refused undecoded, or the stream is refused as damaged.
+    #[test]
+    fn no_client_stream_decodes_past_its_real_time_budget(bytes in packet_bombs()) {
+        use duplex::audio::opus::OggOpusReader;
+        use duplex::audio::pace::RealTime;
+        let mut reader = OggOpusReader::new();
+        let mut out = Vec::new();
+        let mut budget = RealTime::new(24_000, 1.0, std::time::Duration::from_secs(1));
+        let decoded = match reader.push(&bytes, &mut out, &mut budget) {
+            Ok(()) => out.len(),
+            Err(e) => {
+                prop_assert!(e.to_string().starts_with("Opus packet"), "{e}");
+                out.len()
+            }
+        };
+        prop_assert!(decoded <= 24_000 + 2 * 2880, "{decoded} samples from {} bytes", bytes.len());
     }
 }
 

@@ -54,7 +54,7 @@ async function loadDefaults() {
     for (const k of ["text_temperature", "text_topk", "audio_temperature", "audio_topk"]) {
       if (d[k] !== undefined) $(k).value = d[k];
     }
-    if (d.text_prompt) $("persona").placeholder = d.text_prompt;
+    if (d.default_persona) $("persona").placeholder = "(the server's default persona)";
     const v = await (await fetch("/api/voices")).json();
     for (const name of v.voices || []) {
       const o = document.createElement("option");

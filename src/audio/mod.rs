@@ -13,6 +13,7 @@ pub mod framer;
 pub mod jitter;
 pub mod live;
 pub mod opus;
+pub mod pace;
 pub mod pcm;
 pub mod reference;
 pub mod resample;

@@ -5,12 +5,17 @@
 //! The Ogg framing is the `ogg` crate's page parser and writer, the codec is libopus (the `opus`
 //! crate); this module only joins them to the shape of a network stream: bytes arrive split
 //! anywhere, the header pages come first, and nothing a peer sends may make it panic or grow
-//! without bound. Knows nothing of sockets or stages.
+//! without bound. Each packet's duration is read from its table of contents before it is
+//! decoded and asked of a [`Budget`]: what the budget refuses is skipped undecoded (counted), so
+//! a stream of tiny packets that each claim 120 ms costs what the budget allows, not what the
+//! packets claim. Knows nothing of sockets or stages.
 
 use std::borrow::Cow;
 
 use ogg::reading::{BasePacketReader, PageParser};
 use ogg::writing::{PacketWriteEndInfo, PacketWriter};
+
+use super::pace::Budget;
 
 /// The rate of every stream here, Hz.
 pub const RATE: u32 = 24_000;
@@ -18,6 +23,8 @@ pub const RATE: u32 = 24_000;
 pub const PACKET_SAMPLES: usize = 960;
 /// The longest Opus packet, in samples per channel at 24 kHz (120 ms).
 const MAX_PACKET_SAMPLES: usize = 2880;
+/// What a packet of no bytes stands for: a lost 20 ms frame, concealed by the decoder.
+const LOST_PACKET_SAMPLES: usize = 480;
 /// Ogg granule positions of Opus streams count at 48 kHz.
 const GRANULE_PER_SAMPLE: u64 = 48_000 / RATE as u64;
 
@@ -72,6 +79,8 @@ pub struct OggOpusReader {
     /// Samples still to drop at the start (the encoder's pre-skip), at 24 kHz.
     skip: usize,
     scratch: Vec<f32>,
+    refused_packets: u64,
+    refused_samples: u64,
 }
 
 impl Default for OggOpusReader {
@@ -94,6 +103,8 @@ impl OggOpusReader {
             tags_seen: false,
             skip: 0,
             scratch: vec![0.0; MAX_PACKET_SAMPLES * 2],
+            refused_packets: 0,
+            refused_samples: 0,
         }
     }
 
@@ -102,14 +113,26 @@ impl OggOpusReader {
         self.audio_packets
     }
 
+    /// Audio packets the budget refused (skipped undecoded), and the samples they stood for.
+    pub fn refused(&self) -> (u64, u64) {
+        (self.refused_packets, self.refused_samples)
+    }
+
     /// Takes the next `bytes` of the stream and appends the PCM they complete (24 kHz mono) to
-    /// `out`. A page split across calls is kept (at most one page: 64 KiB) until it is whole.
+    /// `out`, each audio packet decoded only when `budget` pays for its duration (a packet it
+    /// refuses is skipped, counted in [`refused`](Self::refused)). A page split across calls is
+    /// kept (at most one page: 64 KiB) until it is whole.
     ///
     /// # Errors
     ///
     /// A [`StreamError`] when the bytes are not an Ogg/Opus stream or are damaged; the reader
     /// is then of no further use.
-    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), StreamError> {
+    pub fn push(
+        &mut self,
+        bytes: &[u8],
+        out: &mut Vec<f32>,
+        budget: &mut dyn Budget,
+    ) -> Result<(), StreamError> {
         self.buf.extend_from_slice(bytes);
         let mut at = 0;
         loop {
@@ -150,7 +173,7 @@ impl OggOpusReader {
                     self.pages += 1;
                     self.packets.push_page(page).map_err(|e| self.bad_page(e))?;
                     while let Some(p) = self.packets.read_packet() {
-                        self.packet(p, out)?;
+                        self.packet(p, out, budget)?;
                     }
                     Pending::Header
                 }
@@ -167,7 +190,12 @@ impl OggOpusReader {
         }
     }
 
-    fn packet(&mut self, p: ogg::Packet, out: &mut Vec<f32>) -> Result<(), StreamError> {
+    fn packet(
+        &mut self,
+        p: ogg::Packet,
+        out: &mut Vec<f32>,
+        budget: &mut dyn Budget,
+    ) -> Result<(), StreamError> {
         let serial = *self.serial.get_or_insert(p.stream_serial());
         if p.stream_serial() != serial {
             return Err(StreamError::NotOpus(format!(
@@ -188,12 +216,31 @@ impl OggOpusReader {
             return Ok(());
         }
         let ch = *channels;
+        let index = self.audio_packets + self.refused_packets;
+        let bad = move |detail: String| StreamError::Decode {
+            packet: index,
+            detail,
+        };
+        // The duration first, from the packet's table of contents: nothing is decoded that the
+        // budget does not pay for. No bytes is a lost frame (RFC 7845), concealed for 20 ms.
+        let claimed = if p.data.is_empty() {
+            LOST_PACKET_SAMPLES
+        } else {
+            opus::packet::get_nb_samples(&p.data, RATE).map_err(|e| bad(e.to_string()))?
+        };
+        if claimed > MAX_PACKET_SAMPLES {
+            return Err(bad(format!(
+                "it claims {claimed} samples, more than Opus's 120 ms"
+            )));
+        }
+        if !budget.take(claimed) {
+            self.refused_packets += 1;
+            self.refused_samples += claimed as u64;
+            return Ok(());
+        }
         let n = decoder
-            .decode_float(&p.data, &mut self.scratch[..MAX_PACKET_SAMPLES * ch], false)
-            .map_err(|e| StreamError::Decode {
-                packet: self.audio_packets,
-                detail: e.to_string(),
-            })?;
+            .decode_float(&p.data, &mut self.scratch[..claimed * ch], false)
+            .map_err(|e| bad(e.to_string()))?;
         self.audio_packets += 1;
         let frames = self.scratch[..n * ch].chunks_exact(ch);
         let drop = self.skip.min(n);
@@ -368,6 +415,8 @@ impl OggOpusWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audio::pace::{RealTime, Unlimited};
+    use std::time::Duration;
 
     fn tone(n: usize) -> Vec<f32> {
         (0..n)
@@ -390,7 +439,7 @@ mod tests {
         let mut r = OggOpusReader::new();
         let mut out = Vec::new();
         for p in &pages {
-            r.push(p, &mut out).unwrap();
+            r.push(p, &mut out, &mut Unlimited).unwrap();
         }
         assert_eq!(r.packets(), 25);
         // The pre-skip is dropped: what comes back is the input, delayed by nothing more.
@@ -406,14 +455,14 @@ mod tests {
         let whole = {
             let mut r = OggOpusReader::new();
             let mut out = Vec::new();
-            r.push(&bytes, &mut out).unwrap();
+            r.push(&bytes, &mut out, &mut Unlimited).unwrap();
             out
         };
         for size in [1, 7, 200, 5000] {
             let mut r = OggOpusReader::new();
             let mut out = Vec::new();
             for c in bytes.chunks(size) {
-                r.push(c, &mut out).unwrap();
+                r.push(c, &mut out, &mut Unlimited).unwrap();
             }
             assert_eq!(out, whole, "chunks of {size}");
         }
@@ -423,14 +472,16 @@ mod tests {
     fn garbage_a_damaged_page_and_other_codecs_are_refused_by_name() {
         let mut out = Vec::new();
         let e = OggOpusReader::new()
-            .push(&[0x42; 100], &mut out)
+            .push(&[0x42; 100], &mut out, &mut Unlimited)
             .unwrap_err();
         assert!(matches!(e, StreamError::NotOgg(_)), "{e}");
 
         let mut bytes = encode(&tone(4800)).concat();
         let last = bytes.len() - 3;
         bytes[last] ^= 0xff;
-        let e = OggOpusReader::new().push(&bytes, &mut out).unwrap_err();
+        let e = OggOpusReader::new()
+            .push(&bytes, &mut out, &mut Unlimited)
+            .unwrap_err();
         assert!(matches!(e, StreamError::BadPage { .. }), "{e}");
 
         let mut w = PacketWriter::new(Vec::new());
@@ -442,8 +493,71 @@ mod tests {
         )
         .unwrap();
         let e = OggOpusReader::new()
-            .push(&w.into_inner(), &mut out)
+            .push(&w.into_inner(), &mut out, &mut Unlimited)
             .unwrap_err();
         assert_eq!(e, StreamError::NotOpus("it carries Vorbis".into()));
+    }
+
+    /// The header pages of a mono stream, then `pages` pages of `per_page` copies of `packet`.
+    fn stream_of(packet: &[u8], per_page: usize, pages: usize) -> Vec<u8> {
+        let mut w = PacketWriter::new(Vec::new());
+        let mut head = b"OpusHead".to_vec();
+        head.extend_from_slice(&[1, 1, 0, 0, 0xc0, 0x5d, 0, 0, 0, 0, 0]);
+        w.write_packet(head, 9, PacketWriteEndInfo::EndPage, 0)
+            .unwrap();
+        w.write_packet(
+            b"OpusTags\0\0\0\0\0\0\0\0".to_vec(),
+            9,
+            PacketWriteEndInfo::EndPage,
+            0,
+        )
+        .unwrap();
+        for page in 0..pages {
+            for i in 0..per_page {
+                let end = if i + 1 == per_page {
+                    PacketWriteEndInfo::EndPage
+                } else {
+                    PacketWriteEndInfo::NormalPacket
+                };
+                w.write_packet(packet.to_vec(), 9, end, (page * per_page + i) as u64)
+                    .unwrap();
+            }
+        }
+        w.into_inner()
+    }
+
+    /// Two bytes that claim 120 ms (two 60 ms frames of nothing), 255 to a page: what the
+    /// packets claim is hours, what is decoded is what the budget pays for, and the rest is
+    /// counted, not decoded.
+    #[test]
+    fn packets_that_claim_more_than_the_budget_are_skipped_undecoded() {
+        let bomb = [0x1b, 0x02];
+        assert_eq!(opus::packet::get_nb_samples(&bomb, RATE).unwrap(), 2880);
+        let bytes = stream_of(&bomb, 255, 400);
+        assert!(bytes.len() < 1 << 20, "{} bytes: one message", bytes.len());
+        let mut r = OggOpusReader::new();
+        let mut out = Vec::new();
+        let mut budget = RealTime::new(RATE, 1.0, Duration::from_secs(1));
+        r.push(&bytes, &mut out, &mut budget).unwrap();
+        // At most the one-second allowance comes out of one message (one packet may straddle
+        // the time it took to parse it).
+        assert!(out.len() <= 24_000 + 2880, "{} samples decoded", out.len());
+        let (packets, samples) = r.refused();
+        assert!(packets >= 255 * 400 - 10, "{packets} refused");
+        assert_eq!(
+            samples + out.len() as u64 + r.skip as u64,
+            255 * 400 * 2880,
+            "every claimed sample is decoded or counted"
+        );
+    }
+
+    /// A packet of no bytes is a lost 20 ms frame, not the decoder's 120 ms maximum.
+    #[test]
+    fn an_empty_packet_is_a_twenty_millisecond_loss() {
+        let bytes = stream_of(&[], 255, 4);
+        let mut r = OggOpusReader::new();
+        let mut out = Vec::new();
+        r.push(&bytes, &mut out, &mut Unlimited).unwrap();
+        assert_eq!(out.len() + r.skip, 255 * 4 * 480);
     }
 }

@@ -58,8 +58,8 @@ pub const SESSIONS_ACTIVE: &str = "duplex_sessions_active";
 pub const SESSIONS_CAPACITY: &str = "duplex_sessions_capacity";
 /// Counter: sessions admitted.
 pub const SESSIONS_ADMITTED: &str = "duplex_sessions_admitted_total";
-/// Counter, label `reason` (`full|draining|per_ip|not_ready`): connections refused before the
-/// upgrade.
+/// Counter, label `reason` (`full|draining|per_ip|not_ready|rate`): connections refused before
+/// the upgrade (`rate`: the client address opened new sessions faster than its allowance).
 pub const SESSIONS_REFUSED: &str = "duplex_sessions_refused_total";
 /// Counter, label `outcome` (`client_closed|idle|stalled|failed|drained|ended|refused`): sessions
 /// ended, by why.
@@ -72,14 +72,22 @@ pub const SESSION_BYTES: &str = "duplex_session_bytes_total";
 /// taking them (`out`: a client that stopped reading; `in`: a client sending faster than real
 /// time).
 pub const SESSION_DROPPED: &str = "duplex_session_dropped_messages_total";
+/// Counter: 80 ms frames' worth of a client's audio skipped undecoded because it came faster
+/// than real time beyond the catch-up allowance (`opus_decode`'s pacing; also packets that
+/// claim more audio than the budget holds).
+pub const OPUS_REFUSED: &str = "duplex_session_input_refused_frames_total";
 /// Counter: 80 ms frames of silence fed in place of a quiet client.
 pub const SESSION_SILENCE: &str = "duplex_session_silence_frames_total";
 /// Counter: times a client stopped reading for longer than `stall_timeout` (its session is
 /// closed).
 pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
-/// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary`): protocol
-/// errors of clients.
+/// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary|flood`):
+/// protocol errors of clients (`flood`: more messages, pings included, than
+/// `limits.max_messages_per_s`).
 pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";
+/// Counter, label `reason` (`host|bad_request`): HTTP requests refused before any route:
+/// a `Host` the server does not serve (`allowed_hosts`), a malformed WebSocket upgrade.
+pub const HTTP_REFUSED: &str = "duplex_http_requests_refused_total";
 /// Gauge: TCP connections open to the server (sessions, requests, and connections that have
 /// not said anything yet).
 pub const CONNECTIONS_OPEN: &str = "duplex_connections_open";

@@ -52,6 +52,9 @@ pub enum RunError {
         seq: Option<u64>,
         /// The error, with its causes.
         message: String,
+        /// The stage refused what came from outside the process (a peer's stream): the fault
+        /// is the peer's ([`StageError::BadInput`]).
+        bad_input: bool,
         /// Stages that did not stop in time afterwards.
         hung: Vec<String>,
     },
@@ -80,8 +83,13 @@ impl std::fmt::Display for RunError {
                 seq,
                 message,
                 hung,
+                bad_input,
             } => {
-                write!(f, "stage `{stage}` failed")?;
+                if *bad_input {
+                    write!(f, "stage `{stage}` refused its input")?;
+                } else {
+                    write!(f, "stage `{stage}` failed")?;
+                }
                 if let Some(s) = seq {
                     write!(f, " at frame {s}")?;
                 }
@@ -120,7 +128,11 @@ impl std::error::Error for RunError {}
 enum Exit {
     Finished,
     Stopped,
-    Failed { seq: Option<u64>, message: String },
+    Failed {
+        seq: Option<u64>,
+        message: String,
+        bad_input: bool,
+    },
 }
 
 enum Event {
@@ -381,6 +393,7 @@ impl Pipeline {
                         Ok(e) => e,
                         Err(p) => Exit::Failed {
                             seq: None,
+                            bad_input: false,
                             message: format!("panicked: {}", panic_message(&p)),
                         },
                     };
@@ -442,8 +455,9 @@ fn record(a: &Actor, elapsed: Duration, blocked: Duration, frames: u64) {
 fn failure(e: StageError, seq: Option<u64>) -> Exit {
     match e {
         StageError::Stopped => Exit::Stopped,
-        e @ StageError::Failed(_) => Exit::Failed {
+        e @ (StageError::Failed(_) | StageError::BadInput(_)) => Exit::Failed {
             seq,
+            bad_input: matches!(e, StageError::BadInput(_)),
             message: e.to_string(),
         },
     }
@@ -492,6 +506,7 @@ fn run_source(a: &mut Actor, src: &mut dyn super::Source) -> Exit {
             Err(p) => {
                 return Exit::Failed {
                     seq,
+                    bad_input: false,
                     message: format!("panicked: {}", panic_message(&p)),
                 }
             }
@@ -510,6 +525,7 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
         Ok(Err(e)) => failure(e, None),
         Err(p) => Exit::Failed {
             seq: None,
+            bad_input: false,
             message: format!("panicked while flushing: {}", panic_message(&p)),
         },
     }
@@ -525,6 +541,7 @@ fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
         Err(p) => {
             return Exit::Failed {
                 seq: None,
+                bad_input: false,
                 message: format!("panicked while starting: {}", panic_message(&p)),
             }
         }
@@ -586,6 +603,7 @@ fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
             Err(p) => {
                 exit = Some(Exit::Failed {
                     seq: Some(seq),
+                    bad_input: false,
                     message: format!("panicked: {}", panic_message(&p)),
                 });
                 break;
@@ -626,7 +644,7 @@ impl Running {
                 done[i] = true;
             }
         }
-        let mut failed: Option<(String, Option<u64>, String)> = None;
+        let mut failed: Option<(String, Option<u64>, String, bool)> = None;
         // Deadline of the current shutdown phase: draining, then aborting.
         let mut deadline: Option<Instant> = None;
         let mut aborting = false;
@@ -650,10 +668,18 @@ impl Running {
                         let _ = h.join();
                     }
                     match exit {
-                        Exit::Failed { seq, message } => {
-                            tracing::error!(stage = %self.names[i], "stage failed: {message}");
+                        Exit::Failed {
+                            seq,
+                            message,
+                            bad_input,
+                        } => {
+                            if bad_input {
+                                tracing::warn!(stage = %self.names[i], "stage refused its input: {message}");
+                            } else {
+                                tracing::error!(stage = %self.names[i], "stage failed: {message}");
+                            }
                             if failed.is_none() {
-                                failed = Some((self.names[i].clone(), seq, message));
+                                failed = Some((self.names[i].clone(), seq, message, bad_input));
                                 self.stop.inner.drain();
                                 if deadline.is_none() {
                                     deadline = Some(Instant::now() + self.options.drain_timeout);
@@ -708,11 +734,12 @@ impl Running {
         let report = self.stats.snapshot(self.started.elapsed());
         let error = if let Some(e) = self.spawn_error.take() {
             Some(RunError::Spawn(e))
-        } else if let Some((stage, seq, message)) = failed {
+        } else if let Some((stage, seq, message, bad_input)) = failed {
             Some(RunError::StageFailed {
                 stage,
                 seq,
                 message,
+                bad_input,
                 hung,
             })
         } else if !hung.is_empty() {

@@ -23,12 +23,22 @@ pub enum StageError {
     Stopped,
     /// A real failure; the pipeline stops and reports it with the stage name and frame number.
     Failed(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// What came from outside the process (a network peer's stream) is unusable: the pipeline
+    /// stops as for a failure, but the fault is the peer's, not the pipeline's, so it is logged
+    /// as a warning and reported as [`RunError::StageFailed`](super::RunError) with
+    /// `bad_input` set.
+    BadInput(Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
 impl StageError {
     /// A failure described by a message.
     pub fn msg(message: impl Into<String>) -> Self {
         StageError::Failed(message.into().into())
+    }
+
+    /// A peer's bad input, described by a message.
+    pub fn bad_input(message: impl Into<String>) -> Self {
+        StageError::BadInput(message.into().into())
     }
 }
 
@@ -43,6 +53,7 @@ impl fmt::Debug for StageError {
         match self {
             StageError::Stopped => f.write_str("Stopped"),
             StageError::Failed(e) => write!(f, "Failed({e})"),
+            StageError::BadInput(e) => write!(f, "BadInput({e})"),
         }
     }
 }
@@ -51,7 +62,7 @@ impl fmt::Display for StageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StageError::Stopped => f.write_str("pipeline stopping"),
-            StageError::Failed(e) => {
+            StageError::Failed(e) | StageError::BadInput(e) => {
                 write!(f, "{e}")?;
                 let mut src = e.source();
                 while let Some(s) = src {

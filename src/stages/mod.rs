@@ -32,6 +32,7 @@ mod wav_sink;
 mod wav_source;
 
 pub use codes_source::read_codes;
+pub(crate) use temporal::check_voice;
 
 use std::fmt::Write;
 
@@ -252,15 +253,109 @@ impl From<crate::audio::AudioError> for BuildError {
     }
 }
 
-/// Creates an output file of a sink (and its missing parent folders); an error names the
-/// `path` param.
-pub(crate) fn create_output(path: &std::path::Path) -> Result<std::fs::File, BuildError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| BuildError::invalid(format!("{}: {e}", dir.display())).key("path"))?;
+/// A file a stage writes (a sink's `path`, the virtual player's `capture`): checked when the
+/// stage is built, created when the pipeline starts.
+///
+/// Building a pipeline must leave what it would write as it is: `duplex validate`, a pipeline
+/// refused after this stage was built (a bad link, another stage's param) and a daemon reload
+/// that is rejected all build stages without running them, and a file created at build would
+/// be truncated for nothing. [`OutputFile::check`] looks without creating or truncating
+/// anything; [`OutputFile::create`] (from the stage's `start`, or its first write) creates the
+/// missing folders and the file.
+#[derive(Debug, Clone)]
+pub(crate) struct OutputFile {
+    path: std::path::PathBuf,
+}
+
+impl OutputFile {
+    /// Checks that `path` (the value of param `key`) can be written: not a directory, and
+    /// either a file this process may write or a name in a folder (existing, or to be created
+    /// under the nearest existing one) where it may create files. Creates nothing.
+    ///
+    /// # Errors
+    ///
+    /// A [`BuildError`] naming `key` and the path, saying what is in the way.
+    pub(crate) fn check(path: &str, key: &'static str) -> Result<Self, BuildError> {
+        use std::os::unix::fs::FileTypeExt;
+        let p = std::path::Path::new(path);
+        let bad = |m: String| BuildError::invalid(format!("{path}: {m}")).key(key);
+        if path.ends_with('/') {
+            return Err(bad("names a folder: end it with a file name".into()));
+        }
+        match std::fs::metadata(p) {
+            Ok(m) if m.is_dir() => return Err(bad("is a directory, not a file".into())),
+            Ok(m) if m.file_type().is_socket() => {
+                return Err(bad("is a socket, not a file".into()))
+            }
+            Ok(_) => writable(p, libc::W_OK).map_err(|e| bad(format!("cannot be written: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Missing folders are created under the nearest existing one, then the file.
+                let dir = p
+                    .ancestors()
+                    .skip(1)
+                    .map(|a| {
+                        if a.as_os_str().is_empty() {
+                            std::path::Path::new(".")
+                        } else {
+                            a
+                        }
+                    })
+                    .find(|a| a.exists())
+                    .unwrap_or(std::path::Path::new("."));
+                if !dir.is_dir() {
+                    return Err(bad(format!("{} is not a directory", dir.display())));
+                }
+                writable(dir, libc::W_OK | libc::X_OK)
+                    .map_err(|e| bad(format!("cannot create files in {}: {e}", dir.display())))?;
+            }
+            Err(e) => return Err(bad(e.to_string())),
+        }
+        Ok(OutputFile { path: p.into() })
     }
-    std::fs::File::create(path)
-        .map_err(|e| BuildError::invalid(format!("{}: {e}", path.display())).key("path"))
+
+    /// The path.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Creates the missing folders above the file (for writers that create the file
+    /// themselves).
+    ///
+    /// # Errors
+    ///
+    /// A [`StageError`](crate::runtime::StageError) naming the folder.
+    pub(crate) fn create_folders(&self) -> Result<(), crate::runtime::StageError> {
+        match self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            Some(dir) => std::fs::create_dir_all(dir)
+                .map_err(|e| crate::runtime::StageError::msg(format!("{}: {e}", dir.display()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates (or truncates) the file, and the missing folders above it.
+    ///
+    /// # Errors
+    ///
+    /// A [`StageError`](crate::runtime::StageError) naming the path.
+    pub(crate) fn create(&self) -> Result<std::fs::File, crate::runtime::StageError> {
+        self.create_folders()?;
+        std::fs::File::create(&self.path)
+            .map_err(|e| crate::runtime::StageError::msg(format!("{}: {e}", self.path.display())))
+    }
+}
+
+/// `access(2)`: whether this process may use `path` as `mode` says (it follows the path's
+/// links and knows read-only file systems), without opening it.
+fn writable(path: &std::path::Path, mode: libc::c_int) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the path"))?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call; access reads nothing else.
+    if unsafe { libc::access(c.as_ptr(), mode) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// A stage kind: its name, docs, params, ports and builder.

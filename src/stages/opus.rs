@@ -2,27 +2,56 @@
 //! the [`audio::opus`](crate::audio::opus) reader and writer.
 //!
 //! The decoder takes the stream in chunks split anywhere and emits whatever PCM they complete
-//! (the framer after it cuts model frames); a gap stands for silence. A stream that is not
-//! Ogg/Opus, or a damaged page, fails the stage with what was wrong, which ends that session
-//! alone. The encoder emits the header pages first, then one page per 40 ms packet.
+//! (the framer after it cuts model frames); a gap stands for silence. It paces what it decodes
+//! by wall time ([`RealTime`]): at most real time (`max_speed`) plus a catch-up allowance; a
+//! packet beyond that is skipped before it is decoded and counted, so neither a client sending
+//! faster than real time nor packets claiming hours of audio cost more than a session talking.
+//! A stream that is not Ogg/Opus, or a damaged page, fails the stage with what was wrong, which
+//! ends that session alone. The encoder emits the header pages first, then one page per 40 ms
+//! packet.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::audio::opus::{OggOpusReader, OggOpusWriter, RATE};
+use crate::audio::pace::{Budget, RealTime, Unlimited};
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{
+    Body, Caps, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult, StatusSpec,
+};
 
 use super::{caps, BuildContext, BuildError, OggOpus, StageKind};
 
 pub(super) const DECODE: StageKind = StageKind {
     name: "opus_decode",
-    doc: "a client's Ogg/Opus stream (chunks split anywhere) -> 24 kHz mono PCM; gaps -> silence",
-    params: &[],
+    doc: "a client's Ogg/Opus stream (chunks split anywhere) -> 24 kHz mono PCM; gaps -> silence; paced",
+    params: &[
+        ParamSpec {
+            name: "max_speed",
+            ty: T::Float {
+                min: 0.0,
+                max: 100.0,
+            },
+            default: D::Float(1.0),
+            doc: "audio decoded at most this many times as fast as it plays, beyond `catch_up_ms` (0 = unpaced, for streams you trust)",
+        },
+        ParamSpec {
+            name: "catch_up_ms",
+            ty: T::Int {
+                min: 80,
+                max: 60_000,
+            },
+            default: D::Int(1000),
+            doc: "audio that may come ahead of real time at once (a burst after a network stall); more is skipped undecoded and counted",
+        },
+    ],
     inputs: || vec![PortSpec::new::<OggOpus>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
-    status: &[],
+    status: &[StatusSpec {
+        name: "refused_ms",
+        doc: "audio skipped undecoded: it came faster than real time beyond the catch-up allowance",
+    }],
     build: build_decode,
 };
 
@@ -45,18 +74,59 @@ pub(super) const ENCODE: StageKind = StageKind {
     build: build_encode,
 };
 
-fn build_decode(_: &BuildContext<'_>, _: &Params) -> Result<Body, BuildError> {
+fn build_decode(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let speed = p.float("max_speed");
+    let budget: Box<dyn Budget + Send> = if speed > 0.0 {
+        let catch_up = Duration::from_millis(p.int("catch_up_ms") as u64);
+        Box::new(RealTime::new(RATE, speed, catch_up))
+    } else {
+        Box::new(Unlimited)
+    };
+    let control = cx.endpoint();
+    control.set("refused_ms", 0u64);
     Ok(Body::Stage(Box::new(Decode {
         reader: OggOpusReader::new(),
         out: Vec::new(),
+        budget,
+        refused_silence: 0,
+        reported: 0,
+        control,
         decode_time: metrics::histogram!(crate::observe::names::OPUS_TIME, "direction" => "decode"),
+        refused: metrics::counter!(crate::observe::names::OPUS_REFUSED),
     })))
 }
 
 struct Decode {
     reader: OggOpusReader,
     out: Vec<f32>,
+    budget: Box<dyn Budget + Send>,
+    /// Samples of fed silence the budget refused.
+    refused_silence: u64,
+    /// Refused samples already counted in the metric.
+    reported: u64,
+    control: Endpoint,
     decode_time: metrics::Histogram,
+    refused: metrics::Counter,
+}
+
+impl Decode {
+    /// Publishes what the budget refused since the last call; warns once, when it starts.
+    fn count_refused(&mut self) {
+        let now = self.reader.refused().1 + self.refused_silence;
+        if now > self.reported {
+            if self.reported == 0 {
+                tracing::warn!(
+                    "the client's audio comes faster than real time: what exceeds the catch-up \
+                     allowance is skipped undecoded (counted in {})",
+                    crate::observe::names::OPUS_REFUSED
+                );
+            }
+            let frame = crate::audio::FRAME_SAMPLES as u64;
+            self.refused.increment(now / frame - self.reported / frame);
+            self.reported = now;
+            self.control.set("refused_ms", now * 1000 / RATE as u64);
+        }
+    }
 }
 
 impl Stage for Decode {
@@ -70,12 +140,19 @@ impl Stage for Decode {
             OggOpus::Bytes(b) => {
                 let t0 = Instant::now();
                 self.reader
-                    .push(&b, &mut self.out)
-                    .map_err(|e| StageError::msg(format!("the client's audio: {e}")))?;
+                    .push(&b, &mut self.out, self.budget.as_mut())
+                    .map_err(|e| StageError::bad_input(format!("the client's audio: {e}")))?;
                 self.decode_time.record(t0.elapsed().as_secs_f64());
             }
-            OggOpus::Silence(n) => self.out.resize(self.out.len() + n, 0.0),
+            OggOpus::Silence(n) => {
+                if self.budget.take(n) {
+                    self.out.resize(self.out.len() + n, 0.0);
+                } else {
+                    self.refused_silence += n as u64;
+                }
+            }
         }
+        self.count_refused();
         if self.out.is_empty() {
             return Ok(());
         }

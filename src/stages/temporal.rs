@@ -94,6 +94,24 @@ pub(super) const KIND: StageKind = StageKind {
             doc: "voice prompt WAV (any rate; whole frames are used)"
         },
         ParamSpec {
+            name: "max_persona_tokens",
+            ty: T::Int { min: 1, max: 100_000 },
+            default: D::Int(1000),
+            doc: "the longest persona, in tokens (each costs a priming step); a longer one is refused"
+        },
+        ParamSpec {
+            name: "max_voice_s",
+            ty: T::Float { min: 0.08, max: 3600.0 },
+            default: D::Float(60.0),
+            doc: "the longest voice prompt, seconds (checked from the WAV header, before decoding)"
+        },
+        ParamSpec {
+            name: "log_transcript",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "log the agent's transcript at INFO, a line per sentence, escaped (off: a transcript is private)"
+        },
+        ParamSpec {
             name: "silence_frames",
             ty: T::Int { min: 0, max: 1000 },
             default: D::Int(6),
@@ -158,13 +176,50 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
-/// Encodes a voice prompt WAV into code frames (resampled to the pack's rate if needed).
+/// The lowest rate of a voice prompt, Hz: below it there is no voice left to imitate.
+pub(crate) const VOICE_MIN_RATE: u32 = 8000;
+
+/// Checks a voice prompt from its WAV header alone, before anything is decoded: a WAV file at
+/// [`VOICE_MIN_RATE`] or more, at most `max_seconds` long. Returns its length in 80 ms frames.
+///
+/// # Errors
+///
+/// What is wrong, naming the file.
+pub(crate) fn check_voice(path: &Path, max_seconds: f64) -> Result<usize, String> {
+    let r = WavReader::open(path).map_err(|e| e.to_string())?;
+    if r.rate() < VOICE_MIN_RATE {
+        return Err(format!(
+            "{}: {} Hz; a voice prompt needs {VOICE_MIN_RATE} Hz or more",
+            path.display(),
+            r.rate()
+        ));
+    }
+    let seconds = r.frames() as f64 / r.rate() as f64;
+    if seconds > max_seconds {
+        return Err(format!(
+            "{}: {seconds:.1} s; a voice prompt may last {max_seconds} s at most (`max_voice_s`)",
+            path.display()
+        ));
+    }
+    Ok((seconds / 0.08).ceil() as usize)
+}
+
+/// Encodes a voice prompt WAV into code frames (resampled to the pack's rate if needed), once
+/// its header has passed [`check_voice`].
 fn voice_codes(
     path: &Path,
     pack: &crate::model::pack::Pack,
     p: &Params,
 ) -> Result<Vec<Vec<i64>>, BuildError> {
     let voice = |e: String| BuildError::invalid(e).key("voice");
+    let frames = check_voice(path, p.float("max_voice_s")).map_err(voice)?;
+    let limit = p.int("max_positions") as usize;
+    if limit > 0 && frames >= limit {
+        return Err(voice(format!(
+            "{}: {frames} frames of voice prompt do not fit in `max_positions` ({limit})",
+            path.display()
+        )));
+    }
     let mut r = WavReader::open(path).map_err(|e| voice(e.to_string()))?;
     let mut pcm = r.read_all().map_err(|e| voice(e.to_string()))?;
     let rate = pack.manifest.sample_rate;
@@ -212,6 +267,19 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         p.int_list("persona_tokens"),
     )
     .map_err(|e| BuildError::invalid(e.to_string()).key(e.key()))?;
+    let max_persona = p.int("max_persona_tokens") as usize;
+    if persona.len() > max_persona {
+        let key = if p.opt_str("persona").is_some() {
+            "persona"
+        } else {
+            "persona_tokens"
+        };
+        return Err(BuildError::invalid(format!(
+            "the persona is {} tokens; at most {max_persona} (`max_persona_tokens`: each token is a priming step)",
+            persona.len()
+        ))
+        .key(key));
+    }
     let script = priming_script(
         &m,
         voice.as_deref(),
@@ -283,6 +351,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
         context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
         rec: cx.recording.map(|r| r.stream("lm")),
+        log_transcript: p.bool("log_transcript"),
         steps: 0,
         conversation: cx.conversation(),
     })))
@@ -298,6 +367,8 @@ struct TemporalStage {
     index: u64,
     manifest: PackManifest,
     tokenizer: Option<Tokenizer>,
+    /// Whether the transcript is logged (escaped), a line per sentence.
+    log_transcript: bool,
     voice: Option<Vec<Vec<i64>>>,
     silence_frames: usize,
     transcript: Transcript,
@@ -342,6 +413,15 @@ impl TemporalStage {
             return Err(StageError::msg("the depformer stage ended its stream"));
         };
         Ok(self.half.commit(&tokens.data)?)
+    }
+
+    /// Logs the transcript's pending line (escaped: a model's text is not the log's markup).
+    fn log_line(&mut self) {
+        let line = self.line.trim();
+        if !line.is_empty() {
+            tracing::info!(transcript = ?line, "agent");
+        }
+        self.line.clear();
     }
 
     /// A new persona (text, or comma-separated token ids) replaces the priming script.
@@ -393,10 +473,18 @@ impl TemporalStage {
         }
         self.steps = 0;
         let script = std::mem::take(&mut self.script);
-        let r = script.iter().try_for_each(|s| {
-            self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
-                .map(|_| ())
-        });
+        // A pipeline asked to stop (its client gone) stops priming at the next step.
+        let mut r = Ok(());
+        for s in &script {
+            if cx.should_stop() {
+                break;
+            }
+            if let Err(e) = self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
+            {
+                r = Err(e);
+                break;
+            }
+        }
         self.script = script;
         r
     }
@@ -413,9 +501,7 @@ impl Stage for TemporalStage {
     }
 
     fn finish(&mut self, _cx: &mut Context<'_>) -> StageResult {
-        if !self.line.trim().is_empty() {
-            tracing::info!(transcript = %self.line.trim(), "agent");
-        }
+        self.log_line();
         Ok(())
     }
 
@@ -425,6 +511,9 @@ impl Stage for TemporalStage {
             r.write(&serde_json::json!({ "warmup": self.warmup, "user": silence }));
         }
         for _ in 0..self.warmup {
+            if cx.should_stop() {
+                return Ok(());
+            }
             self.round_trip(cx, Instant::now(), &silence, None, None)?;
         }
         self.half.reset(true);
@@ -508,10 +597,11 @@ impl Stage for TemporalStage {
                 .as_ref()
                 .and_then(|t| self.transcript.push(t, a.text));
             if let Some(p) = &piece {
-                self.line.push_str(p);
-                if self.line.len() >= 80 || p.ends_with(['.', '!', '?']) {
-                    tracing::info!(transcript = %self.line.trim(), "agent");
-                    self.line.clear();
+                if self.log_transcript {
+                    self.line.push_str(p);
+                    if self.line.len() >= 80 || p.ends_with(['.', '!', '?']) {
+                        self.log_line();
+                    }
                 }
             }
             let tokens = AgentTokens {

@@ -154,6 +154,7 @@ async def main():
     ap.add_argument("--send-raw", help="hex bytes to send as one message before the audio")
     ap.add_argument("--send-size", type=int, default=0, help="send one message of this many bytes")
     ap.add_argument("--fast", action="store_true", help="send as fast as possible")
+    ap.add_argument("--speed", type=float, default=1.0, help="send this many times faster than real time")
     ap.add_argument("--corrupt", action="store_true", help="damage a byte of the audio stream after 1 s")
     ap.add_argument("--vorbis", action="store_true", help="send an Ogg stream that carries Vorbis")
     ap.add_argument("--truncate", action="store_true", help="send the headers and half a page, then close")
@@ -258,7 +259,7 @@ async def main():
                         await ws.send_bytes(b"\x01" + pending[:cut])
                         pending = pending[cut:]
                 if not args.fast:
-                    due = start + (i + step) / 24000
+                    due = start + (i + step) / 24000 / args.speed
                     await asyncio.sleep(max(0.0, due - time.monotonic()))
             if pending:
                 await ws.send_bytes(b"\x01" + pending)

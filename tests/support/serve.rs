@@ -182,13 +182,41 @@ impl Server {
 
     /// Resident memory of the server, KiB.
     pub fn rss_kib(&self) -> u64 {
+        self.proc_status_kib("VmRSS:")
+    }
+
+    /// The highest resident memory of the server so far (the kernel's high-water mark), KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        self.proc_status_kib("VmHWM:")
+    }
+
+    fn proc_status_kib(&self, field: &str) -> u64 {
         let pid = self.child.as_ref().unwrap().id();
         let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         s.lines()
-            .find(|l| l.starts_with("VmRSS:"))
+            .find(|l| l.starts_with(field))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap()
+    }
+
+    /// Sends `head` (a request's lines without the final blank line) and returns the status,
+    /// the response's head and its body.
+    pub fn request(&self, head: &str) -> (u16, String, String) {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "{head}\r\nConnection: close\r\n\r\n").unwrap();
+        let mut bytes = Vec::new();
+        let _ = s.read_to_end(&mut bytes);
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let code = h
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, h.to_string(), b.to_string())
     }
 }
 
@@ -201,6 +229,25 @@ pub fn client_command(url: &str, args: &[&str]) -> Command {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     c
+}
+
+/// Runs the hostile client (`tests/clients/hostile.py`, `args` after `--url`) to its end and
+/// returns what it saw.
+pub fn hostile(url: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tests/clients/hostile.py"))
+        .args(["--url", url])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "hostile client {args:?} failed: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(text.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("hostile client output is not JSON ({e}): {text}"))
 }
 
 /// Runs the test client to its end and returns what it saw.

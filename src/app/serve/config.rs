@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use config::{Map, Value, ValueKind};
 
-use crate::config::params::{as_f64, as_string, describe, did_you_mean};
+use crate::config::params::{as_bool, as_f64, as_string, describe, did_you_mean};
 use crate::config::{layers, ConfigError, ConfigErrorKind, Override, PipelineSpec};
 
 /// The defaults (the text of `configs/serve.yaml`).
@@ -22,6 +22,7 @@ const DEFAULTS_ORIGIN: &str = "configs/serve.yaml (built in)";
 
 const KEYS: &[&str] = &[
     "address",
+    "allowed_hosts",
     "pipeline",
     "pack",
     "execution_provider",
@@ -34,6 +35,7 @@ const KEYS: &[&str] = &[
     "limits",
     "drain_timeout_s",
     "record",
+    "log_transcripts",
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
 const SAMPLING_KEYS: &[&str] = &[
@@ -49,6 +51,11 @@ const LIMIT_KEYS: &[&str] = &[
     "stall_timeout_s",
     "max_session_s",
     "handshake_timeout_s",
+    "max_messages_per_s",
+    "sessions_per_minute_per_ip",
+    "session_burst_per_ip",
+    "max_prompt_tokens",
+    "max_voice_s",
 ];
 
 /// Sampling of a session.
@@ -90,6 +97,17 @@ pub struct Limits {
     pub max_session: Option<Duration>,
     /// The longest wait for the WebSocket upgrade.
     pub handshake_timeout: Duration,
+    /// Messages (of any kind, pings included) a client may send per second, on average; twice
+    /// that at once. A client over it is closed.
+    pub max_messages_per_s: f64,
+    /// New sessions one client address may open per minute, on average.
+    pub sessions_per_minute_per_ip: f64,
+    /// New sessions one client address may open at once, before the per-minute rate applies.
+    pub session_burst_per_ip: f64,
+    /// The longest persona a client may ask for, in tokens (a priming step each).
+    pub max_prompt_tokens: usize,
+    /// The longest voice prompt of the voices folder, seconds.
+    pub max_voice_s: f64,
 }
 
 /// A checked server configuration.
@@ -99,6 +117,11 @@ pub struct ServeConfig {
     pub file: String,
     /// Listen address.
     pub address: SocketAddr,
+    /// Host names (the `Host` header) the server answers to besides IP addresses and
+    /// `localhost`: a name it does not know is refused (DNS rebinding).
+    pub allowed_hosts: Vec<String>,
+    /// Whether the agent's transcripts are logged (at INFO, escaped).
+    pub log_transcripts: bool,
     /// The session template.
     pub pipeline: PathBuf,
     /// The pack of every model stage (`None`: the template's).
@@ -297,6 +320,11 @@ pub fn load(
         stall_timeout: seconds(l.number("stall_timeout_s", 0.1, 1e6)?),
         max_session: (max_session > 0.0).then(|| seconds(max_session)),
         handshake_timeout: seconds(l.number("handshake_timeout_s", 0.1, 1e6)?),
+        max_messages_per_s: l.number("max_messages_per_s", 1.0, 1e6)?,
+        sessions_per_minute_per_ip: l.number("sessions_per_minute_per_ip", 0.1, 1e6)?,
+        session_burst_per_ip: l.number("session_burst_per_ip", 1.0, 1e6)?,
+        max_prompt_tokens: l.number("max_prompt_tokens", 1.0, 100_000.0)? as usize,
+        max_voice_s: l.number("max_voice_s", 0.08, 3600.0)?,
     };
     let r = f.table("record")?;
     r.known(RECORD_KEYS)?;
@@ -327,7 +355,53 @@ pub fn load(
             ));
         }
     }
+    let allowed_hosts = match root.get("allowed_hosts").map(|v| &v.kind) {
+        None | Some(ValueKind::Nil) => Vec::new(),
+        // From the environment: DUPLEX__ALLOWED_HOSTS="a.example,b.example".
+        Some(ValueKind::String(list)) => list
+            .split(',')
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect(),
+        Some(ValueKind::Array(a)) => a
+            .iter()
+            .map(|v| {
+                as_string(v)
+                    .map(|h| h.trim().to_ascii_lowercase())
+                    .filter(|h| !h.is_empty() && !h.contains(['/', ' ', '@']))
+                    .ok_or_else(|| {
+                        f.err(
+                            ConfigErrorKind::WrongType,
+                            "allowed_hosts",
+                            format!(
+                                "expected host names like voice.example.com, got {}",
+                                describe(v)
+                            ),
+                        )
+                    })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(f.err(
+                ConfigErrorKind::WrongType,
+                "allowed_hosts",
+                "expected a list of host names".into(),
+            ))
+        }
+    };
+    let log_transcripts = match root.get("log_transcripts") {
+        None => false,
+        Some(v) => as_bool(v).ok_or_else(|| {
+            f.err(
+                ConfigErrorKind::WrongType,
+                "log_transcripts",
+                format!("expected true or false, got {}", describe(v)),
+            )
+        })?,
+    };
     let config = ServeConfig {
+        allowed_hosts,
+        log_transcripts,
         execution_provider,
         record,
         address,
@@ -375,15 +449,18 @@ impl ServeConfig {
             .unwrap_or_else(|| format!("{}: `{key}`", self.file))
     }
 
-    /// A voice prompt's file: a plain file name inside the voices folder (no path, no `..`).
+    /// A voice prompt's file: a plain file name inside the voices folder (no path, no `..`, no
+    /// link leading outside it), a WAV that passes the voice check from its header alone (rate,
+    /// length: nothing is decoded).
     ///
     /// # Errors
     ///
-    /// A message for the client when the name is not a file of the folder.
+    /// A message for the client, naming the voice and not the server's folders.
     pub fn voice_path(&self, name: &str) -> Result<PathBuf, String> {
         let Some(dir) = &self.voices else {
             return Err(format!(
-                "voice prompt {name:?}: this server has no voices folder (`voices` in its configuration)"
+                "voice prompt {}: this server has no voices folder",
+                shown(name)
             ));
         };
         let plain = !name.is_empty()
@@ -393,13 +470,52 @@ impl ServeConfig {
             && name != "..";
         if !plain {
             return Err(format!(
-                "voice prompt {name:?}: a file name of the voices folder is expected"
+                "voice prompt {}: a file name of the voices folder is expected",
+                shown(name)
             ));
         }
+        let unknown = || format!("voice prompt {}: no such voice on this server", shown(name));
         let p = dir.join(name);
-        crate::files::check_regular(&p)
-            .map_err(|e| format!("voice prompt {name:?}: not in the voices folder ({e})"))?;
+        // A link may point inside the folder (an alias), never out of it.
+        let (Ok(real), Ok(real_dir)) = (p.canonicalize(), dir.canonicalize()) else {
+            return Err(unknown());
+        };
+        if !real.starts_with(&real_dir) {
+            tracing::warn!(
+                voice = %p.display(),
+                target = %real.display(),
+                "a voice prompt links outside the voices folder: refused"
+            );
+            return Err(unknown());
+        }
+        crate::files::check_regular(&real).map_err(|_| unknown())?;
+        crate::stages::check_voice(&real, self.limits.max_voice_s).map_err(|e| {
+            tracing::warn!("voice prompt refused: {e}");
+            format!(
+                "voice prompt {}: not a usable voice (a WAV of 8 kHz or more, at most {} s)",
+                shown(name),
+                self.limits.max_voice_s
+            )
+        })?;
         Ok(p)
+    }
+
+    /// The voices a client may name: the WAV files of the voices folder that pass
+    /// [`voice_path`](Self::voice_path), sorted. Each refused file is logged once, here.
+    pub fn usable_voices(&self) -> Vec<String> {
+        let Some(dir) = &self.voices else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| n.to_ascii_lowercase().ends_with(".wav"))
+            .filter(|n| self.voice_path(n).is_ok())
+            .collect();
+        names.sort();
+        names
     }
 
     /// The session's choices: the configuration's defaults with the client's query parameters
@@ -422,10 +538,11 @@ impl ServeConfig {
                 let x: f64 = v
                     .trim()
                     .parse()
-                    .map_err(|_| format!("query parameter {k}={v:?}: not a number"))?;
+                    .map_err(|_| format!("query parameter {k}={}: not a number", shown(v)))?;
                 if !(min..=max).contains(&x) {
                     return Err(format!(
-                        "query parameter {k}={v}: out of range {min}..={max}"
+                        "query parameter {k}={}: out of range {min}..={max}",
+                        shown(v)
                     ));
                 }
                 Ok(x)
@@ -556,6 +673,29 @@ impl ServeConfig {
                     ));
                 }
                 "temporal" => {
+                    for (param, key, value) in [
+                        (
+                            "max_persona_tokens",
+                            "limits.max_prompt_tokens",
+                            self.limits.max_prompt_tokens.to_string(),
+                        ),
+                        (
+                            "max_voice_s",
+                            "limits.max_voice_s",
+                            self.limits.max_voice_s.to_string(),
+                        ),
+                        (
+                            "log_transcript",
+                            "log_transcripts",
+                            self.log_transcripts.to_string(),
+                        ),
+                    ] {
+                        sets.push(Override::by(
+                            self.origin(key),
+                            format!("stages.{name}.{param}"),
+                            value,
+                        ));
+                    }
                     if !p.text_prompt.trim().is_empty() {
                         sets.push(Override::by(
                             origin("text_prompt", "text_prompt"),
@@ -587,11 +727,15 @@ fn strip_system_tags(v: &str) -> String {
     t.trim().to_string()
 }
 
-fn shown(v: &str) -> String {
+/// A client's value as the server repeats it (in a reply or a log line): at most 40
+/// characters, control characters escaped.
+pub(crate) fn shown(v: &str) -> String {
+    let cut: String = v.chars().take(40).collect();
+    let escaped: String = cut.escape_debug().collect();
     if v.chars().count() > 40 {
-        format!("{}…", v.chars().take(40).collect::<String>())
+        format!("{escaped}…")
     } else {
-        v.to_string()
+        escaped
     }
 }
 

@@ -3,9 +3,11 @@
 //!
 //! HTTP and WebSocket are axum's (hyper on a tokio runtime); this module decides who is
 //! admitted (a slot free, the models loaded, not draining, the client's address under its
-//! connection limit), serves `/readyz`, `/healthz`, `/api/sessions` and `/metrics`, and drains on
-//! SIGTERM. What happens on one connection is [`session`]'s business; what a session computes
-//! is its pipeline's. Knows no model internals.
+//! connection limit and its rate of new sessions), answers only to the host names it serves
+//! (DNS rebinding), puts the security headers on every response, serves `/readyz`, `/healthz`,
+//! `/api/sessions` and `/metrics`, and drains on SIGTERM. Refusals are counted by reason and
+//! logged at most once per reason per [`LOG_EVERY`]. What happens on one connection is
+//! [`session`]'s business; what a session computes is its pipeline's. Knows no model internals.
 
 pub mod config;
 mod session;
@@ -35,6 +37,26 @@ static QUIET_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// The kernel's send buffer per connection, bytes (about 2 s of the agent's audio).
 const SEND_BUFFER: usize = 32 * 1024;
+/// What may wait in a WebSocket's own write buffer when the client does not read (pongs,
+/// close frames, the last messages): past it a write fails and the session ends.
+const WRITE_BUFFER_MAX: usize = 256 * 1024;
+/// A refusal of one reason is logged at most once per this long (with the count held back).
+pub(crate) const LOG_EVERY: Duration = Duration::from_secs(10);
+/// Client addresses whose rate of new sessions is tracked at once; past it, the addresses
+/// whose allowance is whole again are forgotten.
+const RATE_TABLE_MAX: usize = 10_000;
+/// The security headers of every response.
+const SECURITY_HEADERS: [(&str, &str); 4] = [
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+    ("referrer-policy", "no-referrer"),
+    (
+        "content-security-policy",
+        "default-src 'self'; connect-src 'self'; img-src 'self' data:; media-src 'self' blob:; \
+         worker-src 'self' blob:; object-src 'none'; base-uri 'none'; form-action 'self'; \
+         frame-ancestors 'none'",
+    ),
+];
 
 /// Flags of `duplex serve`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -69,6 +91,12 @@ pub(crate) struct Server {
     /// Sessions admitted at once (`max_sessions`, or the shared engine's slots when fewer).
     capacity: usize,
     per_ip: Mutex<HashMap<IpAddr, usize>>,
+    /// Each client address's allowance of new sessions.
+    new_sessions: Mutex<HashMap<IpAddr, crate::audio::pace::TokenBucket>>,
+    /// The voices a client may name, checked at start.
+    voices: Vec<String>,
+    /// Log lines held back, per reason.
+    log_throttle: LogThrottle,
     ready: AtomicBool,
     draining: AtomicBool,
     next_id: AtomicU64,
@@ -110,7 +138,85 @@ impl Drop for Connection {
     }
 }
 
+/// Lines of one reason logged at most once per [`LOG_EVERY`]: a burst of refusals, or a client
+/// repeating a mistake, costs one line, not one per request.
+#[derive(Default)]
+pub(crate) struct LogThrottle(Mutex<HashMap<&'static str, (Instant, u64)>>);
+
+impl LogThrottle {
+    /// Whether a line of `reason` may be logged now; `Some(n)` with the lines held back since
+    /// the last one.
+    pub(crate) fn allow(&self, reason: &'static str) -> Option<u64> {
+        let mut m = self.0.lock().ok()?;
+        let now = Instant::now();
+        match m.get_mut(reason) {
+            Some((last, held)) if now.duration_since(*last) < LOG_EVERY => {
+                *held += 1;
+                None
+            }
+            Some((last, held)) => {
+                *last = now;
+                Some(std::mem::take(held))
+            }
+            None => {
+                m.insert(reason, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
 impl Server {
+    /// A refusal before the upgrade, counted by `reason` and logged (at most once per reason
+    /// per [`LOG_EVERY`]).
+    fn refusal(
+        &self,
+        ip: IpAddr,
+        reason: &'static str,
+        status: StatusCode,
+        retry_after: u64,
+        msg: String,
+    ) -> Box<Response> {
+        metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).increment(1);
+        if let Some(held) = self.log_throttle.allow(reason) {
+            let more = if held > 0 {
+                format!(" ({held} more of this reason since the last line)")
+            } else {
+                String::new()
+            };
+            tracing::info!(client = %ip, reason, "refused: {msg}{more}");
+        }
+        Box::new(
+            (
+                status,
+                [(header::RETRY_AFTER, retry_after.to_string())],
+                format!("{msg}\n"),
+            )
+                .into_response(),
+        )
+    }
+
+    /// Takes one new session from `ip`'s allowance (`limits.sessions_per_minute_per_ip`,
+    /// `limits.session_burst_per_ip`); `false` when it is spent.
+    fn take_session_allowance(&self, ip: IpAddr) -> bool {
+        let Ok(mut m) = self.new_sessions.lock() else {
+            return true;
+        };
+        let now = Instant::now();
+        if m.len() >= RATE_TABLE_MAX && !m.contains_key(&ip) {
+            m.retain(|_, b| !b.is_full_at(now));
+        }
+        let l = &self.cfg.limits;
+        m.entry(ip)
+            .or_insert_with(|| {
+                crate::audio::pace::TokenBucket::new(
+                    l.sessions_per_minute_per_ip / 60.0,
+                    l.session_burst_per_ip,
+                )
+            })
+            .take_at(1.0, now)
+    }
+
     /// Counts a new connection from `ip`, or `None` when that address has
     /// `max_connections_per_ip` open already.
     fn connect(self: &Arc<Self>, ip: IpAddr) -> Option<Connection> {
@@ -130,7 +236,7 @@ impl Server {
     /// Reserves a session slot for a client at `ip`, or says why not (and counts it).
     fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Admission, Box<Response>> {
         if self.draining.load(Ordering::Acquire) {
-            return Err(refusal(
+            return Err(self.refusal(
                 ip,
                 "draining",
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -139,12 +245,26 @@ impl Server {
             ));
         }
         if !self.ready.load(Ordering::Acquire) {
-            return Err(refusal(
+            return Err(self.refusal(
                 ip,
                 "not_ready",
                 StatusCode::SERVICE_UNAVAILABLE,
                 5,
                 "the models are still loading".into(),
+            ));
+        }
+        if !self.take_session_allowance(ip) {
+            let l = &self.cfg.limits;
+            return Err(self.refusal(
+                ip,
+                "rate",
+                StatusCode::TOO_MANY_REQUESTS,
+                (60.0 / l.sessions_per_minute_per_ip).ceil() as u64,
+                format!(
+                    "too many new sessions from {ip} (limits.sessions_per_minute_per_ip = {}, \
+                     limits.session_burst_per_ip = {})",
+                    l.sessions_per_minute_per_ip, l.session_burst_per_ip
+                ),
             ));
         }
         let max = self.capacity;
@@ -159,7 +279,7 @@ impl Server {
                     server: self.clone(),
                 })
             }
-            Err(_) => Err(refusal(
+            Err(_) => Err(self.refusal(
                 ip,
                 "full",
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -257,6 +377,9 @@ async fn serve(
         sessions: Mutex::new(BTreeMap::new()),
         taken: AtomicUsize::new(0),
         per_ip: Mutex::new(HashMap::new()),
+        new_sessions: Mutex::new(HashMap::new()),
+        voices: cfg.usable_voices(),
+        log_throttle: LogThrottle::default(),
         ready: AtomicBool::new(true),
         draining: AtomicBool::new(false),
         next_id: AtomicU64::new(1),
@@ -288,7 +411,8 @@ async fn serve(
         .merge(web::routes())
         .with_state(server.clone())
         .merge(crate::observe::exporter::routes(handle, Some(health)))
-        .fallback(crate::observe::exporter::not_found);
+        .fallback(crate::observe::exporter::not_found)
+        .layer(axum::middleware::from_fn_with_state(server.clone(), guard));
     tracing::info!(
         "serving {} sessions of {} on ws://{addr}/api/chat",
         server.capacity,
@@ -357,30 +481,78 @@ async fn publish_together(server: Arc<Server>) {
     }
 }
 
-/// A refusal before the upgrade, counted by `reason` and logged.
-fn refusal(
-    ip: IpAddr,
-    reason: &'static str,
-    status: StatusCode,
-    retry_after: u64,
-    msg: String,
-) -> Box<Response> {
-    metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).increment(1);
-    tracing::info!(client = %ip, reason, "refused: {msg}");
-    Box::new(
-        (
-            status,
-            [(header::RETRY_AFTER, retry_after.to_string())],
-            format!("{msg}\n"),
-        )
-            .into_response(),
-    )
+/// Every request: its `Host` must be one this server answers to (an IP address, `localhost`,
+/// or a name of `allowed_hosts`), or it gets 421 before any route sees it (a web page that
+/// rebinds its own name to this address reads nothing); every response gets the security
+/// headers.
+async fn guard(
+    State(server): State<Arc<Server>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
+    let mut res = match host {
+        Some(h) if !host_allowed(&h, &server.cfg.allowed_hosts) => {
+            metrics::counter!(names::HTTP_REFUSED, "reason" => "host").increment(1);
+            if let Some(held) = server.log_throttle.allow("host") {
+                tracing::info!(
+                    client = %peer,
+                    host = %session::for_log(&h),
+                    held,
+                    "refused a request for a host this server does not serve (`allowed_hosts`)"
+                );
+            }
+            (
+                StatusCode::MISDIRECTED_REQUEST,
+                "this server does not serve that host name (`allowed_hosts`)\n",
+            )
+                .into_response()
+        }
+        _ => next.run(req).await,
+    };
+    let h = res.headers_mut();
+    for (k, v) in SECURITY_HEADERS {
+        h.insert(k, header::HeaderValue::from_static(v));
+    }
+    res
+}
+
+/// Whether `host` (a `Host` header: name or address, maybe with a port) is served: an IP
+/// address (no page can rebind one), `localhost` and its subdomains, or a name of `allowed`
+/// (`*.example.com` allows the subdomains of example.com).
+fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let host = host.trim().to_ascii_lowercase();
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // [v6]:port
+        return rest
+            .split(']')
+            .next()
+            .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok());
+    } else {
+        host.rsplit_once(':')
+            .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+            .map_or(host.as_str(), |(n, _)| n)
+    };
+    let name = name.trim_end_matches('.');
+    if name.parse::<IpAddr>().is_ok() || name == "localhost" || name.ends_with(".localhost") {
+        return true;
+    }
+    allowed.iter().any(|a| match a.strip_prefix("*.") {
+        Some(domain) => name
+            .strip_suffix(domain)
+            .is_some_and(|sub| sub.ends_with('.') && sub.len() > 1),
+        None => a.trim_end_matches('.') == name,
+    })
 }
 
 /// Every session series exists from the start, at zero: rates and alerts need no first event.
 fn register_series() {
     metrics::counter!(names::SESSIONS_ADMITTED).absolute(0);
-    for reason in ["full", "draining", "per_ip", "not_ready"] {
+    for reason in ["full", "draining", "per_ip", "not_ready", "rate"] {
         metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).absolute(0);
     }
     for outcome in session::Outcome::ALL {
@@ -398,6 +570,10 @@ fn register_series() {
         metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).absolute(0);
     }
     metrics::counter!(names::SESSION_STALLS).absolute(0);
+    for reason in ["host", "bad_request"] {
+        metrics::counter!(names::HTTP_REFUSED, "reason" => reason).absolute(0);
+    }
+    metrics::counter!(names::OPUS_REFUSED).absolute(0);
 }
 
 /// Accepts connections until `done`: each one counted against its address's limit (one over
@@ -415,17 +591,19 @@ async fn accept(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(server.cfg.limits.handshake_timeout);
-    let over_limit =
-        axum::Router::new().fallback(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
+    let refuser = server.clone();
+    let over_limit = axum::Router::new().fallback(
+        move |ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
             let limit = "max_connections_per_ip";
-            *refusal(
+            *refuser.refusal(
                 peer.ip(),
                 "per_ip",
                 StatusCode::TOO_MANY_REQUESTS,
                 5,
                 format!("too many connections from {} ({limit})", peer.ip()),
             )
-        });
+        },
+    );
     loop {
         let (tcp, peer) = tokio::select! {
             _ = &mut *done => return,
@@ -547,8 +725,20 @@ async fn chat(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     axum::Extension(conn): axum::Extension<Arc<Connection>>,
     RawQuery(query): RawQuery,
+    headers: axum::http::HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
+    // RFC 6455 4.1: the key is 16 random bytes in base64; anything else is not a WebSocket
+    // client.
+    let key = headers.get(header::SEC_WEBSOCKET_KEY).map(|k| k.as_bytes());
+    if !key.is_some_and(websocket_key_ok) {
+        metrics::counter!(names::HTTP_REFUSED, "reason" => "bad_request").increment(1);
+        return (
+            StatusCode::BAD_REQUEST,
+            "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455)\n",
+        )
+            .into_response();
+    }
     let admission = match server.admit(peer.ip()) {
         Ok(a) => a,
         Err(r) => return *r,
@@ -564,11 +754,19 @@ async fn chat(
     let limit = server.cfg.limits.max_message_bytes;
     ws.max_message_size(limit)
         .max_frame_size(limit)
+        .max_write_buffer_size(WRITE_BUFFER_MAX)
         .on_failed_upgrade(move |e| tracing::info!(client = %peer, "WebSocket upgrade failed: {e}"))
         .on_upgrade(move |socket| async move {
             session::run(server, socket, peer, query, admission).await;
             drop(conn);
         })
+}
+
+/// A `Sec-WebSocket-Key` as RFC 6455 has it: 16 bytes in base64, so 22 characters of the
+/// alphabet and `==`.
+fn websocket_key_ok(key: &[u8]) -> bool {
+    let b64 = |c: &u8| c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/';
+    key.len() == 24 && key[..22].iter().all(b64) && &key[22..] == b"=="
 }
 
 /// `k=v&k2=v2`, percent-decoded (`+` is a space).
@@ -603,7 +801,8 @@ async fn readyz(State(server): State<Arc<Server>>) -> Response {
     }
 }
 
-/// `/api/defaults`: what a client that sends no query parameters gets.
+/// `/api/defaults`: what a client that sends no query parameters gets. The default persona's
+/// text is the operator's (a system prompt): only whether there is one is published.
 async fn defaults(State(server): State<Arc<Server>>) -> Response {
     let c = &server.cfg;
     axum::Json(json!({
@@ -611,28 +810,17 @@ async fn defaults(State(server): State<Arc<Server>>) -> Response {
         "text_topk": c.sampling.text_top_k,
         "audio_temperature": c.sampling.audio_temperature,
         "audio_topk": c.sampling.audio_top_k,
-        "text_prompt": c.text_prompt,
+        "default_persona": !c.text_prompt.trim().is_empty(),
         "voice_prompt": c.voice_prompt,
+        "max_prompt_tokens": c.limits.max_prompt_tokens,
     }))
     .into_response()
 }
 
-/// `/api/voices`: the WAV files of the voices folder a client may name with `voice_prompt`.
+/// `/api/voices`: the voices a client may name with `voice_prompt` (the WAV files of the voices
+/// folder that passed the voice check at start).
 async fn voices(State(server): State<Arc<Server>>) -> Response {
-    let mut names: Vec<String> = server
-        .cfg
-        .voices
-        .as_ref()
-        .and_then(|d| std::fs::read_dir(d).ok())
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.to_ascii_lowercase().ends_with(".wav"))
-        .collect();
-    names.sort();
-    axum::Json(json!({ "voices": names })).into_response()
+    axum::Json(json!({ "voices": server.voices })).into_response()
 }
 
 async fn sessions(State(server): State<Arc<Server>>) -> Response {
@@ -687,6 +875,48 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn host_names_are_allowed_by_address_localhost_or_the_list() {
+        let allowed = vec!["voice.example.com".to_string(), "*.example.org".to_string()];
+        for ok in [
+            "127.0.0.1:8998",
+            "10.1.2.3",
+            "[::1]:8998",
+            "localhost:8998",
+            "LOCALHOST",
+            "app.localhost",
+            "voice.example.com:443",
+            "voice.example.com.",
+            "a.example.org",
+        ] {
+            assert!(super::host_allowed(ok, &allowed), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "voice.example.com.evil.example",
+            "example.org",
+            "xexample.org",
+            "[evil]:80",
+            "localhost.evil.example",
+        ] {
+            assert!(!super::host_allowed(bad, &allowed), "{bad}");
+        }
+    }
+
+    #[test]
+    fn websocket_keys_are_sixteen_bytes_of_base64() {
+        assert!(super::websocket_key_ok(b"dGhlIHNhbXBsZSBub25jZQ=="));
+        for bad in [
+            &b""[..],
+            b"not a key",
+            b"dGhlIHNhbXBsZSBub25jZQ=",
+            b"dGhlIHNhbXBsZSBub25jZQ===",
+            b"dGhlIHNhbXBsZSBub25j*Q==",
+        ] {
+            assert!(!super::websocket_key_ok(bad), "{bad:?}");
+        }
+    }
+
     #[test]
     fn query_strings_are_percent_decoded() {
         let q =

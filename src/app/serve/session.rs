@@ -4,11 +4,20 @@
 //!
 //! Message kinds (PROTOCOL.md): 4 metadata (the session id, at once on upgrade), 0 handshake,
 //! 1 audio, 2 text, 5 error are sent; 1 is read, 3
-//! (control) and unknown kinds are ignored (counted, logged once). The socket is read only once
-//! the session is ready, so what a client sends before the handshake waits in the connection,
-//! not in memory of ours. Writing has its own task: a client that stops reading stalls only that
-//! task, whose queue is bounded (the pipeline's audio is then dropped and counted) and which
-//! closes the session after `stall_timeout`.
+//! (control) and unknown kinds are ignored (counted, logged once). The socket is read from the
+//! upgrade on, also while the session primes: a client that leaves stops the priming at its next
+//! step, and what it sends meanwhile goes to the session's bounded input queue (dropped and
+//! counted when full). Every message, pings included, is paid from a token bucket
+//! (`limits.max_messages_per_s`): a flood closes the session (1008, counted). Writing has its own
+//! task: a client that stops reading stalls only that task, whose queue is bounded (the
+//! pipeline's audio is then dropped and counted), whose socket buffer is capped, and which closes
+//! the session after `stall_timeout`.
+//!
+//! What a client is told of a failure names its own mistake (a parameter, its audio) and nothing
+//! of the server's files: the details go to the log, under the session's id. Close codes: 1000
+//! normal, 1001 closed by the server, 1007 the client's audio is not Ogg/Opus, 1008 a policy (a
+//! refused parameter, a flood, a client that stopped reading), 1009 a message too large, 1011 a
+//! failure of the server's.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -40,8 +49,14 @@ const OUTBOUND_QUEUE: usize = 96;
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `kind` label values of protocol errors.
-pub(super) const PROTOCOL_ERRORS: [&str; 4] =
-    ["unknown_kind", "bad_query", "too_large", "not_binary"];
+pub(super) const PROTOCOL_ERRORS: [&str; 6] = [
+    "unknown_kind",
+    "bad_query",
+    "too_large",
+    "not_binary",
+    "bad_audio",
+    "flood",
+];
 
 /// How a session ended, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,6 +217,33 @@ fn message(kind: u8, payload: &[u8]) -> Message {
     Message::Binary(v.into())
 }
 
+/// What a client is told when its session could not start: its own mistake when it made one
+/// (a persona or voice the template's stage refused), else that the server failed, with the
+/// session's id to find the details in the log. Never the server's paths.
+fn for_client(e: &anyhow::Error, id: u64) -> String {
+    if let Some(c) = e.downcast_ref::<ConfigError>() {
+        let from_client = match c.key.as_deref() {
+            Some("persona") | Some("persona_tokens") => Some("text_prompt"),
+            Some("voice") => Some("voice_prompt"),
+            _ => None,
+        };
+        if let Some(param) = from_client {
+            // The stage's message names the file it read; the client knows its voice by name.
+            let msg = match param {
+                "voice_prompt" => "not a usable voice".to_string(),
+                _ => c.message.clone(),
+            };
+            return format!("query parameter {param}: {msg}");
+        }
+    }
+    format!("the session could not start: a server error (logged as session {id})")
+}
+
+/// A client's value as a log line shows it: at most 40 characters, escaped.
+pub(super) fn for_log(v: &str) -> String {
+    super::config::shown(v)
+}
+
 /// Sends an error message and closes (best effort: the client may be gone).
 async fn refuse(socket: &mut WebSocket, text: &str) {
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
@@ -276,9 +318,8 @@ pub(super) async fn run(
                     bridge(&server, socket, client, started, id).await
                 }
                 Ok(Err(e)) => {
-                    let m = format!("the session could not start: {e:#}");
-                    tracing::warn!(session = id, client = %peer, "{m}");
-                    refuse(&mut socket, &m).await;
+                    tracing::warn!(session = id, client = %peer, "the session could not start: {e:#}");
+                    refuse(&mut socket, &for_client(&e, id)).await;
                     Outcome::Failed
                 }
                 Err(e) => {
@@ -310,8 +351,118 @@ enum WriterEnd {
     Done,
     /// The client did not take a message within `stall_timeout`.
     Stalled,
-    /// The socket failed (the client is gone).
+    /// The socket failed (the client is gone, or its write buffer is full).
     Gone,
+}
+
+/// The reading side of a connection: what every incoming message costs and where it goes.
+struct Inflow<'a> {
+    client: &'a crate::session::ClientEnd,
+    id: u64,
+    limits: super::config::Limits,
+    /// Every message, pings included, is paid from this.
+    rate: crate::audio::pace::TokenBucket,
+    last_heard: Instant,
+    warned: std::collections::HashSet<&'static str>,
+    bytes_in: metrics::Counter,
+    /// The close code and reason when the client broke a rule.
+    close: Option<(u16, &'static str)>,
+}
+
+impl<'a> Inflow<'a> {
+    fn new(client: &'a crate::session::ClientEnd, id: u64, limits: super::config::Limits) -> Self {
+        let per_s = limits.max_messages_per_s;
+        Inflow {
+            client,
+            id,
+            limits,
+            rate: crate::audio::pace::TokenBucket::new(per_s, 2.0 * per_s),
+            last_heard: Instant::now(),
+            warned: Default::default(),
+            bytes_in: metrics::counter!(names::SESSION_BYTES, "direction" => "in"),
+            close: None,
+        }
+    }
+
+    fn protocol_error(&mut self, kind: &'static str) {
+        metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).increment(1);
+    }
+
+    /// Takes one message (or the end of the stream); returns how the session ends when it does.
+    fn take(&mut self, m: Option<Result<Message, axum::Error>>) -> Option<Outcome> {
+        let id = self.id;
+        let m = match m {
+            None | Some(Ok(Message::Close(_))) => return Some(Outcome::ClientClosed),
+            Some(Err(e)) => {
+                use tungstenite::Error as WsError;
+                let too_large = matches!(
+                    e.into_inner().downcast_ref::<WsError>(),
+                    Some(WsError::Capacity(_))
+                );
+                if too_large {
+                    self.protocol_error("too_large");
+                    tracing::warn!(
+                        session = id,
+                        "closed: a message over limits.max_message_bytes ({})",
+                        self.limits.max_message_bytes
+                    );
+                    self.close = Some((1009, "message too large"));
+                    return Some(Outcome::Failed);
+                }
+                tracing::info!(session = id, "connection lost");
+                return Some(Outcome::ClientClosed);
+            }
+            Some(Ok(m)) => m,
+        };
+        if !self.rate.take_at(1.0, Instant::now()) {
+            self.protocol_error("flood");
+            tracing::warn!(
+                session = id,
+                "closed: more than limits.max_messages_per_s ({}) messages a second",
+                self.limits.max_messages_per_s
+            );
+            self.close = Some((1008, "too many messages"));
+            return Some(Outcome::Failed);
+        }
+        match m {
+            Message::Binary(b) => {
+                self.bytes_in.increment(b.len() as u64);
+                match b.first() {
+                    Some(&AUDIO) => {
+                        self.last_heard = Instant::now();
+                        if self.client.offer(b[1..].to_vec()).is_err()
+                            && self.warned.insert("flood")
+                        {
+                            tracing::warn!(session = id, "the client sends faster than the session takes its audio: chunks dropped (counted)");
+                        }
+                    }
+                    Some(&CONTROL) => {}
+                    k => {
+                        self.protocol_error("unknown_kind");
+                        if self.warned.insert("kind") {
+                            tracing::info!(
+                                session = id,
+                                "ignored a message of unknown kind {k:?} (logged once per session)"
+                            );
+                        }
+                    }
+                }
+            }
+            Message::Text(_) => {
+                self.protocol_error("not_binary");
+                if self.warned.insert("text") {
+                    tracing::info!(
+                        session = id,
+                        "ignored a text message: the protocol is binary (logged once per session)"
+                    );
+                }
+            }
+            // Pings are answered by the WebSocket layer (one pong pending at most); they count
+            // against the message rate above.
+            _ => {}
+        }
+        None
+    }
 }
 
 /// Bridges the socket and a started pipeline until one side ends.
@@ -329,29 +480,41 @@ async fn bridge(
         monitor: _monitor,
     } = started;
     let mut close_all = server.close_all.subscribe();
-    // Primed (warm-up, persona, voice) before the handshake; the client may close meanwhile.
     let waited = tokio::task::spawn_blocking(move || running.wait());
+    let (mut sink, mut stream) = socket.split();
+    let mut outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
+    let mut inflow = Inflow::new(&client, id, limits);
+    let mut outcome = None;
+    // Primed (warm-up, persona, voice) before the handshake. The socket is read meanwhile: a
+    // client that leaves (or floods) stops the priming.
     let ready_since = Instant::now();
-    while !handle.is_ready() {
+    while outcome.is_none() && !handle.is_ready() {
         if ready_since.elapsed() > READY_TIMEOUT || waited.is_finished() || *close_all.borrow() {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::select! {
+            m = stream.next() => outcome = inflow.take(m),
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
     }
     let mut waited = Some(waited);
-    let (mut sink, mut stream) = socket.split();
-    let mut outcome = None;
-    if handle.is_ready() {
-        // The 9-byte handshake: kind 0, protocol version 0, model version 0.
-        if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
-            outcome = Some(Outcome::ClientClosed);
+    if outcome.is_none() {
+        if handle.is_ready() {
+            // The 9-byte handshake: kind 0, protocol version 0, model version 0.
+            if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
+                outcome = Some(Outcome::ClientClosed);
+            }
+            inflow.client.open();
+        } else {
+            outcome = Some(Outcome::Failed);
         }
-        client.open();
     } else {
-        outcome = Some(Outcome::Failed);
+        tracing::info!(
+            session = id,
+            "the client left while its session was starting: priming stopped"
+        );
     }
     // Writer: outgoing messages, each sent within `stall_timeout`.
-    let mut outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
     let stall = limits.stall_timeout;
     let writer = tokio::spawn(async move {
         let bytes_out = metrics::counter!(names::SESSION_BYTES, "direction" => "out");
@@ -373,56 +536,13 @@ async fn bridge(
         (sink, end)
     });
     let mut writer = Some(writer);
-    let mut last_heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
-    let mut warned = std::collections::HashSet::new();
-    let bytes_in = metrics::counter!(names::SESSION_BYTES, "direction" => "in");
     let mut published = Published::default();
     let began = Instant::now();
     let mut writer_end = None;
     while outcome.is_none() {
         tokio::select! {
-            m = stream.next() => match m {
-                None => outcome = Some(Outcome::ClientClosed),
-                Some(Err(e)) => {
-                    let too_large = e.to_string().to_lowercase().contains("too long")
-                        || e.to_string().to_lowercase().contains("size");
-                    if too_large {
-                        metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "too_large").increment(1);
-                        tracing::warn!(session = id, "closed: {e} (limits.max_message_bytes = {})", limits.max_message_bytes);
-                        outcome = Some(Outcome::Failed);
-                    } else {
-                        tracing::info!(session = id, "connection lost: {e}");
-                        outcome = Some(Outcome::ClientClosed);
-                    }
-                }
-                Some(Ok(Message::Binary(b))) => {
-                    bytes_in.increment(b.len() as u64);
-                    match b.first() {
-                        Some(&AUDIO) => {
-                            last_heard = Instant::now();
-                            if client.offer(b[1..].to_vec()).is_err() && warned.insert("flood") {
-                                tracing::warn!(session = id, "the client sends faster than real time: audio dropped (counted)");
-                            }
-                        }
-                        Some(&CONTROL) => {}
-                        k => {
-                            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "unknown_kind").increment(1);
-                            if warned.insert("kind") {
-                                tracing::info!(session = id, "ignored a message of unknown kind {k:?} (logged once per session)");
-                            }
-                        }
-                    }
-                }
-                Some(Ok(Message::Close(_))) => outcome = Some(Outcome::ClientClosed),
-                Some(Ok(Message::Text(_))) => {
-                    metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "not_binary").increment(1);
-                    if warned.insert("text") {
-                        tracing::info!(session = id, "ignored a text message: the protocol is binary (logged once per session)");
-                    }
-                }
-                Some(Ok(_)) => {}
-            },
+            m = stream.next() => outcome = inflow.take(m),
             w = async { writer.as_mut().expect("writer runs").await }, if writer.is_some() => {
                 writer = None;
                 match w {
@@ -445,8 +565,8 @@ async fn bridge(
                 }
             }
             _ = tick.tick() => {
-                published.update(&client.stats);
-                if last_heard.elapsed() > limits.idle_timeout {
+                published.update(&inflow.client.stats);
+                if inflow.last_heard.elapsed() > limits.idle_timeout {
                     tracing::info!(session = id, "closed: the client sent nothing for {:.0} s (limits.idle_timeout_s)", limits.idle_timeout.as_secs_f64());
                     outcome = Some(Outcome::Idle);
                 } else if limits.max_session.is_some_and(|m| began.elapsed() > m) {
@@ -457,6 +577,8 @@ async fn bridge(
             _ = close_all.changed() => outcome = Some(Outcome::Closed),
         }
     }
+    let mut close = inflow.close;
+    drop(inflow);
     let mut outcome = outcome.unwrap_or(Outcome::Failed);
     // The client's input ends: the pipeline drains what it has and stops.
     client.close_input();
@@ -482,23 +604,42 @@ async fn bridge(
     }
     published.update(&client.stats);
     let error = result.and_then(|r| r.error);
+    // What the client is told: its own fault (its audio) in full, the server's by reference.
+    let mut told = None;
     if let Some(e) = &error {
-        tracing::warn!(session = id, "the session's pipeline failed: {e}");
+        let bad_input = matches!(
+            e,
+            crate::runtime::RunError::StageFailed {
+                bad_input: true,
+                ..
+            }
+        );
+        if bad_input {
+            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_audio").increment(1);
+            tracing::info!(session = id, "the client's input was refused: {e}");
+            told = Some(e.to_string());
+            close = close.or(Some((1007, "the audio is not a usable Ogg/Opus stream")));
+        } else {
+            tracing::warn!(session = id, "the session's pipeline failed: {e}");
+            told = Some(format!(
+                "the session failed: a server error (logged as session {id})"
+            ));
+        }
         outcome = Outcome::Failed;
     }
     if let Some(mut s) = writer_end {
         let _ = tokio::time::timeout(Duration::from_secs(2), async {
             if outcome != Outcome::ClientClosed {
-                if let Some(e) = &error {
-                    let _ = s.send(message(ERROR, e.to_string().as_bytes())).await;
+                if let Some(t) = &told {
+                    let _ = s.send(message(ERROR, t.as_bytes())).await;
                 }
-                let (code, reason) = match outcome {
+                let (code, reason) = close.unwrap_or(match outcome {
                     Outcome::Idle => (1000, "idle timeout"),
                     Outcome::Closed => (1001, "the server closed the session"),
                     Outcome::Failed => (1011, "the session failed"),
                     Outcome::Stalled => (1008, "the client stopped reading"),
                     _ => (1000, "session ended"),
-                };
+                });
                 let _ = s
                     .send(Message::Close(Some(CloseFrame {
                         code,
