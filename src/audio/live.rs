@@ -7,7 +7,6 @@
 //! down-mixes into a lock-free ring sample by sample; playback renders the jitter buffer into a
 //! scratch buffer allocated when the stream is built and copies it to every channel.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +19,7 @@ use ringbuf::{HeapCons, HeapRb};
 use super::device::{self, DeviceHandle, DeviceStatus, Direction};
 use super::jitter::{jitter_with_stats, JitterBuffer, JitterConfig, JitterStats, JitterWriter};
 use super::reference::ReferenceTap;
-use super::{AudioError, WavFormat, WavWriter};
+use super::{AudioError, WavWriter};
 
 /// What a capture stream hands to the pipeline: mono samples and, per callback, the position
 /// after its last sample with the instant that sample was captured.
@@ -255,6 +254,8 @@ pub struct Player {
     /// The device thread (None for the virtual clock).
     pub device: Option<DeviceHandle>,
     virtual_clock: Option<VirtualClock>,
+    /// Hands the virtual clock the file to write what it plays to (None for a device).
+    capture: Option<Sender<WavWriter>>,
 }
 
 impl Player {
@@ -268,6 +269,29 @@ impl Player {
     /// The device status, for real devices.
     pub fn status(&self) -> Option<&Arc<DeviceStatus>> {
         self.device.as_ref().map(|d| d.status())
+    }
+
+    /// Makes the virtual clock write what it plays to `wav`, from its next period on, until it
+    /// stops (then the file is finalized). Given once; the file is the caller's to create, so
+    /// that it is created when the pipeline starts, not when the player is opened.
+    ///
+    /// # Errors
+    ///
+    /// [`AudioError::Device`] when this player is a sound device, or already has a file.
+    pub fn capture_to(&self, wav: WavWriter) -> Result<(), AudioError> {
+        let refused = |detail: &str| AudioError::Device {
+            direction: "output",
+            name: self.name.clone(),
+            detail: detail.into(),
+        };
+        match &self.capture {
+            Some(tx) => tx
+                .try_send(wav)
+                .map_err(|_| refused("already writes a capture file, or has stopped")),
+            None => Err(refused(
+                "only the virtual player writes a capture of what it plays",
+            )),
+        }
     }
 }
 
@@ -382,6 +406,7 @@ pub fn open_playback(
         name,
         device: Some(handle),
         virtual_clock: None,
+        capture: None,
     })
 }
 
@@ -404,17 +429,16 @@ impl Drop for VirtualClock {
 }
 
 /// A player without a sound card: a real-time timer thread pulls the jitter buffer every
-/// `period`, like a device would, optionally writing what it "plays" to a WAV file and handing
-/// it to `tap`.
+/// `period`, like a device would, handing what it "plays" to `tap` and, once it is given one
+/// ([`Player::capture_to`]), writing it to a WAV file.
 ///
 /// # Errors
 ///
-/// [`AudioError::Io`] when the capture file cannot be created.
+/// [`AudioError::Device`] when the clock's thread cannot be started.
 pub fn open_virtual(
     rate: u32,
     period: Duration,
     jitter_cfg: JitterConfig,
-    capture: Option<PathBuf>,
     tap: Option<Arc<ReferenceTap>>,
 ) -> Result<Player, AudioError> {
     let jcfg = JitterConfig { rate, ..jitter_cfg };
@@ -423,10 +447,8 @@ pub fn open_virtual(
     let mut reference = tap.as_ref().map(|t| t.writer(rate));
     let (tx, rx): (Sender<JitterWriter>, Receiver<JitterWriter>) = crossbeam_channel::bounded(1);
     let _ = tx.send(writer);
-    let mut wav = match capture {
-        Some(p) => Some(WavWriter::create(&p, rate, WavFormat::F32)?),
-        None => None,
-    };
+    let (capture, captures) = crossbeam_channel::bounded::<WavWriter>(1);
+    let mut wav: Option<WavWriter> = None;
     let stop = Arc::new(AtomicBool::new(false));
     let sp = stop.clone();
     let n = ((rate as f64 * period.as_secs_f64()).round() as usize).max(1);
@@ -447,6 +469,9 @@ pub fn open_virtual(
                 buf.render(&mut scratch, now);
                 if let Some(r) = reference.as_mut() {
                     r.push(&scratch, now);
+                }
+                if wav.is_none() {
+                    wav = captures.try_recv().ok();
                 }
                 if let Some(w) = wav.as_mut() {
                     w.write(&scratch)?;
@@ -472,6 +497,7 @@ pub fn open_virtual(
             stop,
             thread: Some(thread),
         }),
+        capture: Some(capture),
     })
 }
 

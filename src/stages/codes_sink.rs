@@ -1,15 +1,15 @@
 //! `codes_sink`: writes audio codes as JSON Lines, one frame per line (`[c0, c1, …]`), the format
 //! `codes_source` and `duplex replay --codes` read back. Each line is flushed as it is written,
-//! so a killed run leaves every complete frame.
+//! so a killed run leaves every complete frame. The file is checked at build and created when
+//! the pipeline starts ([`OutputFile`]).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::{BuildContext, BuildError, Codes, StageKind};
+use super::{BuildContext, BuildError, Codes, OutputFile, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "codes_sink",
@@ -28,25 +28,38 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let path = PathBuf::from(p.str("path"));
-    let file = super::create_output(&path)?;
     Ok(Body::Stage(Box::new(CodesSink {
-        out: BufWriter::new(file),
-        path,
+        file: OutputFile::check(p.str("path"), "path")?,
+        out: None,
     })))
 }
 
 struct CodesSink {
-    out: BufWriter<File>,
-    path: PathBuf,
+    file: OutputFile,
+    /// Created at start.
+    out: Option<BufWriter<File>>,
+}
+
+impl CodesSink {
+    fn out(&mut self) -> Result<&mut BufWriter<File>, StageError> {
+        let out = match self.out.take() {
+            Some(out) => out,
+            None => BufWriter::new(self.file.create()?),
+        };
+        Ok(self.out.insert(out))
+    }
 }
 
 impl Stage for CodesSink {
+    fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        self.out().map(drop)
+    }
+
     fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {
         let c = input.take::<Codes>()?.data;
         let line = serde_json::to_string(&c.0).map_err(StageError::from)?;
-        let io = |e: std::io::Error| StageError::msg(format!("{}: {e}", self.path.display()));
-        writeln!(self.out, "{line}").map_err(io)?;
-        self.out.flush().map_err(io)
+        let out = self.out()?;
+        let written = writeln!(out, "{line}").and_then(|()| out.flush());
+        written.map_err(|e| StageError::msg(format!("{}: {e}", self.file.path().display())))
     }
 }

@@ -9,8 +9,10 @@
 //! The `switch` command (a device spec, or `virtual`) moves the stage to another device at the
 //! next frame, at the same sample rate, without stopping the pipeline; when the new device
 //! cannot be opened the old one is kept, and the reply and the `switch_error` status say why.
+//!
+//! The virtual player's `capture` file is checked at build and created when the pipeline
+//! starts ([`OutputFile`]): a pipeline that is only validated, or refused, leaves it as it was.
 
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +21,7 @@ use crate::audio::device::DeviceState;
 use crate::audio::jitter::{JitterConfig, JitterWriter};
 use crate::audio::live::{open_playback, open_virtual, Player};
 use crate::audio::reference::ReferenceTap;
-use crate::audio::Pcm;
+use crate::audio::{Pcm, WavFormat, WavWriter};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
@@ -27,7 +29,7 @@ use crate::runtime::{
     StageError, StageResult, StatusSpec,
 };
 
-use super::{caps, device_status, BuildContext, BuildError, StageKind};
+use super::{caps, device_status, BuildContext, BuildError, OutputFile, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "playback",
@@ -144,8 +146,19 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         period: Duration::from_secs_f64(p.float("period_ms") / 1000.0),
         tap: cx.taps.map(|t| t.provide(cx.stage)),
     };
-    let capture = p.opt_str("capture").map(PathBuf::from);
-    let player = opener.open(p.str("device"), rate, capture)?;
+    let capture = match p.opt_str("capture") {
+        Some(_) if p.str("device") != "virtual" => {
+            return Err(BuildError::invalid(format!(
+                "only the virtual player writes what it plays: set `device: virtual`, or remove \
+                 `capture` (device is {:?})",
+                p.str("device")
+            ))
+            .key("capture"))
+        }
+        Some(path) => Some(OutputFile::check(path, "capture")?),
+        None => None,
+    };
+    let player = opener.open(p.str("device"), rate)?;
     let m = PlaybackMetrics::new(&player.name);
     let control = cx.endpoint();
     control.set("name", player.name.clone());
@@ -159,6 +172,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         lost_frames: 0,
         opener,
         player,
+        capture,
     })))
 }
 
@@ -172,18 +186,12 @@ struct Opener {
 }
 
 impl Opener {
-    fn open(
-        &self,
-        device: &str,
-        rate: Option<u32>,
-        capture: Option<PathBuf>,
-    ) -> Result<Player, crate::audio::AudioError> {
+    fn open(&self, device: &str, rate: Option<u32>) -> Result<Player, crate::audio::AudioError> {
         let player = if device == "virtual" {
             open_virtual(
                 rate.unwrap_or(24_000),
                 self.period,
                 self.jitter,
-                capture,
                 self.tap.clone(),
             )
         } else {
@@ -229,13 +237,15 @@ struct Playback {
     m: PlaybackMetrics,
     last: crate::audio::jitter::JitterSnapshot,
     lost_frames: u64,
+    /// `capture`: where the virtual player writes what it plays, from the start on.
+    capture: Option<OutputFile>,
 }
 
 impl Playback {
     /// Moves to device `spec` at the current rate; keeps the current device when that fails.
     fn switch(&mut self, spec: &str) -> Result<String, String> {
         let old = self.player.name.clone();
-        match self.opener.open(spec, Some(self.player.rate), None) {
+        match self.opener.open(spec, Some(self.player.rate)) {
             Ok(player) => {
                 tracing::info!(from = %old, to = %player.name, rate = player.rate, "output switched");
                 self.control.set("switch_error", None::<String>);
@@ -291,6 +301,15 @@ impl Stage for Playback {
         caps::require_pcm(&inputs[0], self.player.rate, None)
             .map_err(|e| format!("device {:?}: {e}", self.player.name))?;
         Ok(Vec::new())
+    }
+
+    fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
+        if let Some(file) = &self.capture {
+            file.create_folders()?;
+            let wav = WavWriter::create(file.path(), self.player.rate, WavFormat::F32)?;
+            self.player.capture_to(wav)?;
+        }
+        Ok(())
     }
 
     fn process(&mut self, input: Input, _cx: &mut Context<'_>) -> StageResult {

@@ -2,7 +2,8 @@
 //!
 //! The header is rewritten at most every `flush_ms` (and at the end), so a process that is
 //! killed leaves a readable file with everything up to the last flush. Padding samples of a
-//! framed stream are not written.
+//! framed stream are not written. The file is checked at build and created at the first frame
+//! ([`OutputFile`]): the rate is the input's.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use crate::audio::{Pcm, WavFormat, WavWriter};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::{BuildContext, BuildError, StageKind};
+use super::{BuildContext, BuildError, OutputFile, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
     name: "wav_sink",
@@ -56,13 +57,9 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let path = PathBuf::from(p.str("path"));
-    if path.is_dir() {
-        return Err(
-            BuildError::invalid(format!("{} is a directory, not a file", path.display()))
-                .key("path"),
-        );
-    }
+    let path = OutputFile::check(p.str("path"), "path")?
+        .path()
+        .to_path_buf();
     Ok(Body::Stage(Box::new(WavSink {
         path,
         format: WavFormat::parse(p.str("format")).unwrap_or_default(),

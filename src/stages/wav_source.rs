@@ -1,5 +1,8 @@
 //! `wav_source`: reads a WAV file (any rate, any PCM format hound reads, any channel count,
-//! down-mixed to mono), as fast as possible or paced at real time.
+//! down-mixed to mono), as fast as possible or paced at real time. Its rate must be one a
+//! pipeline can carry (1000 to 768000 Hz, like `resample`'s `to` and `synth_source`'s `rate`):
+//! the header says it, so a file that claims 1 Hz is refused before start, not turned into
+//! hours of audio.
 
 use std::path::Path;
 
@@ -43,11 +46,24 @@ pub(super) const KIND: StageKind = StageKind {
     build,
 };
 
+/// The rates a pipeline carries (`resample`'s `to`, `synth_source`'s `rate`).
+const RATES: std::ops::RangeInclusive<u32> = 1000..=768_000;
+
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     // Opened here, so a missing or bad file is reported before the pipeline starts.
     let reader =
         WavReader::open(Path::new(p.str("path"))).map_err(|e| BuildError::from(e).key("path"))?;
     let rate = reader.rate();
+    if !RATES.contains(&rate) {
+        return Err(BuildError::invalid(format!(
+            "{}: the header says {rate} Hz, outside {}..={} Hz: not audio this pipeline can \
+             carry (resample the file, or fix its header)",
+            p.str("path"),
+            RATES.start(),
+            RATES.end()
+        ))
+        .key("path"));
+    }
     let chunk = ((p.float("chunk_ms") / 1000.0 * rate as f64).round() as usize).max(1);
     tracing::debug!(
         path = p.str("path"),
