@@ -1,18 +1,23 @@
 //! The daemon's control socket and the `duplex ctl` client.
 //!
 //! A Unix socket (mode 0600) taking one command per line and answering one JSON line:
-//! `status`, `reset`, `persona <text or ids>`, `mute`, `unmute`, `pause`, `resume`. Anything
-//! else, a line too long or not UTF-8 gets `{"ok": false, "error": …}`; nothing a client sends
-//! can stop the server. This module reads and answers lines; what a command does is the
-//! [`Handler`]'s business (the daemon's, which sends it to its running pipeline).
+//! `status`, `reset`, `persona <text or ids>`, `mute`, `unmute`, `pause`, `resume`,
+//! `record on|off`. Anything else, a line too long or not UTF-8 gets `{"ok": false, "error":
+//! …}`; nothing a client sends can stop the server. A few connections are served at once. Each
+//! has one deadline for its whole command line, and when all are taken the one that has waited
+//! longest for its line gives way to a newcomer, so that clients that connect and send nothing,
+//! or a byte now and then, cannot keep `duplex ctl` out; `duplex ctl` tries again for a few
+//! seconds when the daemon answers that it is busy (every slot carrying out a command). This
+//! module reads and answers lines; what a command does is the [`Handler`]'s business (the
+//! daemon's, which sends it to its running pipeline).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Commands served at once.
 const MAX_CLIENTS: usize = 8;
@@ -109,40 +114,144 @@ pub fn answer(line: &str, handler: &Handler) -> serde_json::Value {
     }
 }
 
-fn handle(stream: UnixStream, handler: &Handler) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-    let mut reader = BufReader::new(stream.take(4096));
-    let mut buf = Vec::new();
-    let reply = match reader.read_until(b'\n', &mut buf) {
-        Ok(_) => match std::str::from_utf8(&buf) {
-            Ok(line) if buf.len() < 4096 => answer(line, handler),
-            Ok(_) => {
-                serde_json::json!({ "ok": false, "error": "command too long (4096 bytes at most)" })
+/// How long a client has to send its whole command line. One deadline for the line, not a
+/// timeout per read: a client that sends a byte now and then would otherwise hold one of the
+/// [`MAX_CLIENTS`] slots for as long as it likes, and `duplex ctl` would find the daemon busy.
+const COMMAND_WITHIN: Duration = Duration::from_secs(2);
+
+/// How long, after the reply, what the client still sends is read and discarded.
+const DRAIN_WITHIN: Duration = Duration::from_millis(200);
+
+/// The longest command line, newline included.
+const MAX_LINE: usize = 4096;
+
+/// Why no command line came.
+enum NoLine {
+    TooLong,
+    TimedOut,
+    Io(std::io::Error),
+}
+
+/// Reads one line (up to and including its newline, or what came before the client closed)
+/// by `deadline`; what comes after the newline is not read here.
+fn read_line_by(s: &UnixStream, deadline: Instant) -> Result<Vec<u8>, NoLine> {
+    let mut line = Vec::new();
+    let mut chunk = [0u8; 512];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(NoLine::TimedOut);
+        }
+        s.set_read_timeout(Some(left)).map_err(NoLine::Io)?;
+        let n = match (&*s).read(&mut chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(NoLine::TimedOut)
             }
+            Err(e) => return Err(NoLine::Io(e)),
+        };
+        if n == 0 {
+            return Ok(line);
+        }
+        if let Some(end) = chunk[..n].iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&chunk[..=end]);
+            return if line.len() > MAX_LINE {
+                Err(NoLine::TooLong)
+            } else {
+                Ok(line)
+            };
+        }
+        line.extend_from_slice(&chunk[..n]);
+        if line.len() >= MAX_LINE {
+            return Err(NoLine::TooLong);
+        }
+    }
+}
+
+/// Where a connection being served is: [`READING`] its command line, then [`ANSWERING`] (the
+/// command is carried out and answered), then [`DONE`]; or [`CUT`] while reading, by the
+/// accept loop making room for a newcomer (then nothing of it is carried out).
+type Phase = std::sync::atomic::AtomicU8;
+const READING: u8 = 0;
+const ANSWERING: u8 = 1;
+const DONE: u8 = 2;
+const CUT: u8 = 3;
+
+/// How long a connection may wait for its command line before, when every slot is taken, it
+/// gives its slot to a newcomer. A client sends its line as it connects.
+const GIVE_WAY_AFTER: Duration = Duration::from_millis(250);
+
+/// A connection being served, as the accept loop sees it.
+struct Slot {
+    since: Instant,
+    phase: Arc<Phase>,
+    /// A handle on the connection, to cut it.
+    stream: UnixStream,
+}
+
+fn handle(s: UnixStream, handler: &Handler, phase: &Phase) {
+    let line = read_line_by(&s, Instant::now() + COMMAND_WITHIN);
+    if phase
+        .compare_exchange(READING, ANSWERING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        // Cut to make room: what it sent may be half a command, never carried out.
+        return;
+    }
+    let reply = match line {
+        Ok(buf) => match std::str::from_utf8(&buf) {
+            Ok(line) => answer(line, handler),
             Err(_) => serde_json::json!({ "ok": false, "error": "command is not UTF-8" }),
         },
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            serde_json::json!({ "ok": false, "error": "no command within 2 s: send one command per line, e.g. `status`" })
+        Err(NoLine::TooLong) => {
+            serde_json::json!({ "ok": false, "error": format!("command too long ({MAX_LINE} bytes at most)") })
         }
-        Err(e) => serde_json::json!({ "ok": false, "error": format!("reading the command: {e}") }),
+        Err(NoLine::TimedOut) => serde_json::json!({
+            "ok": false,
+            "error": format!(
+                "no command within {} s: send one command per line, e.g. `status`",
+                COMMAND_WITHIN.as_secs()
+            ),
+        }),
+        Err(NoLine::Io(e)) => {
+            serde_json::json!({ "ok": false, "error": format!("reading the command: {e}") })
+        }
     };
-    let mut s = reader.into_inner().into_inner();
-    let _ = writeln!(s, "{reply}");
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    let _ = writeln!(&s, "{reply}");
     // Read what the client sent beyond the command (a line too long, several lines), a little
     // and briefly: closing with it unread would reset the connection and lose the reply.
     let _ = s.shutdown(std::net::Shutdown::Write);
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    let _ = std::io::copy(&mut (&s).take(1 << 20), &mut std::io::sink());
+    let deadline = Instant::now() + DRAIN_WITHIN;
+    let mut sink = [0u8; 4096];
+    let mut drained = 0usize;
+    while drained < 1 << 20 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match (&s).read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
 }
+
+/// The longest path a Unix socket may have (`sun_path` holds 108 bytes with the final NUL).
+const MAX_SOCKET_PATH: usize = 107;
 
 /// Whether a control socket can be bound at `path` without harming anything: nothing there, or
 /// a socket left by a process that is gone. A file, a directory or a live socket is refused.
+/// When nothing is there, it is checked as [`ControlServer::start`] would do it: its folders
+/// created (under the nearest existing one) and a socket bound, under a probe's name that is
+/// removed at once, so that a place where sockets cannot be made (`/proc`, a read-only file
+/// system, a folder of someone else's) is refused here, not when the daemon starts.
 ///
 /// # Errors
 ///
@@ -166,18 +275,87 @@ pub fn check_socket_path(path: &Path) -> Result<(), String> {
             crate::files::kind_of(m.file_type())
         )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let len = path.as_os_str().len();
+            if len > MAX_SOCKET_PATH {
+                return Err(format!(
+                    "{}: {len} bytes is longer than a Unix socket's path may be ({MAX_SOCKET_PATH}): choose a shorter one",
+                    path.display()
+                ));
+            }
+            let here = |a: &Path| -> PathBuf {
+                if a.as_os_str().is_empty() {
+                    PathBuf::from(".")
+                } else {
+                    a.to_path_buf()
+                }
+            };
+            let parent = here(path.parent().unwrap_or(Path::new("")));
             // The nearest existing ancestor must be a directory to create it in.
-            match path.ancestors().skip(1).find(|a| a.exists()) {
-                Some(a) if !a.is_dir() && !a.as_os_str().is_empty() => Err(format!(
+            let Some(dir) = path.ancestors().skip(1).map(here).find(|a| a.exists()) else {
+                return Ok(());
+            };
+            if !dir.is_dir() {
+                return Err(format!(
                     "{}: {} is not a directory",
                     path.display(),
-                    a.display()
-                )),
-                _ => Ok(()),
+                    dir.display()
+                ));
             }
+            probe(path, &dir, dir == parent)
         }
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
+}
+
+/// Binds a socket in `dir` (in a folder made there first, when the socket's own folder is still
+/// to be created), under a probe's name, and removes what it made.
+fn probe(path: &Path, dir: &Path, parent_exists: bool) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    let name = format!(".duplex-probe-{}", std::process::id());
+    let (folder, sock) = if parent_exists {
+        (None, dir.join(&name))
+    } else {
+        let folder = dir.join(&name);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&folder)
+            .or_else(|e| match e.kind() {
+                // Left by a process of the same id that was killed while probing.
+                std::io::ErrorKind::AlreadyExists if folder.is_dir() => Ok(()),
+                _ => Err(e),
+            })
+            .map_err(|e| {
+                format!(
+                    "{}: its folder cannot be created in {}: {e}",
+                    path.display(),
+                    dir.display()
+                )
+            })?;
+        (Some(folder.clone()), folder.join("s"))
+    };
+    let bound = if sock.as_os_str().len() > MAX_SOCKET_PATH {
+        // The probe's name is longer than the socket's: nothing learnt.
+        Ok(())
+    } else {
+        use std::os::unix::fs::FileTypeExt;
+        if std::fs::symlink_metadata(&sock).is_ok_and(|m| m.file_type().is_socket()) {
+            let _ = std::fs::remove_file(&sock);
+        }
+        UnixListener::bind(&sock).map(|l| {
+            drop(l);
+            let _ = std::fs::remove_file(&sock);
+        })
+    };
+    if let Some(f) = folder {
+        let _ = std::fs::remove_dir(f);
+    }
+    bound.map_err(|e| {
+        format!(
+            "{}: a socket cannot be created in {}: {e}",
+            path.display(),
+            dir.display()
+        )
+    })
 }
 
 /// Creates the missing directories above `path`, each private to this user (0700). Existing
@@ -230,31 +408,69 @@ impl ControlServer {
             .name("duplex:control".into())
             .spawn(move || {
                 // A command may wait for a frame boundary: each connection gets a thread, a
-                // few at a time, so that `status` answers meanwhile.
-                let busy = Arc::new(AtomicUsize::new(0));
+                // few at a time, so that `status` answers meanwhile. When all are taken, the
+                // connection that has waited longest for its command line (a client that sends
+                // nothing, or a byte now and then) gives way to the newcomer.
+                let mut slots: Vec<Slot> = Vec::with_capacity(MAX_CLIENTS);
                 for conn in listener.incoming() {
                     if sp.load(Ordering::Acquire) {
                         break;
                     }
                     let Ok(mut s) = conn else { continue };
-                    if busy.load(Ordering::Acquire) >= MAX_CLIENTS {
-                        let _ = writeln!(
-                            s,
-                            "{}",
-                            serde_json::json!({ "ok": false, "error": "busy: too many commands at once" })
-                        );
-                        continue;
+                    slots.retain(|c| c.phase.load(Ordering::Acquire) != DONE);
+                    if slots.len() >= MAX_CLIENTS {
+                        let idle = slots
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, c)| {
+                                c.phase.load(Ordering::Acquire) == READING
+                                    && c.since.elapsed() >= GIVE_WAY_AFTER
+                            })
+                            .min_by_key(|(_, c)| c.since)
+                            .map(|(i, _)| i)
+                            .filter(|&i| {
+                                slots[i]
+                                    .phase
+                                    .compare_exchange(
+                                        READING,
+                                        CUT,
+                                        Ordering::AcqRel,
+                                        Ordering::Acquire,
+                                    )
+                                    .is_ok()
+                            });
+                        match idle {
+                            Some(i) => {
+                                let cut = slots.swap_remove(i);
+                                let _ = cut.stream.shutdown(std::net::Shutdown::Both);
+                            }
+                            None => {
+                                let _ = writeln!(
+                                    s,
+                                    "{}",
+                                    serde_json::json!({ "ok": false, "error": "busy: too many commands at once" })
+                                );
+                                continue;
+                            }
+                        }
                     }
-                    busy.fetch_add(1, Ordering::AcqRel);
-                    let (h, b) = (handler.clone(), busy.clone());
+                    let Ok(handle_on) = s.try_clone() else {
+                        continue;
+                    };
+                    let phase = Arc::new(Phase::new(READING));
+                    let (h, p) = (handler.clone(), phase.clone());
                     let spawned = std::thread::Builder::new()
                         .name("duplex:control-client".into())
                         .spawn(move || {
-                            handle(s, &h);
-                            b.fetch_sub(1, Ordering::AcqRel);
+                            handle(s, &h, &p);
+                            p.store(DONE, Ordering::Release);
                         });
-                    if spawned.is_err() {
-                        busy.fetch_sub(1, Ordering::AcqRel);
+                    if spawned.is_ok() {
+                        slots.push(Slot {
+                            since: Instant::now(),
+                            phase,
+                            stream: handle_on,
+                        });
                     }
                 }
             })?;
@@ -267,14 +483,40 @@ impl ControlServer {
     }
 }
 
-/// `duplex ctl`: sends one command, returns the reply line.
+/// How long `duplex ctl` tries again while the daemon answers that it is busy (every
+/// connection it serves is cut within [`COMMAND_WITHIN`] of its start, or answered).
+const BUSY_RETRY: Duration = Duration::from_secs(4);
+
+/// `duplex ctl`: sends one command, returns the reply line. A `busy` reply is tried again for
+/// a few seconds.
 ///
 /// # Errors
 ///
 /// When the daemon cannot be reached (a message naming the socket).
 pub fn send(path: &Path, command: &str) -> anyhow::Result<String> {
-    let mut s = UnixStream::connect(path)
-        .map_err(|e| anyhow::anyhow!("{}: {e} (is `duplex daemon` running?)", path.display()))?;
+    let t0 = Instant::now();
+    loop {
+        let mut s = UnixStream::connect(path).map_err(|e| {
+            anyhow::anyhow!("{}: {e} (is `duplex daemon` running?)", path.display())
+        })?;
+        // A busy daemon answers at once and closes: what the client writes meanwhile may fail.
+        let reply = exchange(&mut s, command);
+        let busy = match &reply {
+            Ok(r) => serde_json::from_str::<serde_json::Value>(r)
+                .ok()
+                .and_then(|v| v["error"].as_str().map(|e| e.starts_with("busy")))
+                .unwrap_or(false),
+            Err(_) => true,
+        };
+        if !busy || t0.elapsed() >= BUSY_RETRY {
+            return reply.map_err(|e| anyhow::anyhow!("{}: {e}", path.display()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Sends the command line, reads the reply line.
+fn exchange(s: &mut UnixStream, command: &str) -> std::io::Result<String> {
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     writeln!(s, "{command}")?;
     let mut reply = String::new();

@@ -58,6 +58,8 @@ pub fn now_us() -> u64 {
 /// A recording in progress: a runtime observer.
 pub struct Recording {
     dir: PathBuf,
+    /// The folder was made for this recording (so [`Recording::discard`] may delete it).
+    fresh: bool,
     /// Set by [`Recording::stop`]: nothing more is queued, by the observer or the streams.
     closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
     streams: AtomicU64,
@@ -67,8 +69,10 @@ pub struct Recording {
 }
 
 impl Recording {
-    /// Starts a recording in a new folder under `root` (named by the start time and process id),
-    /// writing `manifest` (completed with the format, version and start time) there first.
+    /// Starts a recording in a new folder under `root` (named by the start time, to the
+    /// millisecond, and the process id, plus `.N` when a recording of this process started in
+    /// the same millisecond), writing `manifest` (completed with the format, version and start
+    /// time) there first.
     ///
     /// # Errors
     ///
@@ -92,15 +96,34 @@ impl Recording {
         manifest: serde_json::Value,
         max_file_bytes: u64,
     ) -> Result<Recording, String> {
-        let mut name = format!(
-            "{}-{}",
-            chrono_like(now_us() / 1_000_000),
+        let now = now_us();
+        let stamp = format!(
+            "{}.{:03}-{}",
+            chrono_like(now / 1_000_000),
+            now / 1000 % 1000,
             std::process::id()
         );
-        if !tag.is_empty() {
-            name = format!("{name}-{tag}");
+        std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
+        // Made here, one name at a time: two recordings never share a folder.
+        for n in 0..1000 {
+            let mut name = stamp.clone();
+            if n > 0 {
+                name = format!("{name}.{n}");
+            }
+            if !tag.is_empty() {
+                name = format!("{name}-{tag}");
+            }
+            let dir = root.join(name);
+            match std::fs::create_dir(&dir) {
+                Ok(()) => return Self::start(dir, true, manifest, max_file_bytes),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(format!("{}: {e}", dir.display())),
+            }
         }
-        Self::create_at(&root.join(name), manifest, max_file_bytes)
+        Err(format!(
+            "{}: 1000 recordings named {stamp} already: no new folder",
+            root.display()
+        ))
     }
 
     /// Starts a recording in `dir` itself (created; refused when it already holds a recording).
@@ -110,18 +133,28 @@ impl Recording {
     /// As [`Recording::create`].
     pub fn create_at(
         dir: &Path,
-        mut manifest: serde_json::Value,
+        manifest: serde_json::Value,
         max_file_bytes: u64,
     ) -> Result<Recording, String> {
-        let started = now_us();
-        let dir = dir.to_path_buf();
         if dir.join("manifest.json").exists() {
             return Err(format!(
                 "{}: already holds a recording (give a new folder)",
                 dir.display()
             ));
         }
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let fresh = !dir.exists();
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        Self::start(dir.to_path_buf(), fresh, manifest, max_file_bytes)
+    }
+
+    /// Starts a recording in the existing folder `dir`.
+    fn start(
+        dir: PathBuf,
+        fresh: bool,
+        mut manifest: serde_json::Value,
+        max_file_bytes: u64,
+    ) -> Result<Recording, String> {
+        let started = now_us();
         manifest["format"] = FORMAT.into();
         manifest["version"] = VERSION.into();
         manifest["duplex"] = env!("CARGO_PKG_VERSION").into();
@@ -145,6 +178,7 @@ impl Recording {
             .map_err(|e| format!("recording thread: {e}"))?;
         Ok(Recording {
             dir,
+            fresh,
             closed: Default::default(),
             streams: AtomicU64::new(0),
             tx: Mutex::new(Some(tx)),
@@ -185,6 +219,18 @@ impl Recording {
             return;
         }
         self.finish();
+    }
+
+    /// Stops the recording and deletes its folder, when it was made for it: for a recording
+    /// whose run never started (cancelled, refused, only checked), of which nothing is kept.
+    pub fn discard(&self) {
+        self.stop();
+        self.finish();
+        if self.fresh {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), "recording not deleted: {e}");
+            }
+        }
     }
 
     /// Whether [`Recording::stop`] was called.
@@ -633,6 +679,26 @@ impl Recorded {
 #[cfg(test)]
 mod tests {
     use std::path::Path;
+
+    /// Regression: two recordings started in the same second (`ctl record on` twice) shared a
+    /// folder name, and the second failed with "already holds a recording".
+    #[test]
+    fn recordings_started_at_once_get_folders_of_their_own_and_a_discarded_one_is_gone() {
+        let root = tempfile::tempdir().unwrap();
+        let recs: Vec<super::Recording> = (0..5)
+            .map(|_| super::Recording::create(root.path(), serde_json::json!({}), 1 << 20).unwrap())
+            .collect();
+        let mut dirs: Vec<&Path> = recs.iter().map(|r| r.dir()).collect();
+        dirs.sort();
+        dirs.dedup();
+        assert_eq!(dirs.len(), 5);
+        for d in &dirs {
+            assert!(d.join("manifest.json").is_file(), "{}", d.display());
+        }
+        recs[0].discard();
+        assert!(!recs[0].dir().exists());
+        assert!(recs[1].dir().exists());
+    }
 
     #[test]
     fn pruning_deletes_the_oldest_recordings_down_to_the_budget_and_keeps_the_newest() {

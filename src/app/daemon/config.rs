@@ -416,6 +416,17 @@ impl DaemonConfig {
             .unwrap_or_else(|| format!("{}: `{key}`", self.file))
     }
 
+    /// An error about the daemon's `key`: it names the daemon's file and the key, led by the
+    /// layer the value came from when that is not the file (the built-in defaults, a variable).
+    pub fn error(&self, key: &str, kind: ConfigErrorKind, message: String) -> ConfigError {
+        let mut err = ConfigError::new(&self.file, kind, message).key(key);
+        let origin = self.origin(key);
+        if !origin.starts_with(&format!("{}: ", self.file)) {
+            err.origin = Some(origin.into());
+        }
+        err
+    }
+
     /// The overrides of the pipeline file this configuration stands for, each blaming the
     /// daemon key it comes from.
     pub fn sets(&self) -> Vec<Override> {
@@ -519,7 +530,21 @@ impl DaemonConfig {
             };
             crate::config::load(&self.pipeline, &opts, &Registry::builtin())
         };
-        let spec = load(self.sets())?;
+        let spec = load(self.sets()).map_err(|e| {
+            // The daemon's values are set over the pipeline file, and an error in a stage they
+            // touch blames them: when the file alone fails the same way, the fault is the
+            // file's, and the error leads with it.
+            match load(Vec::new()) {
+                Err(own)
+                    if e.origin.is_some()
+                        && (own.kind, &own.stage, &own.key, &own.message)
+                            == (e.kind, &e.stage, &e.key, &e.message) =>
+                {
+                    own
+                }
+                _ => e,
+            }
+        })?;
         let has_aec = spec.stages.iter().any(|s| s.name == AEC_STAGE);
         let (enabled, why) = echo;
         if !has_aec {
@@ -576,14 +601,7 @@ pub fn check_static(
     own_socket: Option<&Path>,
 ) -> Result<PipelineSpec, ConfigError> {
     let spec = c.pipeline_spec()?;
-    let e = |key: &str, kind, m: String| {
-        let mut err = ConfigError::new(&c.file, kind, m).key(key);
-        let origin = c.origin(key);
-        if !origin.starts_with(&format!("{}: ", c.file)) {
-            err.origin = Some(origin.into());
-        }
-        err
-    };
+    let e = |key: &str, kind, m: String| c.error(key, kind, m);
     if own_socket != Some(c.control_socket.as_path()) {
         crate::app::control::check_socket_path(&c.control_socket)
             .map_err(|m| e("control_socket", ConfigErrorKind::Conflict, m))?;

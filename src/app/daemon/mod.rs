@@ -44,7 +44,11 @@ use reload::{finish_reload, reload};
 /// A [`ConfigError`] (in the chain) naming the daemon's file or variable and key.
 pub fn check(explicit: Option<&Path>) -> anyhow::Result<DaemonConfig> {
     let c = check_all(explicit, None)?;
-    drop(build_pipeline(&c)?);
+    let built = build_pipeline(&c)?;
+    // Built to be checked, not run: its recording's folder is not kept.
+    if let Some(r) = &built.recording {
+        r.discard();
+    }
     Ok(c)
 }
 
@@ -153,11 +157,39 @@ struct Shared {
     shutdown: AtomicBool,
     /// The control socket, once this process has bound it.
     socket: Mutex<Option<PathBuf>>,
+    /// Whether the user wants conversations recorded, and whether a recorded one is starting.
+    /// `ctl record on|off` and the start of every pipeline take this lock, so that an `off`
+    /// is never lost between a recording's build and its start.
+    record: Mutex<RecordState>,
+    /// Pipelines started so far.
+    starts: std::sync::atomic::AtomicU64,
+}
+
+/// See [`Shared::record`].
+#[derive(Debug, Clone, Copy, Default)]
+struct RecordState {
+    /// Conversations are to be recorded: the configuration's `record` at start-up, then the
+    /// last `ctl record on|off`. Every pipeline is built, and started, as it says.
+    wanted: bool,
+    /// A `record on`'s pipeline is being built, or is built and not started yet.
+    starting: bool,
 }
 
 impl Shared {
     fn live(&self) -> Option<Live> {
         lock(&self.current).flatten()
+    }
+
+    /// What [`Shared::record`] says now.
+    fn record_state(&self) -> RecordState {
+        self.record.lock().map(|r| *r).unwrap_or_default()
+    }
+
+    /// Builds the pipeline `c` stands for, recorded or not as the user wants now.
+    fn build(&self, c: &DaemonConfig) -> anyhow::Result<Built> {
+        let mut c = c.clone();
+        c.record = self.record_state().wanted;
+        build_pipeline(&c)
     }
 
     /// Models loaded and warmed up: a pipeline runs and every stage has started.
@@ -181,11 +213,8 @@ impl Shared {
             "reloads": self.reloads.lock().ok().map(|r| serde_json::json!({ "done": r.0, "last": r.1 })),
             "muted": self.muted.load(Ordering::Acquire),
             "paused": self.paused.load(Ordering::Acquire),
-            "recording": self
-                .live()
-                .and_then(|l| l.recording.clone())
-                .filter(|r| !r.stopped())
-                .map(|r| r.dir().display().to_string()),
+            "recording": self.recording().map(|r| r.dir().display().to_string()),
+            "record_starting": self.record_state().starting,
         });
         let pipeline = self
             .live()
@@ -231,65 +260,100 @@ impl Shared {
 
     /// `record on`: a new conversation, recorded, on a pipeline built beside the running one
     /// (a recording starts with the LM's warm-up and priming, so that it replays); `record
-    /// off`: the running conversation's recording stops, the conversation goes on.
+    /// off`: the running conversation's recording stops, the conversation goes on, and a
+    /// recording still starting is cancelled (its folder deleted, nothing kept). Each reply says
+    /// which of these happened.
     fn record(self: &Arc<Self>, on: bool) -> serde_json::Value {
-        let live = self.live();
-        let current = live
-            .as_ref()
-            .and_then(|l| l.recording.clone())
-            .filter(|r| !r.stopped());
-        let set = |on: bool| {
-            for m in [&self.config, &self.last_good] {
-                if let Ok(mut c) = m.lock() {
-                    c.record = on;
-                }
-            }
+        let Ok(mut state) = self.record.lock() else {
+            return serde_json::json!({ "ok": false, "error": "recording state lock poisoned" });
         };
-        match (on, current) {
-            (true, Some(r)) => serde_json::json!({
-                "ok": true,
-                "done": format!("already recording into {}", r.dir().display()),
-            }),
+        let reply = self.record_locked(&mut state, on);
+        for m in [&self.config, &self.last_good] {
+            if let Ok(mut c) = m.lock() {
+                c.record = state.wanted;
+            }
+        }
+        reply
+    }
+
+    /// [`Shared::record`] under the recording's lock.
+    fn record_locked(self: &Arc<Self>, state: &mut RecordState, on: bool) -> serde_json::Value {
+        match (on, self.recording()) {
+            (true, Some(r)) => {
+                state.wanted = true;
+                serde_json::json!({
+                    "ok": true,
+                    "done": format!("already recording into {}", r.dir().display()),
+                })
+            }
+            (true, None) if state.starting => {
+                state.wanted = true;
+                serde_json::json!({
+                    "ok": true,
+                    "done": "a recording is already starting (its pipeline is being built)",
+                })
+            }
             (true, None) => {
-                let Some(mut new) = lock(&self.config) else {
+                let Some(c) = lock(&self.config) else {
                     return serde_json::json!({ "ok": false, "error": "configuration lock poisoned" });
                 };
-                new.record = true;
-                let dir = new.record_dir.clone();
+                // Checked now, so that a folder that cannot be made is said in the reply.
+                if let Err(e) = std::fs::create_dir_all(&c.record_dir) {
+                    return serde_json::json!({
+                        "ok": false,
+                        "error": c.error(
+                            "record_dir",
+                            ConfigErrorKind::Build,
+                            format!("recordings go under {}: {e}", c.record_dir.display()),
+                        ).to_string(),
+                    });
+                }
                 let shared = self.clone();
                 let spawned = std::thread::Builder::new()
                     .name("duplex:record".into())
-                    .spawn(move || {
-                        let Ok(_one) = shared.reloading.lock() else {
-                            return;
-                        };
-                        reload::rebuild(&shared, new);
-                    });
+                    .spawn(move || start_recording(&shared));
                 if let Err(e) = spawned {
                     return serde_json::json!({ "ok": false, "error": format!("record: {e}") });
                 }
+                state.wanted = true;
+                state.starting = true;
                 serde_json::json!({
                     "ok": true,
                     "done": format!(
                         "a new conversation, recorded into a new folder under {}, once its pipeline is built beside the running one",
-                        dir.display()
+                        c.record_dir.display()
                     ),
                 })
             }
             (false, Some(r)) => {
+                state.wanted = false;
                 r.stop();
-                set(false);
                 tracing::info!(dir = %r.dir().display(), "recording stopped");
                 serde_json::json!({
                     "ok": true,
                     "done": format!("recording stopped: {}", r.dir().display()),
                 })
             }
+            (false, None) if state.starting => {
+                state.wanted = false;
+                tracing::info!("the recording that was starting is cancelled");
+                serde_json::json!({
+                    "ok": true,
+                    "done": "the recording that was starting is cancelled: nothing is recorded",
+                })
+            }
             (false, None) => {
-                set(false);
+                state.wanted = false;
                 serde_json::json!({ "ok": true, "done": "not recording" })
             }
         }
+    }
+
+    /// The recording of the running pipeline, while it records.
+    fn recording(&self) -> Option<Arc<crate::observe::record::Recording>> {
+        self.live()
+            .and_then(|l| l.recording)
+            .filter(|r| !r.stopped())
     }
 
     /// Sets one of the user's switches, and tells the running pipeline.
@@ -303,6 +367,41 @@ impl Shared {
         }
         serde_json::json!({ "ok": true, "done": command })
     }
+}
+
+/// The thread of a `record on`: once no reload runs, builds the configuration in force again,
+/// recorded, beside the running pipeline, and hands the new one over unless the recording was
+/// cancelled meanwhile; then waits for the main loop to start it (or another), and says the
+/// recording is no longer starting.
+fn start_recording(shared: &Arc<Shared>) {
+    let done = |shared: &Shared| {
+        if let Ok(mut s) = shared.record.lock() {
+            s.starting = false;
+        }
+    };
+    let Ok(_one) = shared.reloading.lock() else {
+        return done(shared);
+    };
+    // Meanwhile an `off` may have cancelled it, or a reload started a recorded pipeline.
+    let go = shared
+        .record
+        .lock()
+        .is_ok_and(|s| s.wanted && shared.recording().is_none());
+    let Some(mut new) = lock(&shared.config).filter(|_| go) else {
+        return done(shared);
+    };
+    new.record = true;
+    let starts = shared.starts.load(Ordering::Acquire);
+    if reload::rebuild(shared, new, true) {
+        let t0 = Instant::now();
+        while shared.starts.load(Ordering::Acquire) == starts
+            && !shared.shutdown.load(Ordering::Acquire)
+            && t0.elapsed() < Duration::from_secs(600)
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    done(shared);
 }
 
 fn lock<T: Clone>(m: &Mutex<T>) -> Option<T> {
@@ -330,6 +429,11 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         paused: AtomicBool::new(false),
         shutdown: AtomicBool::new(false),
         socket: Mutex::new(None),
+        record: Mutex::new(RecordState {
+            wanted: c.record,
+            starting: false,
+        }),
+        starts: Default::default(),
     });
     let health_shared = shared.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
@@ -384,7 +488,14 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     // After the signal hooks: a stop that comes as soon as the socket is there is handled.
     let command_shared = shared.clone();
     let handler: Handler = Arc::new(move |c| command_shared.command(c));
-    let control = super::control::ControlServer::start(&c.control_socket, handler)?;
+    let control =
+        super::control::ControlServer::start(&c.control_socket, handler).map_err(|e| {
+            c.error(
+                "control_socket",
+                ConfigErrorKind::Conflict,
+                format!("{e:#}"),
+            )
+        })?;
     if let Ok(mut s) = shared.socket.lock() {
         *s = Some(c.control_socket.clone());
     }
@@ -399,7 +510,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                 let Some(c) = lock(&shared.config) else {
                     break Err(anyhow::anyhow!("configuration lock poisoned"));
                 };
-                match build_pipeline(&c) {
+                match shared.build(&c) {
                     Ok(b) => {
                         if notified {
                             finish_reload(&shared, Ok("new pipeline built alone".into()));
@@ -421,7 +532,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
                         if let Ok(mut g) = shared.config.lock() {
                             *g = old.clone();
                         }
-                        build_pipeline(&old)?
+                        shared.build(&old)?
                     }
                 }
             }
@@ -429,11 +540,24 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         if let Ok(mut g) = shared.last_good.lock() {
             *g = built.config.clone();
         }
+        // Started and made current under the recording's lock: an `off` that came while it
+        // was built cancels its recording here, and one that comes now finds it running.
+        let Ok(record) = shared.record.lock() else {
+            break Err(anyhow::anyhow!("recording state lock poisoned"));
+        };
+        let mut recording = built.recording;
+        // (Only a recording the daemon asked for: a pipeline file may record on its own.)
+        if built.config.record && !record.wanted {
+            if let Some(r) = recording.take() {
+                r.discard();
+                tracing::info!("the recording was cancelled before its pipeline started");
+            }
+        }
         let running = built.pipeline.start();
         let live = Live {
             handle: running.handle(),
             monitor: built.monitor,
-            recording: built.recording,
+            recording,
             echo: built.echo,
         };
         // The user's switches carry over to the new pipeline.
@@ -447,6 +571,8 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         if let Ok(mut g) = shared.current.lock() {
             *g = Some(live.clone());
         }
+        shared.starts.fetch_add(1, Ordering::AcqRel);
+        drop(record);
         if shared.shutdown.load(Ordering::Acquire) {
             live.handle.stop();
         }
@@ -515,28 +641,53 @@ fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
         format!("the pipeline file has no `{}` stage", config::AEC_STAGE)
     };
     // The pipeline's `record:` section: every (re)built pipeline records into a folder of its own.
-    let recording = super::record(&spec)?;
-    let builder = super::build_session(
-        &spec,
-        &crate::stages::Registry::builtin(),
-        None,
-        recording.as_deref(),
-    )?;
-    let (builder, monitor) = super::observe(builder, &spec.metrics);
-    let builder = match &recording {
-        Some(r) => {
-            monitor.record_changes(r.stream("verdicts"));
-            builder.observer(r.clone())
+    // Its `record.dir` is the daemon's `record_dir`, which the error names.
+    let recording = super::record(&spec).map_err(|e| match c.record {
+        true => c.error(
+            "record_dir",
+            e.kind,
+            format!(
+                "recordings go under {}: {}",
+                c.record_dir.display(),
+                e.message
+            ),
+        ),
+        // The pipeline file's own `record:` section.
+        false => e,
+    })?;
+    let built = (|| {
+        let builder = super::build_session(
+            &spec,
+            &crate::stages::Registry::builtin(),
+            None,
+            recording.as_deref(),
+        )?;
+        let (builder, monitor) = super::observe(builder, &spec.metrics);
+        let builder = match &recording {
+            Some(r) => {
+                monitor.record_changes(r.stream("verdicts"));
+                builder.observer(r.clone())
+            }
+            None => builder,
+        };
+        anyhow::Ok((builder.build()?, monitor))
+    })();
+    match built {
+        Ok((pipeline, monitor)) => Ok(Built {
+            pipeline,
+            monitor,
+            config: c.clone(),
+            recording,
+            echo,
+        }),
+        Err(e) => {
+            // Nothing ran: no recording is left behind.
+            if let Some(r) = recording {
+                r.discard();
+            }
+            Err(e)
         }
-        None => builder,
-    };
-    Ok(Built {
-        pipeline: builder.build()?,
-        monitor,
-        config: c.clone(),
-        recording,
-        echo,
-    })
+    }
 }
 
 /// Whether a pipeline that failed to build might build on its own (its stages lacked memory

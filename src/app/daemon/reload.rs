@@ -35,12 +35,31 @@ pub(super) fn finish_reload(shared: &Shared, outcome: Result<String, String>) {
 /// running one stopped and the new one built alone; when that fails too, the last
 /// configuration that ran is built again.
 ///
+/// `for_recording`: built for `ctl record on` alone, so it is not handed over when the
+/// recording was switched off while it was built. Returns whether the running pipeline was
+/// stopped for a new one.
+///
 /// Runs on the reload thread, under the reload lock: a SIGHUP during a rebuild waits for it.
-pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
+pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig, for_recording: bool) -> bool {
     tracing::warn!("building a new pipeline beside the running one");
     let t0 = Instant::now();
     match build_pipeline(&new) {
         Ok(built) if !shared.shutdown.load(Ordering::Acquire) => {
+            // The recording's lock, then the configuration's: the order `ctl record` takes them.
+            let Ok(record) = shared.record.lock() else {
+                return false;
+            };
+            if for_recording && !record.wanted {
+                if let Some(r) = &built.recording {
+                    r.discard();
+                }
+                drop(record);
+                finish_reload(
+                    shared,
+                    Ok("the recording was switched off while its pipeline was built: the running conversation goes on, nothing was recorded".into()),
+                );
+                return false;
+            }
             tracing::info!(
                 after_ms = t0.elapsed().as_millis() as u64,
                 "new pipeline built; replacing the running one"
@@ -51,13 +70,15 @@ pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
             if let Ok(mut c) = shared.config.lock() {
                 *c = new;
             }
+            drop(record);
             stop_current(shared);
             finish_reload(
                 shared,
                 Ok("new pipeline built beside the running one".into()),
             );
+            true
         }
-        Ok(_) => {}
+        Ok(_) => false,
         Err(e) if may_build_alone(&e) => {
             tracing::warn!(
                 "the new pipeline could not be built beside the running one ({e:#}); stopping the running one and building the new one alone"
@@ -68,8 +89,12 @@ pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig) {
             shared.alone.store(true, Ordering::Release);
             // The main loop ends this reload, once it has built (or failed to build) alone.
             stop_current(shared);
+            true
         }
-        Err(e) => finish_reload(shared, Err(format!("{e:#}"))),
+        Err(e) => {
+            finish_reload(shared, Err(format!("{e:#}")));
+            false
+        }
     }
 }
 
@@ -96,7 +121,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
     };
     // Recording is switched at run time (`ctl record on|off`); the file's `record` applies at
     // start-up.
-    new.record = cur.record;
+    new.record = shared.record_state().wanted;
     if new.metrics_address != cur.metrics_address || new.control_socket != cur.control_socket {
         tracing::warn!(
             "reload: `metrics_address` and `control_socket` are bound at start-up; the new values apply after a restart"
@@ -115,7 +140,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         || new.echo_cancel != cur.echo_cancel
         || new.sampling.seed != cur.sampling.seed
     {
-        rebuild(shared, new);
+        rebuild(shared, new, false);
         return;
     }
     let live = shared.live();
