@@ -452,3 +452,55 @@ fn transcripts_are_logged_only_when_asked_and_escaped() {
         .unwrap_or_else(|| panic!("no transcript logged:\n{log}"));
     assert!(line.contains("transcript=\""), "not escaped: {line}");
 }
+
+/// Defect 7 outside the server: `duplex validate` of a pipeline whose voice prompt is 1 MB of
+/// 50 Hz audio took 53 s and 1.04 GB before refusing; a voice is now checked from its header,
+/// before anything is decoded or resampled, and a long one is refused on `max_voice_s`.
+#[test]
+fn a_voice_prompt_is_checked_from_its_header_before_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = daemon::root();
+    let text = std::fs::read_to_string(root.join("pipelines/duplex-file.yaml"))
+        .unwrap()
+        .replace("models/", &format!("{}/models/", root.display()))
+        .replace("out/", &format!("{}/", dir.path().display()));
+    write_wav(&dir.path().join("tone-48k.wav"), 48_000, 1.0);
+    for (voice, rate, seconds, extra, expect) in [
+        (
+            "low.wav",
+            50,
+            10_000.0,
+            "",
+            "50 Hz; a voice prompt needs 8000 Hz or more",
+        ),
+        (
+            "long.wav",
+            8000,
+            20.0,
+            "    max_voice_s: 10\n",
+            "a voice prompt may last 10 s at most",
+        ),
+    ] {
+        write_wav(&dir.path().join(voice), rate, seconds);
+        let p = dir.path().join(format!("{voice}.yaml"));
+        let t = text.replace(
+            "  temporal:\n    kind: temporal\n",
+            &format!(
+                "  temporal:\n    kind: temporal\n    voice: {}\n{extra}",
+                dir.path().join(voice).display()
+            ),
+        );
+        std::fs::write(&p, t).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .arg("validate")
+            .arg(&p)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{voice}: {err}");
+        assert!(
+            err.contains(expect) && err.contains("voice"),
+            "{voice}: {err}"
+        );
+    }
+}
