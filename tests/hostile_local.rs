@@ -340,33 +340,51 @@ fn daemon_check_refuses_a_control_socket_where_none_can_be_made() {
     assert!(left.is_empty(), "{left:?}");
 }
 
-/// Regression: `daemon --check` with a user's `pipeline:` file whose `mic` stage had no `kind`
-/// blamed the built-in defaults' `input_device` ("configs/daemon.yaml (built in):
-/// `input_device` … stage `mic`: missing `kind`"). Now the error leads with the user's
-/// pipeline file, the stage and the key.
+/// Regression: `daemon --check` with a user's broken `pipeline:` file that lacks a stage the
+/// daemon sets params of (no `mic`, or no stages at all) blamed the built-in defaults'
+/// `input_device` ("configs/daemon.yaml (built in): `input_device` (over FILE): stage `mic`:
+/// missing `kind`"). Now the error leads with the user's pipeline file and the stage.
 #[test]
 fn daemon_check_blames_the_users_broken_pipeline_file_not_the_defaults() {
     let dir = tempfile::tempdir().unwrap();
     let live = std::fs::read_to_string(root().join("pipelines/daemon.yaml")).unwrap();
-    let broken_text = live.replacen("    kind: mic\n", "", 1);
-    assert_ne!(broken_text, live);
-    let broken = dir.path().join("my-pipeline.yaml");
-    std::fs::write(&broken, broken_text).unwrap();
-    let config = dir.path().join("daemon.yaml");
-    std::fs::write(&config, format!("pipeline: {}\n", broken.display())).unwrap();
-    let mut c = duplex();
-    c.args(["daemon", "--check", "--config", config.to_str().unwrap()]);
-    let o = run_within(c, 60);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    let line = error_line(&o);
-    assert!(
-        line.starts_with(&format!(
-            "error: {}: stage `mic`: missing `kind`",
-            broken.display()
-        )),
-        "{line}"
+    let renamed = live.replacen("  mic:\n", "  microphone:\n", 1).replacen(
+        "  - mic -> down",
+        "  - microphone -> down",
+        1,
     );
-    assert!(!line.contains("input_device"), "{line}");
+    assert_ne!(renamed, live);
+    for (name, text, want) in [
+        (
+            "no-mic.yaml",
+            renamed,
+            "stage `mic`: no such stage in this file, but the daemon sets its params",
+        ),
+        (
+            "no-stages.yaml",
+            "stages: {}\n".to_string(),
+            "the pipeline has no stages",
+        ),
+        (
+            "no-kind.yaml",
+            live.replacen("    kind: mic\n", "", 1),
+            "stage `mic`: missing `kind`",
+        ),
+    ] {
+        let broken = dir.path().join(name);
+        std::fs::write(&broken, text).unwrap();
+        let config = dir.path().join("daemon.yaml");
+        std::fs::write(&config, format!("pipeline: {}\n", broken.display())).unwrap();
+        let mut c = duplex();
+        c.args(["daemon", "--check", "--config", config.to_str().unwrap()]);
+        let o = run_within(c, 60);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        let line = error_line(&o);
+        assert!(
+            line.starts_with(&format!("error: {}: {want}", broken.display())),
+            "{name}: {line}"
+        );
+    }
 }
 
 /// Regression (privacy): `ctl record on` then `record off` within 0.3 s: `off` answered "not

@@ -530,21 +530,7 @@ impl DaemonConfig {
             };
             crate::config::load(&self.pipeline, &opts, &Registry::builtin())
         };
-        let spec = load(self.sets()).map_err(|e| {
-            // The daemon's values are set over the pipeline file, and an error in a stage they
-            // touch blames them: when the file alone fails the same way, the fault is the
-            // file's, and the error leads with it.
-            match load(Vec::new()) {
-                Err(own)
-                    if e.origin.is_some()
-                        && (own.kind, &own.stage, &own.key, &own.message)
-                            == (e.kind, &e.stage, &e.key, &e.message) =>
-                {
-                    own
-                }
-                _ => e,
-            }
-        })?;
+        let spec = load(self.sets()).map_err(|e| self.blame_the_file(e, || load(Vec::new())))?;
         let has_aec = spec.stages.iter().any(|s| s.name == AEC_STAGE);
         let (enabled, why) = echo;
         if !has_aec {
@@ -568,6 +554,52 @@ impl DaemonConfig {
             enabled.to_string(),
         ));
         load(sets)
+    }
+
+    /// `e`, an error loading the pipeline file with this configuration's values set over it,
+    /// led by the file when the fault is the file's: the daemon's values blamed for a stage the
+    /// file gets wrong the same way on its own (`alone` loads it so), or for a stage that has
+    /// no `kind` (the daemon sets params, never a kind: the file lacks the stage, or its kind).
+    fn blame_the_file(
+        &self,
+        e: ConfigError,
+        alone: impl FnOnce() -> Result<PipelineSpec, ConfigError>,
+    ) -> ConfigError {
+        let Some(origin) = e.origin.clone() else {
+            return e;
+        };
+        let no_kind = e.kind == ConfigErrorKind::Missing && e.key.is_none() && e.stage.is_some();
+        match alone() {
+            Err(own)
+                if no_kind
+                    || (own.kind, &own.stage, &own.key, &own.message)
+                        == (e.kind, &e.stage, &e.key, &e.message) =>
+            {
+                own
+            }
+            Ok(_) if no_kind => {
+                let mut named: Vec<String> = Vec::new();
+                for o in self.sets() {
+                    let mut parts = o.key.split('.');
+                    if let (Some("stages"), Some(stage)) = (parts.next(), parts.next()) {
+                        if !named.iter().any(|n| n == stage) {
+                            named.push(stage.to_string());
+                        }
+                    }
+                }
+                ConfigError::new(
+                    &e.file,
+                    ConfigErrorKind::Missing,
+                    format!(
+                        "no such stage in this file, but the daemon sets its params ({origin}): \
+                         a daemon's pipeline names its stages {} (see pipelines/daemon.yaml)",
+                        named.join(", ")
+                    ),
+                )
+                .stage(e.stage.clone().unwrap_or_default())
+            }
+            _ => e,
+        }
     }
 
     /// Whether echo cancellation runs, and why (for the log and `ctl status`).
