@@ -48,14 +48,40 @@ function missingFeature() {
   return null;
 }
 
+// The sampling controls the page sends as query parameters (Kyutai's names).
+const SAMPLING = ["text_temperature", "text_topk", "audio_temperature", "audio_topk",
+  "pad_mult", "repetition_penalty", "repetition_penalty_context"];
+// A server with keys wants one: entered once, kept in this browser's storage, sent as the
+// `kyutai-api-key` header to the API and as `auth_id` on the WebSocket (which takes no header).
+const KEY_STORE = "duplex.api_key";
+function apiKey() {
+  try { return localStorage.getItem(KEY_STORE) || ""; } catch (_) { return ""; }
+}
+function api(path, init = {}) {
+  const key = apiKey();
+  const headers = key ? { "kyutai-api-key": key } : {};
+  return fetch(path, { ...init, headers });
+}
+
 async function loadDefaults() {
+  $("api_key").value = apiKey();
+  $("api_key").addEventListener("change", () => {
+    try { localStorage.setItem(KEY_STORE, $("api_key").value.trim()); } catch (_) {}
+    loadDefaults();
+  });
   try {
-    const d = await (await fetch("/api/defaults")).json();
-    for (const k of ["text_temperature", "text_topk", "audio_temperature", "audio_topk"]) {
+    const r = await api("/api/defaults");
+    if (r.status === 401) {
+      $("message").textContent = "This server needs an API key: enter it under Settings.";
+      return;
+    }
+    const d = await r.json();
+    for (const k of SAMPLING) {
       if (d[k] !== undefined) $(k).value = d[k];
     }
     if (d.default_persona) $("persona").placeholder = "(the server's default persona)";
-    const v = await (await fetch("/api/voices")).json();
+    const v = await (await api("/api/voices")).json();
+    $("voice").replaceChildren($("voice").firstElementChild);
     for (const name of v.voices || []) {
       const o = document.createElement("option");
       o.value = o.textContent = name;
@@ -69,9 +95,10 @@ async function loadDefaults() {
 
 function query() {
   const q = new URLSearchParams();
-  for (const k of ["text_temperature", "text_topk", "audio_temperature", "audio_topk"]) {
+  for (const k of SAMPLING) {
     if ($(k).value !== "") q.set(k, $(k).value);
   }
+  if (apiKey()) q.set("auth_id", apiKey());
   if ($("persona").value.trim()) q.set("text_prompt", $("persona").value.trim());
   if ($("voice").value) q.set("voice_prompt", $("voice").value);
   return q.toString();
@@ -220,6 +247,10 @@ async function connect() {
     if (!stats.handshake) {
       // The upgrade was refused, or the server closed before the session started: ask why.
       try {
+        if ((await api("/api/defaults")).status === 401) {
+          hangup("error", "This server needs an API key: enter it under Settings.");
+          return;
+        }
         const r = await fetch("/readyz");
         const j = await r.json();
         if (r.status === 503 && j.models_loaded && !j.draining) {
@@ -246,7 +277,7 @@ async function updateStats() {
   }
   try {
     const t0 = performance.now();
-    const r = await fetch("/api/sessions", { cache: "no-store" });
+    const r = await api("/api/sessions", { cache: "no-store" });
     stats.rtt_ms = performance.now() - t0;
     const j = await r.json();
     const me = (j.sessions || []).find((s) => s.id === stats.session) ?? null;

@@ -159,6 +159,8 @@ async def main():
     ap.add_argument("--vorbis", action="store_true", help="send an Ogg stream that carries Vorbis")
     ap.add_argument("--truncate", action="store_true", help="send the headers and half a page, then close")
     ap.add_argument("--never-read", type=float, default=0, help="raw upgrade, never read, hold this long")
+    ap.add_argument("--header", action="append", default=[], help="NAME:VALUE sent with the upgrade")
+    ap.add_argument("--origin", help="the Origin header a browser page would send")
     args = ap.parse_args()
     if args.never_read:
         never_read(args.url, args.never_read)
@@ -166,7 +168,7 @@ async def main():
 
     url = args.url + (("?" + args.query) if args.mode == "web" and args.query else "")
     result = {"handshake_s": None, "first_audio_s": None, "samples": 0, "text": [], "errors": [],
-              "kinds": {}, "close_code": None, "sent_s": 0.0}
+              "kinds": {}, "close_code": None, "sent_s": 0.0, "first_kind": None, "metadata": None}
     reader = sphn.OpusStreamReader(24000)
     pcm_out = []
     arrivals = []
@@ -175,7 +177,8 @@ async def main():
 
     async with aiohttp.ClientSession() as session:
         try:
-            ws = await session.ws_connect(url, max_msg_size=64 << 20)
+            headers = dict(h.split(":", 1) for h in args.header)
+            ws = await session.ws_connect(url, max_msg_size=64 << 20, headers=headers, origin=args.origin)
         except aiohttp.WSServerHandshakeError as e:
             result["refused"] = {"status": e.status, "retry_after": (e.headers or {}).get("Retry-After")}
             print(json.dumps(result))
@@ -189,7 +192,11 @@ async def main():
                     continue
                 data = msg.data
                 kind = data[0]
+                if result["first_kind"] is None:
+                    result["first_kind"] = kind
                 result["kinds"][str(kind)] = result["kinds"].get(str(kind), 0) + 1
+                if kind == 4 and result["metadata"] is None:
+                    result["metadata"] = json.loads(data[1:].decode("utf-8"))
                 if kind == 0:
                     result["handshake_s"] = time.monotonic() - t0
                     handshake.set()

@@ -56,6 +56,8 @@ pub struct Server {
     pub port: u16,
     pub dir: tempfile::TempDir,
     pub log: PathBuf,
+    /// The API key [`get`](Self::get) presents (a server with `keys_file`).
+    pub key: Option<String>,
 }
 
 impl Drop for Server {
@@ -124,6 +126,7 @@ impl Server {
             port,
             dir,
             log,
+            key: None,
         }
     }
 
@@ -132,7 +135,15 @@ impl Server {
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
-        http_get(self.port, path)
+        match &self.key {
+            None => http_get(self.port, path),
+            Some(k) => {
+                let (code, _, body) = self.request(&format!(
+                    "GET {path} HTTP/1.1\r\nHost: localhost\r\nkyutai-api-key: {k}"
+                ));
+                (code, body)
+            }
+        }
     }
 
     pub fn metrics(&self) -> String {

@@ -36,6 +36,12 @@ const KEYS: &[&str] = &[
     "drain_timeout_s",
     "record",
     "log_transcripts",
+    "keys_file",
+    "allow_anonymous",
+    "allowed_origins",
+    "trusted_proxies",
+    "protect_metrics",
+    "instance_name",
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
 const SAMPLING_KEYS: &[&str] = &[
@@ -43,7 +49,11 @@ const SAMPLING_KEYS: &[&str] = &[
     "text_top_k",
     "audio_temperature",
     "audio_top_k",
-    "seed",
+    "pad_mult",
+    "repetition_penalty",
+    "repetition_penalty_context",
+    "text_seed",
+    "audio_seed",
 ];
 const LIMIT_KEYS: &[&str] = &[
     "max_message_bytes",
@@ -56,7 +66,18 @@ const LIMIT_KEYS: &[&str] = &[
     "session_burst_per_ip",
     "max_prompt_tokens",
     "max_voice_s",
+    "max_steps",
 ];
+
+/// The largest seed (integers up to 2^53 are exact in every JSON reader).
+const SEED_MAX: f64 = 9_007_199_254_740_991.0;
+/// The widest `pad_mult` (the depformer stage's range): e^±10 already makes padding all but
+/// certain or impossible.
+const PAD_MULT_MAX: f64 = 10.0;
+/// The strongest repetition penalty.
+const REPETITION_PENALTY_MAX: f64 = 10.0;
+/// The longest repetition context, tokens.
+const CONTEXT_MAX: f64 = 4096.0;
 
 /// Sampling of a session.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -69,8 +90,20 @@ pub struct Sampling {
     pub audio_temperature: f64,
     /// Audio top-k.
     pub audio_top_k: i64,
-    /// Seed; `None`: a fresh one per session.
-    pub seed: Option<u64>,
+    /// Added to the text padding token's logit (its probability times e^pad_mult).
+    pub pad_mult: f64,
+    /// Text logits of tokens among the last `repetition_penalty_context` are penalised by this
+    /// (1 = off).
+    pub repetition_penalty: f64,
+    /// Non-padding text tokens the repetition penalty looks back over.
+    pub repetition_penalty_context: i64,
+    /// Seed of the text sampler; `None`: a fresh one per session.
+    pub text_seed: Option<u64>,
+    /// Seed of the audio sampler; `None`: a fresh one per session.
+    pub audio_seed: Option<u64>,
+    /// Steps after which the conversation ends (0: none): the server's `limits.max_steps`, or
+    /// fewer when the client asks.
+    pub max_steps: i64,
 }
 
 /// Recording of sessions.
@@ -111,7 +144,7 @@ pub struct Limits {
 }
 
 /// A checked server configuration.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ServeConfig {
     /// The user's file (`defaults` when there is none).
     pub file: String,
@@ -122,6 +155,18 @@ pub struct ServeConfig {
     pub allowed_hosts: Vec<String>,
     /// Whether the agent's transcripts are logged (at INFO, escaped).
     pub log_transcripts: bool,
+    /// Browser origins that may open sessions besides the server's own and loopback pages.
+    pub allowed_origins: Vec<String>,
+    /// Reverse proxies whose `X-Forwarded-For` / `Forwarded` are believed.
+    pub trusted_proxies: Vec<super::access::Cidr>,
+    /// The API keys (none: the server is open).
+    pub keys: std::sync::Arc<super::access::Keys>,
+    /// Serve other machines without keys, said explicitly.
+    pub allow_anonymous: bool,
+    /// `/metrics` needs a key too (when keys are configured).
+    pub protect_metrics: bool,
+    /// The name the server gives itself in its metadata (`instance_name`).
+    pub instance_name: String,
     /// The session template.
     pub pipeline: PathBuf,
     /// The pack of every model stage (`None`: the template's).
@@ -218,6 +263,47 @@ impl Fields<'_> {
         Ok(x)
     }
 
+    fn boolean(&self, k: &str) -> Result<bool, ConfigError> {
+        match self.table.get(k) {
+            None => Ok(false),
+            Some(v) => as_bool(v).ok_or_else(|| {
+                self.err(
+                    ConfigErrorKind::WrongType,
+                    k,
+                    format!("expected true or false, got {}", describe(v)),
+                )
+            }),
+        }
+    }
+
+    /// A list of strings (from the environment: one string, comma-separated).
+    fn list(&self, k: &str, what: &str) -> Result<Vec<String>, ConfigError> {
+        let bad = |v: &Value| {
+            self.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!("expected a list of {what}, got {}", describe(v)),
+            )
+        };
+        let items: Vec<String> = match self.table.get(k) {
+            None => Vec::new(),
+            Some(v) => match &v.kind {
+                ValueKind::Nil => Vec::new(),
+                ValueKind::String(list) => list.split(',').map(str::to_string).collect(),
+                ValueKind::Array(a) => a
+                    .iter()
+                    .map(|x| as_string(x).ok_or_else(|| bad(x)))
+                    .collect::<Result<_, _>>()?,
+                _ => return Err(bad(v)),
+            },
+        };
+        Ok(items
+            .into_iter()
+            .map(|i| i.trim().to_string())
+            .filter(|i| !i.is_empty())
+            .collect())
+    }
+
     fn table(&self, k: &str) -> Result<Fields<'_>, ConfigError> {
         match self.table.get(k).map(|v| &v.kind) {
             Some(ValueKind::Table(t)) => Ok(Fields {
@@ -271,7 +357,7 @@ pub fn load(
         origins.insert(k.clone(), origin_of(v, &fname, k));
     }
     let addr = f.string("address")?;
-    let address = addr.trim().parse().map_err(|e| {
+    let address: SocketAddr = addr.trim().parse().map_err(|e| {
         f.err(
             ConfigErrorKind::WrongType,
             "address",
@@ -303,16 +389,27 @@ pub fn load(
     let voice_prompt = f.string("voice_prompt")?;
     let s = f.table("sampling")?;
     s.known(SAMPLING_KEYS)?;
-    let seed = s.number("seed", -1.0, 9e15)?;
+    let seed = |k: &str| -> Result<Option<u64>, ConfigError> {
+        let x = s.number(k, -1.0, SEED_MAX)?;
+        Ok((x >= 0.0).then_some(x as u64))
+    };
     let sampling = Sampling {
         text_temperature: s.number("text_temperature", 0.0, 100.0)?,
         text_top_k: s.number("text_top_k", 0.0, 1e6)? as i64,
         audio_temperature: s.number("audio_temperature", 0.0, 100.0)?,
         audio_top_k: s.number("audio_top_k", 0.0, 1e6)? as i64,
-        seed: (seed >= 0.0).then_some(seed as u64),
+        pad_mult: s.number("pad_mult", -PAD_MULT_MAX, PAD_MULT_MAX)?,
+        repetition_penalty: s.number("repetition_penalty", 1.0, REPETITION_PENALTY_MAX)?,
+        repetition_penalty_context: s.number("repetition_penalty_context", 0.0, CONTEXT_MAX)?
+            as i64,
+        text_seed: seed("text_seed")?,
+        audio_seed: seed("audio_seed")?,
+        max_steps: 0,
     };
     let l = f.table("limits")?;
     l.known(LIMIT_KEYS)?;
+    let mut sampling = sampling;
+    sampling.max_steps = l.number("max_steps", 0.0, 1e9)? as i64;
     let max_session = l.number("max_session_s", 0.0, 1e7)?;
     let limits = Limits {
         max_message_bytes: l.number("max_message_bytes", 1024.0, 1e9)? as usize,
@@ -355,52 +452,64 @@ pub fn load(
             ));
         }
     }
-    let allowed_hosts = match root.get("allowed_hosts").map(|v| &v.kind) {
-        None | Some(ValueKind::Nil) => Vec::new(),
-        // From the environment: DUPLEX__ALLOWED_HOSTS="a.example,b.example".
-        Some(ValueKind::String(list)) => list
-            .split(',')
-            .map(|h| h.trim().to_ascii_lowercase())
-            .filter(|h| !h.is_empty())
-            .collect(),
-        Some(ValueKind::Array(a)) => a
-            .iter()
-            .map(|v| {
-                as_string(v)
-                    .map(|h| h.trim().to_ascii_lowercase())
-                    .filter(|h| !h.is_empty() && !h.contains(['/', ' ', '@']))
-                    .ok_or_else(|| {
-                        f.err(
-                            ConfigErrorKind::WrongType,
-                            "allowed_hosts",
-                            format!(
-                                "expected host names like voice.example.com, got {}",
-                                describe(v)
-                            ),
-                        )
-                    })
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(f.err(
-                ConfigErrorKind::WrongType,
-                "allowed_hosts",
-                "expected a list of host names".into(),
-            ))
-        }
+    let allowed_hosts: Vec<String> = f
+        .list("allowed_hosts", "host names like voice.example.com")?
+        .into_iter()
+        .map(|h| h.to_ascii_lowercase())
+        .collect();
+    if let Some(h) = allowed_hosts.iter().find(|h| h.contains(['/', '@'])) {
+        return Err(f.err(
+            ConfigErrorKind::WrongType,
+            "allowed_hosts",
+            format!("{h:?} is not a host name (no scheme, path or user)"),
+        ));
+    }
+    let allowed_origins = f.list("allowed_origins", "origins like https://app.example.com")?;
+    let trusted_proxies = f
+        .list("trusted_proxies", "addresses or ranges like 10.0.0.0/8")?
+        .iter()
+        .map(|c| super::access::Cidr::parse(c))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|m| f.err(ConfigErrorKind::WrongType, "trusted_proxies", m))?;
+    let keys_file = Some(f.string("keys_file")?)
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
+        .map(PathBuf::from);
+    let keys_env = env
+        .as_ref()
+        .and_then(|e| e.get(super::access::KEYS_ENV))
+        .cloned();
+    let keys = super::access::Keys::load(keys_file.as_deref(), keys_env.as_deref())
+        .map_err(|m| f.err(ConfigErrorKind::Read, "keys_file", m))?;
+    let allow_anonymous = f.boolean("allow_anonymous")?;
+    let protect_metrics = f.boolean("protect_metrics")?;
+    let log_transcripts = f.boolean("log_transcripts")?;
+    let instance_name = match f.string("instance_name")?.trim() {
+        "" => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "duplex".into()),
+        n => n.to_string(),
     };
-    let log_transcripts = match root.get("log_transcripts") {
-        None => false,
-        Some(v) => as_bool(v).ok_or_else(|| {
-            f.err(
-                ConfigErrorKind::WrongType,
-                "log_transcripts",
-                format!("expected true or false, got {}", describe(v)),
-            )
-        })?,
-    };
+    if !address.ip().is_loopback() && !keys.any() && !allow_anonymous {
+        return Err(f.err(
+            ConfigErrorKind::OutOfRange,
+            "address",
+            format!(
+                "{address} serves other machines, and no key is configured: anyone who reaches it \
+                 would use the model. Give keys (`keys_file`, or {}), or say \
+                 `allow_anonymous: true`",
+                super::access::KEYS_ENV
+            ),
+        ));
+    }
     let config = ServeConfig {
         allowed_hosts,
+        allowed_origins,
+        trusted_proxies,
+        keys: std::sync::Arc::new(keys),
+        allow_anonymous,
+        protect_metrics,
+        instance_name,
         log_transcripts,
         execution_provider,
         record,
@@ -564,14 +673,32 @@ impl ServeConfig {
                     p.sampling.audio_top_k = num(0.0, 1e6)? as i64;
                     "audio_topk"
                 }
-                // One seed drives the session's sampling: the text seed when both are given.
-                "audio_seed" if !query.iter().any(|(k, _)| k == "text_seed") => {
-                    p.sampling.seed = Some(num(0.0, 9e15)? as u64);
-                    "audio_seed"
+                "pad_mult" => {
+                    p.sampling.pad_mult = num(-PAD_MULT_MAX, PAD_MULT_MAX)?;
+                    "pad_mult"
+                }
+                "repetition_penalty" => {
+                    p.sampling.repetition_penalty = num(1.0, REPETITION_PENALTY_MAX)?;
+                    "repetition_penalty"
+                }
+                "repetition_penalty_context" => {
+                    p.sampling.repetition_penalty_context = num(0.0, CONTEXT_MAX)? as i64;
+                    "repetition_penalty_context"
                 }
                 "text_seed" => {
-                    p.sampling.seed = Some(num(0.0, 9e15)? as u64);
+                    p.sampling.text_seed = Some(num(0.0, SEED_MAX)? as u64);
                     "text_seed"
+                }
+                "audio_seed" => {
+                    p.sampling.audio_seed = Some(num(0.0, SEED_MAX)? as u64);
+                    "audio_seed"
+                }
+                // The server's own limit bounds it.
+                "max_steps" => {
+                    let asked = num(1.0, 1e9)? as i64;
+                    let cap = self.sampling.max_steps;
+                    p.sampling.max_steps = if cap > 0 { asked.min(cap) } else { asked };
+                    "max_steps"
                 }
                 "text_prompt" => {
                     if v.len() > 4096 {
@@ -660,19 +787,52 @@ impl ServeConfig {
                             value,
                         ));
                     }
-                    let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
-                    let q = if p.chosen.contains_key("text_seed") {
-                        "text_seed"
-                    } else {
-                        "audio_seed"
-                    };
-                    sets.push(Override::by(
-                        origin(q, "sampling.seed"),
-                        format!("stages.{name}.seed"),
-                        (seed & ((1 << 53) - 1)).to_string(),
-                    ));
+                    for (param, query, key, value) in [
+                        (
+                            "pad_mult",
+                            "pad_mult",
+                            "sampling.pad_mult",
+                            sm.pad_mult.to_string(),
+                        ),
+                        (
+                            "repetition_penalty",
+                            "repetition_penalty",
+                            "sampling.repetition_penalty",
+                            sm.repetition_penalty.to_string(),
+                        ),
+                        (
+                            "repetition_penalty_context",
+                            "repetition_penalty_context",
+                            "sampling.repetition_penalty_context",
+                            sm.repetition_penalty_context.to_string(),
+                        ),
+                    ] {
+                        sets.push(Override::by(
+                            origin(query, key),
+                            format!("stages.{name}.{param}"),
+                            value,
+                        ));
+                    }
+                    // Each sampler its own seed: the client's, the configuration's, or fresh.
+                    for (param, seed) in
+                        [("text_seed", sm.text_seed), ("audio_seed", sm.audio_seed)]
+                    {
+                        let seed = seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
+                        sets.push(Override::by(
+                            origin(param, &format!("sampling.{param}")),
+                            format!("stages.{name}.{param}"),
+                            seed.to_string(),
+                        ));
+                    }
                 }
                 "temporal" => {
+                    if p.sampling.max_steps > 0 {
+                        sets.push(Override::by(
+                            origin("max_steps", "limits.max_steps"),
+                            format!("stages.{name}.max_steps"),
+                            p.sampling.max_steps.to_string(),
+                        ));
+                    }
                     for (param, key, value) in [
                         (
                             "max_persona_tokens",
@@ -798,7 +958,8 @@ mod tests {
             ]))
             .unwrap();
         assert_eq!(p.sampling.text_temperature, 0.2);
-        assert_eq!(p.sampling.seed, Some(5));
+        assert_eq!(p.sampling.text_seed, Some(5));
+        assert_eq!(p.sampling.audio_seed, Some(9));
         assert_eq!(p.text_prompt, "You are kind.");
         let e = c.session_params(&q(&[("audio_topk", "lots")])).unwrap_err();
         assert!(

@@ -9,6 +9,7 @@
 //! logged at most once per reason per [`LOG_EVERY`]. What happens on one connection is
 //! [`session`]'s business; what a session computes is its pipeline's. Knows no model internals.
 
+mod access;
 pub mod config;
 mod session;
 mod web;
@@ -73,6 +74,8 @@ pub struct ServeArgs {
 /// One live session, as `/api/sessions` and the drain see it.
 struct Live {
     peer: SocketAddr,
+    /// The name of the key the client presented.
+    key: Option<String>,
     started: Instant,
     handle: Option<crate::runtime::Handle>,
     monitor: Option<Arc<crate::observe::monitor::Monitor>>,
@@ -106,9 +109,29 @@ pub(crate) struct Server {
     active: metrics::Gauge,
 }
 
-/// A reserved session slot, given back when dropped.
+/// A reserved session slot (and one of its key's sessions), given back when dropped.
 pub(crate) struct Admission {
     server: Arc<Server>,
+    key: Option<KeyHold>,
+}
+
+/// One of a key's sessions, given back when dropped.
+pub(crate) struct KeyHold {
+    keys: Arc<access::Keys>,
+    index: usize,
+}
+
+impl KeyHold {
+    /// The key's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.keys.key(self.index).name
+    }
+}
+
+impl Drop for KeyHold {
+    fn drop(&mut self) {
+        self.keys.release(self.index);
+    }
 }
 
 impl Drop for Admission {
@@ -199,6 +222,7 @@ impl Server {
     /// Takes one new session from `ip`'s allowance (`limits.sessions_per_minute_per_ip`,
     /// `limits.session_burst_per_ip`); `false` when it is spent.
     fn take_session_allowance(&self, ip: IpAddr) -> bool {
+        let ip = access::group(ip);
         let Ok(mut m) = self.new_sessions.lock() else {
             return true;
         };
@@ -217,12 +241,15 @@ impl Server {
             .take_at(1.0, now)
     }
 
-    /// Counts a new connection from `ip`, or `None` when that address has
-    /// `max_connections_per_ip` open already.
-    fn connect(self: &Arc<Self>, ip: IpAddr) -> Option<Connection> {
+    /// Counts a new connection from `peer` (an IPv6 address by its /64), or `None` when that
+    /// address has `max_connections_per_ip` open already (a trusted proxy has no such limit).
+    fn connect(self: &Arc<Self>, peer: IpAddr) -> Option<Connection> {
+        let ip = access::group(peer);
+        let proxy = self.cfg.trusted_proxies.iter().any(|c| c.contains(peer));
         let mut m = self.per_ip.lock().ok()?;
         let n = m.entry(ip).or_insert(0);
-        if *n >= self.cfg.max_connections_per_ip {
+        // A trusted proxy carries many clients: their own limits apply at admission.
+        if *n >= self.cfg.max_connections_per_ip && !proxy {
             return None;
         }
         *n += 1;
@@ -277,6 +304,7 @@ impl Server {
                 self.active.set((t + 1) as f64);
                 Ok(Admission {
                     server: self.clone(),
+                    key: None,
                 })
             }
             Err(_) => Err(self.refusal(
@@ -481,38 +509,104 @@ async fn publish_together(server: Arc<Server>) {
     }
 }
 
-/// Every request: its `Host` must be one this server answers to (an IP address, `localhost`,
-/// or a name of `allowed_hosts`), or it gets 421 before any route sees it (a web page that
-/// rebinds its own name to this address reads nothing); every response gets the security
-/// headers.
+/// The client of a request: its address (behind a trusted proxy, the one the proxy forwarded)
+/// and the key it presented, when keys are configured and it presented a good one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Client {
+    ip: IpAddr,
+    /// Whether `ip` came from a proxy's header.
+    forwarded: bool,
+    key: Option<usize>,
+}
+
+/// Whether `path` needs a key (when keys are configured): the API, and `/metrics` with
+/// `protect_metrics`. The page's files, `/healthz` and `/readyz` never do.
+fn protected(path: &str, cfg: &ServeConfig) -> bool {
+    path.starts_with("/api/") || (path == "/metrics" && cfg.protect_metrics)
+}
+
+/// Every request, before any route: its `Host` must be one this server answers to (an IP
+/// address, `localhost`, or a name of `allowed_hosts`: 421 otherwise, so a web page that
+/// rebinds its own name to this address reads nothing); a browser's `Origin` must be allowed
+/// (403); with keys configured, the API needs one (401, or 429 from the route for a key at its
+/// limit). Every refusal is counted by reason and logged at most once per reason per
+/// [`LOG_EVERY`], never with the key. Every response gets the security headers.
 async fn guard(
     State(server): State<Arc<Server>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    let cfg = &server.cfg;
+    let ip = access::client_ip(peer.ip(), req.headers(), &cfg.trusted_proxies);
     let host = req
         .headers()
         .get(header::HOST)
         .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
-    let mut res = match host {
-        Some(h) if !host_allowed(&h, &server.cfg.allowed_hosts) => {
-            metrics::counter!(names::HTTP_REFUSED, "reason" => "host").increment(1);
-            if let Some(held) = server.log_throttle.allow("host") {
-                tracing::info!(
-                    client = %peer,
-                    host = %session::for_log(&h),
-                    held,
-                    "refused a request for a host this server does not serve (`allowed_hosts`)"
+    let refuse = |reason: &'static str, status: StatusCode, msg: &'static str| {
+        metrics::counter!(names::HTTP_REFUSED, "reason" => reason).increment(1);
+        if let Some(held) = server.log_throttle.allow(reason) {
+            tracing::info!(client = %ip, reason, held, "refused a request: {msg}");
+        }
+        let mut r = (status, format!("{msg}\n")).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer realm=\"duplex\""),
+            );
+        }
+        r
+    };
+    let mut res = 'decided: {
+        if host
+            .as_deref()
+            .is_some_and(|h| !host_allowed(h, &cfg.allowed_hosts))
+        {
+            break 'decided refuse(
+                "host",
+                StatusCode::MISDIRECTED_REQUEST,
+                "this server does not serve that host name (`allowed_hosts`)",
+            );
+        }
+        let origin = req
+            .headers()
+            .get(header::ORIGIN)
+            .map(|o| String::from_utf8_lossy(o.as_bytes()).into_owned());
+        if let Some(o) = origin.filter(|_| req.uri().path() == "/api/chat") {
+            if !access::origin_allowed(&o, host.as_deref(), &cfg.allowed_origins) {
+                break 'decided refuse(
+                    "origin",
+                    StatusCode::FORBIDDEN,
+                    "a page of this origin may not open sessions here (`allowed_origins`)",
                 );
             }
-            (
-                StatusCode::MISDIRECTED_REQUEST,
-                "this server does not serve that host name (`allowed_hosts`)\n",
-            )
-                .into_response()
         }
-        _ => next.run(req).await,
+        let mut key = None;
+        if cfg.keys.any() && protected(req.uri().path(), cfg) {
+            let presented = access::presented(req.headers(), req.uri().query());
+            match cfg.keys.check(presented.as_deref()) {
+                Ok(i) => key = Some(i),
+                Err(d) => {
+                    break 'decided refuse(
+                        d.reason(),
+                        StatusCode::UNAUTHORIZED,
+                        match d {
+                            access::Denied::Missing => {
+                                "a key is needed: the kyutai-api-key header, the auth_id query \
+                                 parameter, or Authorization: Bearer"
+                            }
+                            access::Denied::Unknown => "this key is not accepted here",
+                        },
+                    )
+                }
+            }
+        }
+        req.extensions_mut().insert(Client {
+            ip,
+            forwarded: ip != peer.ip(),
+            key,
+        });
+        next.run(req).await
     };
     let h = res.headers_mut();
     for (k, v) in SECURITY_HEADERS {
@@ -552,7 +646,14 @@ fn host_allowed(host: &str, allowed: &[String]) -> bool {
 /// Every session series exists from the start, at zero: rates and alerts need no first event.
 fn register_series() {
     metrics::counter!(names::SESSIONS_ADMITTED).absolute(0);
-    for reason in ["full", "draining", "per_ip", "not_ready", "rate"] {
+    for reason in [
+        "full",
+        "draining",
+        "per_ip",
+        "not_ready",
+        "rate",
+        "key_limit",
+    ] {
         metrics::counter!(names::SESSIONS_REFUSED, "reason" => reason).absolute(0);
     }
     for outcome in session::Outcome::ALL {
@@ -570,7 +671,13 @@ fn register_series() {
         metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).absolute(0);
     }
     metrics::counter!(names::SESSION_STALLS).absolute(0);
-    for reason in ["host", "bad_request"] {
+    for reason in [
+        "host",
+        "bad_request",
+        "origin",
+        "missing_key",
+        "unknown_key",
+    ] {
         metrics::counter!(names::HTTP_REFUSED, "reason" => reason).absolute(0);
     }
     metrics::counter!(names::OPUS_REFUSED).absolute(0);
@@ -723,6 +830,7 @@ async fn drain_on_signal(server: Arc<Server>, done: tokio::sync::oneshot::Sender
 async fn chat(
     State(server): State<Arc<Server>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::Extension(client): axum::Extension<Client>,
     axum::Extension(conn): axum::Extension<Arc<Connection>>,
     RawQuery(query): RawQuery,
     headers: axum::http::HeaderMap,
@@ -739,10 +847,38 @@ async fn chat(
         )
             .into_response();
     }
-    let admission = match server.admit(peer.ip()) {
+    // Behind a proxy, the client's address (its port is the proxy's business: 0).
+    let peer = if client.forwarded {
+        SocketAddr::new(client.ip, 0)
+    } else {
+        peer
+    };
+    let key = match client.key {
+        Some(i) if !server.cfg.keys.hold(i) => {
+            let k = server.cfg.keys.key(i);
+            return *server.refusal(
+                client.ip,
+                "key_limit",
+                StatusCode::TOO_MANY_REQUESTS,
+                5,
+                format!(
+                    "key {} holds its {} session(s) already",
+                    k.name,
+                    k.max_sessions.unwrap_or(0)
+                ),
+            );
+        }
+        Some(i) => Some(KeyHold {
+            keys: server.cfg.keys.clone(),
+            index: i,
+        }),
+        None => None,
+    };
+    let mut admission = match server.admit(client.ip) {
         Ok(a) => a,
         Err(r) => return *r,
     };
+    admission.key = key;
     let query: Vec<(String, String)> = query
         .map(|q| {
             url_pairs(&q)
@@ -810,6 +946,10 @@ async fn defaults(State(server): State<Arc<Server>>) -> Response {
         "text_topk": c.sampling.text_top_k,
         "audio_temperature": c.sampling.audio_temperature,
         "audio_topk": c.sampling.audio_top_k,
+        "pad_mult": c.sampling.pad_mult,
+        "repetition_penalty": c.sampling.repetition_penalty,
+        "repetition_penalty_context": c.sampling.repetition_penalty_context,
+        "max_steps": c.sampling.max_steps,
         "default_persona": !c.text_prompt.trim().is_empty(),
         "voice_prompt": c.voice_prompt,
         "max_prompt_tokens": c.limits.max_prompt_tokens,
@@ -825,6 +965,8 @@ async fn voices(State(server): State<Arc<Server>>) -> Response {
 
 async fn sessions(State(server): State<Arc<Server>>) -> Response {
     use crate::session::LinkStats as L;
+    // Clients' addresses only to a caller who presented a key, or on a loopback server.
+    let show_clients = server.cfg.keys.any() || server.cfg.address.ip().is_loopback();
     let list: Vec<serde_json::Value> = match server.sessions.lock() {
         Ok(m) => m
             .iter()
@@ -849,7 +991,8 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     .unwrap_or_default();
                 json!({
                     "id": id,
-                    "client": l.peer.to_string(),
+                    "client": show_clients.then(|| l.peer.to_string()),
+                    "key": l.key,
                     "age_s": l.started.elapsed().as_secs_f64(),
                     "ready": l.handle.as_ref().is_some_and(|h| h.is_ready()),
                     "frames": frames,

@@ -2,8 +2,9 @@
 //! choices, the handshake once the pipeline is primed, and the bridge between the WebSocket and
 //! the pipeline's session stages until one side ends; then the outcome, counted.
 //!
-//! Message kinds (PROTOCOL.md): 4 metadata (the session id, at once on upgrade), 0 handshake,
-//! 1 audio, 2 text, 5 error are sent; 1 is read, 3
+//! Message kinds (PROTOCOL.md): 0 handshake (always the first message, as soon as the session
+//! is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo` fields
+//! and duplex's own, the session id among them), 1 audio, 2 text, 5 error are sent; 1 is read, 3
 //! (control) and unknown kinds are ignored (counted, logged once). The socket is read from the
 //! upgrade on, also while the session primes: a client that leaves stops the priming at its next
 //! step, and what it sends meanwhile goes to the session's bounded input queue (dropped and
@@ -239,14 +240,74 @@ fn for_client(e: &anyhow::Error, id: u64) -> String {
     format!("the session could not start: a server error (logged as session {id})")
 }
 
-/// A client's value as a log line shows it: at most 40 characters, escaped.
-pub(super) fn for_log(v: &str) -> String {
-    super::config::shown(v)
+/// The build facts of Kyutai's `build_info`, captured by `build.rs`.
+fn build_info() -> serde_json::Value {
+    serde_json::json!({
+        "build_timestamp": env!("DUPLEX_BUILD_TIMESTAMP"),
+        "build_date": env!("DUPLEX_BUILD_DATE"),
+        "git_branch": env!("DUPLEX_GIT_BRANCH"),
+        "git_timestamp": env!("DUPLEX_GIT_TIMESTAMP"),
+        "git_date": env!("DUPLEX_GIT_DATE"),
+        "git_hash": env!("DUPLEX_GIT_HASH"),
+        "git_describe": env!("DUPLEX_GIT_DESCRIBE"),
+        "rustc_host_triple": env!("DUPLEX_RUSTC_HOST_TRIPLE"),
+        "rustc_version": env!("DUPLEX_RUSTC_VERSION"),
+        "cargo_target_triple": env!("DUPLEX_CARGO_TARGET_TRIPLE"),
+    })
 }
 
-/// Sends an error message and closes (best effort: the client may be gone).
+/// The metadata message (kind 4), sent right after the handshake: the fields of the
+/// `ServerInfo` Kyutai's web client validates (the session's sampling, the LM's graph, the
+/// instance, the build), then duplex's own (the session id, the server's name and version, the
+/// session's other effective settings). `lm_model_file` is the pack's temporal graph under the
+/// pack's folder name: what model, not where the server keeps it.
+fn metadata(server: &Server, params: &super::config::SessionParams, id: u64) -> serde_json::Value {
+    let sm = &params.sampling;
+    let pack = server.cfg.pack.clone().or_else(|| {
+        server
+            .template
+            .stages
+            .iter()
+            .find(|s| s.kind == "temporal")
+            .and_then(|s| s.params.opt_str("pack").map(str::to_string))
+    });
+    let lm_model_file = pack.map_or_else(
+        || "unknown".to_string(),
+        |p| {
+            let name = std::path::Path::new(&p)
+                .file_name()
+                .map_or_else(|| p.clone(), |n| n.to_string_lossy().into_owned());
+            format!("{name}/temporal/model.onnx")
+        },
+    );
+    serde_json::json!({
+        "text_temperature": sm.text_temperature,
+        "text_topk": sm.text_top_k,
+        "audio_temperature": sm.audio_temperature,
+        "audio_topk": sm.audio_top_k,
+        "pad_mult": sm.pad_mult,
+        "repetition_penalty_context": sm.repetition_penalty_context,
+        "repetition_penalty": sm.repetition_penalty,
+        "lm_model_file": lm_model_file,
+        "instance_name": server.cfg.instance_name,
+        "build_info": build_info(),
+        "session": id,
+        "server": "duplex",
+        "version": env!("CARGO_PKG_VERSION"),
+        "text_seed": sm.text_seed,
+        "audio_seed": sm.audio_seed,
+        "max_steps": sm.max_steps,
+        "persona": !params.text_prompt.trim().is_empty(),
+        "voice_prompt": params.voice.as_ref().and_then(|v| v.file_name()).map(|n| n.to_string_lossy().into_owned()),
+    })
+}
+
+/// Sends the handshake (every session's first message: a client written against Kyutai's
+/// Python server takes the first message as one), then an error message, and closes (best
+/// effort: the client may be gone).
 async fn refuse(socket: &mut WebSocket, text: &str) {
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = socket.send(message(HANDSHAKE, &[0; 8])).await;
         let _ = socket.send(message(ERROR, text.as_bytes())).await;
         let _ = socket
             .send(Message::Close(Some(CloseFrame {
@@ -277,11 +338,7 @@ pub(super) async fn run(
             Outcome::Refused
         }
         Ok(params) => {
-            // Metadata at once, before the pipeline is built and primed (seconds, with a real
-            // model): the client hears from the server within its patience (Kyutai's web
-            // client gives up after 10 s of silence), and our page learns its session id.
-            let meta = serde_json::json!({ "session": id, "server": "duplex" }).to_string();
-            let _ = socket.send(message(METADATA, meta.as_bytes())).await;
+            let meta = metadata(&server, &params, id);
             let (client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
             server
                 .sessions
@@ -291,6 +348,7 @@ pub(super) async fn run(
                         id,
                         Live {
                             peer,
+                            key: admission.key.as_ref().map(|k| k.name().to_string()),
                             started: t0,
                             handle: None,
                             monitor: None,
@@ -315,7 +373,7 @@ pub(super) async fn run(
                         }
                     }
                     tracing::info!(session = id, client = %peer, "session started");
-                    bridge(&server, socket, client, started, id).await
+                    bridge(&server, socket, client, started, id, meta).await
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(session = id, client = %peer, "the session could not start: {e:#}");
@@ -472,6 +530,7 @@ async fn bridge(
     mut client: crate::session::ClientEnd,
     started: Started,
     id: u64,
+    meta: serde_json::Value,
 ) -> Outcome {
     let limits = server.cfg.limits;
     let Started {
@@ -500,8 +559,12 @@ async fn bridge(
     let mut waited = Some(waited);
     if outcome.is_none() {
         if handle.is_ready() {
-            // The 9-byte handshake: kind 0, protocol version 0, model version 0.
-            if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err() {
+            // The 9-byte handshake (kind 0, protocol version 0, model version 0) first, always;
+            // then the metadata.
+            let meta = meta.to_string();
+            if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err()
+                || sink.send(message(METADATA, meta.as_bytes())).await.is_err()
+            {
                 outcome = Some(Outcome::ClientClosed);
             }
             inflow.client.open();
