@@ -52,14 +52,17 @@ fn codes(n: usize, seed: u64) -> Vec<Vec<i64>> {
 
 fn sampling(seed: u64, greedy: bool) -> SamplingConfig {
     if greedy {
-        SamplingConfig {
-            text: SamplingParams::GREEDY,
-            audio: SamplingParams::GREEDY,
-            seed,
-        }
+        SamplingConfig::greedy(seed)
     } else {
+        // Kyutai's text controls on for some conversations, and their own audio seed: the
+        // sampling half is the same code on both paths, and the draws stay per conversation.
+        let on = seed % 2 == 1;
         SamplingConfig {
             seed,
+            audio_seed: on.then_some(seed * 31),
+            pad_mult: if on { 1.5 } else { 0.0 },
+            repetition_penalty: if on { 1.4 } else { 1.0 },
+            repetition_penalty_context: 16,
             ..Default::default()
         }
     }

@@ -46,12 +46,35 @@ pub struct ReplayArgs {
     /// `--recording`, a new folder for the replay's own recording (timings, LM stream, tokens).
     #[arg(long)]
     pub out: PathBuf,
-    /// Sampling seed.
+    /// Sampling seed (the default of `--text-seed` and `--audio-seed`).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Seed of the text sampler (default: `--seed`).
+    #[arg(long)]
+    pub text_seed: Option<u64>,
+    /// Seed of the audio sampler (default: derived from `--seed`).
+    #[arg(long)]
+    pub audio_seed: Option<u64>,
     /// Argmax instead of sampling.
     #[arg(long)]
     pub greedy: bool,
+    /// Text temperature (default 0.7; 0 = greedy text).
+    #[arg(long)]
+    pub text_temperature: Option<f64>,
+    /// Multiplies the text padding token's probability by exp(PAD_MULT) before the draw
+    /// (positive: the agent speaks less; negative: more). Default 0 (off).
+    #[arg(long, allow_hyphen_values = true)]
+    pub pad_mult: Option<f64>,
+    /// Repetition penalty of the text logits over the last `--repetition-penalty-context`
+    /// words (default 1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f64>,
+    /// Words the repetition penalty looks at (default 64).
+    #[arg(long)]
+    pub repetition_penalty_context: Option<u64>,
+    /// End after this many agent frames (default 0 = no cap).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
     /// Persona text as token ids, comma-separated, forced while priming.
     #[arg(long, value_delimiter = ',')]
     pub persona_tokens: Vec<i64>,
@@ -79,6 +102,15 @@ fn s(v: &str) -> Value {
 
 fn i(v: i64) -> Value {
     Value::new(None, ValueKind::I64(v))
+}
+
+/// An unsigned flag's value as a param value (one past `i64::MAX` stays out of range for the
+/// stage's check to name, rather than wrapping).
+fn int(v: u64) -> Value {
+    match i64::try_from(v) {
+        Ok(v) => i(v),
+        Err(_) => Value::new(None, ValueKind::U64(v)),
+    }
 }
 
 /// A replayed pipeline's control plane and conversation count, shared by its stages.
@@ -204,12 +236,33 @@ fn build_one(
     if let Some(kv) = &a.kv {
         temporal.push(("kv", s(kv)));
     }
+    if let Some(n) = a.max_steps {
+        temporal.push(("max_steps", int(n)));
+    }
     let mut depformer = vec![
         ("pack", s(&pack)),
         ("engine", s(engine)),
-        ("seed", i(a.seed as i64)),
+        ("seed", int(a.seed)),
         ("greedy", Value::new(None, ValueKind::Boolean(a.greedy))),
     ];
+    // Out of range: the stage's own check names the param.
+    for (k, v) in [("text_seed", a.text_seed), ("audio_seed", a.audio_seed)] {
+        if let Some(v) = v {
+            depformer.push((k, int(v)));
+        }
+    }
+    for (k, v) in [
+        ("text_temperature", a.text_temperature),
+        ("pad_mult", a.pad_mult),
+        ("repetition_penalty", a.repetition_penalty),
+    ] {
+        if let Some(v) = v {
+            depformer.push((k, Value::new(None, ValueKind::Float(v))));
+        }
+    }
+    if let Some(n) = a.repetition_penalty_context {
+        depformer.push(("repetition_penalty_context", int(n)));
+    }
     if let Some(u) = &a.user_substeps {
         depformer.push(("user_substeps", s(u)));
     }

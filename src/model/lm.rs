@@ -4,8 +4,10 @@
 //! - [`TemporalHalf`]: the token ring ([`LmGen`]) and the temporal transformer. `begin` turns a
 //!   user frame (and forced tokens while priming) into an [`LmStep`]; `commit` takes the
 //!   [`Sampled`] tokens back and returns the agent frame that is complete.
-//! - [`SamplingHalf`]: the sampler and the depformer. `sample` draws the text token, then runs
-//!   the 16 substeps, in that order, from one seeded random stream.
+//! - [`SamplingHalf`]: the samplers and the depformer. `sample` draws the text token from the
+//!   text sampler (after Kyutai's text controls: repetition penalty, padding multiplier), then
+//!   runs the 16 substeps, each drawing from the audio sampler. The two samplers are seeded
+//!   independently (`text_seed`, `audio_seed`), as moshi-core's `text_lp` and `audio_lp`.
 //!
 //! [`LmLoop`] composes them sequentially. [`priming_script`] lists the forced steps that prime a
 //! persona and a voice before the conversation.
@@ -15,7 +17,7 @@ use super::engine::{DepformerClient, TemporalSlot};
 use super::error::ModelError;
 use super::lmgen::{AgentFrame, LmGen, StepIo};
 use super::pack::PackManifest;
-use super::sampling::{Sampler, SamplingParams};
+use super::sampling::{apply_pad_mult, Sampler, SamplingParams, TextHistory, TextSpecials};
 use super::temporal::Temporal;
 
 /// What the temporal half hands to the sampling half for one step.
@@ -29,9 +31,12 @@ pub struct LmStep {
     pub target: Vec<i64>,
     /// Which of them are provided.
     pub provided: Vec<bool>,
-    /// Restart the random stream (from the sampler's seed) before this step: sent once, after
+    /// Restart both random streams (from their seeds) before this step: sent once, after
     /// warmup.
     pub reseed: bool,
+    /// The first step of a new conversation (after warmup, a reset, a new persona, a
+    /// long-session re-prime): the sampling half forgets the text history of the last one.
+    pub new_conversation: bool,
     /// The conversation's slot in the shared engine, when its temporal half has one: lets the
     /// engine know the depformer request belongs to the same conversation.
     pub slot: Option<usize>,
@@ -329,6 +334,7 @@ pub struct TemporalHalf {
     /// The transformer.
     pub temporal: TemporalModel,
     pending_reseed: bool,
+    pending_new: bool,
 }
 
 impl TemporalHalf {
@@ -338,15 +344,17 @@ impl TemporalHalf {
             gen,
             temporal: temporal.into(),
             pending_reseed: false,
+            pending_new: false,
         }
     }
 
-    /// Forgets the conversation. With `reseed`, the next step asks the sampling half to restart
-    /// its random stream.
+    /// Forgets the conversation: the next step tells the sampling half that a new one begins
+    /// and, with `reseed`, to restart its random streams.
     pub fn reset(&mut self, reseed: bool) {
         self.gen.reset();
         self.temporal.reset();
         self.pending_reseed |= reseed;
+        self.pending_new = true;
     }
 
     /// Starts a step. `None` on the very first step of a conversation (nothing to run).
@@ -379,6 +387,7 @@ impl TemporalHalf {
             target,
             provided,
             reseed: std::mem::take(&mut self.pending_reseed),
+            new_conversation: std::mem::take(&mut self.pending_new),
             slot: match &self.temporal {
                 TemporalModel::Own(_) => None,
                 TemporalModel::Shared(t) => Some(t.slot()),
@@ -401,15 +410,33 @@ impl TemporalHalf {
     }
 }
 
-/// Sampling settings of the LM.
+/// The sampling settings of the LM: one struct for the depformer stage's params, its
+/// `sampling` command, and the apps that set them (the semantics are moshi-core's
+/// `lm_generate_multistream.rs`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingConfig {
     /// Text stream.
     pub text: SamplingParams,
     /// Audio streams.
     pub audio: SamplingParams,
-    /// Seed of the random stream (it decides the voice).
+    /// The default of both seeds: the text sampler's is `seed`, the audio sampler's is derived
+    /// from it ([`audio_seed`](Self::audio_seed)).
     pub seed: u64,
+    /// The text sampler's seed; `None`: `seed`.
+    pub text_seed: Option<u64>,
+    /// The audio sampler's seed; `None`: derived from `seed`.
+    pub audio_seed: Option<u64>,
+    /// Kyutai's padding multiplier: the text padding token's probability is multiplied by
+    /// `exp(pad_mult)` before the draw (positive: the agent speaks less; negative: more).
+    /// 0 = off. See [`apply_pad_mult`].
+    pub pad_mult: f32,
+    /// Kyutai's repetition penalty of the text logits (1 = off). See [`TextHistory::penalize`].
+    pub repetition_penalty: f32,
+    /// How many of the conversation's last words (non-padding text tokens the agent produced)
+    /// the penalty looks at.
+    pub repetition_penalty_context: usize,
+    /// The text tokens that are not words (the pack's).
+    pub specials: TextSpecials,
 }
 
 impl Default for SamplingConfig {
@@ -418,49 +445,134 @@ impl Default for SamplingConfig {
             text: SamplingParams::TEXT,
             audio: SamplingParams::AUDIO,
             seed: 0,
+            text_seed: None,
+            audio_seed: None,
+            pad_mult: 0.0,
+            repetition_penalty: 1.0,
+            repetition_penalty_context: 64,
+            specials: TextSpecials::PERSONAPLEX,
         }
     }
 }
 
-/// The sampler and the depformer.
+impl SamplingConfig {
+    /// XORed into `seed` for the audio sampler's default seed, so that the two samplers do not
+    /// draw the same numbers when only `seed` is given ("audio_se" in ASCII).
+    pub const AUDIO_SEED_MIX: u64 = 0x6175_6469_6f5f_7365;
+
+    /// The text sampler's seed: `text_seed`, else `seed`.
+    pub fn text_seed(&self) -> u64 {
+        self.text_seed.unwrap_or(self.seed)
+    }
+
+    /// The audio sampler's seed: `audio_seed`, else `seed ^ AUDIO_SEED_MIX`.
+    pub fn audio_seed(&self) -> u64 {
+        self.audio_seed.unwrap_or(self.seed ^ Self::AUDIO_SEED_MIX)
+    }
+
+    /// Greedy everywhere (argmax): what the conformance tests compare.
+    pub fn greedy(seed: u64) -> Self {
+        SamplingConfig {
+            text: SamplingParams::GREEDY,
+            audio: SamplingParams::GREEDY,
+            seed,
+            ..Default::default()
+        }
+    }
+}
+
+/// The samplers and the depformer.
 pub struct SamplingHalf {
     /// The depformer.
     pub depformer: DepformerModel,
-    /// Sampling settings (may change between steps).
+    /// Sampling settings (may change between steps; a new seed applies at the next reseed,
+    /// or at once with [`reseed_text`](Self::reseed_text) / [`reseed_audio`](Self::reseed_audio)).
     pub config: SamplingConfig,
-    sampler: Sampler,
+    text_sampler: Sampler,
+    audio_sampler: Sampler,
+    /// The conversation's words, for the repetition penalty.
+    history: TextHistory,
+    /// The text logits after the controls (allocated once, when a control is on).
+    text_scratch: Vec<f32>,
 }
 
 impl SamplingHalf {
-    /// Joins a depformer and a sampler seeded from `config.seed`.
+    /// Joins a depformer and two samplers seeded from `config` (text: `text_seed()`, audio:
+    /// `audio_seed()`).
     pub fn new(depformer: impl Into<DepformerModel>, config: SamplingConfig) -> Self {
         SamplingHalf {
             depformer: depformer.into(),
-            sampler: Sampler::new(config.seed),
+            text_sampler: Sampler::new(config.text_seed()),
+            audio_sampler: Sampler::new(config.audio_seed()),
             config,
+            history: TextHistory::new(),
+            text_scratch: Vec::new(),
         }
     }
 
-    /// Restarts the random stream from the configured seed.
+    /// Restarts both random streams from the configured seeds.
     pub fn reseed(&mut self) {
-        self.sampler.reseed(self.config.seed);
+        self.reseed_text();
+        self.reseed_audio();
     }
 
-    /// Chooses the step's tokens: the text token (drawn, then replaced by the provided one if
-    /// text is forced), then the 16 depformer substeps.
+    /// Restarts the text sampler's random stream from `config.text_seed()`.
+    pub fn reseed_text(&mut self) {
+        self.text_sampler.reseed(self.config.text_seed());
+    }
+
+    /// Restarts the audio sampler's random stream from `config.audio_seed()`.
+    pub fn reseed_audio(&mut self) {
+        self.audio_sampler.reseed(self.config.audio_seed());
+    }
+
+    /// The words the repetition penalty looks at (oldest first).
+    pub fn history(&self) -> &TextHistory {
+        &self.history
+    }
+
+    /// Chooses the step's tokens: the text token, then the 16 depformer substeps.
+    ///
+    /// The text token: where text is forced (priming) the provided one, with the text
+    /// sampler's draw taken all the same; else a draw from the text logits after the
+    /// repetition penalty (greedy included, as moshi-core applies it before its sampler) and
+    /// `pad_mult` (sampling only). A drawn word joins the history; a new conversation starts an
+    /// empty one.
     ///
     /// # Errors
     ///
     /// Token ids out of range, ONNX Runtime errors.
     pub fn sample(&mut self, step: &LmStep) -> Result<Sampled, ModelError> {
+        if step.new_conversation {
+            self.history.clear();
+        }
         if step.reseed {
             self.reseed();
         }
-        let drawn = self.sampler.sample(&step.text_logits, self.config.text) as i64;
+        let c = &self.config;
         let text = if step.provided.first() == Some(&true) {
+            // One draw, as `sample` takes: the stream stays where it would be.
+            self.text_sampler.skip(c.text);
             step.target[0]
         } else {
-            drawn
+            let penalise = c.repetition_penalty != 1.0 && c.repetition_penalty_context > 0;
+            let pad = c.pad_mult != 0.0 && c.text.temperature > 0.0;
+            let logits: &[f32] = if penalise || pad {
+                self.text_scratch.clear();
+                self.text_scratch.extend_from_slice(&step.text_logits);
+                self.history.penalize(
+                    &mut self.text_scratch,
+                    c.repetition_penalty_context,
+                    c.repetition_penalty,
+                );
+                apply_pad_mult(&mut self.text_scratch, c.specials.pad, c.pad_mult, c.text);
+                &self.text_scratch
+            } else {
+                &step.text_logits
+            };
+            let t = self.text_sampler.sample(logits, c.text) as i64;
+            self.history.push(t, &c.specials);
+            t
         };
         let mut audio = Vec::with_capacity(step.target.len().saturating_sub(1));
         let frame = DepformerInput {
@@ -472,7 +584,7 @@ impl SamplingHalf {
         self.depformer.run(
             step.slot,
             frame,
-            &mut self.sampler,
+            &mut self.audio_sampler,
             self.config.audio,
             &mut audio,
         )?;

@@ -173,6 +173,21 @@ impl Default for PackManifest {
 }
 
 impl PackManifest {
+    /// The text tokens that are not words ([`TextSpecials`](super::sampling::TextSpecials)):
+    /// `text_padding`, the `epad` of `special_text_ids` (0 when not given, as PersonaPlex's
+    /// tokenizer has it), the initial text token.
+    pub fn text_specials(&self) -> super::sampling::TextSpecials {
+        super::sampling::TextSpecials {
+            pad: self.text_padding,
+            epad: self
+                .special_text_ids
+                .as_ref()
+                .and_then(|m| m.get("epad").copied())
+                .unwrap_or(0),
+            start: self.initial_tokens.text,
+        }
+    }
+
     /// The token streams' layout.
     pub fn layout(&self) -> StreamLayout {
         let mut initial = vec![self.initial_tokens.text];

@@ -1,8 +1,11 @@
 //! Choosing tokens from logits: greedy (argmax) or temperature + top-k, with a seeded generator
-//! so that a run is reproducible for a given seed.
+//! so that a run is reproducible for a given seed; and Kyutai's two controls of the text stream
+//! (`moshi-core`'s `lm_generate_multistream.rs`), applied to the text logits before the draw:
+//! the padding multiplier ([`apply_pad_mult`]) and the repetition penalty over the last
+//! non-padding text tokens ([`TextHistory::penalize`]).
 //!
-//! Pure code. [`Sampler::sample`] allocates nothing once its scratch space has grown to the
-//! vocabulary size (the first call).
+//! Pure code. [`Sampler::sample`] and [`TextHistory::penalize`] allocate nothing once their
+//! scratch space has grown to the vocabulary size (the first call).
 
 /// Temperature and top-k of one stream.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,6 +77,148 @@ impl Rng {
     }
 }
 
+/// The text tokens that are not words: what the repetition penalty neither counts nor penalises
+/// (moshi-core skips `text_pad_token`, `text_eop_token` and `text_start_token`), and the one
+/// `pad_mult` weighs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextSpecials {
+    /// Padding ("zero text"): 3 in PersonaPlex.
+    pub pad: i64,
+    /// End of padding (EPAD): 0 in PersonaPlex.
+    pub epad: i64,
+    /// The text stream's initial token: 32000 in PersonaPlex (never sampled).
+    pub start: i64,
+}
+
+impl TextSpecials {
+    /// PersonaPlex's: 3, 0, 32000.
+    pub const PERSONAPLEX: TextSpecials = TextSpecials {
+        pad: 3,
+        epad: 0,
+        start: 32000,
+    };
+
+    /// Whether `t` is one of them.
+    pub fn contains(&self, t: i64) -> bool {
+        t == self.pad || t == self.epad || t == self.start
+    }
+}
+
+impl Default for TextSpecials {
+    fn default() -> Self {
+        TextSpecials::PERSONAPLEX
+    }
+}
+
+/// `pad_mult` as moshi-core applies it: the padding token's probability, after the softmax at
+/// temperature `p.temperature`, is multiplied by `exp(pad_mult)`, and top-k then keeps the `k`
+/// most probable tokens of the modified distribution (candle's `sample_f` hands the closure the
+/// probabilities before its top-k). Multiplying a probability of `softmax(l / T)` by
+/// `exp(pad_mult)` is adding `pad_mult · T` to the raw logit, which is what this does (so the
+/// top-k of [`Sampler::sample`] ranks the padding token as candle's does).
+///
+/// Greedy (`temperature <= 0`) is left alone, as moshi-core's `ArgMax` never calls the closure;
+/// it is also the limit of `pad_mult · T` as `T → 0`. `pad_mult == 0` changes nothing. A padding
+/// id outside `logits` is ignored.
+pub fn apply_pad_mult(logits: &mut [f32], pad: i64, pad_mult: f32, p: SamplingParams) {
+    if pad_mult == 0.0 || p.temperature <= 0.0 {
+        return;
+    }
+    if let Some(l) = usize::try_from(pad).ok().and_then(|i| logits.get_mut(i)) {
+        *l += pad_mult * p.temperature;
+    }
+}
+
+/// The last text tokens of a conversation that count for the repetition penalty: the words
+/// (every token but the [`TextSpecials`]), newest last, at most [`TextHistory::CAPACITY`].
+#[derive(Debug, Clone)]
+pub struct TextHistory {
+    tokens: std::collections::VecDeque<i64>,
+    /// Scratch: which ids were penalised in this call (all false between calls).
+    seen: Vec<bool>,
+}
+
+impl Default for TextHistory {
+    fn default() -> Self {
+        TextHistory::new()
+    }
+}
+
+impl TextHistory {
+    /// The longest window kept (the largest `repetition_penalty_context`).
+    pub const CAPACITY: usize = 4096;
+
+    /// An empty history (its ring allocated once, here).
+    pub fn new() -> Self {
+        TextHistory {
+            tokens: std::collections::VecDeque::with_capacity(Self::CAPACITY),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Forgets every token (a new conversation).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The tokens held, oldest first.
+    pub fn tokens(&self) -> impl Iterator<Item = i64> + '_ {
+        self.tokens.iter().copied()
+    }
+
+    /// Adds a text token of the conversation; padding and the other specials are not kept.
+    pub fn push(&mut self, token: i64, specials: &TextSpecials) {
+        if specials.contains(token) {
+            return;
+        }
+        if self.tokens.len() == Self::CAPACITY {
+            self.tokens.pop_front();
+        }
+        self.tokens.push_back(token);
+    }
+
+    /// moshi-core's `apply_repetition_penalty`: each distinct token among the last `context`
+    /// words (repeats count toward `context`) has its logit divided by `penalty` when it is
+    /// `>= 0`, multiplied by it when negative; once, however often it occurs. `penalty == 1`
+    /// or `context == 0` changes nothing. Ids outside `logits` are ignored.
+    pub fn penalize(&mut self, logits: &mut [f32], context: usize, penalty: f32) {
+        if penalty == 1.0 || context == 0 {
+            return;
+        }
+        if self.seen.len() < logits.len() {
+            self.seen.resize(logits.len(), false);
+        }
+        let (tokens, seen) = (&self.tokens, &mut self.seen);
+        let n = logits.len();
+        let index = |t: i64| usize::try_from(t).ok().filter(|&i| i < n);
+        for i in tokens.iter().rev().take(context).filter_map(|&t| index(t)) {
+            if seen[i] {
+                continue;
+            }
+            seen[i] = true;
+            let l = &mut logits[i];
+            if *l >= 0.0 {
+                *l /= penalty;
+            } else {
+                *l *= penalty;
+            }
+        }
+        for i in tokens.iter().rev().take(context).filter_map(|&t| index(t)) {
+            seen[i] = false;
+        }
+    }
+}
+
 /// Index of the largest logit; the first one on ties; NaN never wins.
 pub fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;
@@ -126,6 +271,22 @@ impl Sampler {
         if p.temperature <= 0.0 || logits.is_empty() {
             return argmax(logits);
         }
+        let (k, sum) = self.prepare(logits, p);
+        let kept = &self.scratch[..k];
+        let mut u = self.rng.next_f64() * sum;
+        for (j, &pj) in self.probs.iter().enumerate() {
+            if u < pj {
+                return kept[j].1 as usize;
+            }
+            u -= pj;
+        }
+        kept[k - 1].1 as usize
+    }
+
+    /// Fills `scratch[..k]` with the kept (logit, id) pairs in draw order and `probs` with their
+    /// unnormalised weights; returns `k` and the weights' sum. `temperature > 0`, `logits` not
+    /// empty.
+    fn prepare(&mut self, logits: &[f32], p: SamplingParams) -> (usize, f64) {
         self.scratch.clear();
         self.scratch.extend(
             logits
@@ -152,14 +313,16 @@ impl Sampler {
             sum += e;
             self.probs.push(e);
         }
-        let mut u = self.rng.next_f64() * sum;
-        for (j, &pj) in self.probs.iter().enumerate() {
-            if u < pj {
-                return kept[j].1 as usize;
-            }
-            u -= pj;
-        }
-        kept[k - 1].1 as usize
+        (k, sum)
+    }
+
+    /// The distribution [`sample`](Self::sample) draws from (id, probability), without drawing.
+    #[cfg(test)]
+    fn distribution(&mut self, logits: &[f32], p: SamplingParams) -> Vec<(usize, f64)> {
+        let (k, sum) = self.prepare(logits, p);
+        (0..k)
+            .map(|j| (self.scratch[j].1 as usize, self.probs[j] / sum))
+            .collect()
     }
 }
 
@@ -185,6 +348,172 @@ mod tests {
             }
             assert_eq!(ta, tb, "{p:?}");
         }
+    }
+
+    /// moshi-core's `apply_repetition_penalty`, transcribed as plainly as it reads there: the
+    /// whole list of text tokens (padding included), walked from the newest, a set of those seen.
+    fn moshi_penalty(
+        logits: &[f32],
+        all: &[i64],
+        sp: &TextSpecials,
+        context: usize,
+        penalty: f32,
+    ) -> Vec<f32> {
+        let mut logits = logits.to_vec();
+        if penalty == 1.0 {
+            return logits;
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut non_pad = 0;
+        for &t in all.iter().rev() {
+            if t == sp.pad || t == sp.epad || t == sp.start {
+                continue;
+            }
+            if non_pad >= context {
+                break;
+            }
+            non_pad += 1;
+            if seen.contains(&t) {
+                continue;
+            }
+            seen.insert(t);
+            if let Some(l) = logits.get_mut(t as usize) {
+                if *l >= 0.0 {
+                    *l /= penalty
+                } else {
+                    *l *= penalty
+                }
+            }
+        }
+        logits
+    }
+
+    #[test]
+    fn the_repetition_penalty_equals_moshi_cores() {
+        let sp = TextSpecials::PERSONAPLEX;
+        let mut rng = Rng::new(5);
+        for case in 0..200 {
+            let vocab = 40;
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (rng.next_f64() * 6.0 - 3.0) as f32)
+                .collect();
+            // Few distinct words, many repeats, much padding (ids 0 and 3), ids past the
+            // logits too.
+            let n = (rng.next_u64() % 120) as usize;
+            let all: Vec<i64> = (0..n)
+                .map(|_| match rng.next_u64() % 10 {
+                    0..=3 => 3,
+                    4 => 0,
+                    5 => 45,
+                    _ => (rng.next_u64() % 12) as i64 + 4,
+                })
+                .collect();
+            let mut h = TextHistory::new();
+            for &t in &all {
+                h.push(t, &sp);
+            }
+            assert!(h.tokens().all(|t| !sp.contains(t)));
+            for context in [0, 1, 3, 8, 32, 64, 200] {
+                for penalty in [1.0f32, 1.3, 2.0, 0.8] {
+                    let want = moshi_penalty(&logits, &all, &sp, context, penalty);
+                    let mut got = logits.clone();
+                    h.penalize(&mut got, context, penalty);
+                    assert_eq!(
+                        got, want,
+                        "case {case}, context {context}, penalty {penalty}"
+                    );
+                    // The scratch marks are cleared: a second call penalises again, alike.
+                    let mut again = logits.clone();
+                    h.penalize(&mut again, context, penalty);
+                    assert_eq!(again, want);
+                }
+            }
+        }
+        // A cleared history penalises nothing.
+        let mut h = TextHistory::new();
+        h.push(7, &sp);
+        h.clear();
+        let mut l = vec![1.0f32; 10];
+        h.penalize(&mut l, 64, 2.0);
+        assert_eq!(l, vec![1.0; 10]);
+    }
+
+    #[test]
+    fn the_history_keeps_the_last_capacity_words() {
+        let sp = TextSpecials::PERSONAPLEX;
+        let mut h = TextHistory::new();
+        for t in 0..(TextHistory::CAPACITY as i64 + 100) {
+            h.push(t + 4, &sp);
+        }
+        assert_eq!(h.len(), TextHistory::CAPACITY);
+        assert_eq!(h.tokens().next(), Some(104));
+    }
+
+    /// candle's `sample_f` with moshi-core's closure: softmax at the temperature, the padding
+    /// probability times `exp(pad_mult)`, the `k` most probable kept, renormalised.
+    fn candle_pad_mult(logits: &[f32], pad: usize, pad_mult: f32, p: SamplingParams) -> Vec<f64> {
+        let t = p.temperature as f64;
+        let max = logits.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
+        let mut prs: Vec<f64> = logits
+            .iter()
+            .map(|&v| ((v as f64 - max) / t).exp())
+            .collect();
+        let sum: f64 = prs.iter().sum();
+        prs.iter_mut().for_each(|x| *x /= sum);
+        prs[pad] *= (pad_mult as f64).exp();
+        let mut idx: Vec<usize> = (0..prs.len()).collect();
+        idx.sort_by(|&a, &b| prs[b].total_cmp(&prs[a]));
+        let keep = &idx[..p.top_k.min(prs.len())];
+        let kept: f64 = keep.iter().map(|&i| prs[i]).sum();
+        let mut out = vec![0.0; prs.len()];
+        for &i in keep {
+            out[i] = prs[i] / kept;
+        }
+        out
+    }
+
+    #[test]
+    fn pad_mult_equals_candles_probability_multiplier() {
+        let mut rng = Rng::new(11);
+        let mut s = Sampler::new(0);
+        let pad = 3;
+        for case in 0..100 {
+            let logits: Vec<f32> = (0..60)
+                .map(|_| (rng.next_f64() * 8.0 - 4.0) as f32)
+                .collect();
+            for pad_mult in [-4.0f32, -0.5, 0.0, 1.0, 4.0] {
+                for p in [
+                    SamplingParams {
+                        temperature: 0.7,
+                        top_k: 5,
+                    },
+                    SamplingParams {
+                        temperature: 1.3,
+                        top_k: 60,
+                    },
+                ] {
+                    let want = candle_pad_mult(&logits, pad, pad_mult, p);
+                    let mut l = logits.clone();
+                    apply_pad_mult(&mut l, pad as i64, pad_mult, p);
+                    let mut got = vec![0.0; l.len()];
+                    for (i, q) in s.distribution(&l, p) {
+                        got[i] = q;
+                    }
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "case {case} pad_mult {pad_mult} {p:?}: token {i}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+        // Greedy and pad_mult 0 leave the logits as they are.
+        let mut l = vec![0.5f32, 1.0, 2.0, 1.5];
+        apply_pad_mult(&mut l, 3, 4.0, SamplingParams::GREEDY);
+        apply_pad_mult(&mut l, 3, 0.0, SamplingParams::TEXT);
+        apply_pad_mult(&mut l, 99, 4.0, SamplingParams::TEXT);
+        assert_eq!(l, vec![0.5, 1.0, 2.0, 1.5]);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! At start it warms the graphs up (silent steps, then a reset and a reseed) and primes the
 //! persona and voice. Before the graph's position limit (or `max_positions`) it applies the
 //! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
-//! primes again; `stop` ends the stream cleanly.
+//! primes again; `stop` ends the stream cleanly. `max_steps` (Kyutai's cap of a conversation)
+//! ends the stream cleanly too, once that many agent frames have been emitted.
 //!
 //! With `engine: shared` the transformer is a KV slot of the process's shared engine
 //! ([`crate::model::engine`]): the same steps, batched with the other conversations'.
@@ -68,6 +69,15 @@ pub(super) const KIND: StageKind = StageKind {
             ty: T::Choice(&["reset_and_reprime", "stop"]),
             default: D::Str("reset_and_reprime"),
             doc: "what to do at the position limit"
+        },
+        ParamSpec {
+            name: "max_steps",
+            ty: T::Int {
+                min: 0,
+                max: 1 << 30
+            },
+            default: D::Int(0),
+            doc: "end the stream after this many agent frames (0 = no cap; Kyutai's servers cap at 4500)"
         },
         ParamSpec {
             name: "persona",
@@ -341,6 +351,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         script,
         warmup: p.int("warmup_frames") as usize,
         stop_at_limit: p.str("long_session") == "stop",
+        max_steps: p.int("max_steps") as u64,
         index: 0,
         manifest: m,
         tokenizer,
@@ -364,6 +375,9 @@ struct TemporalStage {
     script: Vec<ForcedStep>,
     warmup: usize,
     stop_at_limit: bool,
+    /// End the stream after this many agent frames (0 = never).
+    max_steps: u64,
+    /// Agent frames emitted.
     index: u64,
     manifest: PackManifest,
     tokenizer: Option<Tokenizer>,
@@ -613,6 +627,16 @@ impl Stage for TemporalStage {
             self.index += 1;
             self.control.set("agent_frames", self.index);
             cx.emit(1, f.meta.origin, tokens)?;
+            if self.max_steps > 0 && self.index >= self.max_steps {
+                tracing::info!(
+                    agent_frames = self.index,
+                    "max_steps reached: ending the stream (max_steps: {})",
+                    self.max_steps
+                );
+                // Ending here skips `finish`: the transcript's last line is logged now.
+                self.log_line();
+                return Err(StageError::Stopped);
+            }
         }
         Ok(())
     }
