@@ -123,6 +123,26 @@ fn the_handshake_comes_first_then_kyutais_server_info() {
             assert_eq!(meta["audio_seed"], 8);
         }
     }
+    // max_steps ends the conversation cleanly at the cap: close 1000 with a reason, and the
+    // session's token log holds exactly that many agent frames.
+    let long = server.dir.path().join("long.wav");
+    speech_wav(&long, 5.0, 200.0);
+    let r = client(
+        &url,
+        &[
+            "--mode",
+            "web",
+            "--query",
+            "max_steps=20",
+            "--wav",
+            long.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r["close_code"], 1000, "{r}");
+    let id = r["metadata"]["session"].as_u64().unwrap();
+    assert_eq!(r["metadata"]["max_steps"], 20);
+    let frames = serve::token_log(&server.session_dir(id).join("agent.jsonl")).len();
+    assert_eq!(frames, 20, "session {id}");
     // A refused parameter: the handshake first all the same, then the error naming it.
     let r = client(
         &url,

@@ -263,13 +263,21 @@ async def main():
                     # Messages cut anywhere: half of what is there now, the rest later.
                     if len(pending) > 60:
                         cut = len(pending) // 2 + 7
-                        await ws.send_bytes(b"\x01" + pending[:cut])
+                        try:
+                            await ws.send_bytes(b"\x01" + pending[:cut])
+                        except (OSError, aiohttp.ClientError):
+                            break
                         pending = pending[cut:]
+                    if ws.closed:
+                        break
                 if not args.fast:
                     due = start + (i + step) / 24000 / args.speed
                     await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if pending:
-                await ws.send_bytes(b"\x01" + pending)
+            if pending and not ws.closed:
+                try:
+                    await ws.send_bytes(b"\x01" + pending)
+                except (OSError, aiohttp.ClientError):
+                    pass
             result["sent_s"] = time.monotonic() - start
         if rx is not None and not rx.done():
             try:

@@ -701,6 +701,10 @@ async fn bridge(
                     Outcome::Closed => (1001, "the server closed the session"),
                     Outcome::Failed => (1011, "the session failed"),
                     Outcome::Stalled => (1008, "the client stopped reading"),
+                    Outcome::Ended => (
+                        1000,
+                        "the conversation ended (max_steps, or the long-session policy)",
+                    ),
                     _ => (1000, "session ended"),
                 });
                 let _ = s
