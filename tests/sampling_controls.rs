@@ -459,3 +459,87 @@ fn replay_flags_are_checked_and_seed_is_the_default_of_both() {
         ])
     );
 }
+
+/// The depformer's `sampling` command sets the controls of a running conversation from its
+/// next frame: a hot text with `pad_mult` +4 pads where it did not before; a value out of range
+/// is refused naming the param, and changes nothing.
+#[test]
+fn the_sampling_command_sets_the_controls_at_the_next_frame() {
+    use duplex::config::LoadOptions;
+    use duplex::runtime::Value;
+    use duplex::stages::Registry;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let codes = write_codes(dir.path(), 100);
+    let pack = packs::pack("tiny-gqa");
+    let out = dir.path().join("tokens.jsonl");
+    let yaml = format!(
+        "stages:\n  codes: {{ kind: codes_source, path: {c}, realtime: true }}\n  temporal: {{ kind: temporal, pack: {p} }}\n  depformer: {{ kind: depformer, pack: {p}, seed: 1 }}\n  tokens: {{ kind: token_sink, path: {o} }}\nlinks:\n  - codes -> temporal.codes\n  - temporal.step -> depformer\n  - {{ from: depformer, to: temporal.tokens, feedback: true }}\n  - temporal.agent -> tokens\n",
+        c = codes.display(),
+        p = pack.display(),
+        o = out.display()
+    );
+    let file = dir.path().join("p.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let opts = LoadOptions {
+        sets: Vec::new(),
+        env: Some(Default::default()),
+    };
+    let (_spec, builder) = duplex::app::build(&file, &opts, &Registry::builtin()).unwrap();
+    let running = builder.build().unwrap().start();
+    let h = running.handle();
+    let frames = || match h.control().get("temporal", "agent_frames") {
+        Some(Value::Int(i)) => i,
+        _ => 0,
+    };
+    let t0 = Instant::now();
+    while frames() < 10 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no frames");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let send = |arg: &str| {
+        h.control()
+            .send("depformer", "sampling", arg)
+            .unwrap()
+            .wait(Duration::from_secs(10))
+            .unwrap()
+    };
+    let e = send("pad_mult=20 text_temperature=2").unwrap_err();
+    assert!(e.contains("`pad_mult`: 20 is out of range"), "{e}");
+    let before = frames();
+    assert_eq!(
+        send("text_temperature=2 pad_mult=4").as_deref(),
+        Ok("sampling changed")
+    );
+    let after = frames();
+    running.wait().into_result().unwrap();
+    let texts: Vec<(i64, i64)> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["frame"].as_i64().unwrap(), v["text"].as_i64().unwrap())
+        })
+        .collect();
+    let share = |r: std::ops::Range<i64>| {
+        let sel: Vec<i64> = texts
+            .iter()
+            .filter(|(i, _)| r.contains(i))
+            .map(|x| x.1)
+            .collect();
+        (
+            sel.iter().filter(|&&t| t == PAD).count() as f64 / sel.len() as f64,
+            sel.len(),
+        )
+    };
+    // The first frames are what priming left in the ring (padding).
+    let (old, n_old) = share(3..before);
+    let (new, n_new) = share(after + 1..i64::MAX);
+    eprintln!(
+        "padding share: {old:.3} of {n_old} frames before the command, {new:.3} of {n_new} after"
+    );
+    assert!(n_old >= 5 && n_new >= 40, "{n_old} {n_new}");
+    assert!(old < 0.1, "{old}");
+    assert!(new > 0.15, "{new}");
+}

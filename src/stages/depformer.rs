@@ -417,6 +417,10 @@ mod tests {
             let e = parse_sampling(bad).unwrap_err();
             assert!(e.contains(says), "{bad:?}: {e}");
         }
+        // What the daemon sends on a reload (`Sampling::command_arg`).
+        let daemon = "text_temperature=0.7 text_top_k=25 audio_temperature=0.8 audio_top_k=250 \
+                      pad_mult=-2.5 repetition_penalty=1.3 repetition_penalty_context=64";
+        assert_eq!(parse_sampling(daemon).unwrap().len(), 7);
         // Every run-time key is a param of the stage, with a range.
         for k in RUNTIME_KEYS {
             assert!(KIND.params.iter().any(|s| s.name == k), "{k}");

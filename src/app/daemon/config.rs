@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use config::{Map, Value, ValueKind};
 
 use crate::config::params::{as_bool, as_f64, as_i64, as_string, describe, did_you_mean};
-use crate::config::{layers, ConfigError, ConfigErrorKind, LoadOptions, Override, PipelineSpec};
+use crate::config::{
+    layers, ConfigError, ConfigErrorKind, LoadOptions, Override, ParamType, PipelineSpec,
+};
 use crate::stages::Registry;
 
 /// The echo canceller's stage in the daemon's pipeline file (`echo_cancel` switches it).
@@ -26,7 +28,9 @@ pub const DEFAULTS_YAML: &str = include_str!("../../../configs/daemon.yaml");
 /// The origin of the built-in defaults in messages.
 const DEFAULTS_ORIGIN: &str = "configs/daemon.yaml (built in)";
 
-/// Sampling settings of the daemon.
+/// Sampling settings of the daemon: the `depformer` stage's params of the same names (their
+/// types and ranges are the stage's, checked here against its param specs), set over the
+/// pipeline file as `stages.depformer.<key>`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     /// Text temperature.
@@ -37,8 +41,56 @@ pub struct Sampling {
     pub audio_temperature: f64,
     /// Audio top-k.
     pub audio_top_k: i64,
-    /// Seed.
+    /// Seed (the default of both samplers' seeds).
     pub seed: i64,
+    /// The text sampler's seed (-1 = `seed`).
+    pub text_seed: i64,
+    /// The audio sampler's seed (-1 = derived from `seed`).
+    pub audio_seed: i64,
+    /// Kyutai's padding multiplier (0 = off).
+    pub pad_mult: f64,
+    /// Kyutai's repetition penalty of the text (1 = off).
+    pub repetition_penalty: f64,
+    /// Words the repetition penalty looks at.
+    pub repetition_penalty_context: i64,
+}
+
+impl Sampling {
+    /// Every key with its value, as the depformer stage's param of that name takes it.
+    pub fn fields(&self) -> [(&'static str, String); 10] {
+        [
+            ("text_temperature", self.text_temperature.to_string()),
+            ("text_top_k", self.text_top_k.to_string()),
+            ("audio_temperature", self.audio_temperature.to_string()),
+            ("audio_top_k", self.audio_top_k.to_string()),
+            ("seed", self.seed.to_string()),
+            ("text_seed", self.text_seed.to_string()),
+            ("audio_seed", self.audio_seed.to_string()),
+            ("pad_mult", self.pad_mult.to_string()),
+            ("repetition_penalty", self.repetition_penalty.to_string()),
+            (
+                "repetition_penalty_context",
+                self.repetition_penalty_context.to_string(),
+            ),
+        ]
+    }
+
+    /// The seeds: a change of one restarts a random stream, which the daemon does by
+    /// rebuilding the pipeline.
+    pub fn seeds(&self) -> (i64, i64, i64) {
+        (self.seed, self.text_seed, self.audio_seed)
+    }
+
+    /// The depformer's `sampling` command that applies every setting but the seeds to a
+    /// running pipeline (`key=value …`).
+    pub fn command_arg(&self) -> String {
+        self.fields()
+            .iter()
+            .filter(|(k, _)| !k.ends_with("seed"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
 }
 
 /// A checked daemon configuration.
@@ -68,6 +120,8 @@ pub struct DaemonConfig {
     pub sampling: Sampling,
     /// Long-session policy.
     pub long_session: String,
+    /// End the conversation (and the daemon) after this many agent frames; 0 = never.
+    pub max_steps: i64,
     /// Echo cancellation: `auto` (on unless the devices are a headset), `on` or `off`.
     pub echo_cancel: String,
     /// `/metrics` and `/healthz`.
@@ -95,6 +149,7 @@ const KEYS: &[&str] = &[
     "voice",
     "sampling",
     "long_session",
+    "max_steps",
     "echo_cancel",
     "metrics_address",
     "control_socket",
@@ -108,7 +163,22 @@ const SAMPLING_KEYS: &[&str] = &[
     "audio_temperature",
     "audio_top_k",
     "seed",
+    "text_seed",
+    "audio_seed",
+    "pad_mult",
+    "repetition_penalty",
+    "repetition_penalty_context",
 ];
+
+/// The type and range of stage `kind`'s param `name`.
+fn param_type(kind: &str, name: &str) -> Option<ParamType> {
+    Registry::builtin()
+        .get(kind)?
+        .params
+        .iter()
+        .find(|s| s.name == name)
+        .map(|s| s.ty)
+}
 
 /// The user's config file: `explicit`, else `$XDG_CONFIG_HOME/duplex/daemon.yaml`, else
 /// `~/.config/duplex/daemon.yaml`, when it exists.
@@ -281,12 +351,39 @@ pub fn load_config(
             origin_of(v, &fname, &format!("sampling.{k}")),
         );
     }
-    let num = |k: &str, min: f64, max: f64| -> Result<f64, ConfigError> {
-        let key = format!("sampling.{k}");
-        let v = s
-            .get(k)
-            .ok_or_else(|| e(ConfigErrorKind::Missing, "missing".into()).key(key.clone()))?;
-        let x = as_f64(v).ok_or_else(|| {
+    // A value of the depformer's (or the temporal's) param `k`, checked as that param is.
+    let checked = |kind: &str, key: String, v: &Value, k: &str| -> Result<f64, ConfigError> {
+        let ty = param_type(kind, k).ok_or_else(|| {
+            e(
+                ConfigErrorKind::UnknownKey,
+                format!("the `{kind}` stage has no param `{k}`"),
+            )
+            .key(key.clone())
+        })?;
+        let (x, min, max) = match ty {
+            ParamType::Int { min, max } => {
+                let x = as_i64(v).ok_or_else(|| {
+                    e(
+                        ConfigErrorKind::WrongType,
+                        format!("expected an integer, got {}", describe(v)),
+                    )
+                    .key(key.clone())
+                    .from_value(v)
+                })?;
+                if !(min..=max).contains(&x) {
+                    return Err(e(
+                        ConfigErrorKind::OutOfRange,
+                        format!("{x} is out of range {min}..={max}"),
+                    )
+                    .key(key)
+                    .from_value(v));
+                }
+                return Ok(x as f64);
+            }
+            ParamType::Float { min, max } => (as_f64(v), min, max),
+            _ => (None, 0.0, 0.0),
+        };
+        let x = x.ok_or_else(|| {
             e(
                 ConfigErrorKind::WrongType,
                 format!("expected a number, got {}", describe(v)),
@@ -305,12 +402,36 @@ pub fn load_config(
         }
         Ok(x)
     };
+    let num = |k: &str| -> Result<f64, ConfigError> {
+        let key = format!("sampling.{k}");
+        let v = s
+            .get(k)
+            .ok_or_else(|| e(ConfigErrorKind::Missing, "missing".into()).key(key.clone()))?;
+        checked("depformer", key, v, k)
+    };
+    // Integers as the stage takes them (a seed may pass 2^53: no trip through f64).
+    let int = |k: &str| -> Result<i64, ConfigError> {
+        num(k)?;
+        Ok(s.get(k).and_then(as_i64).unwrap_or_default())
+    };
     let sampling = Sampling {
-        text_temperature: num("text_temperature", 0.0, 100.0)?,
-        text_top_k: num("text_top_k", 0.0, 1e6)? as i64,
-        audio_temperature: num("audio_temperature", 0.0, 100.0)?,
-        audio_top_k: num("audio_top_k", 0.0, 1e6)? as i64,
-        seed: num("seed", 0.0, 9e15)? as i64,
+        text_temperature: num("text_temperature")?,
+        text_top_k: int("text_top_k")?,
+        audio_temperature: num("audio_temperature")?,
+        audio_top_k: int("audio_top_k")?,
+        seed: int("seed")?,
+        text_seed: int("text_seed")?,
+        audio_seed: int("audio_seed")?,
+        pad_mult: num("pad_mult")?,
+        repetition_penalty: num("repetition_penalty")?,
+        repetition_penalty_context: int("repetition_penalty_context")?,
+    };
+    let max_steps = match get("max_steps") {
+        v if matches!(v.kind, ValueKind::Nil) => 0,
+        v => {
+            checked("temporal", "max_steps".into(), v, "max_steps")?;
+            as_i64(v).unwrap_or_default()
+        }
     };
     let execution_provider = string("execution_provider")?;
     if !["cpu", "cuda"].contains(&execution_provider.as_str()) {
@@ -394,6 +515,7 @@ pub fn load_config(
         voice: string("voice")?,
         sampling,
         long_session,
+        max_steps,
         echo_cancel,
         metrics_address,
         control_socket: if sock.trim().is_empty() {
@@ -449,6 +571,11 @@ impl DaemonConfig {
                 "stages.temporal.long_session",
                 self.long_session.clone(),
             ),
+            set(
+                "max_steps",
+                "stages.temporal.max_steps",
+                self.max_steps.to_string(),
+            ),
             // The daemon serves metrics itself.
             Override::by("duplex daemon", "metrics.address", String::new()),
         ];
@@ -479,14 +606,7 @@ impl DaemonConfig {
                 format!("[{}]", t.join(", ")),
             ));
         }
-        let s = &self.sampling;
-        for (k, val) in [
-            ("text_temperature", s.text_temperature.to_string()),
-            ("text_top_k", s.text_top_k.to_string()),
-            ("audio_temperature", s.audio_temperature.to_string()),
-            ("audio_top_k", s.audio_top_k.to_string()),
-            ("seed", s.seed.to_string()),
-        ] {
+        for (k, val) in self.sampling.fields() {
             v.push(set(
                 &format!("sampling.{k}"),
                 &format!("stages.depformer.{k}"),
@@ -788,6 +908,91 @@ mod tests {
             e.to_string().contains("\"gpu\" is not one of cpu, cuda"),
             "{e}"
         );
+    }
+
+    /// Kyutai's controls and the step cap: the depformer's and the temporal's params, checked
+    /// with their ranges, set over the pipeline, and applied live by the `sampling` command.
+    #[test]
+    fn sampling_controls_and_max_steps_are_the_stages_params() {
+        let c = load_config(None, env(&[])).unwrap();
+        let s = c.sampling;
+        assert_eq!(
+            (
+                s.pad_mult,
+                s.repetition_penalty,
+                s.repetition_penalty_context
+            ),
+            (0.0, 1.0, 64)
+        );
+        assert_eq!((s.text_seed, s.audio_seed, c.max_steps), (-1, -1, 0));
+        let c = load_config(
+            None,
+            env(&[
+                ("DUPLEX__SAMPLING__PAD_MULT", "-2.5"),
+                ("DUPLEX__SAMPLING__REPETITION_PENALTY", "1.3"),
+                ("DUPLEX__SAMPLING__AUDIO_SEED", "9007199254740993"),
+                ("DUPLEX__MAX_STEPS", "50"),
+            ]),
+        )
+        .unwrap();
+        let sets: HashMap<String, Override> =
+            c.sets().into_iter().map(|o| (o.key.clone(), o)).collect();
+        assert_eq!(sets["stages.depformer.pad_mult"].value, "-2.5");
+        assert_eq!(
+            sets["stages.depformer.pad_mult"].origin,
+            "environment variable DUPLEX__SAMPLING__PAD_MULT"
+        );
+        assert_eq!(sets["stages.depformer.repetition_penalty"].value, "1.3");
+        // Past 2^53, exactly.
+        assert_eq!(
+            sets["stages.depformer.audio_seed"].value,
+            "9007199254740993"
+        );
+        assert_eq!(sets["stages.depformer.text_seed"].value, "-1");
+        assert_eq!(sets["stages.temporal.max_steps"].value, "50");
+        assert_eq!(
+            c.sampling.command_arg(),
+            "text_temperature=0.7 text_top_k=25 audio_temperature=0.8 audio_top_k=250 \
+             pad_mult=-2.5 repetition_penalty=1.3 repetition_penalty_context=64"
+        );
+        // The pipeline takes every value the daemon sets.
+        c.pipeline_spec().unwrap();
+        for (var, value, key, says) in [
+            (
+                "DUPLEX__SAMPLING__PAD_MULT",
+                "12",
+                "sampling.pad_mult",
+                "12 is out of range -10..=10",
+            ),
+            (
+                "DUPLEX__SAMPLING__REPETITION_PENALTY",
+                "0.9",
+                "sampling.repetition_penalty",
+                "0.9 is out of range 1..=10",
+            ),
+            (
+                "DUPLEX__SAMPLING__REPETITION_PENALTY_CONTEXT",
+                "2.5",
+                "sampling.repetition_penalty_context",
+                "expected an integer",
+            ),
+            (
+                "DUPLEX__SAMPLING__TEXT_SEED",
+                "-2",
+                "sampling.text_seed",
+                "-2 is out of range -1..=",
+            ),
+            (
+                "DUPLEX__MAX_STEPS",
+                "-1",
+                "max_steps",
+                "-1 is out of range 0..=",
+            ),
+        ] {
+            let e = load_config(None, env(&[(var, value)])).unwrap_err();
+            assert_eq!(e.key.as_deref(), Some(key), "{e}");
+            assert!(e.to_string().contains(says), "{e}");
+        }
     }
 
     /// `duplex ctl` finds the socket from any directory: the pipeline file is not needed.

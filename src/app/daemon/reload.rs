@@ -130,7 +130,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         new.control_socket = cur.control_socket.clone();
     }
     // What the models are built with (the voice and the tokenizer are read when the LM stage
-    // is built, the seed starts its random stream): a rebuild, built beside the running one.
+    // is built, a seed starts its random stream, the step cap counts from the start): a rebuild, built beside the running one.
     if new.pack != cur.pack
         || new.execution_provider != cur.execution_provider
         || new.pipeline != cur.pipeline
@@ -138,7 +138,8 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         || new.tokenizer != cur.tokenizer
         || new.long_session != cur.long_session
         || new.echo_cancel != cur.echo_cancel
-        || new.sampling.seed != cur.sampling.seed
+        || new.max_steps != cur.max_steps
+        || new.sampling.seeds() != cur.sampling.seeds()
     {
         rebuild(shared, new, false);
         return;
@@ -171,12 +172,7 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
         changed.push("persona");
     }
     if new.sampling != cur.sampling {
-        let s = &new.sampling;
-        let arg = format!(
-            "{} {} {} {}",
-            s.text_temperature, s.text_top_k, s.audio_temperature, s.audio_top_k
-        );
-        send(None, "sampling", &arg);
+        send(None, "sampling", &new.sampling.command_arg());
         tracing::info!("reload: sampling changes at the next frame");
         changed.push("sampling");
     }
