@@ -69,7 +69,7 @@ pub(super) const KIND: StageKind = StageKind {
             name: "greedy",
             ty: T::Bool,
             default: D::Bool(false),
-            doc: "argmax everywhere (overrides temperatures)"
+            doc: "argmax everywhere (overrides temperatures; as in moshi-core, a repetition penalty still applies to the text logits, pad_mult does not)"
         },
         ParamSpec {
             name: "user_substeps",
@@ -193,8 +193,8 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let pack = open_pack(p)?;
-    let mut dep: DepformerModel = match shared_engine(&pack, p, usize::MAX)? {
+    let pack = open_pack(cx, p)?;
+    let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
         Some(lm) => lm.depformer_client().into(),
         None => Depformer::open(&pack, &session_options(p))?.into(),
     };
