@@ -86,7 +86,8 @@ enum Cmd {
     /// Check the environment: ONNX Runtime library and version, the execution providers it
     /// offers, and whether CUDA initialises (and what is missing when it does not).
     Doctor {
-        /// Path of libonnxruntime to use instead of discovering it.
+        /// Path of libonnxruntime to use (over DUPLEX__ORT__LIBRARY, ORT_DYLIB_PATH and the
+        /// search).
         #[arg(long)]
         ort_lib: Option<PathBuf>,
         /// Also check a model pack: its files against the graph contract, a session per graph,
@@ -256,23 +257,7 @@ fn main() -> ExitCode {
             provider,
             time,
         } => {
-            let lib = duplex::model::ortlib::environment(ort_lib.as_deref())?;
-            let mut text = format!(
-                "onnxruntime: {} (found via {})\n",
-                lib.path.display(),
-                lib.origin
-            );
-            if let Some(info) = duplex::model::ortlib::build_info() {
-                text.push_str(&format!("build: {info}\n"));
-            }
-            match duplex::model::session::available_providers() {
-                Ok(p) => text.push_str(&format!("providers: {}\n", p.join(", "))),
-                Err(e) => text.push_str(&format!("providers: unknown ({e})\n")),
-            }
-            match duplex::model::session::cuda_check(0) {
-                Ok(()) => text.push_str("cuda: available (device 0)\n"),
-                Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
-            }
+            let text = app::doctor::runtime(ort_lib.as_deref())?;
             if let Some(dir) = pack {
                 let provider = match provider.as_str() {
                     "cuda" => duplex::model::session::Provider::Cuda { device_id: 0 },

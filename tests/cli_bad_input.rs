@@ -312,7 +312,7 @@ fn ort_library_comes_first_and_a_missing_one_is_refused() {
         "{}",
         stderr(&o)
     );
-    // A real one is what runs, found "via explicit setting", not the project's .venv.
+    // A real one is what runs, found via the file's key, not the project's .venv.
     let lib = std::fs::read_dir(root().join(".venv/lib"))
         .unwrap()
         .filter_map(|e| e.ok())
@@ -351,7 +351,7 @@ fn ort_library_comes_first_and_a_missing_one_is_refused() {
     let o = run_within(c, 60);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("origin=explicit setting"),
+        stderr(&o).contains(&format!("origin={}: `ort.library`", p.display())),
         "{}",
         stderr(&o)
     );

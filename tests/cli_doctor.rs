@@ -66,7 +66,8 @@ fn doctor_says_what_to_install_when_nothing_is_found() {
         .output()
         .unwrap();
     let e = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{e}");
+    // A path that a setting names and that is missing is a configuration error.
+    assert_eq!(out.status.code(), Some(2), "{e}");
     assert!(
         e.contains("/nonexistent/libonnxruntime.so (from ORT_DYLIB_PATH) does not exist"),
         "{e}"

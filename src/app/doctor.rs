@@ -1,3 +1,7 @@
+//! `duplex doctor`: which ONNX Runtime library a command would load and why (`--ort-lib`, else
+//! `DUPLEX__ORT__LIBRARY`, else the search of [`ortlib`](crate::model::ortlib)), what it
+//! offers, whether CUDA initialises ([`runtime`]).
+//!
 //! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
 //! it: the pack's files and manifest against the graph contract, then a session for each graph
 //! on the chosen provider, one codec frame through the encoder and decoder (and through Mimi's
@@ -18,6 +22,44 @@ use crate::model::session::{Provider, SessionOptions};
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
+
+/// The command, where messages name a file.
+const COMMAND: &str = "duplex doctor";
+
+/// Loads ONNX Runtime as every command does (the library of `ort_lib`, the `--ort-lib` flag,
+/// else of `DUPLEX__ORT__LIBRARY`, else the search) and reports it: its path and where it came
+/// from, its build, the execution providers it offers, and whether CUDA initialises (and what
+/// is missing when it does not).
+///
+/// # Errors
+///
+/// As [`load_ort_for`](super::load_ort_for): a configuration error (exit 2) for a library a
+/// flag, a variable or `ORT_DYLIB_PATH` names that is missing or does not load; another (exit
+/// 1) when none is installed.
+pub fn runtime(ort_lib: Option<&Path>) -> anyhow::Result<String> {
+    let chosen = match ort_lib {
+        Some(p) => Some(crate::config::OrtChoice::flag("--ort-lib", p)),
+        None => crate::config::ort::from_env(COMMAND, None)?,
+    };
+    let lib = super::load_ort_for(COMMAND, chosen.as_ref())?;
+    let mut text = format!(
+        "onnxruntime: {} (found via {})\n",
+        lib.path.display(),
+        lib.origin
+    );
+    if let Some(info) = crate::model::ortlib::build_info() {
+        text.push_str(&format!("build: {info}\n"));
+    }
+    match crate::model::session::available_providers() {
+        Ok(p) => text.push_str(&format!("providers: {}\n", p.join(", "))),
+        Err(e) => text.push_str(&format!("providers: unknown ({e})\n")),
+    }
+    match crate::model::session::cuda_check(0) {
+        Ok(()) => text.push_str("cuda: available (device 0)\n"),
+        Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
+    }
+    Ok(text)
+}
 
 /// Bytes under `dir` (the graph and its external weights).
 fn size_of(dir: &Path) -> u64 {

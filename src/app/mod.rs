@@ -198,29 +198,78 @@ pub(crate) fn build_error(file: &str, stage: &str, params: &Params, e: BuildErro
     c
 }
 
-/// Loads ONNX Runtime from `ort.library` when the pipeline sets it, so that it comes before
-/// every other way of finding it. A process loads one library: a later pipeline asking for
-/// another is refused rather than silently given the first.
+/// Loads ONNX Runtime from `ort.library` when the pipeline sets it (its file, a `DUPLEX__…`
+/// variable, a `--set`, or the daemon's settings set over it), so that it comes before every
+/// other way of finding it; otherwise the first model stage finds it
+/// ([`ortlib`](crate::model::ortlib)'s search).
 fn load_ort(spec: &PipelineSpec) -> Result<(), ConfigError> {
-    let Some(want) = &spec.ort_library else {
-        return Ok(());
-    };
-    let e = |m: String| ConfigError::new(&spec.file, ConfigErrorKind::Build, m).key("ort.library");
-    let lib = crate::model::ortlib::environment(Some(want)).map_err(|err| e(err.to_string()))?;
+    match &spec.ort_library {
+        Some(chosen) => load_chosen_ort(chosen).map(|_| ()),
+        None => Ok(()),
+    }
+}
+
+/// Loads ONNX Runtime for a command, once per process: the library `chosen` names (its
+/// settings' `ort.library`, from the file, `DUPLEX__ORT__LIBRARY` or a flag), else the
+/// search of [`ortlib`](crate::model::ortlib) (`ORT_DYLIB_PATH`, the project's `.venv`, the
+/// active Python's). `command` stands for the settings file in messages when nothing was
+/// chosen (`duplex replay`). The library is logged at INFO with where it came from.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for a library that a setting or `ORT_DYLIB_PATH` names and that
+/// is missing, does not load, or is not the one this process already runs; an
+/// [`OrtLibError`](crate::model::ortlib::OrtLibError) (exit 1) when none is installed anywhere
+/// or the one found does not load.
+pub fn load_ort_for(
+    command: &str,
+    chosen: Option<&config::OrtChoice>,
+) -> anyhow::Result<&'static crate::model::ortlib::OrtLibrary> {
+    use crate::model::ortlib::{self, OrtLibError};
+    if let Some(c) = chosen {
+        return Ok(load_chosen_ort(c)?);
+    }
+    ortlib::environment(None).map_err(|err| match err {
+        OrtLibError::Missing { .. } => {
+            ConfigError::new(command, ConfigErrorKind::Read, err.to_string()).into()
+        }
+        other => anyhow::Error::new(other),
+    })
+}
+
+/// Loads the library `chosen` names. A process loads one library: a later choice of another
+/// is refused rather than silently given the first.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the settings file, `ort.library` and the layer that set it.
+pub fn load_chosen_ort(
+    chosen: &config::OrtChoice,
+) -> Result<&'static crate::model::ortlib::OrtLibrary, ConfigError> {
+    use crate::model::ortlib;
+    chosen.check()?;
+    let lib = ortlib::environment(Some(ortlib::Chosen {
+        path: &chosen.path,
+        origin: &chosen.origin,
+    }))
+    .map_err(|err| chosen.error(ConfigErrorKind::Build, err.to_string()))?;
     let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(x), Ok(y)) => x == y,
         _ => a == b,
     };
-    if !same(&lib.path, want) {
-        return Err(e(format!(
-            "this process already runs ONNX Runtime from {} ({}); one library per process: \
-             restart to use {}",
-            lib.path.display(),
-            lib.origin,
-            want.display()
-        )));
+    if !same(&lib.path, &chosen.path) {
+        return Err(chosen.error(
+            ConfigErrorKind::Conflict,
+            format!(
+                "this process already runs ONNX Runtime from {} ({}); one library per process: \
+                 restart to use {}",
+                lib.path.display(),
+                lib.origin,
+                chosen.path.display()
+            ),
+        ));
     }
-    Ok(())
+    Ok(lib)
 }
 
 /// `duplex validate`: the resolved graph as text.

@@ -306,6 +306,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     if a.recording.is_some() {
         return Ok(vec![run_recording(a)?.0]);
     }
+    load_ort()?;
     let outs = outputs(a)?;
     // The shared engine holds one slot per conversation.
     crate::model::engine::set_default_slots(outs.len());
@@ -348,6 +349,17 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     }
     Ok(reports)
 }
+
+/// Loads ONNX Runtime before anything else: a replay has no settings file, so the library is
+/// `DUPLEX__ORT__LIBRARY`'s, else the search's (`ORT_DYLIB_PATH`, the project's `.venv`…).
+fn load_ort() -> anyhow::Result<()> {
+    let chosen = crate::config::ort::from_env(COMMAND, None)?;
+    super::load_ort_for(COMMAND, chosen.as_ref())?;
+    Ok(())
+}
+
+/// The command, where messages name a file.
+const COMMAND: &str = "duplex replay";
 
 /// A recording reader's message (`PATH: what`) as a configuration error naming that file.
 pub(crate) fn recording_error(m: &str) -> ConfigError {
@@ -576,6 +588,7 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
 ///
 /// A [`ConfigError`] for a bad recording or flags (exit code 2), a run error (exit code 1).
 pub fn run_recording(a: &ReplayArgs) -> anyhow::Result<(RunReport, Comparison)> {
+    load_ort()?;
     let FromRecording {
         builder,
         recording,

@@ -9,11 +9,18 @@
 //! kinds, unknown or mistyped params, malformed links. The structural checks (types, dangling
 //! links, cycles) belong to the runtime's graph builder.
 //!
+//! The applications' own settings (the daemon's, the server's) are layered the same way and
+//! read through the same typed reader ([`fields`]), so that every error names the file or the
+//! variable and the key alike; the `ort:` section that chooses the ONNX Runtime library is one
+//! reader shared by all of them ([`ort`]).
+//!
 //! This layer runs nothing and knows no stage implementation: stage kinds are described to it
 //! through the [`KindCatalog`] trait.
 
 mod error;
+pub mod fields;
 pub mod layers;
+pub mod ort;
 pub mod params;
 mod paths;
 mod pipeline;
@@ -21,6 +28,7 @@ pub mod yaml;
 
 pub use error::{ConfigError, ConfigErrorKind};
 pub use layers::Override;
+pub use ort::OrtChoice;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
     load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RecordSettings,

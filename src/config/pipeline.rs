@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use config::{Value, ValueKind};
 
+use super::fields::Fields;
 use super::layers::{self, Override};
 use super::params::{as_bool, as_i64, as_string, check, describe, did_you_mean, ParamSpec, Params};
 use super::yaml::{self, Limits};
@@ -74,8 +75,9 @@ pub struct PipelineSpec {
     pub links: Vec<LinkSpec>,
     /// Supervisor settings.
     pub runtime: RuntimeSettings,
-    /// `ort.library`, when set.
-    pub ort_library: Option<PathBuf>,
+    /// `ort.library`, when a layer sets it: the ONNX Runtime library this pipeline loads, and
+    /// who chose it.
+    pub ort_library: Option<super::OrtChoice>,
     /// The `metrics` section.
     pub metrics: MetricsSettings,
     /// The `record` section.
@@ -229,36 +231,9 @@ pub fn load(
         abort_timeout: Duration::from_millis(int_key("runtime", &rt, "abort_timeout_ms", 0)? as u64),
     };
 
-    // ort
-    let ort = section("ort")?;
-    only_keys("ort", &ort, &["library"])?;
-    let ort_library = match ort.iter().find(|(k, _)| k == "library") {
-        None => None,
-        Some((_, v)) => {
-            let lib = as_string(v).ok_or_else(|| {
-                e(
-                    ConfigErrorKind::WrongType,
-                    format!("expected a path, got {}", describe(v)),
-                )
-                .key("ort.library")
-                .from_value(v)
-            })?;
-            if lib.trim().is_empty() {
-                None
-            } else {
-                // Checked here, with the layer it came from: it is loaded before anything else.
-                crate::files::check_regular(Path::new(&lib)).map_err(|err| {
-                    e(
-                        ConfigErrorKind::Read,
-                        format!("ONNX Runtime library {lib}: {err} (empty = discover it)"),
-                    )
-                    .key("ort.library")
-                    .from_value(v)
-                })?;
-                Some(PathBuf::from(lib))
-            }
-        }
-    };
+    // ort: the one reader every settings file shares. Checked here, with the layer it came
+    // from: it is loaded before anything else.
+    let ort_library = super::ort::read(&Fields::new(&fname, DEFAULTS_ORIGIN, &root))?;
 
     // metrics
     let ms = section("metrics")?;

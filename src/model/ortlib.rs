@@ -1,24 +1,53 @@
 //! Finding `libonnxruntime` and creating the one ONNX Runtime environment of the process.
 //!
-//! ONNX Runtime is loaded at run time (`ort`'s `load-dynamic`), from the first of:
+//! ONNX Runtime is loaded at run time (`ort`'s `load-dynamic`). Every command that loads it
+//! (`run`, `validate`, `replay`, `doctor`, `daemon`, `serve`) takes the first of:
 //!
-//! 1. an explicit path given by the caller (a CLI flag or a config key);
+//! 1. **the library the command's settings choose** ([`Chosen`]): the key `ort.library`, read
+//!    with the layers of the command's settings like every key, the later over the earlier:
+//!    1. the settings file's `ort.library`: the pipeline file for `run` and `validate`; for
+//!       `daemon`, its settings file's, set over its pipeline file's; for `serve`, its
+//!       settings file's (the session template's own, if any, must then name the same
+//!       library: one per process);
+//!    2. the `DUPLEX__ORT__LIBRARY` environment variable, which overrides that key as every
+//!       `DUPLEX__…` variable overrides its key (for `replay` and `doctor`, which have no
+//!       settings file, it is the whole setting);
+//!    3. the command line: `duplex run --set ort.library=…`, `duplex doctor --ort-lib PATH`;
 //! 2. the `ORT_DYLIB_PATH` environment variable;
 //! 3. the project's virtual environment: `.venv/lib/python3*/site-packages/onnxruntime/capi/`
 //!    under the current directory, or under the checkout the `duplex` binary was built in;
 //! 4. the `onnxruntime` package of the active Python (`$VIRTUAL_ENV`, then `python3`).
 //!
-//! When none is found the error says what to install. ONNX Runtime allows one environment per
-//! process, so [`environment`] creates it once and every later call returns the same one.
+//! So a configured library (a key or `DUPLEX__ORT__LIBRARY`) beats `ORT_DYLIB_PATH`, which
+//! beats the `.venv`. A path that a setting or `ORT_DYLIB_PATH` names and that does not exist
+//! is refused, never passed over for the next place: the error names where it came from
+//! ([`Origin`]). The library loaded is logged once at INFO, `loaded ONNX Runtime path=…
+//! origin=…`, the origin in the same words. When nothing is found the error says what to
+//! install.
+//!
+//! ONNX Runtime allows one environment per process, so [`environment`] creates it once and
+//! every later call returns the same one, whatever it asks for: the application layer refuses
+//! a later setting that names another library (restart to change it). Reading the settings
+//! is the configuration layer's job (`config::ort`); this module only searches and loads.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// Where the library was found.
+/// A library a command was told to use, and who told it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chosen<'a> {
+    /// The library.
+    pub path: &'a Path,
+    /// Who chose it, in words (``environment variable DUPLEX__ORT__LIBRARY``,
+    /// ``pipelines/x.yaml: `ort.library` ``, ``--ort-lib``): what messages and the log say.
+    pub origin: &'a str,
+}
+
+/// Where the library was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
-    /// Given explicitly.
-    Explicit,
+    /// Chosen by the command's settings (a key, its `DUPLEX__…` variable, a flag), in words.
+    Setting(String),
     /// `ORT_DYLIB_PATH`.
     EnvVar,
     /// The project's `.venv`.
@@ -30,7 +59,7 @@ pub enum Origin {
 impl std::fmt::Display for Origin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Origin::Explicit => "explicit setting",
+            Origin::Setting(who) => who.as_str(),
             Origin::EnvVar => "ORT_DYLIB_PATH",
             Origin::ProjectVenv => "project .venv",
             Origin::Python => "active Python's onnxruntime",
@@ -38,7 +67,8 @@ impl std::fmt::Display for Origin {
     }
 }
 
-/// Why ONNX Runtime could not be loaded. Install it, or point `ORT_DYLIB_PATH` at it.
+/// Why ONNX Runtime could not be loaded. Install it, or point `ort.library` (or
+/// `ORT_DYLIB_PATH`) at it.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum OrtLibError {
@@ -53,7 +83,7 @@ pub enum OrtLibError {
         /// What was searched, in order.
         searched: Vec<String>,
     },
-    /// A path was given (explicitly or by `ORT_DYLIB_PATH`) but does not exist.
+    /// A path was given (by a setting or by `ORT_DYLIB_PATH`) but does not exist.
     #[error("ONNX Runtime library {} (from {origin}) does not exist", path.display())]
     Missing {
         /// The path.
@@ -118,24 +148,26 @@ fn in_venv(venv: &Path) -> Option<PathBuf> {
         .find_map(|py| lib_in_capi(&py.join("site-packages").join("onnxruntime")))
 }
 
-/// Finds the library without loading it.
+/// Finds the library without loading it: `chosen` when given, else the search of the
+/// [module documentation](self).
 ///
 /// # Errors
 ///
-/// [`OrtLibError::Missing`] when an explicit or `ORT_DYLIB_PATH` path does not exist,
+/// [`OrtLibError::Missing`] when a chosen or `ORT_DYLIB_PATH` path does not exist,
 /// [`OrtLibError::NotFound`] when nothing is found anywhere (the message lists where it looked).
-pub fn find(explicit: Option<&Path>) -> Result<OrtLibrary, OrtLibError> {
+pub fn find(chosen: Option<Chosen<'_>>) -> Result<OrtLibrary, OrtLibError> {
     let mut searched = Vec::new();
-    if let Some(p) = explicit {
-        return if p.exists() {
+    if let Some(c) = chosen {
+        let origin = Origin::Setting(c.origin.to_string());
+        return if c.path.exists() {
             Ok(OrtLibrary {
-                path: p.into(),
-                origin: Origin::Explicit,
+                path: c.path.into(),
+                origin,
             })
         } else {
             Err(OrtLibError::Missing {
-                path: p.into(),
-                origin: Origin::Explicit,
+                path: c.path.into(),
+                origin,
             })
         };
     }
@@ -213,17 +245,18 @@ static ENV: OnceLock<Result<(OrtLibrary, ort::environment::Environment), OrtLibE
 
 /// Loads ONNX Runtime (once per process) and returns the library in use.
 ///
-/// The first call decides: later calls return the first result whatever `explicit` they pass.
+/// The first call decides: later calls return the first result whatever `chosen` they pass
+/// (compare [`OrtLibrary::path`] to refuse a different choice).
 ///
 /// # Errors
 ///
 /// As [`find`], plus [`OrtLibError::Load`] when the file cannot be loaded or is older than 1.31.
-pub fn environment(explicit: Option<&Path>) -> Result<&'static OrtLibrary, OrtLibError> {
+pub fn environment(chosen: Option<Chosen<'_>>) -> Result<&'static OrtLibrary, OrtLibError> {
     let r = ENV.get_or_init(|| {
-        let lib = find(explicit)?;
+        let lib = find(chosen)?;
         let load_err = |detail: String| OrtLibError::Load {
             path: lib.path.clone(),
-            origin: lib.origin,
+            origin: lib.origin.clone(),
             detail,
         };
         let builder = ort::init_from(&lib.path).map_err(|e| load_err(e.to_string()))?;
@@ -298,12 +331,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn explicit_missing_path_is_named() {
-        let e = find(Some(Path::new("/nonexistent/libonnxruntime.so"))).unwrap_err();
-        let s = e.to_string();
-        assert!(
-            s.contains("/nonexistent/libonnxruntime.so") && s.contains("explicit"),
-            "{s}"
+    fn a_chosen_missing_path_is_named_with_who_chose_it() {
+        let e = find(Some(Chosen {
+            path: Path::new("/nonexistent/libonnxruntime.so"),
+            origin: "environment variable DUPLEX__ORT__LIBRARY",
+        }))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "ONNX Runtime library /nonexistent/libonnxruntime.so (from environment variable \
+             DUPLEX__ORT__LIBRARY) does not exist"
         );
     }
 }

@@ -5,17 +5,20 @@
 //! (`--config`, `$XDG_CONFIG_HOME/duplex/daemon.yaml`, `~/.config/duplex/daemon.yaml`),
 //! `DUPLEX__…` environment variables. The configuration becomes overrides of the live
 //! pipeline file ([`DaemonConfig::sets`]) whose origin is the daemon key they stand for, so a
-//! value the pipeline refuses is reported against the daemon's file and key. Knows nothing of
-//! how the daemon runs.
+//! value the pipeline refuses is reported against the daemon's file and key. The keys are read
+//! through the configuration layer's one typed reader ([`Fields`]); `ort.library` (the ONNX
+//! Runtime library, [`ort`](crate::config::ort)) is set over the pipeline file's like the
+//! rest. Knows nothing of how the daemon runs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use config::{Map, Value, ValueKind};
 
-use crate::config::params::{as_bool, as_f64, as_i64, as_string, describe, did_you_mean};
+use crate::config::fields::Fields;
+use crate::config::params::{as_f64, as_i64, as_string, describe};
 use crate::config::{
-    layers, ConfigError, ConfigErrorKind, LoadOptions, Override, ParamType, PipelineSpec,
+    layers, ConfigError, ConfigErrorKind, LoadOptions, OrtChoice, Override, ParamType, PipelineSpec,
 };
 use crate::stages::Registry;
 
@@ -132,6 +135,9 @@ pub struct DaemonConfig {
     pub record: bool,
     /// Where they are recorded.
     pub record_dir: PathBuf,
+    /// The ONNX Runtime library `ort.library` chooses, set over the pipeline file's (`None`:
+    /// the pipeline file's, else the search of [`ortlib`](crate::model::ortlib)).
+    pub ort_library: Option<OrtChoice>,
     /// Where each key's value came from, in words (`FILE: `persona``, `environment variable
     /// DUPLEX__PACK`), for messages.
     pub origins: BTreeMap<String, String>,
@@ -155,6 +161,7 @@ const KEYS: &[&str] = &[
     "control_socket",
     "record",
     "record_dir",
+    crate::config::ort::SECTION,
 ];
 
 const SAMPLING_KEYS: &[&str] = &[
@@ -218,10 +225,6 @@ fn layered(
     layers::layered(DEFAULTS_YAML, DEFAULTS_ORIGIN, explicit, "daemon.yaml", env)
 }
 
-fn origin_of(v: &Value, fname: &str, key: &str) -> String {
-    layers::origin_in(v, fname, DEFAULTS_ORIGIN, key)
-}
-
 /// The control socket the configuration names, without checking anything else (what
 /// `duplex ctl` needs, from any directory, even when other keys are wrong).
 ///
@@ -260,154 +263,17 @@ pub fn load_config(
     env: Option<HashMap<String, String>>,
 ) -> Result<DaemonConfig, ConfigError> {
     let (fname, root) = layered(explicit, env.as_ref())?;
-    let e = |k, m: String| ConfigError::new(&fname, k, m);
-    for (k, v) in &root {
-        if !KEYS.contains(&k.as_str()) {
-            let hint = did_you_mean(k, KEYS.iter().copied());
-            return Err(e(
-                ConfigErrorKind::UnknownKey,
-                format!("unknown key{hint}; expected: {}", KEYS.join(", ")),
-            )
-            .key(k.clone())
-            .from_value(v));
-        }
-    }
-    let nil = Value::new(None, ValueKind::Nil);
-    let get = |k: &str| root.get(k).unwrap_or(&nil);
-    let mut origins = BTreeMap::new();
-    for (k, v) in &root {
-        origins.insert(k.clone(), origin_of(v, &fname, k));
-    }
-    let string = |k: &str| -> Result<String, ConfigError> {
-        let v = get(k);
-        match v.kind {
-            ValueKind::Nil => Ok(String::new()),
-            _ => as_string(v).ok_or_else(|| {
-                e(
-                    ConfigErrorKind::WrongType,
-                    format!("expected a string, got {}", describe(v)),
-                )
-                .key(k)
-                .from_value(v)
-            }),
-        }
-    };
-    let tokens_v = get("persona_tokens");
-    let bad_tokens = |m: String| {
-        e(ConfigErrorKind::WrongType, m)
-            .key("persona_tokens")
-            .from_value(tokens_v)
-    };
-    let tokens = match &tokens_v.kind {
-        ValueKind::Nil => Vec::new(),
-        ValueKind::Array(a) => a
-            .iter()
-            .map(|v| {
-                as_i64(v).ok_or_else(|| {
-                    bad_tokens(format!(
-                        "expected integers, like [10, 20], got {}",
-                        describe(v)
-                    ))
-                })
-            })
-            .collect::<Result<_, _>>()?,
-        ValueKind::String(s) => s
-            .split(',')
-            .filter(|t| !t.trim().is_empty())
-            .map(|t| {
-                t.trim().parse().map_err(|_| {
-                    bad_tokens(format!(
-                        "{:?} is not an integer (write a list, like [10, 20], or 10,20)",
-                        t.trim()
-                    ))
-                })
-            })
-            .collect::<Result<_, _>>()?,
-        _ => {
-            return Err(bad_tokens(format!(
-                "expected a list of integers, like [10, 20], got {}",
-                describe(tokens_v)
-            )))
-        }
-    };
-    let sampling_v = get("sampling");
-    let ValueKind::Table(s) = &sampling_v.kind else {
-        return Err(e(ConfigErrorKind::WrongType, "expected a map".into())
-            .key("sampling")
-            .from_value(sampling_v));
-    };
-    for (k, v) in s {
-        if !SAMPLING_KEYS.contains(&k.as_str()) {
-            let hint = did_you_mean(k, SAMPLING_KEYS.iter().copied());
-            return Err(e(
-                ConfigErrorKind::UnknownKey,
-                format!("unknown key{hint}; expected: {}", SAMPLING_KEYS.join(", ")),
-            )
-            .key(format!("sampling.{k}"))
-            .from_value(v));
-        }
-        origins.insert(
-            format!("sampling.{k}"),
-            origin_of(v, &fname, &format!("sampling.{k}")),
-        );
-    }
-    // A value of the depformer's (or the temporal's) param `k`, checked as that param is.
-    let checked = |kind: &str, key: String, v: &Value, k: &str| -> Result<f64, ConfigError> {
-        let ty = param_type(kind, k).ok_or_else(|| {
-            e(
-                ConfigErrorKind::UnknownKey,
-                format!("the `{kind}` stage has no param `{k}`"),
-            )
-            .key(key.clone())
-        })?;
-        let (x, min, max) = match ty {
-            ParamType::Int { min, max } => {
-                let x = as_i64(v).ok_or_else(|| {
-                    e(
-                        ConfigErrorKind::WrongType,
-                        format!("expected an integer, got {}", describe(v)),
-                    )
-                    .key(key.clone())
-                    .from_value(v)
-                })?;
-                if !(min..=max).contains(&x) {
-                    return Err(e(
-                        ConfigErrorKind::OutOfRange,
-                        format!("{x} is out of range {min}..={max}"),
-                    )
-                    .key(key)
-                    .from_value(v));
-                }
-                return Ok(x as f64);
-            }
-            ParamType::Float { min, max } => (as_f64(v), min, max),
-            _ => (None, 0.0, 0.0),
-        };
-        let x = x.ok_or_else(|| {
-            e(
-                ConfigErrorKind::WrongType,
-                format!("expected a number, got {}", describe(v)),
-            )
-            .key(key.clone())
-            .from_value(v)
-        })?;
-        // `contains` is false for NaN, so `.nan` is refused here too.
-        if !(min..=max).contains(&x) {
-            return Err(e(
-                ConfigErrorKind::OutOfRange,
-                format!("{x} is out of range {min}..={max}"),
-            )
-            .key(key)
-            .from_value(v));
-        }
-        Ok(x)
-    };
+    let f = Fields::new(&fname, DEFAULTS_ORIGIN, &root);
+    f.known(KEYS)?;
+    let origins: BTreeMap<String, String> = f.origins().into_iter().collect();
+    let persona_tokens = persona_tokens(&f)?;
+    let s = f.table("sampling")?;
+    s.known(SAMPLING_KEYS)?;
     let num = |k: &str| -> Result<f64, ConfigError> {
-        let key = format!("sampling.{k}");
-        let v = s
-            .get(k)
-            .ok_or_else(|| e(ConfigErrorKind::Missing, "missing".into()).key(key.clone()))?;
-        checked("depformer", key, v, k)
+        let v = s.get(k).ok_or_else(|| {
+            ConfigError::new(&fname, ConfigErrorKind::Missing, "missing").key(s.key(k))
+        })?;
+        param_value(&s, "depformer", k, v)
     };
     // Integers as the stage takes them (a seed may pass 2^53: no trip through f64).
     let int = |k: &str| -> Result<i64, ConfigError> {
@@ -426,93 +292,79 @@ pub fn load_config(
         repetition_penalty: num("repetition_penalty")?,
         repetition_penalty_context: int("repetition_penalty_context")?,
     };
-    let max_steps = match get("max_steps") {
-        v if matches!(v.kind, ValueKind::Nil) => 0,
-        v => {
-            checked("temporal", "max_steps".into(), v, "max_steps")?;
+    let max_steps = match f.get("max_steps") {
+        Some(v) if f.is_set("max_steps") => {
+            param_value(&f, "temporal", "max_steps", v)?;
             as_i64(v).unwrap_or_default()
         }
+        _ => 0,
     };
-    let execution_provider = string("execution_provider")?;
-    if !["cpu", "cuda"].contains(&execution_provider.as_str()) {
-        return Err(e(
-            ConfigErrorKind::OutOfRange,
-            format!("{execution_provider:?} is not one of cpu, cuda"),
-        )
-        .key("execution_provider")
-        .from_value(get("execution_provider")));
-    }
-    let long_session = string("long_session")?;
-    if !["reset_and_reprime", "stop"].contains(&long_session.as_str()) {
-        return Err(e(
-            ConfigErrorKind::OutOfRange,
-            format!("{long_session:?} is not one of reset_and_reprime, stop"),
-        )
-        .key("long_session")
-        .from_value(get("long_session")));
-    }
-    let echo_cancel = match &get("echo_cancel").kind {
-        ValueKind::Nil => "auto".to_string(),
-        ValueKind::Boolean(b) => if *b { "on" } else { "off" }.to_string(),
-        _ => string("echo_cancel")?,
+    let one_of = |k: &str, value: String, choices: &[&str]| {
+        if choices.contains(&value.as_str()) {
+            Ok(value)
+        } else {
+            Err(f.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!("{value:?} is not one of {}", choices.join(", ")),
+            ))
+        }
     };
-    if !["auto", "on", "off"].contains(&echo_cancel.as_str()) {
-        return Err(e(
-            ConfigErrorKind::OutOfRange,
-            format!("{echo_cancel:?} is not one of auto, on, off"),
-        )
-        .key("echo_cancel")
-        .from_value(get("echo_cancel")));
-    }
-    let addr = string("metrics_address")?;
+    let execution_provider = one_of(
+        "execution_provider",
+        f.string("execution_provider")?,
+        &["cpu", "cuda"],
+    )?;
+    let long_session = one_of(
+        "long_session",
+        f.string("long_session")?,
+        &["reset_and_reprime", "stop"],
+    )?;
+    // `on`/`off` or YAML's true/false.
+    let echo_cancel = match f.get("echo_cancel").map(|v| &v.kind) {
+        None | Some(ValueKind::Nil) => "auto".to_string(),
+        Some(ValueKind::Boolean(b)) => if *b { "on" } else { "off" }.to_string(),
+        _ => f.string("echo_cancel")?,
+    };
+    let echo_cancel = one_of("echo_cancel", echo_cancel, &["auto", "on", "off"])?;
+    let addr = f.string("metrics_address")?;
     let metrics_address = if addr.trim().is_empty() {
         None
     } else {
         Some(addr.trim().parse().map_err(|err| {
-            e(
+            f.err(
                 ConfigErrorKind::WrongType,
+                "metrics_address",
                 format!("{addr:?} is not an address like 127.0.0.1:9187 ({err})"),
             )
-            .key("metrics_address")
-            .from_value(get("metrics_address"))
         })?)
     };
-    let sock = string("control_socket")?;
-    let record = match &get("record").kind {
-        ValueKind::Nil => false,
-        _ => as_bool(get("record")).ok_or_else(|| {
-            e(
-                ConfigErrorKind::WrongType,
-                format!("expected true or false, got {}", describe(get("record"))),
-            )
-            .key("record")
-            .from_value(get("record"))
-        })?,
-    };
-    let record_dir = match string("record_dir")?.trim() {
+    let sock = f.string("control_socket")?;
+    let record = f.boolean("record")?;
+    let record_dir = match f.string("record_dir")?.trim() {
         "" => default_recordings(),
         d => PathBuf::from(d),
     };
-    let pipeline = PathBuf::from(string("pipeline")?);
+    let pipeline = PathBuf::from(f.string("pipeline")?);
     if let Err(err) = crate::files::check_regular(&pipeline) {
-        return Err(e(
+        return Err(f.err(
             ConfigErrorKind::Read,
+            "pipeline",
             format!("pipeline file {}: {err}", pipeline.display()),
-        )
-        .key("pipeline")
-        .from_value(get("pipeline")));
+        ));
     }
+    let ort_library = crate::config::ort::read(&f)?;
     Ok(DaemonConfig {
         file: fname.clone(),
         pipeline,
-        pack: string("pack")?,
+        pack: f.string("pack")?,
         execution_provider,
-        input_device: string("input_device")?,
-        output_device: string("output_device")?,
-        persona: string("persona")?,
-        persona_tokens: tokens,
-        tokenizer: string("tokenizer")?,
-        voice: string("voice")?,
+        input_device: f.string("input_device")?,
+        output_device: f.string("output_device")?,
+        persona: f.string("persona")?,
+        persona_tokens,
+        tokenizer: f.string("tokenizer")?,
+        voice: f.string("voice")?,
         sampling,
         long_session,
         max_steps,
@@ -525,8 +377,97 @@ pub fn load_config(
         },
         record,
         record_dir,
+        ort_library,
         origins,
     })
+}
+
+/// `persona_tokens`: a list of integers (from the environment: one string, comma-separated).
+fn persona_tokens(f: &Fields<'_>) -> Result<Vec<i64>, ConfigError> {
+    const KEY: &str = "persona_tokens";
+    let bad = |m: String| f.err(ConfigErrorKind::WrongType, KEY, m);
+    let Some(v) = f.get(KEY) else {
+        return Ok(Vec::new());
+    };
+    match &v.kind {
+        ValueKind::Nil => Ok(Vec::new()),
+        ValueKind::Array(a) => a
+            .iter()
+            .map(|v| {
+                as_i64(v).ok_or_else(|| {
+                    bad(format!(
+                        "expected integers, like [10, 20], got {}",
+                        describe(v)
+                    ))
+                })
+            })
+            .collect(),
+        ValueKind::String(s) => s
+            .split(',')
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| {
+                t.trim().parse().map_err(|_| {
+                    bad(format!(
+                        "{:?} is not an integer (write a list, like [10, 20], or 10,20)",
+                        t.trim()
+                    ))
+                })
+            })
+            .collect(),
+        _ => Err(bad(format!(
+            "expected a list of integers, like [10, 20], got {}",
+            describe(v)
+        ))),
+    }
+}
+
+/// `v`, the value of `f`'s key `k`, checked as stage `kind`'s param of that name is (its type
+/// and range, from the stage's param specs).
+fn param_value(f: &Fields<'_>, kind: &str, k: &str, v: &Value) -> Result<f64, ConfigError> {
+    let ty = param_type(kind, k).ok_or_else(|| {
+        f.err(
+            ConfigErrorKind::UnknownKey,
+            k,
+            format!("the `{kind}` stage has no param `{k}`"),
+        )
+    })?;
+    let (x, min, max) = match ty {
+        ParamType::Int { min, max } => {
+            let x = as_i64(v).ok_or_else(|| {
+                f.err(
+                    ConfigErrorKind::WrongType,
+                    k,
+                    format!("expected an integer, got {}", describe(v)),
+                )
+            })?;
+            if !(min..=max).contains(&x) {
+                return Err(f.err(
+                    ConfigErrorKind::OutOfRange,
+                    k,
+                    format!("{x} is out of range {min}..={max}"),
+                ));
+            }
+            return Ok(x as f64);
+        }
+        ParamType::Float { min, max } => (as_f64(v), min, max),
+        _ => (None, 0.0, 0.0),
+    };
+    let x = x.ok_or_else(|| {
+        f.err(
+            ConfigErrorKind::WrongType,
+            k,
+            format!("expected a number, got {}", describe(v)),
+        )
+    })?;
+    // `contains` is false for NaN, so `.nan` is refused here too.
+    if !(min..=max).contains(&x) {
+        return Err(f.err(
+            ConfigErrorKind::OutOfRange,
+            k,
+            format!("{x} is out of range {min}..={max}"),
+        ));
+    }
+    Ok(x)
 }
 
 impl DaemonConfig {
@@ -619,6 +560,11 @@ impl DaemonConfig {
                 "record.dir",
                 self.record_dir.display().to_string(),
             ));
+        }
+        if let Some(lib) = &self.ort_library {
+            // Quoted: a path is text, whatever YAML would make of it.
+            let quoted = format!("'{}'", lib.path.display().to_string().replace('\'', "''"));
+            v.push(Override::by(lib.origin.clone(), "ort.library", quoted));
         }
         v
     }
@@ -993,6 +939,32 @@ mod tests {
             assert_eq!(e.key.as_deref(), Some(key), "{e}");
             assert!(e.to_string().contains(says), "{e}");
         }
+    }
+
+    /// `ort.library` (here from its variable) is set over the pipeline file's, naming the
+    /// daemon's layer; a missing library is refused naming the variable and the key.
+    #[test]
+    fn ort_library_is_set_over_the_pipeline_file() {
+        let lib = std::env::current_exe().unwrap();
+        let lib = lib.to_str().unwrap();
+        let c = load_config(None, env(&[("DUPLEX__ORT__LIBRARY", lib)])).unwrap();
+        let spec = c.pipeline_spec().unwrap();
+        let chosen = spec.ort_library.unwrap();
+        assert_eq!(chosen.path, PathBuf::from(lib));
+        assert_eq!(chosen.origin, "environment variable DUPLEX__ORT__LIBRARY");
+        assert!(load_config(None, env(&[]))
+            .unwrap()
+            .pipeline_spec()
+            .unwrap()
+            .ort_library
+            .is_none());
+        let e = load_config(None, env(&[("DUPLEX__ORT__LIBRARY", "/nonexistent.so")])).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("ort.library"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("environment variable DUPLEX__ORT__LIBRARY (over defaults): "),
+            "{e}"
+        );
     }
 
     /// `duplex ctl` finds the socket from any directory: the pipeline file is not needed.

@@ -4,16 +4,16 @@
 //! Layers (each over the one before): `configs/serve.yaml` (built in), the user's file
 //! (`--config`, `$XDG_CONFIG_HOME/duplex/serve.yaml`, `~/.config/duplex/serve.yaml`),
 //! `DUPLEX__…` environment variables. Every value keeps its origin, so an error names the file
-//! and key (or the variable) it came from. Knows nothing of sockets.
+//! and key (or the variable) it came from: the keys are read through the configuration layer's
+//! one typed reader ([`Fields`]), the `ort:` section (the ONNX Runtime library) through its
+//! shared reader ([`ort`](crate::config::ort)). Knows nothing of sockets.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use config::{Map, Value, ValueKind};
-
-use crate::config::params::{as_bool, as_f64, as_string, describe, did_you_mean};
+use crate::config::fields::Fields;
 use crate::config::{layers, ConfigError, ConfigErrorKind, Override, PipelineSpec};
 
 /// The defaults (the text of `configs/serve.yaml`).
@@ -42,6 +42,7 @@ const KEYS: &[&str] = &[
     "trusted_proxies",
     "protect_metrics",
     "instance_name",
+    crate::config::ort::SECTION,
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
 const SAMPLING_KEYS: &[&str] = &[
@@ -191,140 +192,18 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
     /// Session recording (`None`: off).
     pub record: Option<RecordSessions>,
+    /// The ONNX Runtime library `ort.library` chooses (`None`: the template's, else the
+    /// search of [`ortlib`](crate::model::ortlib)).
+    pub ort_library: Option<crate::config::OrtChoice>,
     origins: HashMap<String, String>,
-}
-
-/// Typed reads of one table of the merged layers, each error naming the file and key.
-struct Fields<'a> {
-    fname: &'a str,
-    table: &'a Map<String, Value>,
-    prefix: String,
-}
-
-impl Fields<'_> {
-    fn key(&self, k: &str) -> String {
-        format!("{}{k}", self.prefix)
-    }
-
-    fn err(&self, kind: ConfigErrorKind, k: &str, m: String) -> ConfigError {
-        let mut e = ConfigError::new(self.fname, kind, m).key(self.key(k));
-        if let Some(v) = self.table.get(k) {
-            e = e.from_value(v);
-        }
-        e
-    }
-
-    fn known(&self, keys: &[&str]) -> Result<(), ConfigError> {
-        for k in self.table.keys() {
-            if !keys.contains(&k.as_str()) {
-                let hint = did_you_mean(k, keys.iter().copied());
-                return Err(self.err(
-                    ConfigErrorKind::UnknownKey,
-                    k,
-                    format!("unknown key{hint}; expected: {}", keys.join(", ")),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    fn string(&self, k: &str) -> Result<String, ConfigError> {
-        match self.table.get(k) {
-            None => Ok(String::new()),
-            Some(v) if matches!(v.kind, ValueKind::Nil) => Ok(String::new()),
-            Some(v) => as_string(v).ok_or_else(|| {
-                self.err(
-                    ConfigErrorKind::WrongType,
-                    k,
-                    format!("expected a string, got {}", describe(v)),
-                )
-            }),
-        }
-    }
-
-    fn number(&self, k: &str, min: f64, max: f64) -> Result<f64, ConfigError> {
-        let v = self.table.get(k).ok_or_else(|| {
-            ConfigError::new(self.fname, ConfigErrorKind::Missing, "missing").key(self.key(k))
-        })?;
-        let x = as_f64(v).ok_or_else(|| {
-            self.err(
-                ConfigErrorKind::WrongType,
-                k,
-                format!("expected a number, got {}", describe(v)),
-            )
-        })?;
-        if !(min..=max).contains(&x) {
-            return Err(self.err(
-                ConfigErrorKind::OutOfRange,
-                k,
-                format!("{x} is out of range {min}..={max}"),
-            ));
-        }
-        Ok(x)
-    }
-
-    fn boolean(&self, k: &str) -> Result<bool, ConfigError> {
-        match self.table.get(k) {
-            None => Ok(false),
-            Some(v) => as_bool(v).ok_or_else(|| {
-                self.err(
-                    ConfigErrorKind::WrongType,
-                    k,
-                    format!("expected true or false, got {}", describe(v)),
-                )
-            }),
-        }
-    }
-
-    /// A list of strings (from the environment: one string, comma-separated).
-    fn list(&self, k: &str, what: &str) -> Result<Vec<String>, ConfigError> {
-        let bad = |v: &Value| {
-            self.err(
-                ConfigErrorKind::WrongType,
-                k,
-                format!("expected a list of {what}, got {}", describe(v)),
-            )
-        };
-        let items: Vec<String> = match self.table.get(k) {
-            None => Vec::new(),
-            Some(v) => match &v.kind {
-                ValueKind::Nil => Vec::new(),
-                ValueKind::String(list) => list.split(',').map(str::to_string).collect(),
-                ValueKind::Array(a) => a
-                    .iter()
-                    .map(|x| as_string(x).ok_or_else(|| bad(x)))
-                    .collect::<Result<_, _>>()?,
-                _ => return Err(bad(v)),
-            },
-        };
-        Ok(items
-            .into_iter()
-            .map(|i| i.trim().to_string())
-            .filter(|i| !i.is_empty())
-            .collect())
-    }
-
-    fn table(&self, k: &str) -> Result<Fields<'_>, ConfigError> {
-        match self.table.get(k).map(|v| &v.kind) {
-            Some(ValueKind::Table(t)) => Ok(Fields {
-                fname: self.fname,
-                table: t,
-                prefix: format!("{k}."),
-            }),
-            _ => Err(self.err(ConfigErrorKind::WrongType, k, "expected a map".into())),
-        }
-    }
-}
-
-fn origin_of(v: &Value, fname: &str, key: &str) -> String {
-    layers::origin_in(v, fname, DEFAULTS_ORIGIN, key)
 }
 
 fn seconds(x: f64) -> Duration {
     Duration::from_secs_f64(x)
 }
 
-/// Loads and checks the server's configuration.
+/// Loads and checks the server's configuration, and loads the ONNX Runtime library its
+/// `ort.library` chooses, if any (before the session template's models look for one).
 ///
 /// # Errors
 ///
@@ -340,22 +219,10 @@ pub fn load(
         "serve.yaml",
         env.as_ref(),
     )?;
-    let f = Fields {
-        fname: &fname,
-        table: &root,
-        prefix: String::new(),
-    };
+    let f = Fields::new(&fname, DEFAULTS_ORIGIN, &root);
     f.known(KEYS)?;
-    let mut origins = HashMap::new();
-    for (k, v) in &root {
-        if let ValueKind::Table(t) = &v.kind {
-            for (k2, v2) in t {
-                let key = format!("{k}.{k2}");
-                origins.insert(key.clone(), origin_of(v2, &fname, &key));
-            }
-        }
-        origins.insert(k.clone(), origin_of(v, &fname, k));
-    }
+    let origins: HashMap<String, String> = f.origins().into_iter().collect();
+    let ort_library = crate::config::ort::read(&f)?;
     let addr = f.string("address")?;
     let address: SocketAddr = addr.trim().parse().map_err(|e| {
         f.err(
@@ -525,12 +392,19 @@ pub fn load(
         limits,
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
         file: fname.clone(),
+        ort_library,
         origins,
     };
     if !voice_prompt.trim().is_empty() {
         config
             .voice_path(&voice_prompt)
             .map_err(|m| f.err(ConfigErrorKind::Read, "voice_prompt", m))?;
+    }
+    // The library the settings choose is loaded now, before the session template (whose models
+    // would otherwise find one of their own): a template's own `ort.library` must then name
+    // the same one (one library per process).
+    if let Some(chosen) = &config.ort_library {
+        crate::app::load_chosen_ort(chosen)?;
     }
     Ok(config)
 }
