@@ -519,15 +519,17 @@ fn engine_bench() {
     let frames = 30;
     let warm = 5;
     let rss0 = rss_mb();
-    let e = engine::shared(
-        &p,
-        &EngineOptions {
-            slots: 16,
-            max_positions: 300,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let e = std::sync::Arc::new(
+        engine::SharedLm::open(
+            &p,
+            &EngineOptions {
+                slots: 16,
+                max_positions: 300,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
     let rss_engine = rss_mb();
     // Resident memory: 16 conversations on the engine, then 1 and 16 on graphs of their own.
     let mut held: Vec<LmLoop> = Vec::new();

@@ -9,6 +9,8 @@
 //! - [`config`]: YAML pipeline files → a validated, typed pipeline description.
 //! - [`stages`]: one file per stage kind, adapting a building block to the runtime's `Stage`.
 //! - [`observe`]: metric names and buckets, the exporter, the latency diagnosis.
+//! - [`resources`]: what a process builds once and its pipelines share (packs, tokenizers,
+//!   voice codes, engines).
 //! - [`session`]: the bounded link between a network client and the pipeline serving it.
 //! - [`files`]: opening the files a user names: regular files only, bounded reads.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
@@ -28,6 +30,7 @@ pub mod config;
 pub mod files;
 pub mod model;
 pub mod observe;
+pub mod resources;
 pub mod runtime;
 pub mod session;
 pub mod stages;

@@ -237,15 +237,17 @@ fn converse_after(wait: &[Op], progress: &[AtomicUsize]) {
 }
 
 fn open_engine(pack: &Pack, slots: usize) -> Arc<SharedLm> {
-    engine::shared(
-        pack,
-        &EngineOptions {
-            slots,
-            max_positions: 1000,
-            ..Default::default()
-        },
+    std::sync::Arc::new(
+        engine::SharedLm::open(
+            pack,
+            &EngineOptions {
+                slots,
+                max_positions: 1000,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
     )
-    .unwrap()
 }
 
 #[test]
@@ -261,12 +263,31 @@ fn batched_conversations_equal_each_alone_gqa_fp32() {
         check_batched_equals_alone(&lm, &pack, greedy, unused);
     }
     assert_eq!(lm.free_slots(), 6, "every slot given back");
-    // The weights were loaded once: one engine for the pack, whatever the conversations.
-    assert_eq!(
-        Arc::as_ptr(&open_engine(&pack, 6)),
-        Arc::as_ptr(&lm),
-        "the same engine for the same pack"
+    drop(lm);
+    // A process's resources hold one engine per pack: the weights are loaded once, whatever
+    // the conversations; the last one to leave frees it.
+    let res = duplex::resources::Resources::new(6);
+    let opts = EngineOptions {
+        max_positions: 1000,
+        ..Default::default()
+    };
+    let a = res.engine(&pack, &opts).unwrap();
+    let b = res.engine(&pack, &opts).unwrap();
+    assert!(Arc::ptr_eq(&a, &b), "the same engine for the same pack");
+    assert_eq!(a.slots, 6, "the process's slot count");
+    assert_eq!(res.engines().len(), 1);
+    drop((a, b));
+    assert!(
+        res.engines().is_empty(),
+        "the engine outlived its last user"
     );
+    let c = res.engine(&pack, &opts).unwrap();
+    assert_eq!(
+        res.loads.engines.load(Ordering::Relaxed),
+        2,
+        "opened again once freed"
+    );
+    drop(c);
 }
 
 /// fp16 kernels may accumulate in another order for a batch than for one row: the temporal's

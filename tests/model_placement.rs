@@ -62,15 +62,17 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
         let dl = d.info.layers;
         check(&format!("{name} depformer"), &d.cache_placements(), 4 * dl);
         if name != "tiny" {
-            let lm = engine::shared(
-                &pack,
-                &EngineOptions {
-                    slots: 2,
-                    max_positions: 100,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+            let lm = std::sync::Arc::new(
+                engine::SharedLm::open(
+                    &pack,
+                    &EngineOptions {
+                        slots: 2,
+                        max_positions: 100,
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            );
             check(
                 &format!("{name} shared engine"),
                 &lm.cache_placements,

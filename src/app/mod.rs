@@ -67,7 +67,13 @@ pub fn build_spec(
     spec: &PipelineSpec,
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
-    build_session(spec, registry, None, None)
+    build_session(
+        spec,
+        registry,
+        None,
+        None,
+        &crate::resources::Resources::new(1),
+    )
 }
 
 /// Builds (but does not start) the pipeline of an already loaded spec that serves the network
@@ -81,6 +87,7 @@ pub fn build_session(
     registry: &Registry,
     session: Option<&crate::session::PipelineEnd>,
     recording: Option<&crate::observe::record::Recording>,
+    resources: &crate::resources::Resources,
 ) -> Result<PipelineBuilder, ConfigError> {
     load_ort(spec)?;
     let plane = ControlPlane::new();
@@ -104,7 +111,8 @@ pub fn build_session(
             .with_session(session)
             .with_recording(recording)
             .with_taps(&taps)
-            .with_conversation(&conversation);
+            .with_conversation(&conversation)
+            .with_resources(resources);
         let mut body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         if let Some(p) = &s.inject {
@@ -313,7 +321,8 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     let spec = config::load(file, &opts, &registry)?;
     serve_metrics(&spec.metrics);
     let recording = record(&spec)?;
-    let builder = build_session(&spec, &registry, None, recording.as_deref())?;
+    let resources = crate::resources::Resources::new(1);
+    let builder = build_session(&spec, &registry, None, recording.as_deref(), &resources)?;
     let (builder, monitor) = observe(builder, &spec.metrics);
     let builder = match &recording {
         Some(r) => {

@@ -12,8 +12,10 @@ use config::{Value, ValueKind};
 use crate::config::{params, ConfigError, ConfigErrorKind};
 use crate::observe::compare::{self, Comparison};
 use crate::observe::record::{Recorded, Recording};
+use crate::resources::Resources;
 use crate::runtime::{ControlPlane, Link, Node, PipelineBuilder, RunReport};
 use crate::stages::{BuildContext, Registry};
+use std::sync::Arc;
 
 /// Flags of `duplex replay`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -113,11 +115,13 @@ fn int(v: u64) -> Value {
     }
 }
 
-/// A replayed pipeline's control plane and conversation count, shared by its stages.
+/// A replayed pipeline's control plane and conversation count, shared by its stages, and the
+/// process's resources, shared by every replayed conversation.
 #[derive(Default)]
 struct Plane {
     control: ControlPlane,
     conversation: crate::stages::Conversation,
+    resources: Arc<Resources>,
 }
 
 fn node(
@@ -150,7 +154,8 @@ fn node_at(
     let p = params::check(file, name, kind, k.params, &raw)?;
     let cx = BuildContext::new(name, file, &plane.control, k)
         .with_recording(recording)
-        .with_conversation(&plane.conversation);
+        .with_conversation(&plane.conversation)
+        .with_resources(&plane.resources);
     let body = (k.build)(&cx, &p).map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
@@ -197,6 +202,7 @@ fn build_one(
     a: &ReplayArgs,
     codes: Option<&std::path::Path>,
     out: &std::path::Path,
+    resources: &Arc<Resources>,
 ) -> Result<PipelineBuilder, ConfigError> {
     let reg = Registry::builtin();
     let missing = |flag: &str| {
@@ -270,7 +276,10 @@ fn build_one(
         temporal.push(("execution_provider", s(p)));
         depformer.push(("execution_provider", s(p)));
     }
-    let plane = Plane::default();
+    let plane = Plane {
+        resources: resources.clone(),
+        ..Plane::default()
+    };
     let b = PipelineBuilder::new()
         .origin("duplex replay")
         .node(node(
@@ -309,10 +318,10 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     load_ort()?;
     let outs = outputs(a)?;
     // The shared engine holds one slot per conversation.
-    crate::model::engine::set_default_slots(outs.len());
+    let resources = Arc::new(Resources::new(outs.len()));
     let mut built = Vec::new();
     for (i, out) in outs.iter().enumerate() {
-        built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out)?.build()?);
+        built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out, &resources)?.build()?);
     }
     let running: Vec<_> = built.into_iter().map(|p| p.start()).collect();
     // A signal stops every conversation, not only the first.
@@ -332,7 +341,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
         return Err(e.into());
     }
     if outs.len() > 1 || a.engine.as_deref() == Some("shared") {
-        for e in crate::model::engine::opened() {
+        for e in resources.engines() {
             let st = &e.stats;
             use std::sync::atomic::Ordering::Relaxed;
             tracing::info!(

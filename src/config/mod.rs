@@ -21,6 +21,7 @@ mod error;
 pub mod fields;
 pub mod layers;
 pub mod ort;
+mod overrides;
 pub mod params;
 mod paths;
 mod pipeline;
@@ -29,6 +30,7 @@ pub mod yaml;
 pub use error::{ConfigError, ConfigErrorKind};
 pub use layers::Override;
 pub use ort::OrtChoice;
+pub use overrides::ParamOverride;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
     load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RecordSettings,

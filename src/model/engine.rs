@@ -1,9 +1,11 @@
 //! The shared LM engine: one temporal and one depformer session per pack and process, stepping
 //! every conversation that has a frame ready in one batched call per tick.
 //!
-//! - **Weights once.** [`shared`] opens a pack's temporal and depformer graphs the first time a
-//!   stage asks for them and hands the same engine to every later one (per pack directory and
-//!   execution provider); it lives as long as the process.
+//! - **Weights once.** [`SharedLm::open`] opens a pack's temporal and depformer graphs; the
+//!   process's [`Resources`](crate::resources::Resources) opens one per pack, execution provider
+//!   and device the first time a stage asks for it, hands the same engine to every later one,
+//!   and lets it go when the last conversation on it has left (the engine's thread ends when
+//!   the last handle to it is dropped).
 //! - **Slots.** The temporal engine holds `slots` KV slots, rows of one batch: per layer one K
 //!   and one V buffer of `[slots, heads, capacity + 1, head_dim]`, bound in place as both past
 //!   and present (the GQA graph appends each row's new entry at its own valid length, which
@@ -33,9 +35,8 @@
 //! whole batch). Knows nothing of stages, pipelines or the network.
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
@@ -64,12 +65,17 @@ pub const ENGINE_STAGE: &str = "engine";
 pub struct EngineOptions {
     /// Session options of both graphs.
     pub session: SessionOptions,
-    /// KV slots: conversations the engine can hold at once (0 = [`default_slots`]).
+    /// KV slots: conversations the engine can hold at once (0: the process's count, which
+    /// [`Resources`](crate::resources::Resources) fills in; at least 1 here).
     pub slots: usize,
     /// Positions per conversation (clamped to the pack's `max_positions`).
     pub max_positions: usize,
     /// How long a tick waits for the sessions it expects.
     pub max_wait: Duration,
+    /// A fault drill: the engine's thread panics at this temporal tick (see
+    /// [`Resources`](crate::resources::Resources), which sets it from
+    /// `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK` for the first engine a process opens).
+    pub panic_at_tick: Option<u64>,
 }
 
 impl Default for EngineOptions {
@@ -79,85 +85,9 @@ impl Default for EngineOptions {
             slots: 0,
             max_positions: usize::MAX,
             max_wait: Duration::from_millis(5),
+            panic_at_tick: None,
         }
     }
-}
-
-static DEFAULT_SLOTS: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets the slot count of engines opened without one: the number of conversations the process
-/// hosts (`duplex serve`'s `max_sessions`, the number of `duplex replay --codes` files).
-pub fn set_default_slots(n: usize) {
-    DEFAULT_SLOTS.store(n, Ordering::Release);
-}
-
-/// The slot count of engines opened without one (at least 1).
-pub fn default_slots() -> usize {
-    DEFAULT_SLOTS.load(Ordering::Acquire).max(1)
-}
-
-type Key = (PathBuf, &'static str);
-
-fn engines() -> &'static Mutex<HashMap<Key, Arc<SharedLm>>> {
-    static ENGINES: OnceLock<Mutex<HashMap<Key, Arc<SharedLm>>>> = OnceLock::new();
-    ENGINES.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-/// The process's engine for `pack`, opened on first use.
-///
-/// # Errors
-///
-/// A pack whose temporal graph is not GQA, contract and ONNX Runtime errors of either graph.
-pub fn shared(pack: &Pack, opts: &EngineOptions) -> Result<Arc<SharedLm>, ModelError> {
-    let dir = std::fs::canonicalize(&pack.dir).unwrap_or_else(|_| pack.dir.clone());
-    let key = (dir, opts.session.provider.name());
-    let mut map = engines()
-        .lock()
-        .map_err(|_| ModelError::contract("engine", "the engine registry is poisoned"))?;
-    if let Some(e) = map.get(&key) {
-        // The first stage to open the engine decided its size.
-        if opts.slots != 0 && opts.slots != e.slots {
-            tracing::warn!(
-                pack = %pack.dir.display(),
-                slots = e.slots,
-                asked = opts.slots,
-                "the shared engine is already open: `slots` of this stage is not applied"
-            );
-        }
-        return Ok(e.clone());
-    }
-    let e = Arc::new(SharedLm::open(pack, opts)?);
-    map.insert(key, e.clone());
-    Ok(e)
-}
-
-/// The engines the process has opened.
-pub fn opened() -> Vec<Arc<SharedLm>> {
-    engines()
-        .lock()
-        .map(|m| m.values().cloned().collect())
-        .unwrap_or_default()
-}
-
-/// Sets the slot gauges of the process's engines (after a metrics recorder is installed).
-pub fn publish() {
-    for e in opened() {
-        if let Ok(t) = e.taken.lock() {
-            publish_slots(e.slots, &t);
-        }
-    }
-}
-
-/// Free slots of the process's engines (the fewest of any), `None` when none is open.
-pub fn free_slots() -> Option<usize> {
-    let map = engines().lock().ok()?;
-    map.values().map(|e| e.free_slots()).min()
-}
-
-/// Slots of the process's engines (the fewest of any), `None` when none is open.
-pub fn total_slots() -> Option<usize> {
-    let map = engines().lock().ok()?;
-    map.values().map(|e| e.slots).min()
 }
 
 /// What an engine has done since it opened.
@@ -187,6 +117,7 @@ impl EngineStats {
 
 /// One pack's shared temporal and depformer engines.
 pub struct SharedLm {
+    failed: Arc<AtomicBool>,
     /// What the engine has done.
     pub stats: Arc<EngineStats>,
     /// KV slots.
@@ -212,13 +143,14 @@ pub struct SharedLm {
 }
 
 impl SharedLm {
-    fn open(pack: &Pack, opts: &EngineOptions) -> Result<SharedLm, ModelError> {
+    /// Opens `pack`'s temporal and depformer graphs as one engine on a thread of its own.
+    ///
+    /// # Errors
+    ///
+    /// A pack whose temporal graph is not GQA, contract and ONNX Runtime errors of either graph.
+    pub fn open(pack: &Pack, opts: &EngineOptions) -> Result<SharedLm, ModelError> {
         let m = &pack.manifest;
-        let slots = if opts.slots == 0 {
-            default_slots()
-        } else {
-            opts.slots
-        };
+        let slots = opts.slots.max(1);
         let capacity = opts.max_positions.min(m.max_positions).max(1);
         let channels = m.delays.len();
         let steps = 2 * m.codebooks;
@@ -228,8 +160,11 @@ impl SharedLm {
         let dpath = pack.graph_path(Graph::Depformer);
         let session = opts.session;
         let wait = opts.max_wait;
+        let drill = opts.panic_at_tick;
         let stats = Arc::new(EngineStats::default());
         let st = stats.clone();
+        let failed = Arc::new(AtomicBool::new(false));
+        let fail = failed.clone();
         std::thread::Builder::new()
             .name("duplex:engine".into())
             .spawn(move || {
@@ -247,7 +182,24 @@ impl SharedLm {
                         ));
                         let infos = (t.info.clone(), d.info.clone(), t.provider, places);
                         let _ = ready_tx.send(Ok(infos));
-                        run_engine(t, d, &rx, wait, &st);
+                        // A panic ends the engine: it is marked failed (its conversations get
+                        // an error as their replies are dropped) and the next conversation
+                        // opens a fresh one.
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            run_engine(t, d, &rx, wait, &st, drill)
+                        }));
+                        if let Err(p) = run {
+                            fail.store(true, Ordering::Release);
+                            metrics::counter!(names::ENGINE_FAILURES).increment(1);
+                            let why = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a panic".into());
+                            tracing::error!(
+                                "the shared LM engine failed ({why}): its conversations end; the next one opens a fresh engine"
+                            );
+                        }
                     }
                     Err(e) => drop(ready_tx.send(Err(e))),
                 }
@@ -265,6 +217,7 @@ impl SharedLm {
                 ),
             ));
         }
+        metrics::gauge!(names::ENGINES_OPEN).increment(1.0);
         tracing::info!(
             pack = %pack.dir.display(),
             slots,
@@ -275,6 +228,7 @@ impl SharedLm {
             "shared LM engine ready"
         );
         Ok(SharedLm {
+            failed,
             stats,
             slots,
             capacity,
@@ -290,6 +244,18 @@ impl SharedLm {
             audio_limit: m.audio_vocab + 1,
             steps,
         })
+    }
+
+    /// Whether the engine's thread has failed (it serves nobody any more).
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Sets the slot gauges (after a metrics recorder is installed).
+    pub fn publish(&self) {
+        if let Ok(t) = self.taken.lock() {
+            publish_slots(self.slots, &t);
+        }
     }
 
     /// Slots not claimed.
@@ -400,6 +366,17 @@ impl SharedLm {
 fn publish_slots(slots: usize, taken: &[bool]) {
     metrics::gauge!(names::ENGINE_SLOTS).set(slots as f64);
     metrics::gauge!(names::ENGINE_SLOTS_USED).set(taken.iter().filter(|x| **x).count() as f64);
+}
+
+impl Drop for SharedLm {
+    fn drop(&mut self) {
+        // The engine's thread ends with the channel this drops.
+        metrics::gauge!(names::ENGINES_OPEN).decrement(1.0);
+        tracing::info!(
+            slots = self.slots,
+            "shared LM engine closed: its last conversation left"
+        );
+    }
 }
 
 impl std::fmt::Debug for SharedLm {
@@ -548,6 +525,7 @@ fn run_engine(
     rx: &Receiver<Msg>,
     max_wait: Duration,
     stats: &EngineStats,
+    panic_at_tick: Option<u64>,
 ) {
     let mut conv = Conversations::default();
     let mut tick = Tick::default();
@@ -567,6 +545,13 @@ fn run_engine(
         // drifted half a frame apart meet again in the next temporal batch.
         let run_temporal = tick.depformer.is_empty();
         if run_temporal && !tick.temporal.is_empty() {
+            let ticks = stats.temporal_ticks.load(Ordering::Relaxed);
+            if panic_at_tick.is_some_and(|n| ticks + 1 >= n) {
+                panic!(
+                    "fault drill: the engine fails at temporal tick {}",
+                    ticks + 1
+                );
+            }
             let n = tick.temporal.len();
             stats.temporal_ticks.fetch_add(1, Ordering::Relaxed);
             stats.temporal_rows.fetch_add(n as u64, Ordering::Relaxed);

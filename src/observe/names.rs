@@ -52,6 +52,12 @@ pub const STAGE_SERVICE_BY_CONTEXT: &str = "duplex_stage_service_by_context_seco
 /// Histogram, label `direction` (`decode|encode`): time in libopus and the Ogg framing for one
 /// chunk of a network client's stream.
 pub const OPUS_TIME: &str = "duplex_opus_seconds";
+/// Counter, label `what` (`pack|tokenizer|voice|template|engine`): things the process loaded
+/// (not taken from its resources): after the first session of a server, none but what changed.
+pub const RESOURCES_LOADED: &str = "duplex_resources_loaded_total";
+/// Counter, label `result` (`applied|rejected`): reloads of `duplex serve`'s session template
+/// (SIGHUP).
+pub const RELOADS: &str = "duplex_template_reloads_total";
 /// Gauge: network sessions running now.
 pub const SESSIONS_ACTIVE: &str = "duplex_sessions_active";
 /// Gauge: sessions the server admits at most (`max_sessions`).
@@ -115,5 +121,11 @@ pub const ENGINE_BATCH: &str = "duplex_engine_batch_size";
 pub const ENGINE_LATE: &str = "duplex_engine_late_frames_total";
 /// Gauge: KV slots of the shared LM engine (conversations it can hold).
 pub const ENGINE_SLOTS: &str = "duplex_engine_slots";
+/// Gauge: shared LM engines open in the process (one per pack, provider and device; an engine
+/// whose last conversation has left is closed, its weights freed).
+pub const ENGINES_OPEN: &str = "duplex_engines_open";
+/// Counter: shared LM engines that failed (their thread panicked; their conversations ended
+/// with an error, and the next conversation opened a fresh engine).
+pub const ENGINE_FAILURES: &str = "duplex_engine_failures_total";
 /// Gauge: KV slots of the shared LM engine in use.
 pub const ENGINE_SLOTS_USED: &str = "duplex_engine_slots_used";

@@ -23,7 +23,7 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let pack = open_pack(p)?;
+    let pack = open_pack(cx, p)?;
     let enc = Encoder::open(&pack, p, cx.stage)?;
     cx.endpoint().set("model", enc.runs_on());
     let conversation = cx.conversation();

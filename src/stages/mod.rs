@@ -36,6 +36,8 @@ pub(crate) use temporal::check_voice;
 
 use std::fmt::Write;
 
+use crate::model::pack::Pack;
+
 use crate::config::{KindCatalog, ParamSpec, Params};
 use crate::runtime::{Body, CommandSpec, ControlPlane, Endpoint, PortSpec, StatusSpec};
 
@@ -61,6 +63,9 @@ pub struct BuildContext<'a> {
     /// The pipeline's conversation count (the LM stage starts a new conversation, the codec
     /// stages start new streams); None where the caller builds stages alone.
     pub conversation: Option<&'a Conversation>,
+    /// What the process builds once (packs, tokenizers, voice codes, engines); None where the
+    /// caller builds stages alone (each then opens what it needs for itself).
+    pub resources: Option<&'a crate::resources::Resources>,
 }
 
 /// A pipeline's conversation count. The LM stage bumps it when it starts a new conversation
@@ -95,7 +100,42 @@ impl<'a> BuildContext<'a> {
             recording: None,
             taps: None,
             conversation: None,
+            resources: None,
         }
+    }
+
+    /// The same context for a process whose resources are `resources`.
+    pub fn with_resources(mut self, resources: &'a crate::resources::Resources) -> Self {
+        self.resources = Some(resources);
+        self
+    }
+
+    /// The pack in `dir`: the process's, opened once, or opened here for a stage built alone.
+    ///
+    /// # Errors
+    ///
+    /// The pack's error, on the `pack` param.
+    pub fn pack(&self, dir: &std::path::Path) -> Result<std::sync::Arc<Pack>, BuildError> {
+        Ok(match self.resources {
+            Some(r) => r.pack(dir)?,
+            None => std::sync::Arc::new(Pack::open(dir)?),
+        })
+    }
+
+    /// The tokenizer at `path`, loaded once per process.
+    ///
+    /// # Errors
+    ///
+    /// The tokenizer's error, on the `tokenizer` param.
+    pub fn tokenizer(
+        &self,
+        path: &std::path::Path,
+    ) -> Result<std::sync::Arc<crate::model::tokenizer::Tokenizer>, BuildError> {
+        match self.resources {
+            Some(r) => r.tokenizer(path),
+            None => crate::model::tokenizer::Tokenizer::open(path).map(std::sync::Arc::new),
+        }
+        .map_err(|e| BuildError::invalid(e.to_string()).key("tokenizer"))
     }
 
     /// The same context for a pipeline whose conversation count is `conversation`.

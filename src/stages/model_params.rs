@@ -74,9 +74,12 @@ pub(super) fn session_options(p: &Params) -> SessionOptions {
     }
 }
 
-/// Opens the `pack` param's directory.
-pub(super) fn open_pack(p: &Params) -> Result<Pack, BuildError> {
-    Ok(Pack::open(Path::new(p.str("pack")))?)
+/// The `pack` param's pack: the process's (opened once), or opened for this stage alone.
+pub(super) fn open_pack(
+    cx: &super::BuildContext<'_>,
+    p: &Params,
+) -> Result<std::sync::Arc<Pack>, BuildError> {
+    cx.pack(Path::new(p.str("pack")))
 }
 
 /// `engine`: the LM stages' choice between sessions of their own and the process's shared
@@ -96,8 +99,10 @@ pub(super) const SLOTS_PARAM: crate::config::ParamSpec = crate::config::ParamSpe
     doc: "KV slots of the shared engine (0 = the conversations the process hosts: `duplex serve`'s `max_sessions`)",
 };
 
-/// The process's shared engine for the stage's pack when `engine: shared`, else `None`.
+/// The process's shared engine for the stage's pack when `engine: shared`, else `None` (a
+/// stage built alone, outside any process's resources, gets an engine of its own).
 pub(super) fn shared_engine(
+    cx: &super::BuildContext<'_>,
     pack: &Pack,
     p: &Params,
     max_positions: usize,
@@ -111,7 +116,10 @@ pub(super) fn shared_engine(
         max_positions,
         ..Default::default()
     };
-    crate::model::engine::shared(pack, &opts)
-        .map(Some)
-        .map_err(|e| BuildError::invalid(e.to_string()).key("engine"))
+    match cx.resources {
+        Some(r) => r.engine(pack, &opts),
+        None => crate::resources::Resources::new(1).engine(pack, &opts),
+    }
+    .map(Some)
+    .map_err(|e| BuildError::invalid(e.to_string()).key("engine"))
 }

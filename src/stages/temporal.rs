@@ -214,13 +214,15 @@ pub(crate) fn check_voice(path: &Path, max_seconds: f64) -> Result<usize, String
     Ok((seconds / 0.08).ceil() as usize)
 }
 
-/// Encodes a voice prompt WAV into code frames (resampled to the pack's rate if needed), once
-/// its header has passed [`check_voice`].
+/// The code frames of a voice prompt WAV, once its header has passed [`check_voice`]: the
+/// process's (encoded once per content, pack and codec path), or encoded here for a stage built
+/// alone.
 fn voice_codes(
+    cx: &BuildContext<'_>,
     path: &Path,
     pack: &crate::model::pack::Pack,
     p: &Params,
-) -> Result<Vec<Vec<i64>>, BuildError> {
+) -> Result<std::sync::Arc<Vec<Vec<i64>>>, BuildError> {
     let voice = |e: String| BuildError::invalid(e).key("voice");
     let frames = check_voice(path, p.float("max_voice_s")).map_err(voice)?;
     let limit = p.int("max_positions") as usize;
@@ -230,6 +232,29 @@ fn voice_codes(
             path.display()
         )));
     }
+    let encode = || encode_voice(path, pack, p);
+    match cx.resources {
+        Some(r) => {
+            // Everything that changes the codes: the codec's strategy, precision and device.
+            let codec = format!(
+                "{} {} {}",
+                p.str("streaming"),
+                p.str("step_dtype"),
+                p.str("execution_provider")
+            );
+            r.voice_codes(path, pack, &codec, encode)
+        }
+        None => encode().map(std::sync::Arc::new),
+    }
+}
+
+/// Decodes, resamples and encodes a voice prompt WAV into code frames.
+fn encode_voice(
+    path: &Path,
+    pack: &crate::model::pack::Pack,
+    p: &Params,
+) -> Result<Vec<Vec<i64>>, BuildError> {
+    let voice = |e: String| BuildError::invalid(e).key("voice");
     let mut r = WavReader::open(path).map_err(|e| voice(e.to_string()))?;
     let mut pcm = r.read_all().map_err(|e| voice(e.to_string()))?;
     let rate = pack.manifest.sample_rate;
@@ -253,10 +278,10 @@ fn voice_codes(
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let pack = open_pack(p)?;
+    let pack = open_pack(cx, p)?;
     let m = pack.manifest.clone();
     let voice = match p.opt_str("voice") {
-        Some(v) => Some(voice_codes(Path::new(v), &pack, p)?),
+        Some(v) => Some(voice_codes(cx, Path::new(v), &pack, p)?),
         None => None,
     };
     let tokenizer = match p
@@ -264,15 +289,12 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         .map(PathBuf::from)
         .or_else(|| pack.tokenizer())
     {
-        Some(path) => Some(
-            Tokenizer::open(&path)
-                .map_err(|e| BuildError::invalid(e.to_string()).key("tokenizer"))?,
-        ),
+        Some(path) => Some(cx.tokenizer(&path)?),
         None => None,
     };
     let persona = persona_tokens(
         &m,
-        tokenizer.as_ref(),
+        tokenizer.as_deref(),
         p.opt_str("persona"),
         p.int_list("persona_tokens"),
     )
@@ -292,7 +314,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     }
     let script = priming_script(
         &m,
-        voice.as_deref(),
+        voice.as_ref().map(|v| v.as_slice()),
         &persona,
         p.int("silence_frames") as usize,
     );
@@ -319,7 +341,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         )
         .key("engine"));
     }
-    let temporal: TemporalModel = match shared_engine(&pack, p, opts.max_positions)? {
+    let temporal: TemporalModel = match shared_engine(cx, &pack, p, opts.max_positions)? {
         Some(lm) => {
             if opts.kv == KvMode::Host {
                 return Err(BuildError::invalid(
@@ -380,10 +402,10 @@ struct TemporalStage {
     /// Agent frames emitted.
     index: u64,
     manifest: PackManifest,
-    tokenizer: Option<Tokenizer>,
+    tokenizer: Option<std::sync::Arc<Tokenizer>>,
     /// Whether the transcript is logged (escaped), a line per sentence.
     log_transcript: bool,
-    voice: Option<Vec<Vec<i64>>>,
+    voice: Option<std::sync::Arc<Vec<Vec<i64>>>>,
     silence_frames: usize,
     transcript: Transcript,
     /// Transcript text not logged yet.
@@ -455,12 +477,17 @@ impl TemporalStage {
                 .collect::<Result<Vec<_>, _>>()?;
             persona_tokens(&self.manifest, None, None, &tokens)
         } else {
-            persona_tokens(&self.manifest, self.tokenizer.as_ref(), Some(persona), &[])
+            persona_tokens(
+                &self.manifest,
+                self.tokenizer.as_deref(),
+                Some(persona),
+                &[],
+            )
         }
         .map_err(|e| e.to_string())?;
         self.script = priming_script(
             &self.manifest,
-            self.voice.as_deref(),
+            self.voice.as_ref().map(|v| v.as_slice()),
             &ids,
             self.silence_frames,
         );

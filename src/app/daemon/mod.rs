@@ -44,7 +44,7 @@ use reload::{finish_reload, reload};
 /// A [`ConfigError`] (in the chain) naming the daemon's file or variable and key.
 pub fn check(explicit: Option<&Path>) -> anyhow::Result<DaemonConfig> {
     let c = check_all(explicit, None)?;
-    let built = build_pipeline(&c)?;
+    let built = build_pipeline(&c, &crate::resources::Resources::new(1))?;
     // Built to be checked, not run: its recording's folder is not kept.
     if let Some(r) = &built.recording {
         r.discard();
@@ -134,6 +134,9 @@ struct Built {
 
 struct Shared {
     started: Instant,
+    /// What the process builds once: a reload that keeps the pack reuses it, and an engine
+    /// whose last pipeline is gone is freed.
+    resources: crate::resources::Resources,
     /// The configuration in force: the running pipeline's, after every accepted reload.
     config: Mutex<DaemonConfig>,
     /// The last configuration whose pipeline was built and ran: what a reload that cannot be
@@ -189,7 +192,7 @@ impl Shared {
     fn build(&self, c: &DaemonConfig) -> anyhow::Result<Built> {
         let mut c = c.clone();
         c.record = self.record_state().wanted;
-        build_pipeline(&c)
+        build_pipeline(&c, &self.resources)
     }
 
     /// Models loaded and warmed up: a pipeline runs and every stage has started.
@@ -434,6 +437,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
             starting: false,
         }),
         starts: Default::default(),
+        resources: crate::resources::Resources::new(1),
     });
     let health_shared = shared.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
@@ -627,7 +631,10 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
 }
 
 /// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.
-fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
+fn build_pipeline(
+    c: &DaemonConfig,
+    resources: &crate::resources::Resources,
+) -> anyhow::Result<Built> {
     let echo = c.echo_decision();
     let spec = c.pipeline_spec_with(&echo)?;
     let echo = if spec.stages.iter().any(|s| s.name == config::AEC_STAGE) {
@@ -661,6 +668,7 @@ fn build_pipeline(c: &DaemonConfig) -> anyhow::Result<Built> {
             &crate::stages::Registry::builtin(),
             None,
             recording.as_deref(),
+            resources,
         )?;
         let (builder, monitor) = super::observe(builder, &spec.metrics);
         let builder = match &recording {

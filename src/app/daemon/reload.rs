@@ -43,7 +43,7 @@ pub(super) fn finish_reload(shared: &Shared, outcome: Result<String, String>) {
 pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig, for_recording: bool) -> bool {
     tracing::warn!("building a new pipeline beside the running one");
     let t0 = Instant::now();
-    match build_pipeline(&new) {
+    match build_pipeline(&new, &shared.resources) {
         Ok(built) if !shared.shutdown.load(Ordering::Acquire) => {
             // The recording's lock, then the configuration's: the order `ctl record` takes them.
             let Ok(record) = shared.record.lock() else {

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::fields::Fields;
-use crate::config::{layers, ConfigError, ConfigErrorKind, Override, PipelineSpec};
+use crate::config::{layers, ConfigError, ConfigErrorKind, ParamOverride, PipelineSpec};
 
 /// The defaults (the text of `configs/serve.yaml`).
 pub const DEFAULTS_YAML: &str = include_str!("../../../configs/serve.yaml");
@@ -53,6 +53,7 @@ const SAMPLING_KEYS: &[&str] = &[
     "pad_mult",
     "repetition_penalty",
     "repetition_penalty_context",
+    "seed",
     "text_seed",
     "audio_seed",
 ];
@@ -98,9 +99,12 @@ pub struct Sampling {
     pub repetition_penalty: f64,
     /// Non-padding text tokens the repetition penalty looks back over.
     pub repetition_penalty_context: i64,
-    /// Seed of the text sampler; `None`: a fresh one per session.
+    /// The default of both samplers' seeds (the depformer's `seed`: the text sampler takes it,
+    /// the audio sampler a fixed derivation of it); `None`: a fresh one per session.
+    pub seed: Option<u64>,
+    /// Seed of the text sampler; `None`: from `seed`.
     pub text_seed: Option<u64>,
-    /// Seed of the audio sampler; `None`: a fresh one per session.
+    /// Seed of the audio sampler; `None`: from `seed`.
     pub audio_seed: Option<u64>,
     /// Steps after which the conversation ends (0: none): the server's `limits.max_steps`, or
     /// fewer when the client asks.
@@ -269,6 +273,7 @@ pub fn load(
         repetition_penalty: s.number("repetition_penalty", 1.0, REPETITION_PENALTY_MAX)?,
         repetition_penalty_context: s.number("repetition_penalty_context", 0.0, CONTEXT_MAX)?
             as i64,
+        seed: seed("seed")?,
         text_seed: seed("text_seed")?,
         audio_seed: seed("audio_seed")?,
         max_steps: 0,
@@ -598,10 +603,17 @@ impl ServeConfig {
         Ok(p)
     }
 
-    /// The overrides that turn the session template into this session's pipeline: the pack,
-    /// the sampling, persona and voice, each with its origin (the configuration key or the
-    /// query parameter).
-    pub fn session_overrides(&self, spec: &PipelineSpec, p: &SessionParams) -> Vec<Override> {
+    /// The params that turn the session template into this session's pipeline, typed: the
+    /// pack and execution provider of every model stage, the sampling, persona and voice, each
+    /// with its origin (the configuration key or the query parameter). Model stages are the
+    /// kinds that take a `pack`.
+    pub fn session_overrides(
+        &self,
+        spec: &PipelineSpec,
+        catalog: &dyn crate::config::KindCatalog,
+        p: &SessionParams,
+    ) -> Vec<ParamOverride> {
+        use crate::config::ParamValue::{Bool, Float, Int, Str};
         let mut sets = Vec::new();
         let origin = |query: &str, key: &str| {
             p.chosen
@@ -611,139 +623,112 @@ impl ServeConfig {
         };
         for s in &spec.stages {
             let name = &s.name;
-            let model = ["temporal", "depformer", "mimi_encode", "mimi_decode"];
-            if let (Some(pack), true) = (&self.pack, model.contains(&s.kind.as_str())) {
-                sets.push(Override::by(
-                    self.origin("pack"),
-                    format!("stages.{name}.pack"),
-                    pack,
-                ));
+            let mut set = |param, value, origin: String| {
+                sets.push(ParamOverride::new(name.clone(), param, value, origin))
+            };
+            let model = catalog
+                .params(&s.kind)
+                .is_some_and(|ps| ps.iter().any(|x| x.name == "pack"));
+            if model {
+                if let Some(pack) = &self.pack {
+                    set("pack", Str(pack.clone()), self.origin("pack"));
+                }
+                if let Some(ep) = &self.execution_provider {
+                    set(
+                        "execution_provider",
+                        Str(ep.clone()),
+                        self.origin("execution_provider"),
+                    );
+                }
             }
-            if let (Some(ep), true) = (&self.execution_provider, model.contains(&s.kind.as_str())) {
-                sets.push(Override::by(
-                    self.origin("execution_provider"),
-                    format!("stages.{name}.execution_provider"),
-                    ep,
-                ));
-            }
+            let sm = &p.sampling;
             match s.kind.as_str() {
                 "depformer" => {
-                    let sm = &p.sampling;
-                    for (param, query, key, value) in [
+                    for (param, query, value) in [
                         (
                             "text_temperature",
                             "text_temperature",
-                            "sampling.text_temperature",
-                            sm.text_temperature.to_string(),
+                            Float(sm.text_temperature),
                         ),
-                        (
-                            "text_top_k",
-                            "text_topk",
-                            "sampling.text_top_k",
-                            sm.text_top_k.to_string(),
-                        ),
+                        ("text_top_k", "text_topk", Int(sm.text_top_k)),
                         (
                             "audio_temperature",
                             "audio_temperature",
-                            "sampling.audio_temperature",
-                            sm.audio_temperature.to_string(),
+                            Float(sm.audio_temperature),
                         ),
-                        (
-                            "audio_top_k",
-                            "audio_topk",
-                            "sampling.audio_top_k",
-                            sm.audio_top_k.to_string(),
-                        ),
-                    ] {
-                        sets.push(Override::by(
-                            origin(query, key),
-                            format!("stages.{name}.{param}"),
-                            value,
-                        ));
-                    }
-                    for (param, query, key, value) in [
-                        (
-                            "pad_mult",
-                            "pad_mult",
-                            "sampling.pad_mult",
-                            sm.pad_mult.to_string(),
-                        ),
+                        ("audio_top_k", "audio_topk", Int(sm.audio_top_k)),
+                        ("pad_mult", "pad_mult", Float(sm.pad_mult)),
                         (
                             "repetition_penalty",
                             "repetition_penalty",
-                            "sampling.repetition_penalty",
-                            sm.repetition_penalty.to_string(),
+                            Float(sm.repetition_penalty),
                         ),
                         (
                             "repetition_penalty_context",
                             "repetition_penalty_context",
-                            "sampling.repetition_penalty_context",
-                            sm.repetition_penalty_context.to_string(),
+                            Int(sm.repetition_penalty_context),
                         ),
                     ] {
-                        sets.push(Override::by(
-                            origin(query, key),
-                            format!("stages.{name}.{param}"),
-                            value,
-                        ));
+                        let key = format!("sampling.{}", query.replace("topk", "top_k"));
+                        set(param, value, origin(query, &key));
                     }
-                    // Each sampler its own seed: the client's, the configuration's, or fresh.
+                    // `seed` (the configuration's, or fresh per session) is the default of
+                    // both samplers' seeds; a seed of the client's or the configuration's for
+                    // one sampler is that sampler's.
+                    let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
+                    set(
+                        "seed",
+                        Int((seed & SEED_MAX as u64) as i64),
+                        origin("seed", "sampling.seed"),
+                    );
                     for (param, seed) in
                         [("text_seed", sm.text_seed), ("audio_seed", sm.audio_seed)]
                     {
-                        let seed = seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
-                        sets.push(Override::by(
-                            origin(param, &format!("sampling.{param}")),
-                            format!("stages.{name}.{param}"),
-                            seed.to_string(),
-                        ));
+                        if let Some(seed) = seed {
+                            set(
+                                param,
+                                Int((seed & SEED_MAX as u64) as i64),
+                                origin(param, &format!("sampling.{param}")),
+                            );
+                        }
                     }
                 }
                 "temporal" => {
-                    if p.sampling.max_steps > 0 {
-                        sets.push(Override::by(
+                    if sm.max_steps > 0 {
+                        set(
+                            "max_steps",
+                            Int(sm.max_steps),
                             origin("max_steps", "limits.max_steps"),
-                            format!("stages.{name}.max_steps"),
-                            p.sampling.max_steps.to_string(),
-                        ));
+                        );
                     }
-                    for (param, key, value) in [
-                        (
-                            "max_persona_tokens",
-                            "limits.max_prompt_tokens",
-                            self.limits.max_prompt_tokens.to_string(),
-                        ),
-                        (
-                            "max_voice_s",
-                            "limits.max_voice_s",
-                            self.limits.max_voice_s.to_string(),
-                        ),
-                        (
-                            "log_transcript",
-                            "log_transcripts",
-                            self.log_transcripts.to_string(),
-                        ),
-                    ] {
-                        sets.push(Override::by(
-                            self.origin(key),
-                            format!("stages.{name}.{param}"),
-                            value,
-                        ));
-                    }
+                    set(
+                        "max_persona_tokens",
+                        Int(self.limits.max_prompt_tokens as i64),
+                        self.origin("limits.max_prompt_tokens"),
+                    );
+                    set(
+                        "max_voice_s",
+                        Float(self.limits.max_voice_s),
+                        self.origin("limits.max_voice_s"),
+                    );
+                    set(
+                        "log_transcript",
+                        Bool(self.log_transcripts),
+                        self.origin("log_transcripts"),
+                    );
                     if !p.text_prompt.trim().is_empty() {
-                        sets.push(Override::by(
+                        set(
+                            "persona",
+                            Str(p.text_prompt.clone()),
                             origin("text_prompt", "text_prompt"),
-                            format!("stages.{name}.persona"),
-                            // Quoted so that YAML reads it as text whatever it holds.
-                            serde_json::to_string(&p.text_prompt).unwrap_or_default(),
-                        ));
+                        );
                     }
                     if let Some(v) = &p.voice {
-                        sets.push(Override::by(
+                        set(
+                            "voice",
+                            Str(v.display().to_string()),
                             origin("voice_prompt", "voice_prompt"),
-                            format!("stages.{name}.voice"),
-                            serde_json::to_string(&v.display().to_string()).unwrap_or_default(),
-                        ));
+                        );
                     }
                 }
                 _ => {}
@@ -855,15 +840,15 @@ mod tests {
         let opts = crate::config::LoadOptions::default();
         let spec = crate::config::load(&c.pipeline, &opts, &registry).unwrap();
         let p = c.session_params(&[]).unwrap();
-        let sets = c.session_overrides(&spec, &p);
+        let sets = c.session_overrides(&spec, &registry, &p);
         let moved: Vec<&str> = sets
             .iter()
-            .filter(|o| o.key.ends_with(".execution_provider"))
+            .filter(|o| o.param == "execution_provider")
             .inspect(|o| {
-                assert_eq!(o.value, "cuda");
+                assert_eq!(o.value, crate::config::ParamValue::Str("cuda".into()));
                 assert_eq!(o.origin, "environment variable DUPLEX__EXECUTION_PROVIDER");
             })
-            .map(|o| o.key.as_str())
+            .map(|o| o.stage.as_str())
             .collect();
         assert_eq!(moved.len(), 4, "{moved:?}");
         assert!(defaults().execution_provider.is_none());

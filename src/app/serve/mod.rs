@@ -29,6 +29,7 @@ use serde_json::json;
 
 use crate::config::{self as cfg, ConfigError, LoadOptions, PipelineSpec};
 use crate::observe::names;
+use crate::resources::Resources;
 use crate::stages::Registry;
 
 pub use config::{load as load_config, ServeConfig};
@@ -86,8 +87,13 @@ struct Live {
 pub(crate) struct Server {
     cfg: ServeConfig,
     registry: Registry,
-    /// The template as loaded at start (its stages, for the overrides of each session).
-    template: PipelineSpec,
+    /// The session template as last loaded (at start, or by a reload): every session's
+    /// pipeline is made from it in memory.
+    template: std::sync::RwLock<Arc<PipelineSpec>>,
+    /// What the process builds once: packs, tokenizers, voice codes, engines.
+    resources: Resources,
+    /// The shared engines of the template, kept open while the server serves it.
+    engines: Mutex<Vec<Arc<crate::model::engine::SharedLm>>>,
     sessions: Mutex<BTreeMap<u64, Live>>,
     /// Slots taken: sessions admitted and not yet ended.
     taken: AtomicUsize,
@@ -190,6 +196,39 @@ impl LogThrottle {
 }
 
 impl Server {
+    /// Whether a shared engine the server holds has failed (until a fresh one replaces it).
+    fn engine_failed(&self) -> bool {
+        self.engines
+            .lock()
+            .map(|e| e.iter().any(|e| e.is_failed()))
+            .unwrap_or(false)
+    }
+
+    /// The session template in force.
+    pub(crate) fn template(&self) -> Arc<PipelineSpec> {
+        match self.template.read() {
+            Ok(t) => t.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Reads the session template's file again and checks it by building one session of it
+    /// (the models loaded through the process's resources: an unchanged pack costs nothing);
+    /// sessions that start afterwards get it. A template that fails is refused, logged, and
+    /// the one in force is kept.
+    fn reload_template(&self) -> Result<(), ConfigError> {
+        let template = read_template(&self.cfg, &self.registry, &self.resources)?;
+        let engines =
+            session::check_template(&self.cfg, &template, &self.registry, &self.resources)?;
+        if let Ok(mut t) = self.template.write() {
+            *t = Arc::new(template);
+        }
+        if let Ok(mut e) = self.engines.lock() {
+            *e = engines;
+        }
+        Ok(())
+    }
+
     /// A refusal before the upgrade, counted by `reason` and logged (at most once per reason
     /// per [`LOG_EVERY`]).
     fn refusal(
@@ -324,16 +363,31 @@ impl Server {
 }
 
 /// Loads the configuration and the session template, with the template's stages checked.
-fn prepare(args: &ServeArgs) -> Result<(ServeConfig, PipelineSpec, Registry), ConfigError> {
+fn prepare(
+    args: &ServeArgs,
+    resources: &Resources,
+) -> Result<(ServeConfig, PipelineSpec, Registry), ConfigError> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let cfg = config::load(args.config.as_deref(), Some(env))?;
     let registry = Registry::builtin();
+    let template = read_template(&cfg, &registry, resources)?;
+    Ok((cfg, template, registry))
+}
+
+/// Reads the session template's file (counted: the server reads it at start and at a reload,
+/// never per session).
+fn read_template(
+    cfg: &ServeConfig,
+    registry: &Registry,
+    resources: &Resources,
+) -> Result<PipelineSpec, ConfigError> {
+    // The server's DUPLEX__ variables are its settings', not the template's.
     let opts = LoadOptions {
         sets: Vec::new(),
-        env: None,
+        env: Some(HashMap::new()),
     };
-    let template = cfg::load(&cfg.pipeline, &opts, &registry)?;
-    Ok((cfg, template, registry))
+    resources.loads.template_read();
+    cfg::load(&cfg.pipeline, &opts, registry)
 }
 
 /// `duplex serve`.
@@ -343,14 +397,19 @@ fn prepare(args: &ServeArgs) -> Result<(ServeConfig, PipelineSpec, Registry), Co
 /// A [`ConfigError`] (exit 2) for a wrong configuration or template, another error (exit 1)
 /// when the address cannot be bound.
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
-    let (cfg, template, registry) = prepare(args)?;
-    // A session built once, not started: every stage of the template is checked and the
-    // models are loaded (their graphs, ONNX Runtime) before anything is served.
-    let t0 = Instant::now();
+    // The recorder first: what the check loads is counted.
+    crate::observe::exporter::recorder().map_err(anyhow::Error::msg)?;
+    crate::resources::Loads::register_series();
+    let mut resources = Resources::new(1);
+    let (cfg, template, registry) = prepare(args, &resources)?;
     // A shared LM engine (`engine: shared`) holds one slot per session the server admits.
-    crate::model::engine::set_default_slots(cfg.max_sessions);
-    session::check_template(&cfg, &template, &registry)?;
-    let capacity = capacity(&cfg);
+    resources.set_conversations(cfg.max_sessions);
+    // A session built once, not started: every stage of the template is checked and the
+    // models are loaded (their graphs, ONNX Runtime) into the process's resources before
+    // anything is served; the first client's session finds them there.
+    let t0 = Instant::now();
+    let engines = session::check_template(&cfg, &template, &registry, &resources)?;
+    let capacity = capacity(&cfg, &engines);
     if args.check {
         println!(
             "ok: {} (session template {}, {} stages, checked in {:.1} s); would serve {} sessions on {}",
@@ -368,13 +427,26 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .thread_name("duplex:serve")
         .enable_all()
         .build()?;
-    rt.block_on(serve(cfg, template, registry, capacity))
+    let held = Held {
+        template: std::sync::RwLock::new(Arc::new(template)),
+        resources,
+        engines: Mutex::new(engines),
+    };
+    rt.block_on(serve(cfg, held, registry, capacity))
+}
+
+/// What the server holds across sessions: the parsed template (replaced by a reload), the
+/// process's resources, and the shared engines the template opened (kept open while serving).
+struct Held {
+    template: std::sync::RwLock<Arc<PipelineSpec>>,
+    resources: Resources,
+    engines: Mutex<Vec<Arc<crate::model::engine::SharedLm>>>,
 }
 
 /// Sessions the server admits at once: `max_sessions`, or fewer when the template's shared LM
 /// engine has fewer slots (each session holds one).
-fn capacity(cfg: &ServeConfig) -> usize {
-    let slots = crate::model::engine::total_slots().unwrap_or(usize::MAX);
+fn capacity(cfg: &ServeConfig, engines: &[Arc<crate::model::engine::SharedLm>]) -> usize {
+    let slots = engines.iter().map(|e| e.slots).min().unwrap_or(usize::MAX);
     if slots < cfg.max_sessions {
         tracing::warn!(
             max_sessions = cfg.max_sessions,
@@ -387,7 +459,7 @@ fn capacity(cfg: &ServeConfig) -> usize {
 
 async fn serve(
     cfg: ServeConfig,
-    template: PipelineSpec,
+    held: Held,
     registry: Registry,
     capacity: usize,
 ) -> anyhow::Result<()> {
@@ -397,11 +469,17 @@ async fn serve(
         .map_err(|e| anyhow::anyhow!("listening on {} (`address`): {e}", cfg.address))?;
     let addr = listener.local_addr()?;
     metrics::gauge!(names::SESSIONS_CAPACITY).set(capacity as f64);
-    crate::model::engine::publish();
+    if let Ok(engines) = held.engines.lock() {
+        for e in engines.iter() {
+            e.publish();
+        }
+    }
     let (close_all, _) = tokio::sync::watch::channel(false);
     let server = Arc::new(Server {
         registry,
-        template,
+        template: held.template,
+        resources: held.resources,
+        engines: held.engines,
         sessions: Mutex::new(BTreeMap::new()),
         taken: AtomicUsize::new(0),
         per_ip: Mutex::new(HashMap::new()),
@@ -421,10 +499,12 @@ async fn serve(
     register_series();
     let health_server = server.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
+        let failed = health_server.engine_failed();
         (
-            true,
+            !failed,
             json!({
-                "ok": true,
+                "ok": !failed,
+                "engine_failed": failed,
                 "uptime_s": health_server.started.elapsed().as_secs_f64(),
                 "sessions": health_server.taken.load(Ordering::Acquire),
             }),
@@ -449,6 +529,8 @@ async fn serve(
     // Stdout for whoever started us (tests, scripts): where we listen, once bound.
     println!("listening on {addr}");
     tokio::spawn(publish_together(server.clone()));
+    tokio::spawn(reload_on_hangup(server.clone()));
+    tokio::spawn(recover_engines(server.clone()));
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(drain_on_signal(server.clone(), done_tx));
     let mut done = std::pin::pin!(async {
@@ -464,16 +546,16 @@ async fn serve(
 /// verdict as growth or contention when any session shows it (steady when none does).
 async fn publish_together(server: Arc<Server>) {
     use crate::observe::diagnose::Pattern;
-    let stages: Vec<String> = server
-        .template
-        .stages
-        .iter()
-        .map(|s| s.name.clone())
-        .collect();
     let rtf = metrics::gauge!(names::REALTIME_FACTOR);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
+        let stages: Vec<String> = server
+            .template()
+            .stages
+            .iter()
+            .map(|s| s.name.clone())
+            .collect();
         let monitors: Vec<_> = match server.sessions.lock() {
             Ok(m) => m.values().filter_map(|l| l.monitor.clone()).collect(),
             Err(_) => continue,
@@ -775,6 +857,65 @@ async fn accept(
     }
 }
 
+/// A shared engine that failed is replaced: its sessions have ended with an error, `/healthz`
+/// and `/readyz` say 503 meanwhile, and one session of the template is built again to open a
+/// fresh engine (the next client's session would open one too).
+async fn recover_engines(server: Arc<Server>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        if !server.engine_failed() {
+            continue;
+        }
+        let s = server.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            let template = s.template();
+            session::check_template(&s.cfg, &template, &s.registry, &s.resources)
+        })
+        .await;
+        match r {
+            Ok(Ok(engines)) => {
+                if let Ok(mut e) = server.engines.lock() {
+                    *e = engines;
+                }
+                tracing::warn!("a fresh shared engine replaces the one that failed");
+            }
+            Ok(Err(e)) => tracing::error!("the failed engine could not be replaced yet: {e}"),
+            Err(e) => tracing::error!("replacing the failed engine: {e}"),
+        }
+    }
+}
+
+/// SIGHUP: the session template is read and checked again; new sessions get it, live ones keep
+/// theirs. A template that fails is refused (logged, counted) and the one in force is kept.
+async fn reload_on_hangup(server: Arc<Server>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("no SIGHUP handler: the session template is read at start only");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        let s = server.clone();
+        let t0 = Instant::now();
+        let r = tokio::task::spawn_blocking(move || s.reload_template()).await;
+        match r {
+            Ok(Ok(())) => {
+                metrics::counter!(names::RELOADS, "result" => "applied").increment(1);
+                tracing::info!(
+                    template = %server.cfg.pipeline.display(),
+                    "reloaded the session template in {:.2} s: new sessions get it",
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            Ok(Err(e)) => {
+                metrics::counter!(names::RELOADS, "result" => "rejected").increment(1);
+                tracing::error!("reload refused, the session template in force is kept: {e}");
+            }
+            Err(e) => tracing::error!("reload failed: {e}"),
+        }
+    }
+}
+
 /// SIGINT/SIGTERM: stop admitting, let sessions run up to `drain_timeout`, close them, and
 /// end the server. A second signal closes them at once.
 async fn drain_on_signal(server: Arc<Server>, done: tokio::sync::oneshot::Sender<()>) {
@@ -916,9 +1057,11 @@ async fn readyz(State(server): State<Arc<Server>>) -> Response {
     let ready = server.ready.load(Ordering::Acquire);
     let draining = server.draining.load(Ordering::Acquire);
     let free = server.free_slots();
-    let ok = ready && !draining && free > 0;
+    let failed = server.engine_failed();
+    let ok = ready && !draining && free > 0 && !failed;
     let body = json!({
         "ready": ok,
+        "engine_failed": failed,
         "models_loaded": ready,
         "draining": draining,
         "sessions": server.taken.load(Ordering::Acquire),

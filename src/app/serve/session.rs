@@ -29,7 +29,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures_util::{SinkExt, StreamExt};
 
 use super::{Admission, Live, ServeConfig, Server};
-use crate::config::{self as cfg, ConfigError, LoadOptions, PipelineSpec};
+use crate::config::{self as cfg, ConfigError, PipelineSpec};
 use crate::observe::names;
 use crate::session::{LinkStats, Outbound};
 use crate::stages::Registry;
@@ -104,8 +104,9 @@ impl Outcome {
     }
 }
 
-/// The session pipeline's spec for one client: the template with the configuration's and the
-/// client's overrides, `{session}` replaced by `id`.
+/// The session pipeline's spec for one client: the template the server holds, with the
+/// configuration's and the client's params set over it (typed, checked as the file's are; the
+/// file is not read again), `{session}` replaced by `id`.
 fn session_spec(
     cfg: &ServeConfig,
     template: &PipelineSpec,
@@ -113,11 +114,8 @@ fn session_spec(
     params: &super::config::SessionParams,
     id: &str,
 ) -> Result<PipelineSpec, ConfigError> {
-    let opts = LoadOptions {
-        sets: cfg.session_overrides(template, params),
-        env: None,
-    };
-    let mut spec = cfg::load(&cfg.pipeline, &opts, registry)?;
+    let sets = cfg.session_overrides(template, registry, params);
+    let mut spec = template.with_overrides(registry, &sets)?;
     for s in &mut spec.stages {
         s.params.substitute("{session}", id);
     }
@@ -125,7 +123,9 @@ fn session_spec(
 }
 
 /// Builds one session of the template (not started) with the defaults: every stage checked,
-/// the models loaded. For start-up and `--check`.
+/// the models loaded into `resources` (so the first client's session finds them there). For
+/// start-up, `--check` and a reload. Returns the shared engines the session opened, for the
+/// server to keep while it serves.
 ///
 /// # Errors
 ///
@@ -134,7 +134,8 @@ pub(super) fn check_template(
     cfg: &ServeConfig,
     template: &PipelineSpec,
     registry: &Registry,
-) -> Result<(), ConfigError> {
+    resources: &crate::resources::Resources,
+) -> Result<Vec<Arc<crate::model::engine::SharedLm>>, ConfigError> {
     for (kind, what) in [
         ("session_in", "the client's audio"),
         ("session_audio_out", "the agent's audio for the client"),
@@ -154,10 +155,12 @@ pub(super) fn check_template(
         .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
     let spec = session_spec(cfg, template, registry, &params, "check")?;
     let (_client, end) = crate::session::link(1, 1);
-    let b = crate::app::build_session(&spec, registry, Some(&end), None)?;
+    let b = crate::app::build_session(&spec, registry, Some(&end), None, resources)?;
+    // Held across the drop of the check's pipeline, so that the engines stay open.
+    let engines = resources.engines();
     b.build()
         .map_err(|e| ConfigError::new(&spec.file, cfg::ConfigErrorKind::Link, e.to_string()))?;
-    Ok(())
+    Ok(engines)
 }
 
 /// A started session pipeline.
@@ -173,9 +176,10 @@ fn start(
     id: u64,
     end: &crate::session::PipelineEnd,
 ) -> anyhow::Result<Started> {
+    let template = server.template();
     let spec = session_spec(
         &server.cfg,
-        &server.template,
+        &template,
         &server.registry,
         params,
         &id.to_string(),
@@ -193,7 +197,13 @@ fn start(
             }
         }
     });
-    let b = crate::app::build_session(&spec, &server.registry, Some(end), recording.as_deref())?;
+    let b = crate::app::build_session(
+        &spec,
+        &server.registry,
+        Some(end),
+        recording.as_deref(),
+        &server.resources,
+    )?;
     let (b, monitor) = crate::app::observe_with(b, &spec.metrics, false);
     let b = match recording {
         Some(r) => {
@@ -265,7 +275,7 @@ fn metadata(server: &Server, params: &super::config::SessionParams, id: u64) -> 
     let sm = &params.sampling;
     let pack = server.cfg.pack.clone().or_else(|| {
         server
-            .template
+            .template()
             .stages
             .iter()
             .find(|s| s.kind == "temporal")

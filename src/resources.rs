@@ -1,0 +1,353 @@
+//! What a process builds once and every pipeline it builds shares: opened packs, tokenizers,
+//! the codes of voice prompts, and the shared LM engines.
+//!
+//! [`Resources`] is owned by the app (`run`, `validate`, `replay`, `daemon`, `serve`) and handed
+//! to stage builders through the build context: a second session of `duplex serve` opens no
+//! pack, loads no tokenizer and encodes no voice prompt; it takes them from here. Nothing else
+//! is process-wide but the ONNX Runtime environment and the metrics recorder.
+//!
+//! - **Packs** are keyed by their canonical folder and opened (and checked whole) once per change
+//!   on disk: a pack whose files changed since is opened again.
+//! - **Tokenizers** likewise, by canonical path and the file's size and time.
+//! - **Voice codes** are keyed by the voice file's content (its SHA-256), the pack and the codec
+//!   path that encodes it: the same WAV under another name costs nothing more.
+//! - **Engines** are keyed by pack, execution provider and device, and held weakly: the last
+//!   conversation to leave an engine frees it (its weights, its thread), so a daemon reload from
+//!   one pack to another keeps no engine of the first. Their slot count, when a stage asks for
+//!   none, is the process's ([`Resources::new`]). An engine whose thread failed is replaced by
+//!   a fresh one for the next conversation. `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK=N` is a fault
+//!   drill: the first engine the process opens fails at its N-th temporal tick.
+//!
+//! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
+//! operators can see what a session cost. Knows nothing of stages, pipelines or the network.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::SystemTime;
+
+use sha2::{Digest, Sha256};
+
+use crate::model::engine::{EngineOptions, SharedLm};
+use crate::model::pack::Pack;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::ModelError;
+use crate::observe::names;
+
+/// The codes of a voice prompt: one `[codebooks]` row per 80 ms frame.
+pub type VoiceCodes = Arc<Vec<Vec<i64>>>;
+
+/// How many of each thing the process has loaded (not taken from the cache).
+#[derive(Debug, Default)]
+pub struct Loads {
+    /// Packs opened and checked.
+    pub packs: AtomicU64,
+    /// Tokenizers loaded.
+    pub tokenizers: AtomicU64,
+    /// Voice prompts encoded.
+    pub voices: AtomicU64,
+    /// Session templates read (by the apps that keep one).
+    pub templates: AtomicU64,
+    /// Shared engines opened.
+    pub engines: AtomicU64,
+}
+
+impl Loads {
+    fn count(c: &AtomicU64, what: &'static str) {
+        c.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(names::RESOURCES_LOADED, "what" => what).increment(1);
+    }
+
+    /// Counts a session template read from its file.
+    pub fn template_read(&self) {
+        Self::count(&self.templates, "template");
+    }
+
+    /// Every series at zero (after the metrics recorder is installed).
+    pub fn register_series() {
+        for what in ["pack", "tokenizer", "voice", "template", "engine"] {
+            metrics::counter!(names::RESOURCES_LOADED, "what" => what).absolute(0);
+        }
+    }
+}
+
+/// What changed on disk: the sizes and times of a file, or of a folder's entries.
+type Stamp = Vec<(PathBuf, u64, Option<SystemTime>)>;
+
+fn stamp_of(paths: impl IntoIterator<Item = PathBuf>) -> Stamp {
+    let mut s: Stamp = paths
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).ok();
+            let len = m.as_ref().map_or(0, |m| m.len());
+            let t = m.and_then(|m| m.modified().ok());
+            (p, len, t)
+        })
+        .collect();
+    s.sort();
+    s
+}
+
+/// A pack's stamp: its folder, `pack.yaml`, and every graph folder's entries.
+fn pack_stamp(dir: &Path) -> Stamp {
+    let mut paths = vec![dir.to_path_buf(), dir.join("pack.yaml")];
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                paths.push(p.join("model.onnx"));
+                paths.push(p.join("model.onnx.data"));
+            }
+            paths.push(p);
+        }
+    }
+    stamp_of(paths)
+}
+
+type EngineKey = (PathBuf, &'static str, i32);
+/// A voice prompt's codes are known by the file's SHA-256, the pack and the codec path.
+type VoiceKey = ([u8; 32], PathBuf, String);
+
+/// The resources of one process. See the module doc.
+pub struct Resources {
+    slots: usize,
+    packs: Mutex<HashMap<PathBuf, (Stamp, Arc<Pack>)>>,
+    tokenizers: Mutex<HashMap<PathBuf, (Stamp, Arc<Tokenizer>)>>,
+    voices: Mutex<HashMap<VoiceKey, VoiceCodes>>,
+    engines: Mutex<HashMap<EngineKey, Weak<SharedLm>>>,
+    /// The fault drill (`DUPLEX_DRILL_ENGINE_PANIC_AT_TICK`), for the first engine opened.
+    drill: Mutex<Option<u64>>,
+    /// What has been loaded so far.
+    pub loads: Loads,
+}
+
+impl std::fmt::Debug for Resources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resources")
+            .field("slots", &self.slots)
+            .field("loads", &self.loads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Resources {
+    fn default() -> Self {
+        Resources::new(1)
+    }
+}
+
+fn canonical(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+impl Resources {
+    /// Resources for a process that hosts `conversations` at once: the slot count of a shared
+    /// engine a stage opens without one (`duplex serve`'s `max_sessions`, the number of
+    /// `duplex replay --codes` files; 1 for a single pipeline).
+    pub fn new(conversations: usize) -> Self {
+        Resources {
+            slots: conversations.max(1),
+            packs: Mutex::default(),
+            tokenizers: Mutex::default(),
+            voices: Mutex::default(),
+            engines: Mutex::default(),
+            drill: Mutex::new(
+                std::env::var("DUPLEX_DRILL_ENGINE_PANIC_AT_TICK")
+                    .ok()
+                    .and_then(|v| v.parse().ok()),
+            ),
+            loads: Loads::default(),
+        }
+    }
+
+    /// Sets the number of conversations the process hosts (the slot count of engines opened
+    /// from now on without one).
+    pub fn set_conversations(&mut self, conversations: usize) {
+        self.slots = conversations.max(1);
+    }
+
+    /// The pack in `dir`, opened and checked once per change on disk.
+    ///
+    /// # Errors
+    ///
+    /// As [`Pack::open`].
+    pub fn pack(&self, dir: &Path) -> Result<Arc<Pack>, ModelError> {
+        let key = canonical(dir);
+        let stamp = pack_stamp(&key);
+        if let Some((s, p)) = self.packs.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            if s == stamp {
+                return Ok(p);
+            }
+        }
+        // Opened outside the lock: another pack may be opened meanwhile.
+        let pack = Arc::new(Pack::open(dir)?);
+        Loads::count(&self.loads.packs, "pack");
+        if let Ok(mut m) = self.packs.lock() {
+            m.insert(key, (stamp, pack.clone()));
+        }
+        Ok(pack)
+    }
+
+    /// The tokenizer at `path`, loaded once per change on disk.
+    ///
+    /// # Errors
+    ///
+    /// As [`Tokenizer::open`].
+    pub fn tokenizer(&self, path: &Path) -> Result<Arc<Tokenizer>, ModelError> {
+        let key = canonical(path);
+        let stamp = stamp_of([key.clone()]);
+        if let Some((s, t)) = self
+            .tokenizers
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&key).cloned())
+        {
+            if s == stamp {
+                return Ok(t);
+            }
+        }
+        let t = Arc::new(Tokenizer::open(path)?);
+        Loads::count(&self.loads.tokenizers, "tokenizer");
+        if let Ok(mut m) = self.tokenizers.lock() {
+            m.insert(key, (stamp, t.clone()));
+        }
+        Ok(t)
+    }
+
+    /// The codes of the voice prompt `file` for `pack` by the codec path `codec` (a string that
+    /// names everything that changes the codes: strategy, precision), computed by `encode` the
+    /// first time this content is asked for.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be read, or `encode`'s error.
+    pub fn voice_codes<E: From<String>>(
+        &self,
+        file: &Path,
+        pack: &Pack,
+        codec: &str,
+        encode: impl FnOnce() -> Result<Vec<Vec<i64>>, E>,
+    ) -> Result<VoiceCodes, E> {
+        let bytes = crate::files::read_limited(file, 1 << 30)
+            .map_err(|e| E::from(format!("{}: {e}", file.display())))?;
+        let key = (
+            Sha256::digest(&bytes).into(),
+            canonical(&pack.dir),
+            codec.to_string(),
+        );
+        if let Some(c) = self.voices.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(c);
+        }
+        let codes = Arc::new(encode()?);
+        Loads::count(&self.loads.voices, "voice");
+        if let Ok(mut m) = self.voices.lock() {
+            m.insert(key, codes.clone());
+        }
+        Ok(codes)
+    }
+
+    /// The shared engine of `pack` on `opts`' execution provider and device, opened on first
+    /// use and kept while anything holds it. A stage that asks for no slot count gets the
+    /// process's.
+    ///
+    /// # Errors
+    ///
+    /// As [`SharedLm::open`].
+    pub fn engine(&self, pack: &Pack, opts: &EngineOptions) -> Result<Arc<SharedLm>, ModelError> {
+        let (provider, device) = match opts.session.provider {
+            crate::model::session::Provider::Cpu => ("cpu", 0),
+            crate::model::session::Provider::Cuda { device_id } => ("cuda", device_id),
+        };
+        let key = (canonical(&pack.dir), provider, device);
+        let mut map = self
+            .engines
+            .lock()
+            .map_err(|_| ModelError::contract("engine", "the engine table is poisoned"))?;
+        // Gone (its last conversation left), or failed: a fresh one is opened.
+        map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
+        if let Some(e) = map.get(&key).and_then(Weak::upgrade) {
+            // The first stage to open the engine decided its size.
+            if opts.slots != 0 && opts.slots != e.slots {
+                tracing::warn!(
+                    pack = %pack.dir.display(),
+                    slots = e.slots,
+                    asked = opts.slots,
+                    "the shared engine is already open: `slots` of this stage is not applied"
+                );
+            }
+            return Ok(e);
+        }
+        let mut opts = *opts;
+        if opts.slots == 0 {
+            opts.slots = self.slots;
+        }
+        if let Some(n) = self.drill.lock().ok().and_then(|mut d| d.take()) {
+            tracing::warn!("fault drill: this engine fails at temporal tick {n}");
+            opts.panic_at_tick = Some(n);
+        }
+        let e = Arc::new(SharedLm::open(pack, &opts)?);
+        Loads::count(&self.loads.engines, "engine");
+        map.insert(key, Arc::downgrade(&e));
+        Ok(e)
+    }
+
+    /// The engines open now (failed ones included: [`SharedLm::is_failed`]).
+    pub fn engines(&self) -> Vec<Arc<SharedLm>> {
+        self.engines
+            .lock()
+            .map(|m| m.values().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
+    /// Slots of the open engines (the fewest of any), `None` when none is open.
+    pub fn total_slots(&self) -> Option<usize> {
+        self.engines().iter().map(|e| e.slots).min()
+    }
+
+    /// Free slots of the open engines (the fewest of any), `None` when none is open.
+    pub fn free_slots(&self) -> Option<usize> {
+        self.engines().iter().map(|e| e.free_slots()).min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn voice_codes_are_computed_once_per_content_pack_and_codec() {
+        let r = Resources::new(1);
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.wav");
+        let b = dir.path().join("b.wav");
+        std::fs::write(&a, b"same bytes").unwrap();
+        std::fs::write(&b, b"same bytes").unwrap();
+        let pack = Pack {
+            dir: dir.path().into(),
+            manifest: Default::default(),
+        };
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let enc = || -> Result<Vec<Vec<i64>>, String> {
+            calls.fetch_add(1, Ordering::Relaxed);
+            Ok(vec![vec![1, 2]])
+        };
+        let x = r.voice_codes(&a, &pack, "stateful f32", enc).unwrap();
+        let y = r.voice_codes(&b, &pack, "stateful f32", enc).unwrap();
+        assert!(Arc::ptr_eq(&x, &y), "the same content under another name");
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        r.voice_codes(&a, &pack, "window", enc).unwrap();
+        std::fs::write(&a, b"other bytes").unwrap();
+        r.voice_codes(&a, &pack, "stateful f32", enc).unwrap();
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            3,
+            "another codec, other content"
+        );
+        assert_eq!(r.loads.voices.load(Ordering::Relaxed), 3);
+        let e = r
+            .voice_codes(&dir.path().join("none.wav"), &pack, "x", enc)
+            .unwrap_err();
+        assert!(e.contains("none.wav"), "{e}");
+    }
+}
