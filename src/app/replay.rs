@@ -323,6 +323,8 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     for (i, out) in outs.iter().enumerate() {
         built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out, &resources)?.build()?);
     }
+    // Held to the end, for the summary (an engine closes when its last conversation leaves).
+    let engines = resources.engines();
     let running: Vec<_> = built.into_iter().map(|p| p.start()).collect();
     // A signal stops every conversation, not only the first.
     let _signals =
@@ -341,7 +343,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
         return Err(e.into());
     }
     if outs.len() > 1 || a.engine.as_deref() == Some("shared") {
-        for e in resources.engines() {
+        for e in &engines {
             let st = &e.stats;
             use std::sync::atomic::Ordering::Relaxed;
             tracing::info!(

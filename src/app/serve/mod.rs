@@ -34,9 +34,6 @@ use crate::stages::Registry;
 
 pub use config::{load as load_config, ServeConfig};
 
-/// Whether a connection closed for sending no request has been logged (once per process).
-static QUIET_WARNED: AtomicBool = AtomicBool::new(false);
-
 /// The kernel's send buffer per connection, bytes (about 2 s of the agent's audio).
 const SEND_BUFFER: usize = 32 * 1024;
 /// What may wait in a WebSocket's own write buffer when the client does not read (pongs,
@@ -106,6 +103,8 @@ pub(crate) struct Server {
     voices: Vec<String>,
     /// Log lines held back, per reason.
     log_throttle: LogThrottle,
+    /// Whether a connection closed for sending no request has been logged (once per server).
+    quiet_warned: AtomicBool,
     ready: AtomicBool,
     draining: AtomicBool,
     next_id: AtomicU64,
@@ -486,6 +485,7 @@ async fn serve(
         new_sessions: Mutex::new(HashMap::new()),
         voices: cfg.usable_voices(),
         log_throttle: LogThrottle::default(),
+        quiet_warned: AtomicBool::new(false),
         ready: AtomicBool::new(true),
         draining: AtomicBool::new(false),
         next_id: AtomicU64::new(1),
@@ -833,6 +833,7 @@ async fn accept(
                 hyper_util::service::TowerToHyperService::new(svc),
             )
             .with_upgrades();
+        let quiet = server.clone();
         tokio::spawn(async move {
             if let Err(e) = serving.await {
                 let reason = if e.is_timeout() {
@@ -841,7 +842,7 @@ async fn accept(
                     "error"
                 };
                 metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).increment(1);
-                if reason == "no_request" && !QUIET_WARNED.swap(true, Ordering::Relaxed) {
+                if reason == "no_request" && !quiet.quiet_warned.swap(true, Ordering::Relaxed) {
                     tracing::info!(
                         client = %peer,
                         "closed a connection that sent no request within limits.handshake_timeout_s \
