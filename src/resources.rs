@@ -19,7 +19,9 @@
 //!   drill: the first engine the process opens fails at its N-th temporal tick.
 //!
 //! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
-//! operators can see what a session cost. Knows nothing of stages, pipelines or the network.
+//! operators can see what a session cost. The engines report to the process's observer
+//! (`observe::engine`), which records their metrics and diagnosis off their threads. Knows
+//! nothing of stages, pipelines or the network.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -118,6 +120,9 @@ pub struct Resources {
     engines: Mutex<HashMap<EngineKey, Weak<SharedLm>>>,
     /// The fault drill (`DUPLEX_DRILL_ENGINE_PANIC_AT_TICK`), for the first engine opened.
     drill: Mutex<Option<u64>>,
+    /// Who hears the engines (their metrics and diagnosis, off their threads): made with the
+    /// first engine.
+    observer: std::sync::OnceLock<Arc<dyn crate::model::engine::EngineObserver>>,
     /// What has been loaded so far.
     pub loads: Loads,
 }
@@ -157,6 +162,7 @@ impl Resources {
                     .ok()
                     .and_then(|v| v.parse().ok()),
             ),
+            observer: std::sync::OnceLock::new(),
             loads: Loads::default(),
         }
     }
@@ -278,7 +284,11 @@ impl Resources {
             }
             return Ok(e);
         }
-        let mut opts = *opts;
+        let mut opts = opts.clone();
+        opts.observer = self
+            .observer
+            .get_or_init(crate::observe::engine::EngineMetrics::start)
+            .clone();
         if opts.slots == 0 {
             opts.slots = self.slots;
         }

@@ -26,10 +26,11 @@
 //!   rows are a prefix of the previous one's. Every row brings its own sampler: the draws of a
 //!   session are taken in its own order (text, substeps 0..15), whatever else is in the batch.
 //!
-//! The temporal tick gets the stages' latency diagnosis (`duplex_latency_pattern{stage="engine"}`):
-//! its time against the longest context in the batch, one window per batch size, so that a
-//! cost growing with the conversations reads `growth` and a device shared with another job
-//! reads `contention`.
+//! The engine reports what it does (ticks with their batch, context and time; late frames;
+//! slots; opening, closing, failing) as [`EngineEvent`]s to the [`EngineObserver`] it was opened
+//! with, and records nothing itself: the process's observer (`observe::engine`) turns them into
+//! metrics and the latency diagnosis of the temporal tick (`duplex_latency_pattern{stage=
+//! "engine"}`) off the engine's thread.
 //!
 //! Only GQA temporal graphs can share an engine (the standard graph has one past length for the
 //! whole batch). Knows nothing of stages, pipelines or the network.
@@ -54,14 +55,62 @@ use super::tensors::{
     allocator_at, element, input_placements, kv_placements, placement_of, read_row, write_row,
     Buffer, PingPong, Placement,
 };
-use crate::observe::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
-use crate::observe::names;
 
 /// The `stage` label of the temporal tick's latency verdict, trend and bimodality.
 pub const ENGINE_STAGE: &str = "engine";
 
+/// What an engine reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EngineEvent {
+    /// The engine opened.
+    Opened,
+    /// The engine closed (its last conversation left).
+    Closed,
+    /// The engine's thread failed.
+    Failed,
+    /// Slots, and how many are claimed.
+    Slots {
+        /// Slots.
+        slots: usize,
+        /// Claimed.
+        used: usize,
+    },
+    /// Frames a tick expected that had not come.
+    Late(usize),
+    /// A temporal tick.
+    TemporalTick {
+        /// Rows with a frame.
+        batch: usize,
+        /// The longest context among them.
+        context: usize,
+        /// The graph call's time.
+        seconds: f64,
+    },
+    /// A depformer tick.
+    DepformerTick {
+        /// Frames in it.
+        batch: usize,
+        /// Its time.
+        seconds: f64,
+    },
+}
+
+/// Who hears an engine's [`EngineEvent`]s. Called on the engine's thread: it must not block.
+pub trait EngineObserver: Send + Sync {
+    /// One event.
+    fn event(&self, ev: EngineEvent);
+}
+
+/// An observer that hears nothing (an engine opened without one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unobserved;
+
+impl EngineObserver for Unobserved {
+    fn event(&self, _: EngineEvent) {}
+}
+
 /// Options of a shared engine (taken from the first stage that opens it).
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct EngineOptions {
     /// Session options of both graphs.
     pub session: SessionOptions,
@@ -76,6 +125,20 @@ pub struct EngineOptions {
     /// [`Resources`](crate::resources::Resources), which sets it from
     /// `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK` for the first engine a process opens).
     pub panic_at_tick: Option<u64>,
+    /// Who hears what the engine does.
+    pub observer: Arc<dyn EngineObserver>,
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineOptions")
+            .field("session", &self.session)
+            .field("slots", &self.slots)
+            .field("max_positions", &self.max_positions)
+            .field("max_wait", &self.max_wait)
+            .field("panic_at_tick", &self.panic_at_tick)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for EngineOptions {
@@ -86,6 +149,7 @@ impl Default for EngineOptions {
             max_positions: usize::MAX,
             max_wait: Duration::from_millis(5),
             panic_at_tick: None,
+            observer: Arc::new(Unobserved),
         }
     }
 }
@@ -117,6 +181,7 @@ impl EngineStats {
 
 /// One pack's shared temporal and depformer engines.
 pub struct SharedLm {
+    observer: Arc<dyn EngineObserver>,
     failed: Arc<AtomicBool>,
     /// What the engine has done.
     pub stats: Arc<EngineStats>,
@@ -161,6 +226,8 @@ impl SharedLm {
         let session = opts.session;
         let wait = opts.max_wait;
         let drill = opts.panic_at_tick;
+        let observer = opts.observer.clone();
+        let obs = observer.clone();
         let stats = Arc::new(EngineStats::default());
         let st = stats.clone();
         let failed = Arc::new(AtomicBool::new(false));
@@ -186,11 +253,11 @@ impl SharedLm {
                         // an error as their replies are dropped) and the next conversation
                         // opens a fresh one.
                         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_engine(t, d, &rx, wait, &st, drill)
+                            run_engine(t, d, &rx, wait, &st, drill, &*obs)
                         }));
                         if let Err(p) = run {
                             fail.store(true, Ordering::Release);
-                            metrics::counter!(names::ENGINE_FAILURES).increment(1);
+                            obs.event(EngineEvent::Failed);
                             let why = p
                                 .downcast_ref::<&str>()
                                 .map(|s| s.to_string())
@@ -217,7 +284,7 @@ impl SharedLm {
                 ),
             ));
         }
-        metrics::gauge!(names::ENGINES_OPEN).increment(1.0);
+        observer.event(EngineEvent::Opened);
         tracing::info!(
             pack = %pack.dir.display(),
             slots,
@@ -228,6 +295,7 @@ impl SharedLm {
             "shared LM engine ready"
         );
         Ok(SharedLm {
+            observer,
             failed,
             stats,
             slots,
@@ -254,7 +322,7 @@ impl SharedLm {
     /// Sets the slot gauges (after a metrics recorder is installed).
     pub fn publish(&self) {
         if let Ok(t) = self.taken.lock() {
-            publish_slots(self.slots, &t);
+            publish_slots(&*self.observer, self.slots, &t);
         }
     }
 
@@ -300,7 +368,7 @@ impl SharedLm {
                 ));
             };
             t[i] = true;
-            publish_slots(self.slots, &t);
+            publish_slots(&*self.observer, self.slots, &t);
             i
         };
         let (tx, rx) = bounded(1);
@@ -356,22 +424,23 @@ impl SharedLm {
             if let Some(x) = t.get_mut(slot) {
                 *x = false;
             }
-            publish_slots(self.slots, &t);
+            publish_slots(&*self.observer, self.slots, &t);
         }
     }
 }
 
-/// The slot gauges (set at every claim and release: the engine may open before the process
-/// installs its metrics recorder).
-fn publish_slots(slots: usize, taken: &[bool]) {
-    metrics::gauge!(names::ENGINE_SLOTS).set(slots as f64);
-    metrics::gauge!(names::ENGINE_SLOTS_USED).set(taken.iter().filter(|x| **x).count() as f64);
+/// The slots, reported at every claim and release.
+fn publish_slots(observer: &dyn EngineObserver, slots: usize, taken: &[bool]) {
+    observer.event(EngineEvent::Slots {
+        slots,
+        used: taken.iter().filter(|x| **x).count(),
+    });
 }
 
 impl Drop for SharedLm {
     fn drop(&mut self) {
         // The engine's thread ends with the channel this drops.
-        metrics::gauge!(names::ENGINES_OPEN).decrement(1.0);
+        self.observer.event(EngineEvent::Closed);
         tracing::info!(
             slots = self.slots,
             "shared LM engine closed: its last conversation left"
@@ -526,14 +595,12 @@ fn run_engine(
     max_wait: Duration,
     stats: &EngineStats,
     panic_at_tick: Option<u64>,
+    observer: &dyn EngineObserver,
 ) {
     let mut conv = Conversations::default();
     let mut tick = Tick::default();
-    // The latency diagnosis of the temporal tick against the longest context in it, one window
-    // per batch size (a batch that grows is not a conversation that grows).
-    let mut diagnosers: HashMap<usize, Diagnoser> = HashMap::new();
     while let Some(late) = gather(rx, &mut tick, &mut conv, max_wait) {
-        metrics::counter!(names::ENGINE_LATE).increment(late as u64);
+        observer.event(EngineEvent::Late(late));
         stats.late.fetch_add(late as u64, Ordering::Relaxed);
         // A slot given back starts empty (its next owner's first step is fresh anyway).
         for s in tick.left.drain(..) {
@@ -558,7 +625,6 @@ fn run_engine(
             stats
                 .temporal_max_batch
                 .fetch_max(n as u64, Ordering::Relaxed);
-            metrics::histogram!(names::ENGINE_BATCH, "engine" => "temporal").record(n as f64);
             let t0 = Instant::now();
             let context = tick
                 .temporal
@@ -572,28 +638,11 @@ fn run_engine(
                     j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
                 }
             }
-            let secs = t0.elapsed().as_secs_f64();
-            let bucket = context / 375 * 375;
-            metrics::histogram!(
-                names::ENGINE_TICK,
-                "engine" => "temporal",
-                "context" => format!("{}-{}", bucket, bucket + 374)
-            )
-            .record(secs);
-            let d = diagnosers.entry(n).or_insert_with(|| {
-                let mut d = Diagnoser::new(DiagnosisConfig::default());
-                d.set_period(0.08);
-                d
+            observer.event(EngineEvent::TemporalTick {
+                batch: n,
+                context,
+                seconds: t0.elapsed().as_secs_f64(),
             });
-            if let Some(r) = d.push(context as f64, secs) {
-                for p in Pattern::ALL {
-                    metrics::gauge!(names::LATENCY_PATTERN, "stage" => ENGINE_STAGE, "pattern" => p.name())
-                        .set(if p == r.pattern { 1.0 } else { 0.0 });
-                }
-                metrics::gauge!(names::LATENCY_TREND, "stage" => ENGINE_STAGE).set(r.slope_per_1k);
-                metrics::gauge!(names::LATENCY_BIMODALITY, "stage" => ENGINE_STAGE)
-                    .set(r.bimodality);
-            }
             for (k, j) in tick.temporal.drain(..) {
                 conv.transit.insert(k, Transit::Depformer);
                 let tx = j.reply.clone();
@@ -604,7 +653,6 @@ fn run_engine(
             let n = tick.depformer.len();
             stats.depformer_ticks.fetch_add(1, Ordering::Relaxed);
             stats.depformer_rows.fetch_add(n as u64, Ordering::Relaxed);
-            metrics::histogram!(names::ENGINE_BATCH, "engine" => "depformer").record(n as f64);
             let t0 = Instant::now();
             if let Err(e) = d.tick(&mut tick.depformer) {
                 let msg = e.to_string();
@@ -612,8 +660,10 @@ fn run_engine(
                     j.error = Some(ModelError::ort("depformer (shared engine)", &msg));
                 }
             }
-            metrics::histogram!(names::ENGINE_TICK, "engine" => "depformer")
-                .record(t0.elapsed().as_secs_f64());
+            observer.event(EngineEvent::DepformerTick {
+                batch: n,
+                seconds: t0.elapsed().as_secs_f64(),
+            });
             let now = Instant::now();
             for (k, j) in tick.depformer.drain(..) {
                 conv.transit.insert(k, Transit::Temporal { since: now });

@@ -11,6 +11,7 @@
 
 pub mod compare;
 pub mod diagnose;
+pub mod engine;
 pub mod exporter;
 pub mod monitor;
 pub mod names;

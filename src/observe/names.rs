@@ -127,5 +127,7 @@ pub const ENGINES_OPEN: &str = "duplex_engines_open";
 /// Counter: shared LM engines that failed (their thread panicked; their conversations ended
 /// with an error, and the next conversation opened a fresh engine).
 pub const ENGINE_FAILURES: &str = "duplex_engine_failures_total";
+/// Counter: engine events the metrics thread could not take in time (dropped, not recorded).
+pub const ENGINE_EVENTS_DROPPED: &str = "duplex_engine_events_dropped_total";
 /// Gauge: KV slots of the shared LM engine in use.
 pub const ENGINE_SLOTS_USED: &str = "duplex_engine_slots_used";

@@ -1,0 +1,107 @@
+//! The shared LM engine's reports, as metrics and a latency diagnosis: the
+//! [`EngineObserver`] of every engine a process opens.
+//!
+//! The engine's thread only hands each event over (a bounded queue, never blocking: an event
+//! that does not fit is dropped and counted); a thread of this module's records the series and
+//! runs the diagnosis of the temporal tick (its time against the longest context in the batch,
+//! one window per batch size: a batch that grows is not a conversation that grows), so the
+//! engine's tick pays for neither. Knows nothing of the engine's internals beyond the events.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crossbeam_channel::{bounded, Sender, TrySendError};
+
+use super::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
+use super::names;
+use crate::model::engine::{EngineEvent, EngineObserver, ENGINE_STAGE};
+
+/// Events that may wait for the recording thread.
+const QUEUE: usize = 4096;
+
+/// Records an engine's events as metrics, off the engine's thread.
+pub struct EngineMetrics {
+    tx: Sender<EngineEvent>,
+    dropped: metrics::Counter,
+}
+
+impl std::fmt::Debug for EngineMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineMetrics")
+    }
+}
+
+impl EngineMetrics {
+    /// An observer with its recording thread (which ends when the observer is dropped).
+    pub fn start() -> Arc<dyn EngineObserver> {
+        let (tx, rx) = bounded::<EngineEvent>(QUEUE);
+        let spawned = std::thread::Builder::new()
+            .name("duplex:engine-metrics".into())
+            .spawn(move || {
+                let mut diagnosers: HashMap<usize, Diagnoser> = HashMap::new();
+                for ev in rx {
+                    record(ev, &mut diagnosers);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("no thread for the engine's metrics ({e}): they are not recorded");
+        }
+        Arc::new(EngineMetrics {
+            tx,
+            dropped: metrics::counter!(names::ENGINE_EVENTS_DROPPED),
+        })
+    }
+}
+
+impl EngineObserver for EngineMetrics {
+    fn event(&self, ev: EngineEvent) {
+        if let Err(TrySendError::Full(_)) = self.tx.try_send(ev) {
+            self.dropped.increment(1);
+        }
+    }
+}
+
+fn record(ev: EngineEvent, diagnosers: &mut HashMap<usize, Diagnoser>) {
+    match ev {
+        EngineEvent::Opened => metrics::gauge!(names::ENGINES_OPEN).increment(1.0),
+        EngineEvent::Closed => metrics::gauge!(names::ENGINES_OPEN).decrement(1.0),
+        EngineEvent::Failed => metrics::counter!(names::ENGINE_FAILURES).increment(1),
+        EngineEvent::Slots { slots, used } => {
+            metrics::gauge!(names::ENGINE_SLOTS).set(slots as f64);
+            metrics::gauge!(names::ENGINE_SLOTS_USED).set(used as f64);
+        }
+        EngineEvent::Late(n) => metrics::counter!(names::ENGINE_LATE).increment(n as u64),
+        EngineEvent::DepformerTick { batch, seconds } => {
+            metrics::histogram!(names::ENGINE_BATCH, "engine" => "depformer").record(batch as f64);
+            metrics::histogram!(names::ENGINE_TICK, "engine" => "depformer").record(seconds);
+        }
+        EngineEvent::TemporalTick {
+            batch,
+            context,
+            seconds,
+        } => {
+            metrics::histogram!(names::ENGINE_BATCH, "engine" => "temporal").record(batch as f64);
+            let bucket = context / 375 * 375;
+            metrics::histogram!(
+                names::ENGINE_TICK,
+                "engine" => "temporal",
+                "context" => format!("{}-{}", bucket, bucket + 374)
+            )
+            .record(seconds);
+            let d = diagnosers.entry(batch).or_insert_with(|| {
+                let mut d = Diagnoser::new(DiagnosisConfig::default());
+                d.set_period(0.08);
+                d
+            });
+            if let Some(r) = d.push(context as f64, seconds) {
+                for p in Pattern::ALL {
+                    metrics::gauge!(names::LATENCY_PATTERN, "stage" => ENGINE_STAGE, "pattern" => p.name())
+                        .set(if p == r.pattern { 1.0 } else { 0.0 });
+                }
+                metrics::gauge!(names::LATENCY_TREND, "stage" => ENGINE_STAGE).set(r.slope_per_1k);
+                metrics::gauge!(names::LATENCY_BIMODALITY, "stage" => ENGINE_STAGE)
+                    .set(r.bimodality);
+            }
+        }
+    }
+}
