@@ -108,14 +108,37 @@ fn pack_stamp(dir: &Path) -> Stamp {
 }
 
 type EngineKey = (PathBuf, &'static str, i32);
+
+/// A cache of things loaded from files, each with the stamp of the files it was loaded from.
+type Cache<T> = Mutex<HashMap<PathBuf, (Stamp, Arc<T>)>>;
+
+/// The entry of `cache` for `key` when its files still have `stamp`, else what `open` loads
+/// (outside the lock: other entries may be loaded meanwhile), kept for next time.
+fn cached<T>(
+    cache: &Cache<T>,
+    key: PathBuf,
+    stamp: Stamp,
+    open: impl FnOnce() -> Result<T, ModelError>,
+) -> Result<Arc<T>, ModelError> {
+    if let Some((s, v)) = cache.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        if s == stamp {
+            return Ok(v);
+        }
+    }
+    let v = Arc::new(open()?);
+    if let Ok(mut m) = cache.lock() {
+        m.insert(key, (stamp, v.clone()));
+    }
+    Ok(v)
+}
 /// A voice prompt's codes are known by the file's SHA-256, the pack and the codec path.
 type VoiceKey = ([u8; 32], PathBuf, String);
 
 /// The resources of one process. See the module doc.
 pub struct Resources {
     slots: usize,
-    packs: Mutex<HashMap<PathBuf, (Stamp, Arc<Pack>)>>,
-    tokenizers: Mutex<HashMap<PathBuf, (Stamp, Arc<Tokenizer>)>>,
+    packs: Cache<Pack>,
+    tokenizers: Cache<Tokenizer>,
     voices: Mutex<HashMap<VoiceKey, VoiceCodes>>,
     engines: Mutex<HashMap<EngineKey, Weak<SharedLm>>>,
     /// The fault drill (`DUPLEX_DRILL_ENGINE_PANIC_AT_TICK`), for the first engine opened.
@@ -181,18 +204,11 @@ impl Resources {
     pub fn pack(&self, dir: &Path) -> Result<Arc<Pack>, ModelError> {
         let key = canonical(dir);
         let stamp = pack_stamp(&key);
-        if let Some((s, p)) = self.packs.lock().ok().and_then(|m| m.get(&key).cloned()) {
-            if s == stamp {
-                return Ok(p);
-            }
-        }
-        // Opened outside the lock: another pack may be opened meanwhile.
-        let pack = Arc::new(Pack::open(dir)?);
-        Loads::count(&self.loads.packs, "pack");
-        if let Ok(mut m) = self.packs.lock() {
-            m.insert(key, (stamp, pack.clone()));
-        }
-        Ok(pack)
+        cached(&self.packs, key, stamp, || {
+            let p = Pack::open(dir)?;
+            Loads::count(&self.loads.packs, "pack");
+            Ok(p)
+        })
     }
 
     /// The tokenizer at `path`, loaded once per change on disk.
@@ -203,22 +219,11 @@ impl Resources {
     pub fn tokenizer(&self, path: &Path) -> Result<Arc<Tokenizer>, ModelError> {
         let key = canonical(path);
         let stamp = stamp_of([key.clone()]);
-        if let Some((s, t)) = self
-            .tokenizers
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&key).cloned())
-        {
-            if s == stamp {
-                return Ok(t);
-            }
-        }
-        let t = Arc::new(Tokenizer::open(path)?);
-        Loads::count(&self.loads.tokenizers, "tokenizer");
-        if let Ok(mut m) = self.tokenizers.lock() {
-            m.insert(key, (stamp, t.clone()));
-        }
-        Ok(t)
+        cached(&self.tokenizers, key, stamp, || {
+            let t = Tokenizer::open(path)?;
+            Loads::count(&self.loads.tokenizers, "tokenizer");
+            Ok(t)
+        })
     }
 
     /// The codes of the voice prompt `file` for `pack` by the codec path `codec` (a string that

@@ -24,36 +24,19 @@ import urllib.parse
 import aiohttp
 
 
-def ogg_crc(data):
-    crc = 0
-    for b in data:
-        crc ^= b << 24
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else (crc << 1)
-            crc &= 0xFFFFFFFF
-    return crc
+from oggpages import ogg_page
 
-
-def ogg_page(packets, seq, granule=0, flags=0, serial=77):
-    lacing = bytearray()
-    for p in packets:
-        lacing += bytes([255] * (len(p) // 255) + [len(p) % 255])
-    header = bytearray(b"OggS" + bytes([0, flags]) + granule.to_bytes(8, "little")
-                       + serial.to_bytes(4, "little") + seq.to_bytes(4, "little")
-                       + (0).to_bytes(4, "little") + bytes([len(lacing)]) + lacing)
-    page = header + b"".join(packets)
-    page[22:26] = ogg_crc(bytes(page)).to_bytes(4, "little")
-    return bytes(page)
+SERIAL = 77
 
 
 def bomb_stream(packet, size):
     """Header pages, then pages of 255 copies of `packet` up to about `size` bytes."""
     head = b"OpusHead" + bytes([1, 1]) + (0).to_bytes(2, "little") + (24000).to_bytes(4, "little") + bytes(3)
     tags = b"OpusTags" + (4).to_bytes(4, "little") + b"evil" + (0).to_bytes(4, "little")
-    out = [ogg_page([head], 0, flags=2), ogg_page([tags], 1)]
+    out = [ogg_page([head], SERIAL, 0, flags=2), ogg_page([tags], SERIAL, 1)]
     seq, total = 2, sum(len(p) for p in out)
     while True:
-        page = ogg_page([packet] * 255, seq, granule=seq * 255 * 2880)
+        page = ogg_page([packet] * 255, SERIAL, seq, granule=seq * 255 * 2880)
         if total + len(page) > size:
             break
         out.append(page)
