@@ -196,6 +196,7 @@ pub fn build_session(
 pub(crate) fn build_error(file: &str, stage: &str, params: &Params, e: BuildError) -> ConfigError {
     let kind = match e.kind {
         BuildErrorKind::Unavailable => ConfigErrorKind::Unavailable,
+        BuildErrorKind::Busy => ConfigErrorKind::Busy,
         _ => ConfigErrorKind::Build,
     };
     let mut c = ConfigError::new(file, kind, e.message).stage(stage);
@@ -600,9 +601,18 @@ impl Drop for SignalGuard {
     }
 }
 
-/// The process exit code for an error chain: 2 for configuration errors, 1 otherwise.
+/// The process exit code for an error chain: 2 for configuration errors (refused before start),
+/// 1 otherwise: a run-time failure, or a capacity that is full now (`ConfigErrorKind::Busy`:
+/// every slot of a shared engine taken), which works later as it is.
 pub fn exit_code(e: &anyhow::Error) -> i32 {
-    if e.chain()
+    let busy = e.chain().any(|c| {
+        c.downcast_ref::<ConfigError>()
+            .is_some_and(|c| c.kind == ConfigErrorKind::Busy)
+    });
+    if busy {
+        1
+    } else if e
+        .chain()
         .any(|c| c.is::<ConfigError>() || c.is::<crate::runtime::GraphError>())
     {
         2

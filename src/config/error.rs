@@ -29,6 +29,9 @@ pub enum ConfigErrorKind {
     /// A stage needs something that is not available now (memory, a device that exists but
     /// cannot be opened): the configuration itself may be right.
     Unavailable,
+    /// What the stage asks for is full now (every slot of a shared engine taken): the same
+    /// configuration builds once something is given back. A run-time condition (exit 1).
+    Busy,
     /// Valid values that cannot go together: two stages writing one file, a sink overwriting
     /// a source's input.
     Conflict,

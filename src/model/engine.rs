@@ -359,13 +359,13 @@ impl SharedLm {
                 .lock()
                 .map_err(|_| ModelError::contract("engine", "the slot table is poisoned"))?;
             let Some(i) = t.iter().position(|x| !x) else {
-                return Err(ModelError::contract(
-                    "temporal",
-                    format!(
+                return Err(ModelError::Busy {
+                    graph: "temporal".into(),
+                    detail: format!(
                         "all {} slots of the shared engine are in use (raise `slots`)",
                         self.slots
                     ),
-                ));
+                });
             };
             t[i] = true;
             publish_slots(&*self.observer, self.slots, &t);

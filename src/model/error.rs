@@ -68,6 +68,15 @@ pub enum ModelError {
         /// ONNX Runtime's message.
         detail: String,
     },
+    /// Every slot of a shared engine is taken: the same configuration builds once a
+    /// conversation has left.
+    #[error("{graph}: {detail}")]
+    Busy {
+        /// Graph.
+        graph: String,
+        /// What is full.
+        detail: String,
+    },
     /// ONNX Runtime failed while creating or running a session (out of memory, a device
     /// failure): the same graph may load another time.
     #[error("{graph}: {detail}")]

@@ -212,6 +212,9 @@ pub enum BuildErrorKind {
     /// be opened, a session ONNX Runtime cannot create): the same configuration may build
     /// later or on its own.
     Unavailable,
+    /// What it asks for is full now (every slot of a shared engine taken): it builds once
+    /// something is given back.
+    Busy,
 }
 
 impl BuildError {
@@ -264,13 +267,16 @@ impl From<crate::model::ModelError> for BuildError {
     fn from(e: crate::model::ModelError) -> Self {
         use crate::model::ModelError as M;
         let unavailable = matches!(e, M::Ort { .. });
+        let busy = matches!(e, M::Busy { .. });
         let key = match &e {
             M::Manifest { .. } | M::Pack { .. } | M::Contract { .. } => Some("pack"),
             M::Provider { .. } => Some("execution_provider"),
             _ => None,
         };
         BuildError {
-            kind: if unavailable {
+            kind: if busy {
+                BuildErrorKind::Busy
+            } else if unavailable {
                 BuildErrorKind::Unavailable
             } else {
                 BuildErrorKind::Invalid

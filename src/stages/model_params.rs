@@ -121,5 +121,14 @@ pub(super) fn shared_engine(
         None => crate::resources::Resources::new(1).engine(pack, &opts),
     }
     .map(Some)
-    .map_err(|e| BuildError::invalid(e.to_string()).key("engine"))
+    // Its kind kept: a graph the contract refuses is the pack's mistake, ONNX Runtime failing
+    // to make a session (memory, the device) is unavailable.
+    .map_err(|e| {
+        let b = BuildError::from(e);
+        if b.key.is_none() {
+            b.key("engine")
+        } else {
+            b
+        }
+    })
 }

@@ -349,8 +349,9 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
                 )
                 .key("kv"));
             }
+            // A full engine is a capacity error (retryable), not a mistake.
             lm.temporal_slot(opts.max_positions)
-                .map_err(|e| BuildError::invalid(e.to_string()).key("slots"))?
+                .map_err(|e| BuildError::from(e).key("slots"))?
                 .into()
         }
         None => Temporal::open(&pack, &opts)?.into(),

@@ -703,6 +703,6 @@ fn build_pipeline(
 fn may_build_alone(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<ConfigError>()
-            .is_some_and(|c| c.kind == ConfigErrorKind::Unavailable)
+            .is_some_and(|c| matches!(c.kind, ConfigErrorKind::Unavailable | ConfigErrorKind::Busy))
     })
 }
