@@ -13,6 +13,8 @@
 //!   voice codes, engines).
 //! - [`session`]: the bounded link between a network client and the pipeline serving it.
 //! - [`files`]: opening the files a user names: regular files only, bounded reads.
+//! - [`yaml`]: reading the YAML a user wrote (pipelines, settings, packs' manifests) at a
+//!   bounded cost, as values that remember their origin.
 //! - [`app`]: what the `duplex` binary does (build a pipeline from a file, run it, report).
 //!
 //! Run a pipeline file from Rust:
@@ -34,3 +36,4 @@ pub mod resources;
 pub mod runtime;
 pub mod session;
 pub mod stages;
+pub mod yaml;

@@ -143,6 +143,59 @@ fn a_bad_manifest_is_named() {
     assert!(e.contains("`delays`: has 2 entries, expected 17"), "{e}");
 }
 
+/// The manifest's names (`variant`, `dtype`, `mimi_streaming`) are read into enums once: an
+/// unknown one is refused naming the key and the names there are; a known one is checked
+/// against the graphs.
+#[test]
+fn the_manifests_names_are_read_once_and_refused_naming_the_key() {
+    for (extra, key, want) in [
+        (
+            "variant: gqa-fp8\n",
+            "variant",
+            "\"gqa-fp8\" is not one of standard, gqa, gqa-fp16",
+        ),
+        ("variant: 3\n", "variant", "expected one of standard, gqa"),
+        ("dtype: f64\n", "dtype", "\"f64\" is not one of f32, f16"),
+        (
+            "dtype: f16\n",
+            "dtype",
+            "\"f16\", but the temporal graph's cache is f32",
+        ),
+        (
+            "mimi_streaming: [window, statefull]\n",
+            "mimi_streaming",
+            "\"statefull\" is not one of window, stateful, stateful_f16",
+        ),
+        (
+            "mimi_streaming: stateful\n",
+            "mimi_streaming",
+            "expected a list of window, stateful, stateful_f16",
+        ),
+    ] {
+        let (_d, dir) = packs::variant("tiny-gqa", extra);
+        let e = Pack::open(&dir).unwrap_err().to_string();
+        let at = format!("{}: `{key}`: ", dir.join("pack.yaml").display());
+        assert!(e.starts_with(&at) && e.contains(want), "{extra:?}: {e}");
+    }
+    let (_d, dir) = packs::variant(
+        "tiny-gqa",
+        "variant: gqa\ndtype: f32\nmimi_streaming: [window, stateful]\n",
+    );
+    let p = Pack::open(&dir).unwrap();
+    assert_eq!(
+        p.manifest.variant,
+        Some(duplex::model::pack::ExportVariant::Gqa)
+    );
+    assert_eq!(p.manifest.dtype, Some(duplex::model::pack::FloatType::F32));
+    assert_eq!(
+        p.manifest.mimi_streaming,
+        Some(vec![
+            duplex::model::pack::MimiStreaming::Window,
+            duplex::model::pack::MimiStreaming::Stateful
+        ])
+    );
+}
+
 /// Regression: these values were accepted when the pack was opened and failed later (at the
 /// first frame, after 33 s at frame 7989 with a raw ONNX Runtime message, or with
 /// `std::bad_alloc`), with exit code 1 and without naming `pack.yaml`.

@@ -86,8 +86,8 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
     let mut text = format!("pack: {} ({})\n", dir.display(), m.name);
     text.push_str(&format!(
         "manifest: variant {}, dtype {}, mimi {}, context {} frames, max_positions {}\n",
-        m.variant.as_deref().unwrap_or("-"),
-        m.dtype.as_deref().unwrap_or("-"),
+        m.variant.map_or("-", |v| v.name()),
+        m.dtype.map_or("-", |d| d.name()),
         m.mimi.as_deref().unwrap_or("-"),
         m.context,
         m.max_positions

@@ -109,3 +109,13 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+impl From<crate::yaml::YamlError> for ConfigError {
+    fn from(e: crate::yaml::YamlError) -> Self {
+        let kind = match e.kind {
+            crate::yaml::YamlErrorKind::Read => ConfigErrorKind::Read,
+            crate::yaml::YamlErrorKind::Syntax => ConfigErrorKind::Syntax,
+        };
+        ConfigError::new(&e.file, kind, e.message)
+    }
+}

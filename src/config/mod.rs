@@ -25,7 +25,7 @@ mod overrides;
 pub mod params;
 mod paths;
 mod pipeline;
-pub mod yaml;
+pub use crate::yaml;
 
 pub use error::{ConfigError, ConfigErrorKind};
 pub use layers::Override;

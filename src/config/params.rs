@@ -316,39 +316,7 @@ pub(crate) fn as_string(v: &Value) -> Option<String> {
     }
 }
 
-/// ` (did you mean `x`?)` when one of `candidates` is a likely typo of `word`, else nothing:
-/// what every "unknown key" message ends with.
-pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
-    suggest(word, candidates)
-        .map(|s| format!(" (did you mean `{s}`?)"))
-        .unwrap_or_default()
-}
-
-/// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
-pub(crate) fn suggest<'a>(
-    word: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-) -> Option<&'a str> {
-    fn dist(a: &str, b: &str) -> usize {
-        let b: Vec<char> = b.chars().collect();
-        let mut prev: Vec<usize> = (0..=b.len()).collect();
-        for (i, ca) in a.chars().enumerate() {
-            let mut cur = vec![i + 1];
-            for (j, cb) in b.iter().enumerate() {
-                let sub = prev[j] + usize::from(ca != *cb);
-                cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
-            }
-            prev = cur;
-        }
-        prev[b.len()]
-    }
-    candidates
-        .into_iter()
-        .map(|c| (dist(word, c), c))
-        .filter(|(d, c)| *d <= (c.len() / 3).max(1))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
-}
+pub use crate::yaml::did_you_mean;
 
 /// Checks the raw params of one stage against its kind's declarations.
 ///

@@ -3,6 +3,10 @@
 //!
 //! Its KV cache starts empty every frame and holds at most 16 rows; two buffers per layer are
 //! allocated once and used ping-pong through views, so a frame allocates no cache memory.
+//!
+//! The step exists once: [`DepformerBatch`] runs the frames of many conversations in one
+//! batched call per substep (the shared engine's depformer), and a conversation's own
+//! [`Depformer`] is that batch at one row.
 
 use ort::memory::Allocator;
 use ort::session::{IoBinding, Session};
@@ -13,8 +17,8 @@ use super::pack::{check_depformer, Graph, LmGraphInfo, Pack};
 use super::sampling::{Sampler, SamplingParams};
 use super::session::{open, report, Provider, SessionOptions};
 use super::tensors::{
-    allocator_at, element, input_placements, kv_placements, placement_of, read_floats,
-    write_floats, Buffer, PingPong, Placement,
+    allocator_at, element, input_placements, kv_placements, placement_of, read_row, write_row,
+    Buffer, PingPong, Placement,
 };
 
 /// What the depformer works from for one frame.
@@ -80,27 +84,385 @@ impl UnusedSubsteps {
     }
 }
 
-/// The depformer of a pack.
-pub struct Depformer {
+/// Checks a frame before it joins a batch: its sizes (a hidden state of `hidden_dim` values,
+/// `steps` targets), its text token and its provided audio tokens against their tables
+/// (`text_limit`, `audio_limit` ids), so that a bad frame never reaches a batch.
+///
+/// # Errors
+///
+/// [`ModelError::Contract`] for sizes, [`ModelError::Token`] naming the channel.
+pub(crate) fn check_frame(
+    frame: &DepformerInput<'_>,
+    hidden_dim: usize,
+    steps: usize,
+    text_limit: i64,
+    audio_limit: i64,
+) -> Result<(), ModelError> {
+    frame.check(hidden_dim, steps)?;
+    if !(0..text_limit).contains(&frame.text) {
+        return Err(token_error(0, frame.text, text_limit, audio_limit));
+    }
+    for cb in 0..steps {
+        let v = frame.target[cb];
+        if frame.provided[cb] && !(0..audio_limit).contains(&v) {
+            return Err(token_error(cb + 1, v, text_limit, audio_limit));
+        }
+    }
+    Ok(())
+}
+
+/// A token outside its table, fed at substep `at` (0: the text token).
+fn token_error(at: usize, value: i64, text_limit: i64, audio_limit: i64) -> ModelError {
+    let (channel, limit) = if at == 0 {
+        ("prev_token (text, substep 0)".to_string(), text_limit)
+    } else {
+        (
+            format!("prev_token (audio channel {at}, substep {at})"),
+            audio_limit,
+        )
+    };
+    ModelError::Token {
+        graph: "depformer".into(),
+        channel,
+        value,
+        limit,
+    }
+}
+
+/// One conversation's frame in a [`DepformerBatch`]: what it brings and what it gets back.
+pub(crate) struct DepformerRow {
+    pub hidden: Vec<f32>,
+    pub text: i64,
+    pub target: Vec<i64>,
+    pub provided: Vec<bool>,
+    pub sampler: Sampler,
+    pub params: SamplingParams,
+    pub unused: UnusedSubsteps,
+    /// The frame's tokens, one per substep.
+    pub out: Vec<i64>,
+    /// Substeps run and skipped in this frame.
+    pub counts: (u64, u64),
+    /// Every substep's logits, when kept.
+    pub logits: Option<Vec<Vec<f32>>>,
+    pub error: Option<ModelError>,
+}
+
+impl DepformerRow {
+    /// An empty row.
+    pub fn new() -> Self {
+        DepformerRow {
+            hidden: Vec::new(),
+            text: 0,
+            target: Vec::new(),
+            provided: Vec::new(),
+            sampler: Sampler::new(0),
+            params: SamplingParams::GREEDY,
+            unused: UnusedSubsteps::Run,
+            out: Vec::new(),
+            counts: (0, 0),
+            logits: None,
+            error: None,
+        }
+    }
+
+    /// Copies a conversation's frame in (its sizes checked before, with [`check_frame`]),
+    /// with its sampler (taken: a batch row draws from it) and its settings; its logits are
+    /// kept when `logits` is given (the conversation's buffer, reused).
+    pub fn load(
+        &mut self,
+        frame: DepformerInput<'_>,
+        steps: usize,
+        sampler: &mut Sampler,
+        params: SamplingParams,
+        unused: UnusedSubsteps,
+        logits: Option<Vec<Vec<f32>>>,
+    ) {
+        self.hidden.clear();
+        self.hidden.extend_from_slice(frame.hidden);
+        self.text = frame.text;
+        self.target.clear();
+        self.target.extend_from_slice(&frame.target[..steps]);
+        self.provided.clear();
+        self.provided.extend_from_slice(&frame.provided[..steps]);
+        self.sampler = std::mem::replace(sampler, Sampler::new(0));
+        self.params = params;
+        self.unused = unused;
+        self.logits = logits;
+        self.error = None;
+    }
+
+    /// Gives the sampler back to the conversation.
+    pub fn return_sampler(&mut self, sampler: &mut Sampler) {
+        *sampler = std::mem::replace(&mut self.sampler, Sampler::new(0));
+    }
+
+    /// After a run: the frame's tokens into `out`, its counts added to `counts`, its logits
+    /// (when kept) into `logits`; the row's error, if it failed.
+    pub fn unload(
+        &mut self,
+        out: &mut Vec<i64>,
+        counts: &mut (u64, u64),
+        logits: &mut Vec<Vec<f32>>,
+    ) -> Result<(), ModelError> {
+        counts.0 += self.counts.0;
+        counts.1 += self.counts.1;
+        if let Some(l) = self.logits.take() {
+            *logits = l;
+        }
+        out.clear();
+        out.extend_from_slice(&self.out);
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The depformer graph with buffers for up to `rows` frames: one batched graph call per
+/// substep for every frame given. Rows are ordered by how many substeps they need (with
+/// [`UnusedSubsteps::Skip`], the trailing substeps whose tokens are all provided are not run),
+/// so each substep's rows are a prefix of the previous one's. Every row brings its own sampler:
+/// the draws of a conversation are taken in its own order (text, substeps 0..15), whatever
+/// else is in the batch.
+pub(crate) struct DepformerBatch {
+    // Field order matters: the binding (which holds views) is dropped before the buffers.
     binding: IoBinding,
     session: Session,
-    /// What the graph says about itself.
     pub info: LmGraphInfo,
-    /// The execution provider in use.
     pub provider: Provider,
     kv: PingPong,
     hidden: Buffer,
     prev: Buffer,
     substep: Buffer,
-    logits_out: Buffer,
-    scratch: Vec<f32>,
+    logits: Buffer,
     alloc: Allocator,
-    /// The KV buffers' allocator: the memory the session reads them from.
     kv_alloc: Allocator,
     wanted: Vec<(String, Placement)>,
+    rows: usize,
     steps: usize,
     text_limit: i64,
     audio_limit: i64,
+    /// The batch size the plain inputs and the output are bound at.
+    bound: Option<usize>,
+    scratch: Vec<f32>,
+}
+
+impl DepformerBatch {
+    /// Opens the pack's depformer (`graph` names it in messages) with buffers for `rows`
+    /// frames.
+    ///
+    /// # Errors
+    ///
+    /// Contract errors naming the input, provider errors, ONNX Runtime errors.
+    pub fn open(
+        pack: &Pack,
+        graph: &str,
+        opts: &SessionOptions,
+        rows: usize,
+    ) -> Result<DepformerBatch, ModelError> {
+        let m = &pack.manifest;
+        let os = open(&pack.graph_path(Graph::Depformer), graph, opts)?;
+        let info = check_depformer(&os.session, graph)?;
+        let e = |err: ort::Error| ModelError::ort(graph, err);
+        let alloc = Allocator::default();
+        let wanted = input_placements(&os.session).map_err(e)?;
+        let kv_alloc = allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
+            .map_err(e)?;
+        let steps = 2 * m.codebooks;
+        let rows = rows.max(1);
+        let (s, h, d) = (rows as i64, info.heads as i64, info.head_dim as i64);
+        let mut sets: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
+        for set in sets.iter_mut() {
+            for _ in 0..2 * info.layers {
+                set.push(
+                    Buffer::zeros(&kv_alloc, element(info.kv), &[s, h, steps as i64, d])
+                        .map_err(e)?,
+                );
+            }
+        }
+        let b = DepformerBatch {
+            binding: os.session.create_binding().map_err(e)?,
+            hidden: Buffer::zeros(
+                &alloc,
+                element(info.hidden),
+                &[s, 1, info.hidden_dim as i64],
+            )
+            .map_err(e)?,
+            prev: Buffer::zeros(&alloc, TensorElementType::Int64, &[s, 1]).map_err(e)?,
+            substep: Buffer::zeros(&alloc, TensorElementType::Int64, &[]).map_err(e)?,
+            logits: Buffer::zeros(&alloc, element(info.logits), &[s, 1, info.vocab as i64])
+                .map_err(e)?,
+            session: os.session,
+            provider: os.provider,
+            kv: PingPong { sets },
+            alloc,
+            kv_alloc,
+            wanted,
+            rows,
+            steps,
+            text_limit: m.text_vocab + 1,
+            audio_limit: m.audio_vocab + 1,
+            bound: None,
+            scratch: Vec::with_capacity(info.vocab),
+            info,
+        };
+        report(opts, graph, b.provider, b.info.kv.name());
+        Ok(b)
+    }
+
+    /// Substeps per frame (16).
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Every KV buffer: its input name, where it is, and where the session wants that input.
+    pub fn cache_placements(&self) -> Vec<(String, Placement, Placement)> {
+        kv_placements(
+            self.kv.sets.iter().flatten(),
+            self.info.layers,
+            &self.wanted,
+        )
+    }
+
+    /// Checks a frame before it joins a batch (see [`check_frame`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Contract`] for sizes, [`ModelError::Token`] naming the channel.
+    pub fn check(&self, frame: &DepformerInput<'_>) -> Result<(), ModelError> {
+        check_frame(
+            frame,
+            self.info.hidden_dim,
+            self.steps,
+            self.text_limit,
+            self.audio_limit,
+        )
+    }
+
+    /// Generates the audio tokens of every row's frame (checked with [`check`](Self::check)):
+    /// each row's `out` gets one token per substep, its sampler one draw per substep in order.
+    /// A sampled token outside the audio table fails its row alone (`error`).
+    ///
+    /// # Errors
+    ///
+    /// ONNX Runtime errors (every row's frame is then undone), more rows than the batch holds.
+    pub fn run(&mut self, rows: &mut [&mut DepformerRow]) -> Result<(), ModelError> {
+        let e = |err: ort::Error| ModelError::ort("depformer", err);
+        if rows.len() > self.rows {
+            return Err(ModelError::contract(
+                "depformer",
+                format!("{} frames for a batch of {}", rows.len(), self.rows),
+            ));
+        }
+        let steps = self.steps;
+        // Substeps each row needs; rows in decreasing order of it.
+        let needed: Vec<usize> = rows
+            .iter()
+            .map(|j| match j.unused {
+                UnusedSubsteps::Run => steps,
+                UnusedSubsteps::Skip => (0..steps)
+                    .rev()
+                    .find(|&cb| !j.provided[cb])
+                    .map_or(0, |cb| cb + 1),
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by(|&a, &b| needed[b].cmp(&needed[a]));
+        let mut prev: Vec<i64> = order.iter().map(|&i| rows[i].text).collect();
+        for (r, &i) in order.iter().enumerate() {
+            write_row(&mut self.hidden, r, &rows[i].hidden);
+            let j = &mut *rows[i];
+            j.out.clear();
+            j.counts = (0, 0);
+            j.error = None;
+            if let Some(l) = j.logits.as_mut() {
+                l.clear();
+            }
+        }
+        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
+        let vocab = self.info.vocab;
+        for cb in 0..steps {
+            let n = order.iter().filter(|&&i| needed[i] > cb).count();
+            if n > 0 {
+                self.bind_rows(n).map_err(e)?;
+                self.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
+                self.substep.as_slice::<i64>()[0] = cb as i64;
+                self.kv
+                    .bind_batch(
+                        &mut self.binding,
+                        &self.kv_alloc,
+                        cb % 2,
+                        n as i64,
+                        h,
+                        cb as i64,
+                        d,
+                    )
+                    .map_err(e)?;
+                drop(self.session.run_binding(&self.binding).map_err(e)?);
+            }
+            for (r, &i) in order.iter().enumerate() {
+                let j = &mut *rows[i];
+                if r < n {
+                    read_row(&mut self.logits, r, vocab, &mut self.scratch);
+                    if let Some(l) = j.logits.as_mut() {
+                        l.push(self.scratch.clone());
+                    }
+                    let tok = j.sampler.sample(&self.scratch, j.params) as i64;
+                    j.out.push(tok);
+                    prev[r] = if j.provided[cb] { j.target[cb] } else { tok };
+                    if cb + 1 < steps && !(0..self.audio_limit).contains(&prev[r]) {
+                        if j.error.is_none() {
+                            j.error = Some(token_error(
+                                cb + 1,
+                                prev[r],
+                                self.text_limit,
+                                self.audio_limit,
+                            ));
+                        }
+                        // Fed as a valid token meanwhile: the row's output is refused anyway.
+                        prev[r] = 0;
+                    }
+                    j.counts.0 += 1;
+                } else {
+                    j.sampler.skip(j.params);
+                    j.out.push(j.target[cb]);
+                    prev[r] = j.target[cb];
+                    j.counts.1 += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds the plain inputs and the output at `n` rows, when they are bound at another size.
+    fn bind_rows(&mut self, n: usize) -> ort::Result<()> {
+        if self.bound == Some(n) {
+            return Ok(());
+        }
+        let a = &self.alloc;
+        let bn = n as i64;
+        let hd = self.info.hidden_dim as i64;
+        let v = self.hidden.view(a, &[bn, 1, hd])?;
+        self.binding.bind_input("hidden", &v)?;
+        let v = self.prev.view(a, &[bn, 1])?;
+        self.binding.bind_input("prev_token", &v)?;
+        let v = self.substep.view(a, &[])?;
+        self.binding.bind_input("substep_index", &v)?;
+        let v = self.logits.view(a, &[bn, 1, self.info.vocab as i64])?;
+        self.binding.bind_output("logits", v)?;
+        self.bound = Some(n);
+        Ok(())
+    }
+}
+
+/// The depformer of a pack, for one conversation: a [`DepformerBatch`] of one row.
+pub struct Depformer {
+    batch: DepformerBatch,
+    row: DepformerRow,
+    /// What the graph says about itself.
+    pub info: LmGraphInfo,
+    /// The execution provider in use.
+    pub provider: Provider,
     /// What is done with the substeps nothing reads.
     pub unused: UnusedSubsteps,
     /// Substeps run and skipped so far.
@@ -124,78 +486,27 @@ impl Depformer {
     ///
     /// Contract errors naming the input, provider errors, ONNX Runtime errors.
     pub fn open(pack: &Pack, opts: &SessionOptions) -> Result<Depformer, ModelError> {
-        let graph = "depformer";
-        let m = &pack.manifest;
-        let os = open(&pack.graph_path(Graph::Depformer), graph, opts)?;
-        let info = check_depformer(&os.session, graph)?;
-        let e = |err: ort::Error| ModelError::ort(graph, err);
-        let alloc = Allocator::default();
-        let wanted = input_placements(&os.session).map_err(e)?;
-        let kv_alloc = allocator_at(&os.session, &placement_of(&wanted, "past_key_values.0.key"))
-            .map_err(e)?;
-        let steps = 2 * m.codebooks;
-        let (h, d) = (info.heads as i64, info.head_dim as i64);
-        let kv = element(info.kv);
-        let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
-        for set in bufs.iter_mut() {
-            for _ in 0..2 * info.layers {
-                set.push(Buffer::zeros(&kv_alloc, kv, &[1, h, steps as i64, d]).map_err(e)?);
-            }
-        }
-        let mut dep = Depformer {
-            binding: os.session.create_binding().map_err(e)?,
-            hidden: Buffer::zeros(
-                &alloc,
-                element(info.hidden),
-                &[1, 1, info.hidden_dim as i64],
-            )
-            .map_err(e)?,
-            prev: Buffer::zeros(&alloc, TensorElementType::Int64, &[1, 1]).map_err(e)?,
-            substep: Buffer::zeros(&alloc, TensorElementType::Int64, &[]).map_err(e)?,
-            logits_out: Buffer::zeros(&alloc, element(info.logits), &[1, 1, info.vocab as i64])
-                .map_err(e)?,
-            scratch: Vec::with_capacity(info.vocab),
-            session: os.session,
-            provider: os.provider,
-            kv: PingPong { sets: bufs },
-            alloc,
-            kv_alloc,
-            wanted,
-            steps,
-            text_limit: m.text_vocab + 1,
-            audio_limit: m.audio_vocab + 1,
+        let batch = DepformerBatch::open(pack, "depformer", opts, 1)?;
+        Ok(Depformer {
+            info: batch.info.clone(),
+            provider: batch.provider,
+            batch,
+            row: DepformerRow::new(),
             unused: UnusedSubsteps::Run,
             counts: (0, 0),
             keep_logits: false,
             logits: Vec::new(),
-            info,
-        };
-        let hd = dep.info.hidden_dim as i64;
-        let v = dep.hidden.view(&dep.alloc, &[1, 1, hd]).map_err(e)?;
-        dep.binding.bind_input("hidden", &v).map_err(e)?;
-        let v = dep.prev.view(&dep.alloc, &[1, 1]).map_err(e)?;
-        dep.binding.bind_input("prev_token", &v).map_err(e)?;
-        let v = dep.substep.view(&dep.alloc, &[]).map_err(e)?;
-        dep.binding.bind_input("substep_index", &v).map_err(e)?;
-        let vocab = dep.info.vocab as i64;
-        let v = dep.logits_out.view(&dep.alloc, &[1, 1, vocab]).map_err(e)?;
-        dep.binding.bind_output("logits", v).map_err(e)?;
-        report("depformer", dep.provider, dep.info.kv.name());
-        Ok(dep)
+        })
     }
 
     /// Every KV buffer: its input name, where it is, and where the session wants that input.
     pub fn cache_placements(&self) -> Vec<(String, Placement, Placement)> {
-        kv_placements(
-            self.kv.sets.iter().flatten(),
-            self.info.layers,
-            &self.wanted,
-        )
+        self.batch.cache_placements()
     }
 
     /// Substeps per frame (16).
     pub fn steps(&self) -> usize {
-        self.steps
+        self.batch.steps()
     }
 
     /// Generates the audio tokens of one frame into `out`.
@@ -217,67 +528,14 @@ impl Depformer {
         params: SamplingParams,
         out: &mut Vec<i64>,
     ) -> Result<(), ModelError> {
-        let DepformerInput {
-            hidden,
-            text,
-            target,
-            provided,
-        } = frame;
-        let e = |err: ort::Error| ModelError::ort("depformer", err);
-        frame.check(self.info.hidden_dim, self.steps)?;
-        write_floats(&mut self.hidden, hidden);
-        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
-        out.clear();
-        self.logits.clear();
-        let mut prev = text;
-        // Substeps from `needed` on predict only provided tokens, and no substep before them
-        // attends to their cache rows.
-        let needed = match self.unused {
-            UnusedSubsteps::Run => self.steps,
-            UnusedSubsteps::Skip => (0..self.steps)
-                .rev()
-                .find(|&cb| !provided[cb])
-                .map_or(0, |cb| cb + 1),
-        };
-        for cb in 0..self.steps {
-            let (limit, channel) = if cb == 0 {
-                (self.text_limit, "prev_token (text, substep 0)".to_string())
-            } else {
-                (
-                    self.audio_limit,
-                    format!("prev_token (audio channel {cb}, substep {cb})"),
-                )
-            };
-            if !(0..limit).contains(&prev) {
-                return Err(ModelError::Token {
-                    graph: "depformer".into(),
-                    channel,
-                    value: prev,
-                    limit,
-                });
-            }
-            if cb >= needed {
-                sampler.skip(params);
-                out.push(target[cb]);
-                prev = target[cb];
-                self.counts.1 += 1;
-                continue;
-            }
-            self.counts.0 += 1;
-            self.prev.as_slice::<i64>()[0] = prev;
-            self.substep.as_slice::<i64>()[0] = cb as i64;
-            self.kv
-                .bind(&mut self.binding, &self.kv_alloc, cb % 2, h, cb as i64, d)
-                .map_err(e)?;
-            drop(self.session.run_binding(&self.binding).map_err(e)?);
-            read_floats(&mut self.logits_out, self.info.vocab, &mut self.scratch);
-            if self.keep_logits {
-                self.logits.push(self.scratch.clone());
-            }
-            let tok = sampler.sample(&self.scratch, params) as i64;
-            out.push(tok);
-            prev = if provided[cb] { target[cb] } else { tok };
-        }
-        Ok(())
+        self.batch.check(&frame)?;
+        let steps = self.batch.steps();
+        let logits = self.keep_logits.then(|| std::mem::take(&mut self.logits));
+        let row = &mut self.row;
+        row.load(frame, steps, sampler, params, self.unused, logits);
+        let ran = self.batch.run(&mut [&mut *row]);
+        row.return_sampler(sampler);
+        ran?;
+        row.unload(out, &mut self.counts, &mut self.logits)
     }
 }

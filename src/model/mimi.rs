@@ -63,7 +63,7 @@ impl MimiEncoder {
     pub fn open(pack: &Pack, opts: &SessionOptions, window: usize) -> Result<Self, ModelError> {
         let os = open(&pack.graph_path(Graph::MimiEncoder), "mimi_encoder", opts)?;
         check_mimi(&os.session, "mimi_encoder", true)?;
-        report("mimi_encoder", os.provider, "f32");
+        report(opts, "mimi_encoder", os.provider, "f32");
         let frame = pack.manifest.frame_size;
         Ok(MimiEncoder {
             session: os.session,
@@ -161,7 +161,7 @@ impl MimiDecoder {
     pub fn open(pack: &Pack, opts: &SessionOptions, window: usize) -> Result<Self, ModelError> {
         let os = open(&pack.graph_path(Graph::MimiDecoder), "mimi_decoder", opts)?;
         check_mimi(&os.session, "mimi_decoder", false)?;
-        report("mimi_decoder", os.provider, "f32");
+        report(opts, "mimi_decoder", os.provider, "f32");
         Ok(MimiDecoder {
             session: os.session,
             provider: os.provider,

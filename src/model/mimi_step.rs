@@ -313,7 +313,7 @@ impl StepCodec {
         };
         let bindings = [bind(0).map_err(e)?, bind(1).map_err(e)?];
         let dtype_name = dtype.name();
-        report(graph, os.provider, dtype_name);
+        report(opts, graph, os.provider, dtype_name);
         tracing::debug!(
             graph,
             states = manifest.states.len(),

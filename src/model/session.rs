@@ -12,7 +12,6 @@ use ort::session::Session;
 
 use super::error::ModelError;
 use super::ortlib;
-use crate::observe::names;
 
 /// Where a session computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,6 +51,30 @@ pub struct SessionOptions {
     /// Ask the CUDA provider to capture the first run as a CUDA graph and replay it (the
     /// caller binds every input and output at fixed addresses and shapes).
     pub cuda_graph: bool,
+    /// Who hears which provider and dtype each graph really runs on (the process's metrics,
+    /// which the stages that open graphs hand in); none: only the log says it.
+    pub on_ready: Option<ReadyHook>,
+}
+
+/// A function told, once per graph opened, the graph's name, the provider it really runs on
+/// and its dtype. A plain function, so that options stay `Copy` and this layer knows nothing
+/// of who listens.
+#[derive(Clone, Copy)]
+pub struct ReadyHook(pub fn(graph: &str, provider: Provider, dtype: &str));
+
+impl PartialEq for ReadyHook {
+    /// Options are equal whoever hears them.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ReadyHook {}
+
+impl std::fmt::Debug for ReadyHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReadyHook")
+    }
 }
 
 impl Default for SessionOptions {
@@ -62,6 +85,7 @@ impl Default for SessionOptions {
             intra_threads: 1,
             spinning: false,
             cuda_graph: false,
+            on_ready: None,
         }
     }
 }
@@ -177,23 +201,19 @@ pub fn cuda_check(device_id: i32) -> Result<(), String> {
     with_cuda("doctor", b, device_id, false).map(|_| ())
 }
 
-/// Logs the provider and dtype a graph really runs with, and exports them as
-/// `duplex_model_info{graph, execution_provider, dtype} = 1`. (The model's owner learns it from
-/// the model itself: `runs_on`.)
-pub fn report(graph: &str, provider: Provider, dtype: &str) {
+/// Logs the provider and dtype a graph really runs with, and tells `opts.on_ready` (which
+/// exports them as `duplex_model_info{graph, execution_provider, dtype} = 1` where a stage
+/// opened the graph). The model's owner learns it from the model itself: `runs_on`.
+pub fn report(opts: &SessionOptions, graph: &str, provider: Provider, dtype: &str) {
     tracing::info!(
         graph,
         execution_provider = provider.name(),
         dtype,
         "session ready"
     );
-    metrics::gauge!(
-        names::MODEL_INFO,
-        "graph" => graph.to_string(),
-        "execution_provider" => provider.name(),
-        "dtype" => dtype.to_string()
-    )
-    .set(1.0);
+    if let Some(ReadyHook(hook)) = opts.on_ready {
+        hook(graph, provider, dtype);
+    }
 }
 
 /// Opens `path` (graph `graph`, for messages) with `opts`. Call [`report`] once the graph's

@@ -284,7 +284,7 @@ impl Temporal {
             info,
         };
         t.bind_fixed()?;
-        report("temporal", t.provider, t.info.kv.name());
+        report(&opts.session, "temporal", t.provider, t.info.kv.name());
         let on_host = t.cache.sets[0]
             .first()
             .is_none_or(|b| b.placement().device == "Cpu");
@@ -426,13 +426,7 @@ impl Temporal {
     pub fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
         self.validate(input)?;
         if self.positions_left() == 0 {
-            return Err(ModelError::contract(
-                "temporal",
-                format!(
-                    "no position left: the conversation reached {} positions (apply a long-session policy before)",
-                    self.pos
-                ),
-            ));
+            return Err(no_position_left(self.pos));
         }
         let e = ort_err("temporal");
         self.frame.as_slice::<i64>()[..self.channels].copy_from_slice(input);
@@ -680,6 +674,16 @@ impl Temporal {
 /// # Errors
 ///
 /// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
+/// The error of a step asked for when a conversation has used all its `pos` positions.
+pub(crate) fn no_position_left(pos: usize) -> ModelError {
+    ModelError::contract(
+        "temporal",
+        format!(
+            "no position left: the conversation reached {pos} positions (apply a long-session policy before)"
+        ),
+    )
+}
+
 pub(crate) fn validate_frame(
     input: &[i64],
     channels: usize,

@@ -307,18 +307,6 @@ pub(crate) fn read_floats(buf: &mut Buffer, n: usize, out: &mut Vec<f32>) {
     }
 }
 
-/// Writes f32 values into a float buffer (f32 or f16).
-pub(crate) fn write_floats(buf: &mut Buffer, values: &[f32]) {
-    match buf.ty {
-        TensorElementType::Float16 => {
-            for (d, &s) in buf.as_slice::<half::f16>().iter_mut().zip(values) {
-                *d = half::f16::from_f32(s);
-            }
-        }
-        _ => buf.as_slice::<f32>()[..values.len()].copy_from_slice(values),
-    }
-}
-
 /// Reads row `row` of `n` floats (f32 or f16) of a buffer into `out` as f32.
 pub(crate) fn read_row(buf: &mut Buffer, row: usize, n: usize, out: &mut Vec<f32>) {
     out.clear();

@@ -6,6 +6,9 @@
 //! runs the diagnosis of the temporal tick (its time against the longest context in the batch,
 //! one window per batch size: a batch that grows is not a conversation that grows), so the
 //! engine's tick pays for neither. Knows nothing of the engine's internals beyond the events.
+//!
+//! Also what any graph really runs on ([`model_info`]), as the model layer reports it when a
+//! session is ready.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +18,18 @@ use crossbeam_channel::{bounded, Sender, TrySendError};
 use super::diagnose::{Diagnoser, DiagnosisConfig, Pattern};
 use super::names;
 use crate::model::engine::{EngineEvent, EngineObserver, ENGINE_STAGE};
+
+/// Exports `duplex_model_info{graph, execution_provider, dtype} = 1`: the
+/// [`ReadyHook`](crate::model::session::ReadyHook) the stages hand to the sessions they open.
+pub fn model_info(graph: &str, provider: crate::model::session::Provider, dtype: &str) {
+    metrics::gauge!(
+        names::MODEL_INFO,
+        "graph" => graph.to_string(),
+        "execution_provider" => provider.name(),
+        "dtype" => dtype.to_string()
+    )
+    .set(1.0);
+}
 
 /// Events that may wait for the recording thread.
 const QUEUE: usize = 4096;

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use crate::config::Params;
 use crate::model::pack::Pack;
-use crate::model::session::{Provider, SessionOptions};
+use crate::model::session::{Provider, ReadyHook, SessionOptions};
 
 use super::BuildError;
 use crate::runtime::StatusSpec;
@@ -71,6 +71,7 @@ pub(super) fn session_options(p: &Params) -> SessionOptions {
         intra_threads: p.int("intra_threads") as usize,
         spinning: p.bool("spinning"),
         cuda_graph: false,
+        on_ready: Some(ReadyHook(crate::observe::engine::model_info)),
     }
 }
 

@@ -1,4 +1,5 @@
-//! Reading the YAML a user wrote, at a bounded cost: configuration files are outside input.
+//! Reading the YAML a user wrote, at a bounded cost: configuration files and packs' manifests
+//! are outside input.
 //!
 //! A few hundred bytes of nested anchors and aliases can stand for billions of values, and a
 //! document nested thousands of levels deep costs time out of proportion to its size. So this
@@ -13,7 +14,8 @@
 //! (decimal, `0x`, `0o`), floats (including `.inf` and `.nan`), everything else a string; quoted
 //! and block scalars are always strings. Every value carries the name of the layer it came
 //! from (its *origin*), so that an error can say whether a bad value came from the file, the
-//! environment or the command line. Knows nothing of what the keys mean.
+//! environment or the command line. Knows nothing of what the keys mean: the configuration
+//! layer reads pipelines and settings with it, the model layer a pack's `pack.yaml`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -22,7 +24,44 @@ use config::{Map, Value, ValueKind};
 use yaml_rust2::parser::{Event, Parser, Tag};
 use yaml_rust2::scanner::{Marker, TScalarStyle};
 
-use super::{ConfigError, ConfigErrorKind};
+/// What kind of mistake a [`YamlError`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum YamlErrorKind {
+    /// The file cannot be read (missing, not a regular file, too large).
+    Read,
+    /// The text is not valid YAML, or costs more than its limits.
+    Syntax,
+}
+
+/// A file that cannot be read as YAML: which file, what kind of mistake, and the message (with
+/// the line where there is one).
+#[derive(Debug, Clone)]
+pub struct YamlError {
+    /// The file (or the origin of the text).
+    pub file: String,
+    /// What kind of mistake.
+    pub kind: YamlErrorKind,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl YamlError {
+    fn new(file: &str, kind: YamlErrorKind, message: impl Into<String>) -> Self {
+        YamlError {
+            file: file.into(),
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for YamlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.file, self.message)
+    }
+}
+
+impl std::error::Error for YamlError {}
 
 /// What one configuration text may cost.
 #[derive(Debug, Clone, Copy)]
@@ -49,11 +88,11 @@ impl Limits {
 ///
 /// # Errors
 ///
-/// A [`ConfigErrorKind::Read`] error naming the file: missing, not a regular file (a FIFO is
+/// A [`YamlErrorKind::Read`] error naming the file: missing, not a regular file (a FIFO is
 /// refused rather than waited on), too large, not UTF-8.
-pub fn read(path: &Path, limits: Limits) -> Result<String, ConfigError> {
+pub fn read(path: &Path, limits: Limits) -> Result<String, YamlError> {
     let name = path.display().to_string();
-    let e = |m: String| ConfigError::new(&name, ConfigErrorKind::Read, m);
+    let e = |m: String| YamlError::new(&name, YamlErrorKind::Read, m);
     let bytes =
         crate::files::read_limited(path, limits.max_bytes).map_err(|err| e(err.to_string()))?;
     String::from_utf8(bytes).map_err(|err| {
@@ -70,14 +109,14 @@ pub fn read(path: &Path, limits: Limits) -> Result<String, ConfigError> {
 ///
 /// # Errors
 ///
-/// A [`ConfigErrorKind::Syntax`] error with the line: malformed YAML, a root that is not a map,
+/// A [`YamlErrorKind::Syntax`] error with the line: malformed YAML, a root that is not a map,
 /// a key given twice, a non-scalar key, several documents, an unknown tag, or more than the
 /// limits allow.
-pub fn parse(text: &str, origin: &str, limits: Limits) -> Result<Map<String, Value>, ConfigError> {
+pub fn parse(text: &str, origin: &str, limits: Limits) -> Result<Map<String, Value>, YamlError> {
     if text.len() as u64 > limits.max_bytes {
-        return Err(ConfigError::new(
+        return Err(YamlError::new(
             origin,
-            ConfigErrorKind::Syntax,
+            YamlErrorKind::Syntax,
             format!(
                 "{} bytes is more than a configuration may hold ({} bytes)",
                 text.len(),
@@ -91,9 +130,9 @@ pub fn parse(text: &str, origin: &str, limits: Limits) -> Result<Map<String, Val
         Some((v, _)) => match v.kind {
             ValueKind::Table(t) => Ok(t),
             ValueKind::Nil => Ok(Map::new()),
-            _ => Err(ConfigError::new(
+            _ => Err(YamlError::new(
                 origin,
-                ConfigErrorKind::Syntax,
+                YamlErrorKind::Syntax,
                 "the file is not a YAML map of `key: value` lines".to_string(),
             )),
         },
@@ -158,15 +197,15 @@ impl<'a> Loader<'a> {
         }
     }
 
-    fn err(&self, at: &Marker, m: impl Into<String>) -> ConfigError {
-        ConfigError::new(
+    fn err(&self, at: &Marker, m: impl Into<String>) -> YamlError {
+        YamlError::new(
             self.origin,
-            ConfigErrorKind::Syntax,
+            YamlErrorKind::Syntax,
             format!("line {}: {}", at.line(), m.into()),
         )
     }
 
-    fn count(&mut self, n: usize, at: &Marker) -> Result<(), ConfigError> {
+    fn count(&mut self, n: usize, at: &Marker) -> Result<(), YamlError> {
         self.values = self.values.saturating_add(n);
         if self.values > self.limits.max_values {
             return Err(self.err(
@@ -182,7 +221,7 @@ impl<'a> Loader<'a> {
     }
 
     /// Loads the single document of `text`: `None` when there is none.
-    fn load(mut self, text: &str) -> Result<Option<(Value, usize)>, ConfigError> {
+    fn load(mut self, text: &str) -> Result<Option<(Value, usize)>, YamlError> {
         let mut parser = Parser::new_from_str(text);
         let mut doc: Option<(Value, usize)> = None;
         let mut docs = 0;
@@ -194,9 +233,9 @@ impl<'a> Loader<'a> {
                 } else {
                     e.info()
                 };
-                ConfigError::new(
+                YamlError::new(
                     self.origin,
-                    ConfigErrorKind::Syntax,
+                    YamlErrorKind::Syntax,
                     format!(
                         "line {} column {}: {info}",
                         e.marker().line(),
@@ -299,7 +338,7 @@ impl<'a> Loader<'a> {
         Ok(doc)
     }
 
-    fn open(&mut self, node: Open, at: &Marker) -> Result<(), ConfigError> {
+    fn open(&mut self, node: Open, at: &Marker) -> Result<(), YamlError> {
         self.count(1, at)?;
         if self.stack.len() >= self.limits.max_depth {
             return Err(self.err(
@@ -330,7 +369,7 @@ impl<'a> Loader<'a> {
         value: Value,
         size: usize,
         at: &Marker,
-    ) -> Result<Option<(Value, usize)>, ConfigError> {
+    ) -> Result<Option<(Value, usize)>, YamlError> {
         let dotted = self.dotted();
         match self.stack.last_mut() {
             None => Ok(Some((value, size))),
@@ -360,9 +399,9 @@ impl<'a> Loader<'a> {
                             ValueKind::String(s) => s.clone(),
                             ValueKind::Nil => "null".to_string(),
                             ValueKind::Table(_) | ValueKind::Array(_) => {
-                                return Err(ConfigError::new(
+                                return Err(YamlError::new(
                                     self.origin,
-                                    ConfigErrorKind::Syntax,
+                                    YamlErrorKind::Syntax,
                                     format!(
                                         "line {}: a key must be a plain word, not a list or a map",
                                         at.line()
@@ -377,9 +416,9 @@ impl<'a> Loader<'a> {
                             } else {
                                 format!("{dotted}.{k}")
                             };
-                            return Err(ConfigError::new(
+                            return Err(YamlError::new(
                                 self.origin,
-                                ConfigErrorKind::Syntax,
+                                YamlErrorKind::Syntax,
                                 format!(
                                     "line {}: `{full}` is given twice (first at line {first}); \
                                      a map holds each key once",
@@ -404,12 +443,7 @@ impl<'a> Loader<'a> {
             .join(".")
     }
 
-    fn check_tag(
-        &self,
-        tag: Option<&Tag>,
-        at: &Marker,
-        allowed: &[&str],
-    ) -> Result<(), ConfigError> {
+    fn check_tag(&self, tag: Option<&Tag>, at: &Marker, allowed: &[&str]) -> Result<(), YamlError> {
         match tag {
             None => Ok(()),
             Some(t) if is_core(t) && allowed.contains(&t.suffix.as_str()) => Ok(()),
@@ -430,7 +464,7 @@ impl<'a> Loader<'a> {
         style: TScalarStyle,
         tag: Option<&Tag>,
         at: &Marker,
-    ) -> Result<ValueKind, ConfigError> {
+    ) -> Result<ValueKind, YamlError> {
         if let Some(t) = tag {
             self.check_tag(Some(t), at, &["str", "int", "float", "bool", "null"])?;
             let bad = || {
@@ -547,11 +581,42 @@ fn is_float(s: &str) -> bool {
     i == b.len()
 }
 
+/// ` (did you mean `x`?)` when one of `candidates` is a likely typo of `word`, else nothing:
+/// what every "unknown key" message ends with.
+pub fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> String {
+    suggest(word, candidates)
+        .map(|s| format!(" (did you mean `{s}`?)"))
+        .unwrap_or_default()
+}
+
+/// The closest of `candidates` to `word`, if it is close enough to be a likely typo.
+fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    fn dist(a: &str, b: &str) -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut cur = vec![i + 1];
+            for (j, cb) in b.iter().enumerate() {
+                let sub = prev[j] + usize::from(ca != *cb);
+                cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+            }
+            prev = cur;
+        }
+        prev[b.len()]
+    }
+    candidates
+        .into_iter()
+        .map(|c| (dist(word, c), c))
+        .filter(|(d, c)| *d <= (c.len() / 3).max(1))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn load(text: &str) -> Result<Map<String, Value>, ConfigError> {
+    fn load(text: &str) -> Result<Map<String, Value>, YamlError> {
         parse(text, "t.yaml", Limits::FILES)
     }
 

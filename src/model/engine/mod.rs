@@ -1,0 +1,546 @@
+//! The shared LM engine: one temporal and one depformer session per pack and process, stepping
+//! every conversation that has a frame ready in one batched call per tick.
+//!
+//! - **Weights once.** [`SharedLm::open`] opens a pack's temporal and depformer graphs; the
+//!   process's [`Resources`](crate::resources::Resources) opens one per pack, execution provider
+//!   and device the first time a stage asks for it, hands the same engine to every later one,
+//!   and lets it go when the last conversation on it has left (the engine's thread ends when
+//!   the last handle to it is dropped).
+//! - **Slots.** The temporal half ([`temporal`]) holds `slots` KV slots, rows of one batch. A
+//!   conversation claims a slot ([`SharedLm::temporal_slot`]) and gives it back when its client
+//!   is dropped.
+//! - **Ticks.** Each engine runs on a thread of its own, driven by a [`scheduler::Scheduler`]:
+//!   a tick starts with the first request and gathers more until every conversation expected
+//!   (one in the middle of its frame, or one that came straight back last time) has
+//!   submitted, or `max_wait` has passed; a conversation that does not come is counted late
+//!   and stepped in a later tick, and nobody waits for it again until then. Under load,
+//!   requests that arrive while a tick runs are the next tick's batch.
+//! - **Depformer tick.** The depformer keeps no state between frames, so its batch is exactly
+//!   the frames ready: one [`DepformerBatch`](crate::model::depformer::DepformerBatch), the
+//!   same step a conversation's own depformer runs at one row ([`depformer`]).
+//!
+//! The engine reports what it does (ticks with their batch, context and time; late frames;
+//! slots; opening, closing, failing) as [`EngineEvent`]s to the [`EngineObserver`] it was opened
+//! with, and records nothing itself: the process's observer (`observe::engine`) turns them into
+//! metrics and the latency diagnosis of the temporal tick (`duplex_latency_pattern{stage=
+//! "engine"}`) off the engine's thread.
+//!
+//! Only GQA temporal graphs can share an engine (the standard graph has one past length for the
+//! whole batch). Knows nothing of stages, pipelines or the network.
+
+pub mod depformer;
+pub mod scheduler;
+pub mod temporal;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+
+pub use self::depformer::DepformerClient;
+use self::depformer::DepformerJob;
+use self::scheduler::{Arrival, Request, Scheduler, Served};
+pub use self::temporal::TemporalSlot;
+use self::temporal::{TemporalJob, TemporalWorker};
+use super::depformer::{check_frame, DepformerBatch, DepformerInput};
+use super::error::ModelError;
+use super::pack::{Graph, LmGraphInfo, Pack};
+use super::session::{Provider, SessionOptions};
+use super::tensors::{kv_placements, Placement};
+
+/// The `stage` label of the temporal tick's latency verdict, trend and bimodality.
+pub const ENGINE_STAGE: &str = "engine";
+
+/// What an engine reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum EngineEvent {
+    /// The engine opened.
+    Opened,
+    /// The engine closed (its last conversation left).
+    Closed,
+    /// The engine's thread failed.
+    Failed,
+    /// Slots, and how many are claimed.
+    Slots {
+        /// Slots.
+        slots: usize,
+        /// Claimed.
+        used: usize,
+    },
+    /// Frames a tick expected that had not come.
+    Late(usize),
+    /// A temporal tick.
+    TemporalTick {
+        /// Rows with a frame.
+        batch: usize,
+        /// The longest context among them.
+        context: usize,
+        /// The graph call's time.
+        seconds: f64,
+    },
+    /// A depformer tick.
+    DepformerTick {
+        /// Frames in it.
+        batch: usize,
+        /// Its time.
+        seconds: f64,
+    },
+}
+
+/// Who hears an engine's [`EngineEvent`]s. Called on the engine's thread: it must not block.
+pub trait EngineObserver: Send + Sync {
+    /// One event.
+    fn event(&self, ev: EngineEvent);
+}
+
+/// An observer that hears nothing (an engine opened without one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unobserved;
+
+impl EngineObserver for Unobserved {
+    fn event(&self, _: EngineEvent) {}
+}
+
+/// Options of a shared engine (taken from the first stage that opens it).
+#[derive(Clone)]
+pub struct EngineOptions {
+    /// Session options of both graphs.
+    pub session: SessionOptions,
+    /// KV slots: conversations the engine can hold at once (0: the process's count, which
+    /// [`Resources`](crate::resources::Resources) fills in; at least 1 here).
+    pub slots: usize,
+    /// Positions per conversation (clamped to the pack's `max_positions`).
+    pub max_positions: usize,
+    /// How long a tick waits for the sessions it expects.
+    pub max_wait: Duration,
+    /// A fault drill: the engine's thread panics at this temporal tick (see
+    /// [`Resources`](crate::resources::Resources), which sets it from
+    /// `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK` for the first engine a process opens).
+    pub panic_at_tick: Option<u64>,
+    /// Who hears what the engine does.
+    pub observer: Arc<dyn EngineObserver>,
+}
+
+impl std::fmt::Debug for EngineOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineOptions")
+            .field("session", &self.session)
+            .field("slots", &self.slots)
+            .field("max_positions", &self.max_positions)
+            .field("max_wait", &self.max_wait)
+            .field("panic_at_tick", &self.panic_at_tick)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            session: SessionOptions::default(),
+            slots: 0,
+            max_positions: usize::MAX,
+            max_wait: Duration::from_millis(5),
+            panic_at_tick: None,
+            observer: Arc::new(Unobserved),
+        }
+    }
+}
+
+/// What an engine has done since it opened.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Temporal ticks (batched graph calls).
+    pub temporal_ticks: AtomicU64,
+    /// Session steps in them (rows with a frame).
+    pub temporal_rows: AtomicU64,
+    /// Most rows with a frame in one temporal tick.
+    pub temporal_max_batch: AtomicU64,
+    /// Depformer ticks.
+    pub depformer_ticks: AtomicU64,
+    /// Session frames in them.
+    pub depformer_rows: AtomicU64,
+    /// Frames that were expected in a tick and had not come (both engines).
+    pub late: AtomicU64,
+}
+
+impl EngineStats {
+    /// Mean rows per temporal tick.
+    pub fn mean_temporal_batch(&self) -> f64 {
+        let t = self.temporal_ticks.load(Ordering::Relaxed).max(1);
+        self.temporal_rows.load(Ordering::Relaxed) as f64 / t as f64
+    }
+}
+
+/// One pack's shared temporal and depformer engines.
+pub struct SharedLm {
+    observer: Arc<dyn EngineObserver>,
+    failed: Arc<AtomicBool>,
+    /// What the engine has done.
+    pub stats: Arc<EngineStats>,
+    /// KV slots.
+    pub slots: usize,
+    /// Positions per slot.
+    pub capacity: usize,
+    /// The temporal graph.
+    pub temporal_info: LmGraphInfo,
+    /// The depformer graph.
+    pub depformer_info: LmGraphInfo,
+    /// The execution provider in use.
+    pub provider: Provider,
+    /// Every KV buffer of both graphs: its input name, where it is, and where the session wants
+    /// that input.
+    pub cache_placements: Vec<(String, Placement, Placement)>,
+    tx: Sender<Msg>,
+    taken: Mutex<Vec<bool>>,
+    next_client: AtomicUsize,
+    channels: usize,
+    text_limit: i64,
+    audio_limit: i64,
+    steps: usize,
+}
+
+impl SharedLm {
+    /// Opens `pack`'s temporal and depformer graphs as one engine on a thread of its own.
+    ///
+    /// # Errors
+    ///
+    /// A pack whose temporal graph is not GQA, contract and ONNX Runtime errors of either graph.
+    pub fn open(pack: &Pack, opts: &EngineOptions) -> Result<SharedLm, ModelError> {
+        let m = &pack.manifest;
+        let slots = opts.slots.max(1);
+        let capacity = opts.max_positions.min(m.max_positions).max(1);
+        let channels = m.delays.len();
+        let steps = 2 * m.codebooks;
+        let (tx, rx) = unbounded();
+        let (ready_tx, ready_rx) = bounded(1);
+        let tpath = pack.graph_path(Graph::Temporal);
+        let engine_pack = pack.clone();
+        let session = opts.session;
+        let wait = opts.max_wait;
+        let drill = opts.panic_at_tick;
+        let observer = opts.observer.clone();
+        let obs = observer.clone();
+        let stats = Arc::new(EngineStats::default());
+        let st = stats.clone();
+        let failed = Arc::new(AtomicBool::new(false));
+        let fail = failed.clone();
+        std::thread::Builder::new()
+            .name("duplex:engine".into())
+            .spawn(move || {
+                let opened = TemporalWorker::open(&tpath, &session, slots, capacity, channels)
+                    .and_then(|t| {
+                        DepformerBatch::open(&engine_pack, "depformer (shared engine)", &session, slots)
+                            .map(|d| (t, d))
+                    });
+                match opened {
+                    Ok((t, d)) => {
+                        let mut places = kv_placements(&t.kv, t.info.layers, &t.wanted);
+                        places.extend(d.cache_placements());
+                        let infos = (t.info.clone(), d.info.clone(), t.provider, places);
+                        let _ = ready_tx.send(Ok(infos));
+                        // A panic ends the engine: it is marked failed (its conversations get
+                        // an error as their replies are dropped) and the next conversation
+                        // opens a fresh one.
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            run_engine(t, d, &rx, wait, &st, drill, &*obs)
+                        }));
+                        if let Err(p) = run {
+                            fail.store(true, Ordering::Release);
+                            obs.event(EngineEvent::Failed);
+                            let why = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a panic".into());
+                            tracing::error!(
+                                "the shared LM engine failed ({why}): its conversations end; the next one opens a fresh engine"
+                            );
+                        }
+                    }
+                    Err(e) => drop(ready_tx.send(Err(e))),
+                }
+            })
+            .map_err(|e| ModelError::contract("engine", format!("no thread: {e}")))?;
+        let (tinfo, dinfo, provider, cache_placements) = ready_rx
+            .recv()
+            .map_err(|_| ModelError::contract("temporal", "the engine's thread ended"))??;
+        if tinfo.hidden_dim != dinfo.hidden_dim {
+            return Err(ModelError::contract(
+                "depformer",
+                format!(
+                    "takes a hidden state of {} values, the temporal graph gives {}",
+                    dinfo.hidden_dim, tinfo.hidden_dim
+                ),
+            ));
+        }
+        observer.event(EngineEvent::Opened);
+        tracing::info!(
+            pack = %pack.dir.display(),
+            slots,
+            capacity,
+            layers = tinfo.layers,
+            kv_bytes_per_slot = tinfo.layers * 2 * tinfo.heads * (capacity + 1) * tinfo.head_dim
+                * if tinfo.kv == super::pack::FloatType::F16 { 2 } else { 4 },
+            "shared LM engine ready"
+        );
+        Ok(SharedLm {
+            observer,
+            failed,
+            stats,
+            slots,
+            capacity,
+            temporal_info: tinfo,
+            depformer_info: dinfo,
+            provider,
+            cache_placements,
+            tx,
+            taken: Mutex::new(vec![false; slots]),
+            next_client: AtomicUsize::new(0),
+            channels,
+            text_limit: m.text_vocab + 1,
+            audio_limit: m.audio_vocab + 1,
+            steps,
+        })
+    }
+
+    /// Whether the engine's thread has failed (it serves nobody any more).
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Sets the slot gauges (after a metrics recorder is installed).
+    pub fn publish(&self) {
+        if let Ok(t) = self.taken.lock() {
+            publish_slots(&*self.observer, self.slots, &t);
+        }
+    }
+
+    /// Slots not claimed.
+    pub fn free_slots(&self) -> usize {
+        self.taken
+            .lock()
+            .map(|t| t.iter().filter(|x| !**x).count())
+            .unwrap_or(0)
+    }
+
+    /// What the graphs run on: `cpu f32`, `cuda f16` (with the engine's batch).
+    pub fn runs_on(&self) -> String {
+        format!(
+            "{} {} (shared engine, {} slots)",
+            self.provider.name(),
+            self.temporal_info.kv.name(),
+            self.slots
+        )
+    }
+
+    /// Claims a KV slot for a conversation of at most `max_positions` positions.
+    ///
+    /// # Errors
+    ///
+    /// When every slot is in use.
+    pub fn temporal_slot(
+        self: &Arc<Self>,
+        max_positions: usize,
+    ) -> Result<TemporalSlot, ModelError> {
+        let slot = {
+            let mut t = self
+                .taken
+                .lock()
+                .map_err(|_| ModelError::contract("engine", "the slot table is poisoned"))?;
+            let Some(i) = t.iter().position(|x| !x) else {
+                return Err(ModelError::Busy {
+                    graph: "temporal".into(),
+                    detail: format!(
+                        "all {} slots of the shared engine are in use (raise `slots`)",
+                        self.slots
+                    ),
+                });
+            };
+            t[i] = true;
+            publish_slots(&*self.observer, self.slots, &t);
+            i
+        };
+        Ok(TemporalSlot::new(
+            self.clone(),
+            slot,
+            max_positions.min(self.capacity).max(1),
+        ))
+    }
+
+    /// A client of the depformer engine.
+    pub fn depformer_client(self: &Arc<Self>) -> DepformerClient {
+        DepformerClient::new(
+            self.clone(),
+            self.next_client.fetch_add(1, Ordering::Relaxed),
+        )
+    }
+
+    /// Checks a depformer frame before it joins a batch.
+    fn check_depformer_frame(&self, frame: &DepformerInput<'_>) -> Result<(), ModelError> {
+        check_frame(
+            frame,
+            self.depformer_info.hidden_dim,
+            self.steps,
+            self.text_limit,
+            self.audio_limit,
+        )
+    }
+
+    fn release(&self, slot: usize) {
+        if let Ok(mut t) = self.taken.lock() {
+            if let Some(x) = t.get_mut(slot) {
+                *x = false;
+            }
+            publish_slots(&*self.observer, self.slots, &t);
+        }
+    }
+}
+
+/// The slots, reported at every claim and release.
+fn publish_slots(observer: &dyn EngineObserver, slots: usize, taken: &[bool]) {
+    observer.event(EngineEvent::Slots {
+        slots,
+        used: taken.iter().filter(|x| **x).count(),
+    });
+}
+
+impl Drop for SharedLm {
+    fn drop(&mut self) {
+        // The engine's thread ends with the channel this drops.
+        self.observer.event(EngineEvent::Closed);
+        tracing::info!(
+            slots = self.slots,
+            "shared LM engine closed: its last conversation left"
+        );
+    }
+}
+
+impl std::fmt::Debug for SharedLm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedLm")
+            .field("slots", &self.slots)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a client sends to the engine's thread.
+enum Msg {
+    Temporal { client: usize, job: TemporalJob },
+    Depformer { client: usize, job: DepformerJob },
+    Leave { client: usize, slot: Option<usize> },
+}
+
+fn stopped(graph: &str) -> ModelError {
+    ModelError::contract(graph, "the shared engine's thread has stopped")
+}
+
+impl Request for Msg {
+    fn arrival(&self) -> Arrival {
+        match self {
+            // A frame starts with its temporal step; its depformer request comes right back.
+            Msg::Temporal { client, .. } => Arrival::Starts(*client),
+            Msg::Depformer { client, .. } => Arrival::Continues(*client),
+            Msg::Leave { client, .. } => Arrival::Leaves(*client),
+        }
+    }
+}
+
+/// The engine's thread: ticks until every client and the registry are gone.
+fn run_engine(
+    mut t: TemporalWorker,
+    mut d: DepformerBatch,
+    rx: &Receiver<Msg>,
+    max_wait: Duration,
+    stats: &EngineStats,
+    panic_at_tick: Option<u64>,
+    observer: &dyn EngineObserver,
+) {
+    let mut sched = Scheduler::new(max_wait);
+    while let Some(late) = sched.gather(rx) {
+        observer.event(EngineEvent::Late(late));
+        stats.late.fetch_add(late as u64, Ordering::Relaxed);
+        // A slot given back starts empty (its next owner's first step is fresh anyway).
+        for m in sched.take_out(|m| matches!(m, Msg::Leave { .. })) {
+            if let Msg::Leave { slot: Some(s), .. } = m {
+                if let Some(l) = t.len.get_mut(s) {
+                    *l = 0;
+                }
+            }
+        }
+        // Depformer requests first, and the temporal ones held meanwhile: conversations that
+        // drifted half a frame apart meet again in the next temporal batch.
+        let mut deps: Vec<(usize, DepformerJob)> = sched
+            .take_out(|m| matches!(m, Msg::Depformer { .. }))
+            .into_iter()
+            .filter_map(|m| match m {
+                Msg::Depformer { client, job } => Some((client, job)),
+                _ => None,
+            })
+            .collect();
+        if !deps.is_empty() {
+            let n = deps.len();
+            stats.depformer_ticks.fetch_add(1, Ordering::Relaxed);
+            stats.depformer_rows.fetch_add(n as u64, Ordering::Relaxed);
+            let t0 = Instant::now();
+            depformer::tick(&mut d, &mut deps);
+            observer.event(EngineEvent::DepformerTick {
+                batch: n,
+                seconds: t0.elapsed().as_secs_f64(),
+            });
+            for (k, j) in deps {
+                sched.served(k, Served::FrameDone);
+                let tx = j.reply.clone();
+                let _ = tx.send(j);
+            }
+            continue;
+        }
+        let mut temps: Vec<(usize, TemporalJob)> = sched
+            .take_out(|m| matches!(m, Msg::Temporal { .. }))
+            .into_iter()
+            .filter_map(|m| match m {
+                Msg::Temporal { client, job } => Some((client, job)),
+                _ => None,
+            })
+            .collect();
+        if temps.is_empty() {
+            continue;
+        }
+        let ticks = stats.temporal_ticks.load(Ordering::Relaxed);
+        if panic_at_tick.is_some_and(|n| ticks + 1 >= n) {
+            panic!(
+                "fault drill: the engine fails at temporal tick {}",
+                ticks + 1
+            );
+        }
+        let n = temps.len();
+        stats.temporal_ticks.fetch_add(1, Ordering::Relaxed);
+        stats.temporal_rows.fetch_add(n as u64, Ordering::Relaxed);
+        stats
+            .temporal_max_batch
+            .fetch_max(n as u64, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let context = temps
+            .iter()
+            .map(|(_, j)| if j.fresh { 0 } else { t.len[j.slot] })
+            .max()
+            .unwrap_or(0);
+        if let Err(e) = t.tick(&mut temps) {
+            let msg = e.to_string();
+            for (_, j) in &mut temps {
+                j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
+            }
+        }
+        observer.event(EngineEvent::TemporalTick {
+            batch: n,
+            context,
+            seconds: t0.elapsed().as_secs_f64(),
+        });
+        for (k, j) in temps {
+            sched.served(k, Served::MidFrame);
+            let tx = j.reply.clone();
+            let _ = tx.send(j);
+        }
+    }
+}
