@@ -38,6 +38,7 @@ bench: setup
 	$(CARGO) bench --bench serve
 	$(CARGO) bench --bench browser
 	$(CARGO) bench --bench aec
+	$(CARGO) bench --bench session_start
 
 # Extras that `make setup` never installs. export-deps: huggingface_hub, for
 # `tools/export_pack.py --from-hub` (reading a checkpoint needs nothing more than `make setup`).

@@ -1072,3 +1072,84 @@ fn echo_cancellation_is_on_by_default_on_open_speakers_reported_and_switched_off
         "echo_cancel: off"
     );
 }
+
+/// A reload from pack A to pack B with `engine: shared`: the new pipeline opens B's engine and
+/// A's is freed with the pipeline that used it (one engine open before and after, two opened in
+/// all), while frames go on flowing.
+#[test]
+fn a_reload_to_another_pack_frees_the_old_packs_shared_engine() {
+    let pa = Pulse::start();
+    let dir = pa.dir().to_path_buf();
+    // The daemon's pipeline with both LM stages on the process's shared engine.
+    let text = std::fs::read_to_string(root().join("pipelines/daemon.yaml")).unwrap();
+    let shared = text
+        .replace(
+            "    kind: temporal\n",
+            "    kind: temporal\n    engine: shared\n",
+        )
+        .replace(
+            "    kind: depformer\n",
+            "    kind: depformer\n    engine: shared\n",
+        );
+    assert_eq!(shared.matches("engine: shared").count(), 2);
+    let pipeline = dir.join("shared.yaml");
+    std::fs::write(&pipeline, shared).unwrap();
+    let port = daemon::free_port();
+    let config = |pack: &Path| {
+        format!(
+            "pipeline: {}\npack: {}\nmetrics_address: \"127.0.0.1:{port}\"\ncontrol_socket: {}/control.sock\n",
+            pipeline.display(),
+            pack.display(),
+            dir.display()
+        )
+    };
+    let a = packs::pack("tiny-gqa");
+    // Pack B: the same graphs in another folder (another engine).
+    let (_keep, b) = packs::variant("tiny-gqa", "name: pack-b\n");
+    let mut d = Daemon::start_with_config(pa, &config(&a));
+    let metrics = || http_get(port, "/metrics").1;
+    let value = |text: &str, prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let wait_for = |what: &str, ok: &dyn Fn(&str) -> bool| {
+        let t0 = Instant::now();
+        loop {
+            let m = metrics();
+            if ok(&m) {
+                return m;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{what}\n{m}\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let engines = "duplex_engines_open ";
+    let opened = "duplex_resources_loaded_total{what=\"engine\"}";
+    wait_for("one engine open for pack A", &|m| {
+        value(m, engines) == Some(1.0) && value(m, opened) == Some(1.0)
+    });
+    assert!(d.log().contains("shared LM engine ready"), "{}", d.log());
+    let outcome = d.reload(&config(&b));
+    assert!(!outcome.starts_with("rejected"), "{outcome}\n{}", d.log());
+    assert_eq!(d.status().unwrap()["pack"], b.to_str().unwrap());
+    // B's engine was opened, A's closed with the pipeline that held it.
+    wait_for("A's engine freed, B's open", &|m| {
+        value(m, engines) == Some(1.0) && value(m, opened) == Some(2.0)
+    });
+    d.wait_log("shared LM engine closed: its last conversation left");
+    let fa = d.frames();
+    d.wait_status(15, "frames flow on pack B", |s| {
+        s["frames"].as_u64().unwrap_or(0) >= fa + 15
+    });
+    d.signal("-TERM");
+    let mut child = d.child.take().unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("did not stop: {}", d.log()));
+    assert_eq!(status.code(), Some(0), "{}", d.log());
+}
