@@ -232,16 +232,18 @@ impl Resources {
     ///
     /// # Errors
     ///
-    /// When the file cannot be read, or `encode`'s error.
-    pub fn voice_codes<E: From<String>>(
+    /// `unreadable`'s error (given what is wrong, naming the file) when the file cannot be
+    /// read, or `encode`'s error.
+    pub fn voice_codes<E>(
         &self,
         file: &Path,
         pack: &Pack,
         codec: &str,
+        unreadable: impl FnOnce(String) -> E,
         encode: impl FnOnce() -> Result<Vec<Vec<i64>>, E>,
     ) -> Result<VoiceCodes, E> {
         let bytes = crate::files::read_limited(file, 1 << 30)
-            .map_err(|e| E::from(format!("{}: {e}", file.display())))?;
+            .map_err(|e| unreadable(format!("{}: {e}", file.display())))?;
         let key = (
             Sha256::digest(&bytes).into(),
             canonical(&pack.dir),
@@ -347,13 +349,18 @@ mod tests {
             calls.fetch_add(1, Ordering::Relaxed);
             Ok(vec![vec![1, 2]])
         };
-        let x = r.voice_codes(&a, &pack, "stateful f32", enc).unwrap();
-        let y = r.voice_codes(&b, &pack, "stateful f32", enc).unwrap();
+        let x = r
+            .voice_codes(&a, &pack, "stateful f32", |e| e, enc)
+            .unwrap();
+        let y = r
+            .voice_codes(&b, &pack, "stateful f32", |e| e, enc)
+            .unwrap();
         assert!(Arc::ptr_eq(&x, &y), "the same content under another name");
         assert_eq!(calls.load(Ordering::Relaxed), 1);
-        r.voice_codes(&a, &pack, "window", enc).unwrap();
+        r.voice_codes(&a, &pack, "window", |e| e, enc).unwrap();
         std::fs::write(&a, b"other bytes").unwrap();
-        r.voice_codes(&a, &pack, "stateful f32", enc).unwrap();
+        r.voice_codes(&a, &pack, "stateful f32", |e| e, enc)
+            .unwrap();
         assert_eq!(
             calls.load(Ordering::Relaxed),
             3,
@@ -361,7 +368,7 @@ mod tests {
         );
         assert_eq!(r.loads.voices.load(Ordering::Relaxed), 3);
         let e = r
-            .voice_codes(&dir.path().join("none.wav"), &pack, "x", enc)
+            .voice_codes(&dir.path().join("none.wav"), &pack, "x", |e| e, enc)
             .unwrap_err();
         assert!(e.contains("none.wav"), "{e}");
     }

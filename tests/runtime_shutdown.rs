@@ -28,7 +28,12 @@ impl Stage for FailAt {
             if self.panic {
                 panic!("boom at {}", f.data.0);
             }
-            return Err(StageError::msg(format!("cannot handle value {}", f.data.0)));
+            // A typed error: the run's error keeps it, to be told by its type.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("cannot handle value {}", f.data.0),
+            )
+            .into());
         }
         cx.emit(0, f.meta.origin, f.data)
     }
@@ -75,6 +80,12 @@ fn stage_error_stops_the_pipeline_naming_stage_and_frame() {
         err.to_string(),
         "stage `bad` failed at frame 5: cannot handle value 5"
     );
+    // The stage's own error is kept with its type, not only its words.
+    let cause = err.cause().expect("the stage's error is kept");
+    let io = cause
+        .downcast_ref::<std::io::Error>()
+        .expect("it is the stage's io::Error");
+    assert_eq!(io.kind(), std::io::ErrorKind::InvalidData);
     // Nothing produced before the failure is lost: the sink got frames 0..5 and flushed.
     assert_eq!(seen.values(), vec![0, 1, 2, 3, 4]);
     assert!(seen.finished());
@@ -90,6 +101,7 @@ fn stage_panic_stops_the_pipeline_naming_stage_and_frame() {
         msg.starts_with("stage `bad` failed at frame 5: panicked: boom at 5"),
         "{msg}"
     );
+    assert!(err.cause().is_none(), "a panic has no error to keep");
     assert_eq!(seen.values(), vec![0, 1, 2, 3, 4]);
     assert!(took < Duration::from_secs(5), "took {took:?}");
 }

@@ -56,6 +56,9 @@ pub fn runtime(ort_lib: Option<&Path>) -> anyhow::Result<String> {
     }
     match crate::model::session::cuda_check(0) {
         Ok(()) => text.push_str("cuda: available (device 0)\n"),
+        Err(crate::model::ModelError::Provider { detail, .. }) => {
+            text.push_str(&format!("cuda: not available: {detail}\n"))
+        }
         Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
     }
     Ok(text)

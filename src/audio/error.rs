@@ -69,6 +69,15 @@ pub enum AudioError {
         /// What went wrong (and which devices exist).
         detail: String,
     },
+    /// The Opus encoder or the Ogg writer refused (a bitrate libopus does not take, a packet
+    /// it cannot write).
+    #[error("{what}: {detail}")]
+    Codec {
+        /// What refused: `libopus encoder`, `libopus bitrate 3`, `Ogg page`.
+        what: String,
+        /// Its message.
+        detail: String,
+    },
     /// A resampler could not be built for these rates.
     #[error("cannot resample {from} Hz to {to} Hz: {detail}")]
     Resample {

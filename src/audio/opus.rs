@@ -16,6 +16,7 @@ use ogg::reading::{BasePacketReader, PageParser};
 use ogg::writing::{PacketWriteEndInfo, PacketWriter};
 
 use super::pace::Budget;
+use super::AudioError;
 
 /// The rate of every stream here, Hz.
 pub const RATE: u32 = 24_000;
@@ -314,13 +315,13 @@ impl OggOpusWriter {
     /// # Errors
     ///
     /// libopus's error when it cannot create the encoder.
-    pub fn new(serial: u32, bitrate: Option<i32>) -> Result<Self, String> {
+    pub fn new(serial: u32, bitrate: Option<i32>) -> Result<Self, AudioError> {
         let mut encoder = opus::Encoder::new(RATE, opus::Channels::Mono, opus::Application::Audio)
-            .map_err(|e| format!("libopus encoder: {e}"))?;
+            .map_err(|e| codec("libopus encoder", e))?;
         if let Some(b) = bitrate {
             encoder
                 .set_bitrate(opus::Bitrate::Bits(b))
-                .map_err(|e| format!("libopus bitrate {b}: {e}"))?;
+                .map_err(|e| codec(format!("libopus bitrate {b}"), e))?;
         }
         let lookahead = encoder.get_lookahead().unwrap_or(0).max(0) as u64;
         Ok(OggOpusWriter {
@@ -335,7 +336,7 @@ impl OggOpusWriter {
         })
     }
 
-    fn page(&mut self, data: Vec<u8>, granule: u64) -> Result<Vec<u8>, String> {
+    fn page(&mut self, data: Vec<u8>, granule: u64) -> Result<Vec<u8>, AudioError> {
         self.pages
             .write_packet(
                 Cow::Owned(data),
@@ -343,7 +344,7 @@ impl OggOpusWriter {
                 PacketWriteEndInfo::EndPage,
                 granule,
             )
-            .map_err(|e| format!("Ogg page: {e}"))?;
+            .map_err(|e| codec("Ogg page", e))?;
         Ok(std::mem::take(self.pages.inner_mut()))
     }
 
@@ -353,7 +354,7 @@ impl OggOpusWriter {
     /// # Errors
     ///
     /// When a page cannot be written (never, into memory).
-    pub fn headers(&mut self) -> Result<Vec<Vec<u8>>, String> {
+    pub fn headers(&mut self) -> Result<Vec<Vec<u8>>, AudioError> {
         if self.headers_done {
             return Ok(Vec::new());
         }
@@ -379,7 +380,7 @@ impl OggOpusWriter {
     /// # Errors
     ///
     /// libopus's error for a packet it cannot encode.
-    pub fn push(&mut self, pcm: &[f32]) -> Result<Vec<Vec<u8>>, String> {
+    pub fn push(&mut self, pcm: &[f32]) -> Result<Vec<Vec<u8>>, AudioError> {
         let mut pages = self.headers()?;
         self.pending.extend_from_slice(pcm);
         let mut at = 0;
@@ -387,7 +388,7 @@ impl OggOpusWriter {
             let n = self
                 .encoder
                 .encode_float(&self.pending[at..at + PACKET_SAMPLES], &mut self.packet)
-                .map_err(|e| format!("libopus: {e}"))?;
+                .map_err(|e| codec("libopus", e))?;
             at += PACKET_SAMPLES;
             self.encoded += PACKET_SAMPLES as u64;
             let granule = self.pre_skip as u64 + self.encoded * GRANULE_PER_SAMPLE;
@@ -403,12 +404,20 @@ impl OggOpusWriter {
     /// # Errors
     ///
     /// As [`push`](Self::push).
-    pub fn flush(&mut self) -> Result<Vec<Vec<u8>>, String> {
+    pub fn flush(&mut self) -> Result<Vec<Vec<u8>>, AudioError> {
         if self.pending.is_empty() {
             return self.headers();
         }
         let pad = PACKET_SAMPLES - self.pending.len() % PACKET_SAMPLES;
         self.push(&vec![0.0; pad])
+    }
+}
+
+/// An encoder's or writer's refusal.
+fn codec(what: impl Into<String>, e: impl std::fmt::Display) -> AudioError {
+    AudioError::Codec {
+        what: what.into(),
+        detail: e.to_string(),
     }
 }
 

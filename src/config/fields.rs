@@ -147,6 +147,28 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// Where models run (`execution_provider`): `None` when absent or empty.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigErrorKind::OutOfRange`] for a name that is not `cpu` or `cuda`.
+    pub fn provider(&self, k: &str) -> Result<Option<ExecutionProvider>, ConfigError> {
+        let v = self.string(k)?;
+        if v.trim().is_empty() {
+            return Ok(None);
+        }
+        ExecutionProvider::from_name(&v).map(Some).ok_or_else(|| {
+            self.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!(
+                    "{v:?} is not one of {}",
+                    ExecutionProvider::NAMES.join(", ")
+                ),
+            )
+        })
+    }
+
     /// A number in `min..=max` (NaN is out of every range).
     ///
     /// # Errors
@@ -256,6 +278,38 @@ impl<'a> Fields<'a> {
             defaults: self.defaults,
             table: t,
             prefix: format!("{}{k}.", self.prefix),
+        }
+    }
+}
+
+/// Where a setting says the models run (`execution_provider` of the daemon's and the server's
+/// settings), read once; the stages' own param of the same name takes its [`name`](Self::name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutionProvider {
+    /// The CPU.
+    Cpu,
+    /// CUDA (a GPU build of ONNX Runtime).
+    Cuda,
+}
+
+impl ExecutionProvider {
+    /// The names a setting may give.
+    pub const NAMES: [&'static str; 2] = ["cpu", "cuda"];
+
+    /// From a setting's name.
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s {
+            "cpu" => Some(ExecutionProvider::Cpu),
+            "cuda" => Some(ExecutionProvider::Cuda),
+            _ => None,
+        }
+    }
+
+    /// Its name, as the stages' `execution_provider` param takes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ExecutionProvider::Cpu => "cpu",
+            ExecutionProvider::Cuda => "cuda",
         }
     }
 }

@@ -155,8 +155,8 @@ fn with_cuda(
 ///
 /// # Errors
 ///
-/// ONNX Runtime's message.
-pub fn available_providers() -> Result<Vec<String>, String> {
+/// [`ModelError::Ort`] with ONNX Runtime's message.
+pub fn available_providers() -> Result<Vec<String>, ModelError> {
     let mut list: *mut *mut std::ffi::c_char = std::ptr::null_mut();
     let mut n: std::ffi::c_int = 0;
     // SAFETY: ONNX Runtime fills `list` with `n` C strings it owns, released once below.
@@ -170,7 +170,7 @@ pub fn available_providers() -> Result<Vec<String>, String> {
             (ort::api().ReleaseStatus)(status.0);
             m
         };
-        return Err(msg);
+        return Err(ModelError::ort("providers", msg));
     }
     let mut out = Vec::new();
     for i in 0..n.max(0) as usize {
@@ -195,10 +195,16 @@ pub fn available_providers() -> Result<Vec<String>, String> {
 ///
 /// # Errors
 ///
-/// Why CUDA cannot take effect.
-pub fn cuda_check(device_id: i32) -> Result<(), String> {
-    let b = builder("doctor", &SessionOptions::default()).map_err(|e| e.to_string())?;
-    with_cuda("doctor", b, device_id, false).map(|_| ())
+/// [`ModelError::Provider`] saying why CUDA cannot take effect; ONNX Runtime's errors.
+pub fn cuda_check(device_id: i32) -> Result<(), ModelError> {
+    let b = builder("doctor", &SessionOptions::default())?;
+    with_cuda("doctor", b, device_id, false)
+        .map(|_| ())
+        .map_err(|detail| ModelError::Provider {
+            graph: "doctor".into(),
+            provider: Provider::Cuda { device_id }.name().to_string(),
+            detail,
+        })
 }
 
 /// Logs the provider and dtype a graph really runs with, and tells `opts.on_ready` (which

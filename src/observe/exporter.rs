@@ -32,8 +32,8 @@ pub type Health = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
 ///
 /// # Errors
 ///
-/// When another recorder is already installed.
-pub fn recorder() -> Result<PrometheusHandle, String> {
+/// [`ExporterError::Recorder`] when another recorder is already installed.
+pub fn recorder() -> Result<PrometheusHandle, ExporterError> {
     static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
@@ -47,7 +47,7 @@ pub fn recorder() -> Result<PrometheusHandle, String> {
                 })
                 .map_err(|e| e.to_string())?
                 .install_recorder()
-                .map_err(|e| format!("installing the metrics recorder: {e}"))?;
+                .map_err(|e| e.to_string())?;
             // Histograms' summaries are kept bounded by a periodic upkeep.
             let upkeep = handle.clone();
             let _ = std::thread::Builder::new()
@@ -59,6 +59,26 @@ pub fn recorder() -> Result<PrometheusHandle, String> {
             Ok(handle)
         })
         .clone()
+        .map_err(ExporterError::Recorder)
+}
+
+/// Why metrics cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ExporterError {
+    /// The address cannot be listened on.
+    #[error("serving metrics on {addr}: {error}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS's error (in the message).
+        error: std::io::Error,
+    },
+    /// The process's metrics recorder could not be installed (another one is).
+    #[error("installing the metrics recorder: {0}")]
+    Recorder(String),
+    /// The thread serving them could not be started.
+    #[error("starting the metrics thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// `/metrics` and `/healthz` (`health`: none answers 200 `{"ok":true}`).
@@ -113,12 +133,10 @@ pub async fn not_found(uri: axum::http::Uri) -> impl IntoResponse {
 ///
 /// A message naming the address when it cannot be bound, or when a recorder is already
 /// installed.
-pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), String> {
-    let listener =
-        std::net::TcpListener::bind(addr).map_err(|e| format!("serving metrics on {addr}: {e}"))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| format!("serving metrics on {addr}: {e}"))?;
+pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), ExporterError> {
+    let bind = |error| ExporterError::Bind { addr, error };
+    let listener = std::net::TcpListener::bind(addr).map_err(bind)?;
+    listener.set_nonblocking(true).map_err(bind)?;
     let handle = recorder()?;
     let app = routes(handle, health).fallback(not_found);
     std::thread::Builder::new()
@@ -139,7 +157,7 @@ pub fn install(addr: SocketAddr, health: Option<Health>) -> Result<(), String> {
                 }
             });
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(ExporterError::Thread)?;
     Ok(())
 }
 

@@ -38,10 +38,14 @@ impl Caps {
     ///
     /// # Errors
     ///
-    /// A message saying what was wanted and what comes.
-    pub fn require(&self, key: &str, want: i64, what: &str) -> Result<(), String> {
+    /// A [`CapsMismatch`] saying what was wanted and what comes.
+    pub fn require(&self, key: &str, want: i64, what: &str) -> Result<(), CapsMismatch> {
         match self.get(key) {
-            Some(v) if v != want => Err(format!("{what}: needs {want}, gets {v}")),
+            Some(v) if v != want => Err(CapsMismatch {
+                what: what.to_string(),
+                want,
+                got: v,
+            }),
             _ => Ok(()),
         }
     }
@@ -53,3 +57,23 @@ impl fmt::Display for Caps {
         f.write_str(&parts.join(", "))
     }
 }
+
+/// Frames whose property is not what a stage needs (`sample rate (Hz): needs 24000, gets
+/// 48000`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapsMismatch {
+    /// The property, in words.
+    pub what: String,
+    /// What the stage needs.
+    pub want: i64,
+    /// What comes.
+    pub got: i64,
+}
+
+impl fmt::Display for CapsMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: needs {}, gets {}", self.what, self.want, self.got)
+    }
+}
+
+impl std::error::Error for CapsMismatch {}

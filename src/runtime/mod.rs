@@ -54,7 +54,7 @@ mod pipeline;
 mod stage;
 mod stats;
 
-pub use caps::Caps;
+pub use caps::{Caps, CapsMismatch};
 pub use control::{
     Command, CommandSpec, ControlError, ControlPlane, Endpoint, Pending, Reply, StatusSpec, Value,
 };
@@ -63,7 +63,7 @@ pub use frame::{Frame, FrameData, FrameMeta, FrameType, Payload, PortSpec};
 pub use graph::{
     split_port, Body, GraphError, GraphErrorKind, Link, Node, PipelineBuilder, RunOptions,
 };
-pub use pipeline::{Handle, Pipeline, RunError, RunOutcome, Running, StopHandle};
+pub use pipeline::{Handle, Pipeline, RunError, RunOutcome, Running, StageCause, StopHandle};
 pub use stage::{Context, Flow, Input, Source, Stage, StageError, StageResult};
 pub use stats::{EdgeReport, LatencyHistogram, RunReport, StageReport};
 

@@ -57,6 +57,9 @@ pub enum RunError {
         bad_input: bool,
         /// Stages that did not stop in time afterwards.
         hung: Vec<String>,
+        /// The stage's own error (none for a panic), to tell its kind by downcasting
+        /// ([`StageCause::downcast_ref`]); `message` already says it in words.
+        cause: Option<StageCause>,
     },
     /// Stages did not stop within the timeouts after a stop request.
     Hung {
@@ -84,6 +87,7 @@ impl std::fmt::Display for RunError {
                 message,
                 hung,
                 bad_input,
+                ..
             } => {
                 if *bad_input {
                     write!(f, "stage `{stage}` refused its input")?;
@@ -124,6 +128,58 @@ impl std::fmt::Display for RunError {
 
 impl std::error::Error for RunError {}
 
+impl RunError {
+    /// The failed stage's own error, when a stage returned one.
+    pub fn cause(&self) -> Option<&StageCause> {
+        match self {
+            RunError::StageFailed { cause, .. } => cause.as_ref(),
+            _ => None,
+        }
+    }
+}
+
+/// The error a stage failed with, kept with its type: a caller tells its kind by downcasting it
+/// (a model's error, an I/O error) instead of reading the message. Two are equal when they say
+/// the same.
+#[derive(Clone)]
+pub struct StageCause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl StageCause {
+    /// The error, if it is a `T`.
+    pub fn downcast_ref<T: std::error::Error + 'static>(&self) -> Option<&T> {
+        self.0.downcast_ref::<T>()
+    }
+
+    /// The error.
+    pub fn get(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl std::fmt::Debug for StageCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StageCause({})", self.0)
+    }
+}
+
+impl std::fmt::Display for StageCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl PartialEq for StageCause {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for StageCause {}
+
+/// The first stage failure of a run: stage, frame, message, whether it was bad input, its
+/// error.
+type Failure = (String, Option<u64>, String, bool, Option<StageCause>);
+
 /// How one actor ended.
 enum Exit {
     Finished,
@@ -132,6 +188,7 @@ enum Exit {
         seq: Option<u64>,
         message: String,
         bad_input: bool,
+        cause: Option<StageCause>,
     },
 }
 
@@ -394,6 +451,7 @@ impl Pipeline {
                         Err(p) => Exit::Failed {
                             seq: None,
                             bad_input: false,
+                            cause: None,
                             message: format!("panicked: {}", panic_message(&p)),
                         },
                     };
@@ -455,11 +513,19 @@ fn record(a: &Actor, elapsed: Duration, blocked: Duration, frames: u64) {
 fn failure(e: StageError, seq: Option<u64>) -> Exit {
     match e {
         StageError::Stopped => Exit::Stopped,
-        e @ (StageError::Failed(_) | StageError::BadInput(_)) => Exit::Failed {
-            seq,
-            bad_input: matches!(e, StageError::BadInput(_)),
-            message: e.to_string(),
-        },
+        e @ (StageError::Failed(_) | StageError::BadInput(_)) => {
+            let message = e.to_string();
+            let bad_input = matches!(e, StageError::BadInput(_));
+            let (StageError::Failed(b) | StageError::BadInput(b)) = e else {
+                unreachable!("matched above")
+            };
+            Exit::Failed {
+                seq,
+                bad_input,
+                message,
+                cause: Some(StageCause(Arc::from(b))),
+            }
+        }
     }
 }
 
@@ -507,6 +573,7 @@ fn run_source(a: &mut Actor, src: &mut dyn super::Source) -> Exit {
                 return Exit::Failed {
                     seq,
                     bad_input: false,
+                    cause: None,
                     message: format!("panicked: {}", panic_message(&p)),
                 }
             }
@@ -526,6 +593,7 @@ fn finish(a: &mut Actor, f: impl FnOnce(&mut Context<'_>) -> super::StageResult)
         Err(p) => Exit::Failed {
             seq: None,
             bad_input: false,
+            cause: None,
             message: format!("panicked while flushing: {}", panic_message(&p)),
         },
     }
@@ -542,6 +610,7 @@ fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
             return Exit::Failed {
                 seq: None,
                 bad_input: false,
+                cause: None,
                 message: format!("panicked while starting: {}", panic_message(&p)),
             }
         }
@@ -604,6 +673,7 @@ fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
                 exit = Some(Exit::Failed {
                     seq: Some(seq),
                     bad_input: false,
+                    cause: None,
                     message: format!("panicked: {}", panic_message(&p)),
                 });
                 break;
@@ -644,7 +714,7 @@ impl Running {
                 done[i] = true;
             }
         }
-        let mut failed: Option<(String, Option<u64>, String, bool)> = None;
+        let mut failed: Option<Failure> = None;
         // Deadline of the current shutdown phase: draining, then aborting.
         let mut deadline: Option<Instant> = None;
         let mut aborting = false;
@@ -672,6 +742,7 @@ impl Running {
                             seq,
                             message,
                             bad_input,
+                            cause,
                         } => {
                             if bad_input {
                                 tracing::warn!(stage = %self.names[i], "stage refused its input: {message}");
@@ -679,7 +750,8 @@ impl Running {
                                 tracing::error!(stage = %self.names[i], "stage failed: {message}");
                             }
                             if failed.is_none() {
-                                failed = Some((self.names[i].clone(), seq, message, bad_input));
+                                failed =
+                                    Some((self.names[i].clone(), seq, message, bad_input, cause));
                                 self.stop.inner.drain();
                                 if deadline.is_none() {
                                     deadline = Some(Instant::now() + self.options.drain_timeout);
@@ -734,13 +806,14 @@ impl Running {
         let report = self.stats.snapshot(self.started.elapsed());
         let error = if let Some(e) = self.spawn_error.take() {
             Some(RunError::Spawn(e))
-        } else if let Some((stage, seq, message, bad_input)) = failed {
+        } else if let Some((stage, seq, message, bad_input, cause)) = failed {
             Some(RunError::StageFailed {
                 stage,
                 seq,
                 message,
                 bad_input,
                 hung,
+                cause,
             })
         } else if !hung.is_empty() {
             Some(RunError::Hung { stages: hung })

@@ -251,18 +251,6 @@ impl std::fmt::Display for BuildError {
 
 impl std::error::Error for BuildError {}
 
-impl From<String> for BuildError {
-    fn from(message: String) -> Self {
-        BuildError::invalid(message)
-    }
-}
-
-impl From<&str> for BuildError {
-    fn from(message: &str) -> Self {
-        BuildError::invalid(message)
-    }
-}
-
 impl From<crate::model::ModelError> for BuildError {
     fn from(e: crate::model::ModelError) -> Self {
         use crate::model::ModelError as M;

@@ -171,8 +171,8 @@ fn build_encode(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         use std::hash::BuildHasher;
         std::collections::hash_map::RandomState::new().hash_one(cx.stage) as u32
     };
-    let writer =
-        OggOpusWriter::new(serial, bitrate).map_err(|e| BuildError::invalid(e).key("bitrate"))?;
+    let writer = OggOpusWriter::new(serial, bitrate)
+        .map_err(|e| BuildError::invalid(e.to_string()).key("bitrate"))?;
     Ok(Body::Stage(Box::new(Encode {
         writer,
         origin: None,
@@ -203,7 +203,7 @@ impl Stage for Encode {
     }
 
     fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
-        let pages = self.writer.headers().map_err(StageError::msg)?;
+        let pages = self.writer.headers()?;
         self.emit(pages, cx)
     }
 
@@ -217,13 +217,13 @@ impl Stage for Encode {
         }
         self.origin = Some(f.meta.origin);
         let t0 = Instant::now();
-        let pages = self.writer.push(f.data.valid()).map_err(StageError::msg)?;
+        let pages = self.writer.push(f.data.valid())?;
         self.encode_time.record(t0.elapsed().as_secs_f64());
         self.emit(pages, cx)
     }
 
     fn finish(&mut self, cx: &mut Context<'_>) -> StageResult {
-        let pages = self.writer.flush().map_err(StageError::msg)?;
+        let pages = self.writer.flush()?;
         self.emit(pages, cx)
     }
 }

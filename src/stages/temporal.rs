@@ -242,7 +242,8 @@ fn voice_codes(
                 p.str("step_dtype"),
                 p.str("execution_provider")
             );
-            r.voice_codes(path, pack, &codec, encode)
+            let unreadable = |e: String| BuildError::invalid(e).key("voice");
+            r.voice_codes(path, pack, &codec, unreadable, encode)
         }
         None => encode().map(std::sync::Arc::new),
     }
@@ -259,11 +260,12 @@ fn encode_voice(
     let mut pcm = r.read_all().map_err(|e| voice(e.to_string()))?;
     let rate = pack.manifest.sample_rate;
     if r.rate() != rate {
-        let mut rs = StreamResampler::new(r.rate(), rate, r.rate() as usize / 50)
-            .map_err(|e| e.to_string())?;
+        let resampling = |e: crate::audio::AudioError| voice(format!("resampling: {e}"));
+        let mut rs =
+            StreamResampler::new(r.rate(), rate, r.rate() as usize / 50).map_err(resampling)?;
         let mut out = Vec::new();
-        rs.process(&pcm, &mut out).map_err(|e| e.to_string())?;
-        rs.flush(&mut out).map_err(|e| e.to_string())?;
+        rs.process(&pcm, &mut out).map_err(resampling)?;
+        rs.flush(&mut out).map_err(resampling)?;
         pcm = out;
     }
     if pcm.len() < pack.manifest.frame_size {

@@ -61,7 +61,7 @@ pub mod caps {
         rate: u32,
         samples: Option<usize>,
     ) -> Result<(), String> {
-        let fix = |what: String| {
+        let fix = |what: crate::runtime::CapsMismatch| {
             match samples {
             Some(n) => format!(
                 "{what}: put `resample` (to: {rate}) and `framer` (size: {n}, rate: {rate}) before it"
@@ -88,7 +88,8 @@ pub mod caps {
             CODEBOOKS,
             codebooks as i64,
             "codes per frame (the pack's codebooks)",
-        )?;
+        )
+        .map_err(|e| e.to_string())?;
         match c.get(VOCAB) {
             Some(v) if v > vocab => Err(format!(
                 "codes up to {v} may come, but the pack's codebooks hold {vocab} entries"

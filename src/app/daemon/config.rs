@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use config::{Map, Value, ValueKind};
 
-use crate::config::fields::Fields;
+use crate::config::fields::{ExecutionProvider, Fields};
 use crate::config::params::{as_f64, as_i64, as_string, describe};
 use crate::config::{
     layers, ConfigError, ConfigErrorKind, LoadOptions, OrtChoice, Override, ParamType, PipelineSpec,
@@ -105,8 +105,8 @@ pub struct DaemonConfig {
     pub pipeline: PathBuf,
     /// The model pack.
     pub pack: String,
-    /// Where the model stages run: `cpu` or `cuda`.
-    pub execution_provider: String,
+    /// Where the model stages run.
+    pub execution_provider: ExecutionProvider,
     /// Input device.
     pub input_device: String,
     /// Output device.
@@ -310,11 +310,9 @@ pub fn load_config(
             ))
         }
     };
-    let execution_provider = one_of(
-        "execution_provider",
-        f.string("execution_provider")?,
-        &["cpu", "cuda"],
-    )?;
+    let execution_provider = f
+        .provider("execution_provider")?
+        .unwrap_or(ExecutionProvider::Cpu);
     let long_session = one_of(
         "long_session",
         f.string("long_session")?,
@@ -525,7 +523,7 @@ impl DaemonConfig {
             v.push(set(
                 "execution_provider",
                 &format!("stages.{s}.execution_provider"),
-                self.execution_provider.clone(),
+                self.execution_provider.name().to_string(),
             ));
         }
         for (k, val) in [

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::fields::Fields;
+use crate::config::fields::{ExecutionProvider, Fields};
 use crate::config::{layers, ConfigError, ConfigErrorKind, ParamOverride, PipelineSpec};
 
 /// The defaults (the text of `configs/serve.yaml`).
@@ -176,8 +176,8 @@ pub struct ServeConfig {
     pub pipeline: PathBuf,
     /// The pack of every model stage (`None`: the template's).
     pub pack: Option<String>,
-    /// Where every model stage runs, `cpu` or `cuda` (`None`: the template's).
-    pub execution_provider: Option<String>,
+    /// Where every model stage runs (`None`: the template's).
+    pub execution_provider: Option<ExecutionProvider>,
     /// Sessions at once.
     pub max_sessions: usize,
     /// Connections per IP address at once.
@@ -314,16 +314,7 @@ pub fn load(
             )
         })?;
     }
-    let execution_provider = Some(f.string("execution_provider")?).filter(|p| !p.trim().is_empty());
-    if let Some(p) = execution_provider.as_deref() {
-        if !["cpu", "cuda"].contains(&p) {
-            return Err(f.err(
-                ConfigErrorKind::OutOfRange,
-                "execution_provider",
-                format!("{p:?} is not one of cpu, cuda (or empty: the template's)"),
-            ));
-        }
-    }
+    let execution_provider = f.provider("execution_provider")?;
     let allowed_hosts: Vec<String> = f
         .list("allowed_hosts", "host names like voice.example.com")?
         .into_iter()
@@ -636,7 +627,7 @@ impl ServeConfig {
                 if let Some(ep) = &self.execution_provider {
                     set(
                         "execution_provider",
-                        Str(ep.clone()),
+                        Str(ep.name().to_string()),
                         self.origin("execution_provider"),
                     );
                 }

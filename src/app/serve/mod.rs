@@ -397,7 +397,7 @@ fn read_template(
 /// when the address cannot be bound.
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // The recorder first: what the check loads is counted.
-    crate::observe::exporter::recorder().map_err(anyhow::Error::msg)?;
+    crate::observe::exporter::recorder()?;
     crate::resources::Loads::register_series();
     let mut resources = Resources::new(1);
     let (cfg, template, registry) = prepare(args, &resources)?;
@@ -462,7 +462,7 @@ async fn serve(
     registry: Registry,
     capacity: usize,
 ) -> anyhow::Result<()> {
-    let handle = crate::observe::exporter::recorder().map_err(anyhow::Error::msg)?;
+    let handle = crate::observe::exporter::recorder()?;
     let listener = tokio::net::TcpListener::bind(cfg.address)
         .await
         .map_err(|e| anyhow::anyhow!("listening on {} (`address`): {e}", cfg.address))?;
