@@ -17,8 +17,11 @@
 //!
 //! 6. Full-size Mimi per frame: the stateful step graphs (fp32 and fp16) against the 8-frame
 //!    rolling window, encoder and decoder.
+//! 7. Priming's temporal frames on the `small` pack: 300 known frames stepped one by one
+//!    against prefilled in chunks of 32 (`Temporal::prefill`), GQA and standard, the last
+//!    frame's logits checked equal.
 //!
-//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec]`. Packs that are missing are built with `tools/make_pack.py`.
+//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill]`. Packs that are missing are built with `tools/make_pack.py`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -460,6 +463,47 @@ fn main() {
     }
     if all || which == "codec" {
         codec_bench();
+    }
+    if all || which == "prefill" {
+        prefill_bench();
+    }
+}
+
+fn prefill_bench() {
+    println!("\n7. 300 known frames (priming) through the temporal graph, small pack, 1 thread: stepped vs prefilled in chunks of 32");
+    let frames: Vec<Vec<i64>> = (0..300).map(tokens).collect();
+    for (name, variant) in [("small-gqa", "gqa"), ("small", "standard")] {
+        let dir = pack(name, &["--size", "small", "--variant", variant]);
+        let p = Pack::open(&dir).unwrap();
+        let open = || Temporal::open(&p, &TemporalOptions::default()).unwrap();
+        let (mut stepped, mut chunked) = (Vec::new(), Vec::new());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            let mut t = open();
+            let t0 = Instant::now();
+            for f in &frames {
+                t.step(f).unwrap();
+            }
+            stepped.push(t0.elapsed());
+            t.read_logits(&mut a);
+            let mut t = open();
+            let t0 = Instant::now();
+            t.prefill(&frames, 32).unwrap();
+            chunked.push(t0.elapsed());
+            t.read_logits(&mut b);
+        }
+        let d = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        let (s, c) = (median(stepped), median(chunked));
+        println!(
+            "   {variant:<8} stepped {:8.1} ms   chunked {:8.1} ms   -> {:.2}x the stepped time (last logits differ by {d:.1e})",
+            s.as_secs_f64() * 1e3,
+            c.as_secs_f64() * 1e3,
+            c.as_secs_f64() / s.as_secs_f64()
+        );
     }
 }
 

@@ -257,3 +257,92 @@ fn cuda_graph_is_refused_where_it_cannot_apply() {
         "{standard}"
     );
 }
+
+/// Prefill: frames known in advance (priming) run in chunks, one graph call each, and leave
+/// the conversation where stepping them one by one does: the last frame's logits, every later
+/// step's, the cache length and the position agree within float rounding, for the standard
+/// graph (ping-pong cache, chunks kept inside the attention window), GQA f32 and GQA f16 (in
+/// place), from an empty cache and after steps already taken.
+#[test]
+fn prefill_in_chunks_equals_stepping_frame_by_frame() {
+    for (name, tol) in [("tiny", 1e-4), ("tiny-gqa", 1e-4), ("tiny-gqa-fp16", 2e-2)] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let open = || Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let frames: Vec<Vec<i64>> = (0..60).map(tokens).collect();
+        // Stepping: 3 steps, 45 frames, 12 steps after.
+        let mut stepped = open();
+        let mut want = Vec::new();
+        let mut logits = Vec::new();
+        for f in &frames {
+            stepped.step(f).unwrap();
+            stepped.read_logits(&mut logits);
+            want.push(logits.clone());
+        }
+        // The same with the 45 frames in the middle prefilled in chunks of 16 (16, 16, 13).
+        let mut chunked = open();
+        let mut got = Vec::new();
+        for f in &frames[..3] {
+            chunked.step(f).unwrap();
+            chunked.read_logits(&mut logits);
+            got.push(logits.clone());
+        }
+        chunked.prefill(&frames[3..48], 16).unwrap();
+        assert_eq!(chunked.kv_len(), 48, "{name}");
+        assert_eq!(chunked.position(), 48, "{name}");
+        chunked.read_logits(&mut logits);
+        let last = max_diff(&[logits.clone()], &want[47..48]);
+        assert!(
+            last <= tol,
+            "{name}: the prefill's last logits differ by {last}"
+        );
+        for f in &frames[48..] {
+            chunked.step(f).unwrap();
+            chunked.read_logits(&mut logits);
+            got.push(logits.clone());
+        }
+        let mut steps_want = want[..3].to_vec();
+        steps_want.extend_from_slice(&want[48..]);
+        let d = max_diff(&got, &steps_want);
+        assert!(
+            d <= tol,
+            "{name}: the steps after the prefill differ by {d}"
+        );
+        println!("{name}: prefill last-frame logits differ by {last:.3e}, later steps by {d:.3e}");
+        // A prefill from an empty cache, in one chunk.
+        let mut one = open();
+        one.prefill(&frames[..20], 32).unwrap();
+        one.read_logits(&mut logits);
+        let d = max_diff(&[logits.clone()], &want[19..20]);
+        assert!(d <= tol, "{name}: a prefill from empty differs by {d}");
+        // A bad frame is refused before anything runs.
+        let mut bad = frames[..4].to_vec();
+        bad[2][0] = 99_999;
+        let mut t = open();
+        assert!(matches!(t.prefill(&bad, 16), Err(ModelError::Token { .. })));
+        assert_eq!(t.position(), 0, "{name}: nothing ran");
+    }
+}
+
+/// The standard graph's window: a prefill that crosses it keeps stepping past it, so that it
+/// still equals stepping (a chunk would attend to rows the window drops).
+#[test]
+fn prefill_across_the_standard_window_equals_stepping() {
+    let (_d, dir) = packs::variant("tiny", "context: 8\n");
+    let small = Pack::open(&dir).unwrap();
+    let open = || Temporal::open(&small, &TemporalOptions::default()).unwrap();
+    let frames: Vec<Vec<i64>> = (0..20).map(tokens).collect();
+    let mut a = open();
+    let mut logits = Vec::new();
+    for f in &frames {
+        a.step(f).unwrap();
+    }
+    a.read_logits(&mut logits);
+    let want = logits.clone();
+    let mut b = open();
+    b.prefill(&frames, 16).unwrap();
+    b.read_logits(&mut logits);
+    assert_eq!(a.kv_len(), b.kv_len());
+    assert_eq!(b.kv_len(), 7);
+    let d = max_diff(&[logits], &[want]);
+    assert!(d <= 1e-4, "logits differ by {d}");
+}

@@ -26,8 +26,8 @@ use super::error::ModelError;
 use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
 use super::session::{open, report, Provider, SessionOptions};
 use super::tensors::{
-    allocator_at, element, input_placements, kv_placements, placement_of, read_floats, Buffer,
-    PingPong, Placement,
+    allocator_at, element, input_placements, kv_placements, placement_of, read_floats, read_row,
+    Buffer, PingPong, Placement,
 };
 
 /// How the KV cache is held between steps.
@@ -139,6 +139,19 @@ pub struct Temporal {
     capacity: usize,
     len: usize,
     pos: usize,
+    /// Prefill's buffers, made at its first use.
+    chunk: Option<ChunkIo>,
+    /// The row of `chunk`'s outputs that holds the last step's (after a prefill).
+    chunk_last: Option<usize>,
+}
+
+/// The inputs and outputs of a prefill chunk of up to `frames` frames.
+struct ChunkIo {
+    frames: usize,
+    frame: Buffer,
+    pos_ids: Buffer,
+    hidden: Buffer,
+    logits: Buffer,
 }
 
 fn ort_err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
@@ -281,6 +294,8 @@ impl Temporal {
             capacity,
             len: 0,
             pos: 0,
+            chunk: None,
+            chunk_last: None,
             info,
         };
         t.bind_fixed()?;
@@ -382,6 +397,7 @@ impl Temporal {
     pub fn reset(&mut self) {
         self.len = 0;
         self.pos = 0;
+        self.chunk_last = None;
         if self.io.is_some() {
             self.mask.as_slice::<i64>().fill(0);
         }
@@ -429,6 +445,7 @@ impl Temporal {
             return Err(no_position_left(self.pos));
         }
         let e = ort_err("temporal");
+        self.chunk_last = None;
         self.frame.as_slice::<i64>()[..self.channels].copy_from_slice(input);
         if let Some(p) = self.pos_ids.as_mut() {
             p.as_slice::<i64>()[0] = self.pos as i64;
@@ -659,21 +676,149 @@ impl Temporal {
 
     /// The last step's hidden state, as f32.
     pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
-        read_floats(&mut self.hidden, self.info.hidden_dim, out);
+        match (self.chunk_last, self.chunk.as_mut()) {
+            (Some(r), Some(c)) => read_row(&mut c.hidden, r, self.info.hidden_dim, out),
+            _ => read_floats(&mut self.hidden, self.info.hidden_dim, out),
+        }
     }
 
     /// The last step's text logits, as f32.
     pub fn read_logits(&mut self, out: &mut Vec<f32>) {
-        read_floats(&mut self.logits, self.info.vocab, out);
+        match (self.chunk_last, self.chunk.as_mut()) {
+            (Some(r), Some(c)) => read_row(&mut c.logits, r, self.info.vocab, out),
+            _ => read_floats(&mut self.logits, self.info.vocab, out),
+        }
+    }
+
+    /// Runs `frames` (each one token per channel, all known before the first runs: nothing is
+    /// sampled between them, as while priming) in chunks of at most `chunk` frames, one graph
+    /// call per chunk, and leaves the conversation where as many [`step`](Self::step)s would
+    /// (equal within the float rounding of a different reduction order);
+    /// [`read_hidden`](Self::read_hidden) and [`read_logits`](Self::read_logits) then give the
+    /// last frame's. Where a chunk cannot be exact it steps: the fixed-shape and host-fed
+    /// caches, and the standard graph's frames past its attention window (a chunk would attend
+    /// to rows the window drops).
+    ///
+    /// # Errors
+    ///
+    /// Token errors (every frame is checked before any runs), no position left for all of
+    /// them, ONNX Runtime errors.
+    pub fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
+        for f in frames {
+            self.validate(f)?;
+        }
+        if self.positions_left() < frames.len() {
+            return Err(no_position_left(self.pos + self.positions_left()));
+        }
+        let chunk = chunk.max(1);
+        let chunked = self.io.is_none() && !matches!(self.kv, Kv::Host { .. }) && chunk > 1;
+        let mut at = 0;
+        while at < frames.len() {
+            let room = match self.kv {
+                // The in-place cache holds `capacity` rows.
+                Kv::InPlace => self.capacity - self.len,
+                // The window's rows, before any would be dropped.
+                _ => (self.window - 1).saturating_sub(self.len),
+            };
+            let n = chunk.min(frames.len() - at).min(room);
+            if !chunked || n < 2 {
+                self.step(&frames[at])?;
+                at += 1;
+                continue;
+            }
+            self.run_chunk(&frames[at..at + n], chunk)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// One graph call on `frames` (at most `chunk`, fitting the cache).
+    fn run_chunk(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
+        let e = ort_err("temporal");
+        let (n, c) = (frames.len(), self.channels);
+        if self.chunk.as_ref().is_none_or(|io| io.frames < chunk) {
+            let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
+            let a = &self.alloc;
+            let s = chunk as i64;
+            self.chunk = Some(ChunkIo {
+                frames: chunk,
+                frame: Buffer::zeros(a, TensorElementType::Int64, &[1, c as i64, s]).map_err(&e)?,
+                pos_ids: Buffer::zeros(a, TensorElementType::Int64, &[1, s]).map_err(&e)?,
+                hidden: Buffer::zeros(a, element(self.info.hidden), &[1, s, hd]).map_err(&e)?,
+                logits: Buffer::zeros(a, element(self.info.logits), &[1, s, v]).map_err(&e)?,
+            });
+        }
+        let Some(io) = self.chunk.as_mut() else {
+            return Ok(());
+        };
+        // [1, channels, n]: channel-major, as the graph takes a sequence.
+        {
+            let f = io.frame.as_slice::<i64>();
+            for (t, frame) in frames.iter().enumerate() {
+                for (ch, &tok) in frame.iter().enumerate() {
+                    f[ch * n + t] = tok;
+                }
+            }
+        }
+        let a = &self.alloc;
+        let s = n as i64;
+        let v = io.frame.view(a, &[1, c as i64, s]).map_err(&e)?;
+        self.binding.bind_input("input_frame", &v).map_err(&e)?;
+        let total = (self.len + n) as i64;
+        let v = self.mask.view(a, &[1, total]).map_err(&e)?;
+        self.binding.bind_input("attention_mask", &v).map_err(&e)?;
+        if self.pos_ids.is_some() {
+            let p = io.pos_ids.as_slice::<i64>();
+            for (t, x) in p[..n].iter_mut().enumerate() {
+                *x = (self.pos + t) as i64;
+            }
+            let v = io.pos_ids.view(a, &[1, s]).map_err(&e)?;
+            self.binding.bind_input("position_ids", &v).map_err(&e)?;
+        }
+        let (hd, vocab) = (self.info.hidden_dim as i64, self.info.vocab as i64);
+        let v = io.hidden.view(a, &[1, s, hd]).map_err(&e)?;
+        self.binding.bind_output("hidden", v).map_err(&e)?;
+        let v = io.logits.view(a, &[1, s, vocab]).map_err(&e)?;
+        self.binding.bind_output("text_logits", v).map_err(&e)?;
+        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
+        if let Kv::PingPong { cur } = self.kv {
+            // Past: the `len` rows of one set; present: `len + n` rows of the other.
+            let (sa, sb) = self.cache.sets.split_at_mut(1);
+            let (src, dst) = if cur == 0 {
+                (&mut sa[0], &mut sb[0])
+            } else {
+                (&mut sb[0], &mut sa[0])
+            };
+            for (i, (ps, pd)) in src.chunks_mut(2).zip(dst.chunks_mut(2)).enumerate() {
+                for (j, kv) in ["key", "value"].iter().enumerate() {
+                    let past = ps[j]
+                        .view(&self.kv_alloc, &[1, h, self.len as i64, d])
+                        .map_err(&e)?;
+                    let present = pd[j].view(&self.kv_alloc, &[1, h, total, d]).map_err(&e)?;
+                    self.binding
+                        .bind_input(format!("past_key_values.{i}.{kv}"), &past)
+                        .map_err(&e)?;
+                    self.binding
+                        .bind_output(format!("present.{i}.{kv}"), present)
+                        .map_err(&e)?;
+                }
+            }
+        }
+        let ran = self.session.run_binding(&self.binding).map(drop);
+        // The step's own bindings again, whatever happened.
+        let rebound = self.bind_fixed();
+        ran.map_err(&e)?;
+        rebound?;
+        if let Kv::PingPong { cur } = &mut self.kv {
+            *cur = 1 - *cur;
+        }
+        self.len += n;
+        self.pos += n;
+        self.chunk_last = Some(n - 1);
+        Ok(())
     }
 }
 
-/// Checks a temporal input frame: `channels` tokens, the text one below `text_limit`, the audio
-/// ones below `audio_limit`.
-///
-/// # Errors
-///
-/// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
 /// The error of a step asked for when a conversation has used all its `pos` positions.
 pub(crate) fn no_position_left(pos: usize) -> ModelError {
     ModelError::contract(
@@ -684,6 +829,12 @@ pub(crate) fn no_position_left(pos: usize) -> ModelError {
     )
 }
 
+/// Checks a temporal input frame: `channels` tokens, the text one below `text_limit`, the audio
+/// ones below `audio_limit`.
+///
+/// # Errors
+///
+/// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
 pub(crate) fn validate_frame(
     input: &[i64],
     channels: usize,
