@@ -27,8 +27,8 @@
 
 use config::{Map, Value, ValueKind};
 
-use super::params::{as_bool, as_f64, as_string, describe, did_you_mean};
-use super::{layers, ConfigError, ConfigErrorKind};
+use super::params::{as_bool, as_f64, as_i64, as_string, describe, did_you_mean, ParamType};
+use super::{layers, ConfigError, ConfigErrorKind, KindCatalog};
 
 /// Typed reads of one table of an application's merged settings.
 #[derive(Debug, Clone)]
@@ -145,6 +145,71 @@ impl<'a> Fields<'a> {
                 )
             }),
         }
+    }
+
+    /// `v` (this table's `k`) checked as the `kind` stage's param of the same name is, with its
+    /// type and range from `catalog`: the daemon's and the server's settings that a stage takes
+    /// are the stage's, not a copy.
+    ///
+    /// # Errors
+    ///
+    /// Unknown param, wrong type, out of range, each naming the key.
+    pub fn param_value(
+        &self,
+        catalog: &dyn KindCatalog,
+        kind: &str,
+        k: &str,
+        v: &Value,
+    ) -> Result<f64, ConfigError> {
+        let f = self;
+        let ty = catalog
+            .params(kind)
+            .and_then(|ps| ps.iter().find(|s| s.name == k))
+            .map(|s| s.ty)
+            .ok_or_else(|| {
+                f.err(
+                    ConfigErrorKind::UnknownKey,
+                    k,
+                    format!("the `{kind}` stage has no param `{k}`"),
+                )
+            })?;
+        let (x, min, max) = match ty {
+            ParamType::Int { min, max } => {
+                let x = as_i64(v).ok_or_else(|| {
+                    f.err(
+                        ConfigErrorKind::WrongType,
+                        k,
+                        format!("expected an integer, got {}", describe(v)),
+                    )
+                })?;
+                if !(min..=max).contains(&x) {
+                    return Err(f.err(
+                        ConfigErrorKind::OutOfRange,
+                        k,
+                        format!("{x} is out of range {min}..={max}"),
+                    ));
+                }
+                return Ok(x as f64);
+            }
+            ParamType::Float { min, max } => (as_f64(v), min, max),
+            _ => (None, 0.0, 0.0),
+        };
+        let x = x.ok_or_else(|| {
+            f.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!("expected a number, got {}", describe(v)),
+            )
+        })?;
+        // `contains` is false for NaN, so `.nan` is refused here too.
+        if !(min..=max).contains(&x) {
+            return Err(f.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!("{x} is out of range {min}..={max}"),
+            ));
+        }
+        Ok(x)
     }
 
     /// Where models run (`execution_provider`): `None` when absent or empty.

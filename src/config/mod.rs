@@ -25,6 +25,7 @@ mod overrides;
 pub mod params;
 mod paths;
 mod pipeline;
+pub mod sampling;
 pub use crate::yaml;
 
 pub use error::{ConfigError, ConfigErrorKind};

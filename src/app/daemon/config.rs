@@ -16,9 +16,10 @@ use std::path::{Path, PathBuf};
 use config::{Map, Value, ValueKind};
 
 use crate::config::fields::{ExecutionProvider, Fields};
-use crate::config::params::{as_f64, as_i64, as_string, describe};
+use crate::config::params::{as_i64, as_string, describe};
+pub use crate::config::sampling::Sampling;
 use crate::config::{
-    layers, ConfigError, ConfigErrorKind, LoadOptions, OrtChoice, Override, ParamType, PipelineSpec,
+    layers, ConfigError, ConfigErrorKind, LoadOptions, OrtChoice, Override, PipelineSpec,
 };
 use crate::stages::Registry;
 
@@ -30,71 +31,6 @@ pub const DEFAULTS_YAML: &str = include_str!("../../../configs/daemon.yaml");
 
 /// The origin of the built-in defaults in messages.
 const DEFAULTS_ORIGIN: &str = "configs/daemon.yaml (built in)";
-
-/// Sampling settings of the daemon: the `depformer` stage's params of the same names (their
-/// types and ranges are the stage's, checked here against its param specs), set over the
-/// pipeline file as `stages.depformer.<key>`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sampling {
-    /// Text temperature.
-    pub text_temperature: f64,
-    /// Text top-k.
-    pub text_top_k: i64,
-    /// Audio temperature.
-    pub audio_temperature: f64,
-    /// Audio top-k.
-    pub audio_top_k: i64,
-    /// Seed (the default of both samplers' seeds).
-    pub seed: i64,
-    /// The text sampler's seed (-1 = `seed`).
-    pub text_seed: i64,
-    /// The audio sampler's seed (-1 = derived from `seed`).
-    pub audio_seed: i64,
-    /// Kyutai's padding multiplier (0 = off).
-    pub pad_mult: f64,
-    /// Kyutai's repetition penalty of the text (1 = off).
-    pub repetition_penalty: f64,
-    /// Words the repetition penalty looks at.
-    pub repetition_penalty_context: i64,
-}
-
-impl Sampling {
-    /// Every key with its value, as the depformer stage's param of that name takes it.
-    pub fn fields(&self) -> [(&'static str, String); 10] {
-        [
-            ("text_temperature", self.text_temperature.to_string()),
-            ("text_top_k", self.text_top_k.to_string()),
-            ("audio_temperature", self.audio_temperature.to_string()),
-            ("audio_top_k", self.audio_top_k.to_string()),
-            ("seed", self.seed.to_string()),
-            ("text_seed", self.text_seed.to_string()),
-            ("audio_seed", self.audio_seed.to_string()),
-            ("pad_mult", self.pad_mult.to_string()),
-            ("repetition_penalty", self.repetition_penalty.to_string()),
-            (
-                "repetition_penalty_context",
-                self.repetition_penalty_context.to_string(),
-            ),
-        ]
-    }
-
-    /// The seeds: a change of one restarts a random stream, which the daemon does by
-    /// rebuilding the pipeline.
-    pub fn seeds(&self) -> (i64, i64, i64) {
-        (self.seed, self.text_seed, self.audio_seed)
-    }
-
-    /// The depformer's `sampling` command that applies every setting but the seeds to a
-    /// running pipeline (`key=value …`).
-    pub fn command_arg(&self) -> String {
-        self.fields()
-            .iter()
-            .filter(|(k, _)| !k.ends_with("seed"))
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
-}
 
 /// A checked daemon configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,29 +99,6 @@ const KEYS: &[&str] = &[
     "record_dir",
     crate::config::ort::SECTION,
 ];
-
-const SAMPLING_KEYS: &[&str] = &[
-    "text_temperature",
-    "text_top_k",
-    "audio_temperature",
-    "audio_top_k",
-    "seed",
-    "text_seed",
-    "audio_seed",
-    "pad_mult",
-    "repetition_penalty",
-    "repetition_penalty_context",
-];
-
-/// The type and range of stage `kind`'s param `name`.
-fn param_type(kind: &str, name: &str) -> Option<ParamType> {
-    Registry::builtin()
-        .get(kind)?
-        .params
-        .iter()
-        .find(|s| s.name == name)
-        .map(|s| s.ty)
-}
 
 /// The user's config file: `explicit`, else `$XDG_CONFIG_HOME/duplex/daemon.yaml`, else
 /// `~/.config/duplex/daemon.yaml`, when it exists.
@@ -267,31 +180,8 @@ pub fn load_config(
     f.known(KEYS)?;
     let origins: BTreeMap<String, String> = f.origins().into_iter().collect();
     let persona_tokens = persona_tokens(&f)?;
-    let s = f.table("sampling")?;
-    s.known(SAMPLING_KEYS)?;
-    let num = |k: &str| -> Result<f64, ConfigError> {
-        let v = s.get(k).ok_or_else(|| {
-            ConfigError::new(&fname, ConfigErrorKind::Missing, "missing").key(s.key(k))
-        })?;
-        param_value(&s, "depformer", k, v)
-    };
-    // Integers as the stage takes them (a seed may pass 2^53: no trip through f64).
-    let int = |k: &str| -> Result<i64, ConfigError> {
-        num(k)?;
-        Ok(s.get(k).and_then(as_i64).unwrap_or_default())
-    };
-    let sampling = Sampling {
-        text_temperature: num("text_temperature")?,
-        text_top_k: int("text_top_k")?,
-        audio_temperature: num("audio_temperature")?,
-        audio_top_k: int("audio_top_k")?,
-        seed: int("seed")?,
-        text_seed: int("text_seed")?,
-        audio_seed: int("audio_seed")?,
-        pad_mult: num("pad_mult")?,
-        repetition_penalty: num("repetition_penalty")?,
-        repetition_penalty_context: int("repetition_penalty_context")?,
-    };
+    // The depformer's params of the same names, a seed of its own range (no fresh seeds).
+    let sampling = Sampling::read(&f.table("sampling")?, &Registry::builtin(), false)?;
     let max_steps = match f.get("max_steps") {
         Some(v) if f.is_set("max_steps") => {
             param_value(&f, "temporal", "max_steps", v)?;
@@ -419,53 +309,9 @@ fn persona_tokens(f: &Fields<'_>) -> Result<Vec<i64>, ConfigError> {
     }
 }
 
-/// `v`, the value of `f`'s key `k`, checked as stage `kind`'s param of that name is (its type
-/// and range, from the stage's param specs).
+/// `v` checked as the `kind` stage's param `k` is (see [`Fields::param_value`]).
 fn param_value(f: &Fields<'_>, kind: &str, k: &str, v: &Value) -> Result<f64, ConfigError> {
-    let ty = param_type(kind, k).ok_or_else(|| {
-        f.err(
-            ConfigErrorKind::UnknownKey,
-            k,
-            format!("the `{kind}` stage has no param `{k}`"),
-        )
-    })?;
-    let (x, min, max) = match ty {
-        ParamType::Int { min, max } => {
-            let x = as_i64(v).ok_or_else(|| {
-                f.err(
-                    ConfigErrorKind::WrongType,
-                    k,
-                    format!("expected an integer, got {}", describe(v)),
-                )
-            })?;
-            if !(min..=max).contains(&x) {
-                return Err(f.err(
-                    ConfigErrorKind::OutOfRange,
-                    k,
-                    format!("{x} is out of range {min}..={max}"),
-                ));
-            }
-            return Ok(x as f64);
-        }
-        ParamType::Float { min, max } => (as_f64(v), min, max),
-        _ => (None, 0.0, 0.0),
-    };
-    let x = x.ok_or_else(|| {
-        f.err(
-            ConfigErrorKind::WrongType,
-            k,
-            format!("expected a number, got {}", describe(v)),
-        )
-    })?;
-    // `contains` is false for NaN, so `.nan` is refused here too.
-    if !(min..=max).contains(&x) {
-        return Err(f.err(
-            ConfigErrorKind::OutOfRange,
-            k,
-            format!("{x} is out of range {min}..={max}"),
-        ));
-    }
-    Ok(x)
+    f.param_value(&Registry::builtin(), kind, k, v)
 }
 
 impl DaemonConfig {
@@ -545,11 +391,11 @@ impl DaemonConfig {
                 format!("[{}]", t.join(", ")),
             ));
         }
-        for (k, val) in self.sampling.fields() {
+        for (k, val) in self.sampling.params() {
             v.push(set(
                 &format!("sampling.{k}"),
                 &format!("stages.depformer.{k}"),
-                val,
+                val.to_string(),
             ));
         }
         if self.record {
@@ -785,7 +631,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.input_device, "from-env");
         assert_eq!(c.output_device, "from-file");
-        assert_eq!(c.sampling.seed, 7);
+        assert_eq!(c.sampling.seed, Some(7));
         // Untouched sampling keys keep their defaults.
         assert_eq!(c.sampling.text_top_k, 25);
         assert_eq!(c.long_session, "reset_and_reprime");
@@ -868,7 +714,7 @@ mod tests {
             ),
             (0.0, 1.0, 64)
         );
-        assert_eq!((s.text_seed, s.audio_seed, c.max_steps), (-1, -1, 0));
+        assert_eq!((s.text_seed, s.audio_seed, c.max_steps), (None, None, 0));
         let c = load_config(
             None,
             env(&[

@@ -45,18 +45,6 @@ const KEYS: &[&str] = &[
     crate::config::ort::SECTION,
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
-const SAMPLING_KEYS: &[&str] = &[
-    "text_temperature",
-    "text_top_k",
-    "audio_temperature",
-    "audio_top_k",
-    "pad_mult",
-    "repetition_penalty",
-    "repetition_penalty_context",
-    "seed",
-    "text_seed",
-    "audio_seed",
-];
 const LIMIT_KEYS: &[&str] = &[
     "max_message_bytes",
     "idle_timeout_s",
@@ -81,35 +69,7 @@ const REPETITION_PENALTY_MAX: f64 = 10.0;
 /// The longest repetition context, tokens.
 const CONTEXT_MAX: f64 = 4096.0;
 
-/// Sampling of a session.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sampling {
-    /// Text temperature (0 = greedy).
-    pub text_temperature: f64,
-    /// Text top-k.
-    pub text_top_k: i64,
-    /// Audio temperature (0 = greedy).
-    pub audio_temperature: f64,
-    /// Audio top-k.
-    pub audio_top_k: i64,
-    /// Added to the text padding token's logit (its probability times e^pad_mult).
-    pub pad_mult: f64,
-    /// Text logits of tokens among the last `repetition_penalty_context` are penalised by this
-    /// (1 = off).
-    pub repetition_penalty: f64,
-    /// Non-padding text tokens the repetition penalty looks back over.
-    pub repetition_penalty_context: i64,
-    /// The default of both samplers' seeds (the depformer's `seed`: the text sampler takes it,
-    /// the audio sampler a fixed derivation of it); `None`: a fresh one per session.
-    pub seed: Option<u64>,
-    /// Seed of the text sampler; `None`: from `seed`.
-    pub text_seed: Option<u64>,
-    /// Seed of the audio sampler; `None`: from `seed`.
-    pub audio_seed: Option<u64>,
-    /// Steps after which the conversation ends (0: none): the server's `limits.max_steps`, or
-    /// fewer when the client asks.
-    pub max_steps: i64,
-}
+pub use crate::config::sampling::Sampling;
 
 /// Recording of sessions.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,6 +150,8 @@ pub struct ServeConfig {
     pub voice_prompt: String,
     /// Default sampling.
     pub sampling: Sampling,
+    /// Steps after which a conversation ends (0: none): `limits.max_steps`.
+    pub max_steps: i64,
     /// Limits.
     pub limits: Limits,
     /// How long live sessions may run after SIGTERM.
@@ -258,30 +220,15 @@ pub fn load(
         }
     };
     let voice_prompt = f.string("voice_prompt")?;
-    let s = f.table("sampling")?;
-    s.known(SAMPLING_KEYS)?;
-    let seed = |k: &str| -> Result<Option<u64>, ConfigError> {
-        let x = s.number(k, -1.0, SEED_MAX)?;
-        Ok((x >= 0.0).then_some(x as u64))
-    };
-    let sampling = Sampling {
-        text_temperature: s.number("text_temperature", 0.0, 100.0)?,
-        text_top_k: s.number("text_top_k", 0.0, 1e6)? as i64,
-        audio_temperature: s.number("audio_temperature", 0.0, 100.0)?,
-        audio_top_k: s.number("audio_top_k", 0.0, 1e6)? as i64,
-        pad_mult: s.number("pad_mult", -PAD_MULT_MAX, PAD_MULT_MAX)?,
-        repetition_penalty: s.number("repetition_penalty", 1.0, REPETITION_PENALTY_MAX)?,
-        repetition_penalty_context: s.number("repetition_penalty_context", 0.0, CONTEXT_MAX)?
-            as i64,
-        seed: seed("seed")?,
-        text_seed: seed("text_seed")?,
-        audio_seed: seed("audio_seed")?,
-        max_steps: 0,
-    };
+    // The depformer's params of the same names; `seed: -1` is a fresh seed per session.
+    let sampling = Sampling::read(
+        &f.table("sampling")?,
+        &crate::stages::Registry::builtin(),
+        true,
+    )?;
     let l = f.table("limits")?;
     l.known(LIMIT_KEYS)?;
-    let mut sampling = sampling;
-    sampling.max_steps = l.number("max_steps", 0.0, 1e9)? as i64;
+    let max_steps = l.number("max_steps", 0.0, 1e9)? as i64;
     let max_session = l.number("max_session_s", 0.0, 1e7)?;
     let limits = Limits {
         max_message_bytes: l.number("max_message_bytes", 1024.0, 1e9)? as usize,
@@ -385,6 +332,7 @@ pub fn load(
         text_prompt: f.string("text_prompt")?,
         voice_prompt: voice_prompt.clone(),
         sampling,
+        max_steps,
         limits,
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
         file: fname.clone(),
@@ -411,6 +359,9 @@ pub fn load(
 pub struct SessionParams {
     /// Sampling.
     pub sampling: Sampling,
+    /// Steps after which the conversation ends (0: none): the server's `limits.max_steps`, or
+    /// fewer when the client asks.
+    pub max_steps: i64,
     /// Persona text.
     pub text_prompt: String,
     /// Voice prompt file, resolved inside the voices folder.
@@ -507,6 +458,7 @@ impl ServeConfig {
     pub fn session_params(&self, query: &[(String, String)]) -> Result<SessionParams, String> {
         let mut p = SessionParams {
             sampling: self.sampling,
+            max_steps: self.max_steps,
             text_prompt: self.text_prompt.clone(),
             voice: None,
             chosen: HashMap::new(),
@@ -566,8 +518,8 @@ impl ServeConfig {
                 // The server's own limit bounds it.
                 "max_steps" => {
                     let asked = num(1.0, 1e9)? as i64;
-                    let cap = self.sampling.max_steps;
-                    p.sampling.max_steps = if cap > 0 { asked.min(cap) } else { asked };
+                    let cap = self.max_steps;
+                    p.max_steps = if cap > 0 { asked.min(cap) } else { asked };
                     "max_steps"
                 }
                 "text_prompt" => {
@@ -685,10 +637,10 @@ impl ServeConfig {
                     }
                 }
                 "temporal" => {
-                    if sm.max_steps > 0 {
+                    if p.max_steps > 0 {
                         set(
                             "max_steps",
-                            Int(sm.max_steps),
+                            Int(p.max_steps),
                             origin("max_steps", "limits.max_steps"),
                         );
                     }

@@ -1093,7 +1093,7 @@ async fn defaults(State(server): State<Arc<Server>>) -> Response {
         "pad_mult": c.sampling.pad_mult,
         "repetition_penalty": c.sampling.repetition_penalty,
         "repetition_penalty_context": c.sampling.repetition_penalty_context,
-        "max_steps": c.sampling.max_steps,
+        "max_steps": c.max_steps,
         "default_persona": !c.text_prompt.trim().is_empty(),
         "voice_prompt": c.voice_prompt,
         "max_prompt_tokens": c.limits.max_prompt_tokens,

@@ -306,7 +306,7 @@ fn metadata(server: &Server, params: &super::config::SessionParams, id: u64) -> 
         "version": env!("CARGO_PKG_VERSION"),
         "text_seed": sm.text_seed,
         "audio_seed": sm.audio_seed,
-        "max_steps": sm.max_steps,
+        "max_steps": params.max_steps,
         "persona": !params.text_prompt.trim().is_empty(),
         "voice_prompt": params.voice.as_ref().and_then(|v| v.file_name()).map(|n| n.to_string_lossy().into_owned()),
     })
