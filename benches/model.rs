@@ -19,7 +19,9 @@
 //!    rolling window, encoder and decoder.
 //! 7. Priming's temporal frames on the `small` pack: 300 known frames stepped one by one
 //!    against prefilled in chunks of 32 (`Temporal::prefill`), GQA and standard, the last
-//!    frame's logits checked equal.
+//!    frame's logits checked equal; and a whole priming (10 s voice prompt, 100-token persona,
+//!    spacers: 237 steps) through the pipeline, `priming: stepped` against `chunked`, the
+//!    conversation's tokens checked equal (greedy).
 //!
 //! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill]`. Packs that are missing are built with `tools/make_pack.py`.
 
@@ -505,6 +507,94 @@ fn prefill_bench() {
             c.as_secs_f64() / s.as_secs_f64()
         );
     }
+    priming_bench();
+}
+
+/// A whole priming through the pipeline (`duplex run` in process): the same run with no
+/// priming script is subtracted, so what is left is the priming's own time.
+fn priming_bench() {
+    println!("   a whole priming through the pipeline, small pack (GQA), 10 s voice prompt + 100-token persona + 2 x 6 spacers = 237 steps, greedy:");
+    let dir = tempfile_dir();
+    let sr = 24_000;
+    let write = |path: &Path, seconds: f64, amp: f32| {
+        let mut s = duplex::audio::Synth::new(
+            duplex::audio::Waveform::Sine {
+                freq: 190.0,
+                amplitude: amp,
+            },
+            sr,
+        );
+        let mut x = vec![0.0; (seconds * sr as f64) as usize];
+        s.fill(&mut x);
+        let mut w =
+            duplex::audio::WavWriter::create(path, sr, duplex::audio::WavFormat::I16).unwrap();
+        w.write(&x).unwrap();
+        w.finalize().unwrap();
+    };
+    let (input, voice) = (dir.join("in.wav"), dir.join("voice.wav"));
+    write(&input, 0.8, 0.3);
+    write(&voice, 10.0, 0.4);
+    let p = pack("small-gqa", &["--size", "small", "--variant", "gqa"]);
+    let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
+        .unwrap()
+        .replace("models/tiny-gqa", p.to_str().unwrap())
+        .replace("out/tone-48k.wav", input.to_str().unwrap())
+        .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
+        .replace(
+            "out/agent-tokens.jsonl",
+            dir.join("tokens.jsonl").to_str().unwrap(),
+        );
+    let file = dir.join("p.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let set = |k: &str, v: &str| duplex::config::Override::set(k, v);
+    let persona: Vec<String> = (0..100).map(|i| (200 + 97 * i).to_string()).collect();
+    let primed = |mode: &str| {
+        vec![
+            set("stages.depformer.greedy", "true"),
+            set("stages.temporal.voice", voice.to_str().unwrap()),
+            set(
+                "stages.temporal.persona_tokens",
+                &format!("[{}]", persona.join(", ")),
+            ),
+            set("stages.temporal.priming", mode),
+        ]
+    };
+    let bare = vec![
+        set("stages.depformer.greedy", "true"),
+        set("stages.temporal.silence_frames", "0"),
+    ];
+    let mut times = std::collections::HashMap::new();
+    let mut tokens = std::collections::HashMap::new();
+    for _ in 0..3 {
+        for (label, sets) in [
+            ("none", bare.clone()),
+            ("stepped", primed("stepped")),
+            ("chunked", primed("chunked")),
+        ] {
+            let t0 = Instant::now();
+            duplex::app::run_file(&file, &sets).expect("pipeline runs");
+            times
+                .entry(label)
+                .or_insert_with(Vec::new)
+                .push(t0.elapsed());
+            tokens.insert(
+                label,
+                std::fs::read_to_string(dir.join("tokens.jsonl")).unwrap(),
+            );
+        }
+    }
+    assert_eq!(
+        tokens["stepped"], tokens["chunked"],
+        "chunked priming changed the conversation"
+    );
+    let ms = |l: &str| median(times[l].clone()).as_secs_f64() * 1e3;
+    let (none, stepped, chunked) = (ms("none"), ms("stepped"), ms("chunked"));
+    println!(
+        "   priming stepped {:8.1} ms   chunked {:8.1} ms   -> {:.2}x (runs {stepped:.0}, {chunked:.0} and {none:.0} ms without priming; tokens equal)",
+        stepped - none,
+        chunked - none,
+        (chunked - none) / (stepped - none)
+    );
 }
 
 fn own_lm(p: &Pack, seed: u64) -> LmLoop {

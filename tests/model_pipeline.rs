@@ -414,3 +414,84 @@ fn skipping_the_substeps_nothing_reads_keeps_greedy_and_sampled_streams_identica
         );
     }
 }
+
+/// `priming: chunked`: the wholly forced priming frames (voice prompt, spacers, persona) run as
+/// prefills, a chunk per graph call, and the conversation that follows is the one stepped
+/// priming gives, token for token: greedy on the standard graph, GQA f32 and GQA f16 and on a
+/// shared engine's slot (which steps its frames, through the same forced path); sampled (seed
+/// 5) where the prefill is exact, GQA f16 and the shared slot. (On f32 graphs a chunk's
+/// reduction order moves logits by about 1e-6, which a sampled draw can meet at a boundary
+/// after tens of frames; `tests/model_temporal.rs` bounds the difference.)
+#[test]
+fn chunked_priming_gives_the_conversation_stepped_priming_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_input(&d.join("in.wav"));
+    // A 1 s voice clip: 12 frames forced while priming.
+    let mut voice = WavWriter::create(&d.join("voice.wav"), 24_000, WavFormat::I16).unwrap();
+    let mut s = Synth::new(
+        Waveform::Sine {
+            freq: 180.0,
+            amplitude: 0.4,
+        },
+        24_000,
+    );
+    let mut x = vec![0.0; 24_000];
+    s.fill(&mut x);
+    voice.write(&x).unwrap();
+    voice.finalize().unwrap();
+    let persona: Vec<String> = (0..40).map(|i| (100 + 37 * i).to_string()).collect();
+    let base = format!(
+        ", voice: {}/voice.wav, persona_tokens: [{}]",
+        d.display(),
+        persona.join(", ")
+    );
+    for (name, engine, greedy) in [
+        ("tiny", "", true),
+        ("tiny-gqa", "", true),
+        ("tiny-gqa-fp16", "", true),
+        ("tiny-gqa-fp16", "", false),
+        ("tiny-gqa", ", engine: shared", true),
+        ("tiny-gqa", ", engine: shared", false),
+    ] {
+        let pack = packs::pack(name);
+        let mut streams = Vec::new();
+        for (mode, chunk) in [("stepped", 32), ("chunked", 16)] {
+            let extra = format!("{base}{engine}, priming: {mode}, priming_chunk: {chunk}");
+            let p = pipeline_yaml(d, &pack, &extra);
+            if greedy {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let text = text.replace(
+                    &format!("seed: {SEED} }}"),
+                    &format!("seed: {SEED}, greedy: true }}"),
+                );
+                assert!(text.contains("greedy: true"));
+                std::fs::write(&p, text).unwrap();
+            }
+            let o = run(&p);
+            let err = String::from_utf8_lossy(&o.stderr);
+            let what = format!("{name}{engine} greedy={greedy} {mode}");
+            assert!(o.status.success(), "{what}: {err}");
+            // 12 voice frames + 6 spacers + 40 persona tokens + 6 spacers.
+            assert!(err.contains("steps=64"), "{err}");
+            let prefilled = err
+                .split("prefilled=")
+                .nth(1)
+                .and_then(|t| t.split_whitespace().next())
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or_else(|| panic!("no prefilled count: {err}"));
+            if mode == "stepped" {
+                assert_eq!(prefilled, 0, "{what}");
+            } else {
+                // Every step but the conversation's first (it runs nothing) is wholly forced.
+                assert!(prefilled >= 60, "{what}: {prefilled} prefilled");
+            }
+            streams.push(std::fs::read_to_string(d.join("tokens.jsonl")).unwrap());
+        }
+        assert!(streams[0].lines().count() > 20, "{name}");
+        assert_eq!(
+            streams[0], streams[1],
+            "{name}{engine} greedy={greedy}: chunked priming changed the conversation"
+        );
+    }
+}

@@ -238,6 +238,28 @@ impl TemporalModel {
         }
     }
 
+    /// Frames known in advance: in chunks on a transformer of its own
+    /// ([`Temporal::prefill`]), one step each in a shared engine's slot (a long chunk would
+    /// stall the engine's live rows).
+    ///
+    /// # Errors
+    ///
+    /// As [`Temporal::prefill`].
+    pub fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
+        match self {
+            TemporalModel::Own(t) => t.prefill(frames, chunk),
+            TemporalModel::Shared(t) => frames.iter().try_for_each(|f| t.step(f)),
+        }
+    }
+
+    /// Values in a hidden state.
+    pub fn hidden_dim(&self) -> usize {
+        match self {
+            TemporalModel::Own(t) => t.info.hidden_dim,
+            TemporalModel::Shared(t) => t.engine().temporal_info.hidden_dim,
+        }
+    }
+
     /// The last step's hidden state.
     pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
         match self {
@@ -396,6 +418,62 @@ impl TemporalHalf {
         self.temporal.read_hidden(&mut step.hidden);
         self.temporal.read_logits(&mut step.text_logits);
         Ok(Some(step))
+    }
+
+    /// The inputs of the longest run (at most `max`) of `script`'s steps, from the next one on,
+    /// that are wholly forced: every token of each step's target column is provided, so that
+    /// nothing sampled reaches a later input and every input is known before any runs (worked
+    /// out on a copy of the ring; the conversation is not touched). Stops before the very first
+    /// step of a conversation (it runs nothing).
+    pub fn forced_inputs(&self, script: &[ForcedStep], max: usize) -> Vec<Vec<i64>> {
+        let mut gen = self.gen.clone();
+        let mut inputs = Vec::new();
+        for s in script.iter().take(max) {
+            let Ok(Some(io)) = gen.begin(&s.user, s.text, s.agent.as_deref()) else {
+                break;
+            };
+            if io.provided.iter().any(|p| !p) {
+                break;
+            }
+            if gen.commit(io.target[0], &io.target[1..]).is_err() {
+                break;
+            }
+            inputs.push(io.input);
+        }
+        inputs
+    }
+
+    /// Starts a wholly forced step whose temporal frame has already run (in a
+    /// [`prefill`](TemporalModel::prefill) of [`forced_inputs`](Self::forced_inputs)): the
+    /// ring moves as [`begin`](Self::begin) moves it, and the sampling half gets a step whose
+    /// every token is provided (its draws are taken as for any step; no hidden state or
+    /// logit is read for a provided token, so a zero hidden state stands in).
+    ///
+    /// # Errors
+    ///
+    /// Wrong code counts, or a step that is not wholly forced (the caller's script and the
+    /// ring disagree).
+    pub fn begin_forced(&mut self, s: &ForcedStep) -> Result<LmStep, ModelError> {
+        let io = self
+            .gen
+            .begin(&s.user, s.text, s.agent.as_deref())
+            .map_err(|e| ModelError::contract("temporal", e.to_string()))?
+            .filter(|io| io.provided.iter().all(|p| *p))
+            .ok_or_else(|| {
+                ModelError::contract("temporal", "a prefilled step is not wholly forced")
+            })?;
+        Ok(LmStep {
+            hidden: vec![0.0; self.temporal.hidden_dim()],
+            text_logits: Vec::new(),
+            target: io.target,
+            provided: io.provided,
+            reseed: std::mem::take(&mut self.pending_reseed),
+            new_conversation: std::mem::take(&mut self.pending_new),
+            slot: match &self.temporal {
+                TemporalModel::Own(_) => None,
+                TemporalModel::Shared(t) => Some(t.slot()),
+            },
+        })
     }
 
     /// Ends a step with the sampled tokens.

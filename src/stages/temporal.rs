@@ -128,6 +128,18 @@ pub(super) const KIND: StageKind = StageKind {
             doc: "silence spacer frames while priming"
         },
         ParamSpec {
+            name: "priming",
+            ty: T::Choice(&["stepped", "chunked"]),
+            default: D::Str("stepped"),
+            doc: "how the priming frames run: one step each (the reference), or the wholly forced ones in chunks of `priming_chunk`, one graph call each (a transformer of its own; a shared engine's slot steps)"
+        },
+        ParamSpec {
+            name: "priming_chunk",
+            ty: T::Int { min: 2, max: 512 },
+            default: D::Int(32),
+            doc: "frames per graph call with `priming: chunked`"
+        },
+        ParamSpec {
             name: "warmup_frames",
             ty: T::Int { min: 0, max: 1000 },
             default: D::Int(2),
@@ -382,6 +394,8 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         tokenizer,
         voice,
         silence_frames: p.int("silence_frames") as usize,
+        priming_chunk: (p.str("priming") == "chunked").then(|| p.int("priming_chunk") as usize),
+        prefilled: 0,
         transcript: Transcript::new(),
         line: String::new(),
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
@@ -410,6 +424,10 @@ struct TemporalStage {
     log_transcript: bool,
     voice: Option<std::sync::Arc<Vec<Vec<i64>>>>,
     silence_frames: usize,
+    /// Frames per prefill call while priming (`priming: chunked`); `None`: one step each.
+    priming_chunk: Option<usize>,
+    /// Priming frames the last priming ran as prefills.
+    prefilled: usize,
     transcript: Transcript,
     /// Transcript text not logged yet.
     line: String,
@@ -516,21 +534,61 @@ impl TemporalStage {
             );
         }
         self.steps = 0;
+        self.prefilled = 0;
         let script = std::mem::take(&mut self.script);
         // A pipeline asked to stop (its client gone) stops priming at the next step.
         let mut r = Ok(());
-        for s in &script {
+        let mut at = 0;
+        while at < script.len() {
             if cx.should_stop() {
                 break;
             }
-            if let Err(e) = self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
-            {
-                r = Err(e);
-                break;
+            // The wholly forced steps from here, prefilled in chunks when asked to.
+            let run = match self.priming_chunk {
+                Some(chunk) => self.half.forced_inputs(&script[at..], chunk),
+                None => Vec::new(),
+            };
+            let done = if run.len() >= 2 {
+                self.prefilled(cx, &script[at..at + run.len()], &run)
+                    .map(|()| run.len())
+            } else {
+                let s = &script[at];
+                self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
+                    .map(|_| 1)
+            };
+            match done {
+                Ok(n) => at += n,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
             }
         }
         self.script = script;
         r
+    }
+
+    /// Wholly forced priming steps whose temporal frames run as one prefill: the frames in
+    /// one call (chunks of `priming_chunk`), then each step's round trip through the sampling
+    /// half as [`round_trip`](Self::round_trip) makes it, minus the temporal step.
+    fn prefilled(
+        &mut self,
+        cx: &mut Context<'_>,
+        steps: &[ForcedStep],
+        inputs: &[Vec<i64>],
+    ) -> StageResult {
+        let chunk = self.priming_chunk.unwrap_or(1);
+        self.half.temporal.prefill(inputs, chunk)?;
+        self.prefilled += inputs.len();
+        for s in steps {
+            let step = self.half.begin_forced(s)?;
+            cx.emit(0, Instant::now(), step)?;
+            let Some(tokens) = cx.recv_feedback::<Sampled>(1)? else {
+                return Err(StageError::msg("the depformer stage ended its stream"));
+            };
+            self.half.commit(&tokens.data)?;
+        }
+        Ok(())
     }
 }
 
@@ -564,6 +622,7 @@ impl Stage for TemporalStage {
         self.prime(cx)?;
         tracing::info!(
             steps = self.script.len(),
+            prefilled = self.prefilled,
             positions_left = self.half.temporal.positions_left(),
             "LM warmed up and primed"
         );
