@@ -10,7 +10,9 @@
 //!   independently (`text_seed`, `audio_seed`), as moshi-core's `text_lp` and `audio_lp`.
 //!
 //! [`LmLoop`] composes them sequentially. [`priming_script`] lists the forced steps that prime a
-//! persona and a voice before the conversation.
+//! persona and a voice before the conversation; [`TemporalHalf::forced_inputs`] and
+//! [`TemporalHalf::begin_forced`] let the wholly forced ones run their temporal frames ahead, as
+//! one prefill.
 
 use super::depformer::{Depformer, DepformerInput, UnusedSubsteps};
 use super::engine::{DepformerClient, TemporalSlot};

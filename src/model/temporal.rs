@@ -1,5 +1,5 @@
-//! The temporal transformer, one step at a time, with its KV cache kept where the session
-//! computes.
+//! The temporal transformer, one step at a time (or, for frames known in advance, a chunk of
+//! frames per call: [`Temporal::prefill`]), with its KV cache kept where the session computes.
 //!
 //! Three ways to hold the cache ([`KvMode`]):
 //!

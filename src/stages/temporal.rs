@@ -3,7 +3,8 @@
 //! and waits for the step's tokens on its feedback input; it emits each completed agent frame.
 //!
 //! At start it warms the graphs up (silent steps, then a reset and a reseed) and primes the
-//! persona and voice. Before the graph's position limit (or `max_positions`) it applies the
+//! persona and voice: a step each, or with `priming: chunked` the wholly forced steps' frames
+//! as prefills, a chunk per graph call. Before the graph's position limit (or `max_positions`) it applies the
 //! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
 //! primes again; `stop` ends the stream cleanly. `max_steps` (Kyutai's cap of a conversation)
 //! ends the stream cleanly too, once that many agent frames have been emitted.
