@@ -146,8 +146,87 @@ pub struct Resources {
     /// Who hears the engines (their metrics and diagnosis, off their threads): made with the
     /// first engine.
     observer: std::sync::OnceLock<Arc<dyn crate::model::engine::EngineObserver>>,
+    /// Primed conversation states, shared by every pipeline of the process.
+    primed: Arc<PrimeCache>,
     /// What has been loaded so far.
     pub loads: Loads,
+}
+
+/// Primed conversation states (`priming: cached`), by what primed them (a digest of the pack,
+/// the graph and every frame fed): a cache shared by every conversation of the process, least
+/// recently used first out, bounded in bytes.
+#[derive(Debug)]
+pub struct PrimeCache {
+    max_bytes: usize,
+    inner: Mutex<PrimeEntries>,
+}
+
+#[derive(Debug, Default)]
+struct PrimeEntries {
+    bytes: usize,
+    clock: u64,
+    map: HashMap<[u8; 32], (Arc<crate::model::temporal::TemporalState>, u64)>,
+}
+
+impl PrimeCache {
+    /// A cache of at most `max_bytes`.
+    pub fn new(max_bytes: usize) -> Self {
+        PrimeCache {
+            max_bytes,
+            inner: Mutex::default(),
+        }
+    }
+
+    /// The state primed by `key`, when kept (counted as a hit or a miss).
+    pub fn get(&self, key: &[u8; 32]) -> Option<Arc<crate::model::temporal::TemporalState>> {
+        let found = self.inner.lock().ok().and_then(|mut e| {
+            e.clock += 1;
+            let now = e.clock;
+            e.map.get_mut(key).map(|(s, used)| {
+                *used = now;
+                s.clone()
+            })
+        });
+        let result = if found.is_some() { "hit" } else { "miss" };
+        metrics::counter!(names::PRIME_CACHE, "result" => result).increment(1);
+        found
+    }
+
+    /// Keeps `state` under `key`, dropping the least recently used states until the cache is
+    /// within its bytes (a state larger than the whole cache is not kept).
+    pub fn put(&self, key: [u8; 32], state: crate::model::temporal::TemporalState) {
+        let size = state.bytes();
+        if size > self.max_bytes {
+            return;
+        }
+        let Ok(mut e) = self.inner.lock() else {
+            return;
+        };
+        e.clock += 1;
+        let now = e.clock;
+        if let Some((old, _)) = e.map.insert(key, (Arc::new(state), now)) {
+            e.bytes -= old.bytes();
+        }
+        e.bytes += size;
+        while e.bytes > self.max_bytes {
+            let Some(oldest) = e.map.iter().min_by_key(|(_, (_, t))| *t).map(|(k, _)| *k) else {
+                break;
+            };
+            if let Some((s, _)) = e.map.remove(&oldest) {
+                e.bytes -= s.bytes();
+                metrics::counter!(names::PRIME_CACHE_EVICTIONS).increment(1);
+            }
+        }
+        metrics::gauge!(names::PRIME_CACHE_BYTES).set(e.bytes as f64);
+    }
+
+    /// States kept, and their bytes.
+    pub fn usage(&self) -> (usize, usize) {
+        self.inner
+            .lock()
+            .map(|e| (e.map.len(), e.bytes))
+            .unwrap_or((0, 0))
+    }
 }
 
 impl std::fmt::Debug for Resources {
@@ -186,8 +265,20 @@ impl Resources {
                     .and_then(|v| v.parse().ok()),
             ),
             observer: std::sync::OnceLock::new(),
+            primed: Arc::new(PrimeCache::new(
+                std::env::var("DUPLEX_PRIME_CACHE_MB")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(256)
+                    << 20,
+            )),
             loads: Loads::default(),
         }
+    }
+
+    /// The process's cache of primed conversation states (`priming: cached`).
+    pub fn primed(&self) -> Arc<PrimeCache> {
+        self.primed.clone()
     }
 
     /// Sets the number of conversations the process hosts (the slot count of engines opened

@@ -495,3 +495,70 @@ fn chunked_priming_gives_the_conversation_stepped_priming_gives() {
         );
     }
 }
+
+/// `priming: cached`: the first priming prefills and keeps the primed state; the re-primings of
+/// the long-session policy restore it instead of running the frames, and the conversation is
+/// the one chunked priming gives, token for token (sampled), on the standard graph and on GQA
+/// f32 and f16. The user's codes come from a file: a codec restarts its stream at a new
+/// conversation when its own thread sees it, so audio-fed runs differ after a re-prime.
+#[test]
+fn a_cached_primed_state_gives_the_conversation_priming_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let frames: Vec<String> = (0..60)
+        .map(|t| {
+            let f: Vec<String> = (0..8)
+                .map(|q| ((t * 131 + q * 577) % 2048).to_string())
+                .collect();
+            format!("[{}]", f.join(","))
+        })
+        .collect();
+    std::fs::write(d.join("user.json"), frames.join("\n")).unwrap();
+    let persona: Vec<String> = (0..12).map(|i| (300 + 53 * i).to_string()).collect();
+    for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
+        let pack = packs::pack(name);
+        let pk = pack.display();
+        let mut streams = Vec::new();
+        for mode in ["chunked", "cached", "chunked"] {
+            let text = format!(
+                r#"
+stages:
+  user: {{ kind: codes_source, path: {dd}/user.json }}
+  temporal: {{ kind: temporal, pack: {pk}, max_positions: 40, persona_tokens: [{persona}], priming: {mode} }}
+  depformer: {{ kind: depformer, pack: {pk}, seed: {SEED} }}
+  tokens: {{ kind: token_sink, path: {dd}/tokens.jsonl }}
+links:
+  - user -> temporal.codes
+  - temporal.step -> depformer
+  - {{ from: depformer, to: temporal.tokens, feedback: true }}
+  - temporal.agent -> tokens
+"#,
+                dd = d.display(),
+                persona = persona.join(", ")
+            );
+            let p = d.join("p.yaml");
+            std::fs::write(&p, text).unwrap();
+            let o = run(&p);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{name} {mode}: {err}");
+            let agains: Vec<&str> = err.lines().filter(|l| l.contains("primed again")).collect();
+            assert!(agains.len() >= 2, "{name} {mode}: re-primed: {err}");
+            for l in &agains {
+                // 6 spacers + 12 persona tokens + 6 spacers: all but the first step forced.
+                let (prefilled, restored) = if mode == "cached" { (0, 23) } else { (23, 0) };
+                assert!(
+                    l.contains(&format!("prefilled={prefilled}"))
+                        && l.contains(&format!("restored={restored}")),
+                    "{name} {mode}: {l}"
+                );
+            }
+            streams.push(std::fs::read_to_string(d.join("tokens.jsonl")).unwrap());
+        }
+        assert_eq!(streams[0].lines().count(), 60, "{name}");
+        assert_eq!(streams[0], streams[2], "{name}: a run is reproducible");
+        assert_eq!(
+            streams[0], streams[1],
+            "{name}: the restored state changed the conversation"
+        );
+    }
+}

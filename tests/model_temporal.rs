@@ -346,3 +346,48 @@ fn prefill_across_the_standard_window_equals_stepping() {
     let d = max_diff(&[logits], &[want]);
     assert!(d <= 1e-4, "logits differ by {d}");
 }
+
+/// A snapshot restored into another transformer of the same graph puts it exactly where the
+/// first one was: every later step's logits are bit for bit the same (standard ping-pong and
+/// GQA in place, f32 and f16); a state of another graph is refused.
+#[test]
+fn a_restored_state_steps_exactly_as_the_original() {
+    for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let open = || Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let frames: Vec<Vec<i64>> = (0..40).map(tokens).collect();
+        for (steps, chunk) in [(23, 32), (10, 1)] {
+            let mut a = open();
+            a.prefill(&frames[..steps], chunk).unwrap();
+            let state = a.snapshot().expect("a resident cache gives a state");
+            assert_eq!(state.position(), steps);
+            let mut b = open();
+            // A transformer that has stepped before: the restore replaces its conversation.
+            b.step(&frames[39]).unwrap();
+            b.restore(&state).unwrap();
+            assert_eq!((b.kv_len(), b.position()), (a.kv_len(), a.position()));
+            let (mut la, mut lb) = (Vec::new(), Vec::new());
+            for f in &frames[steps..steps + 8] {
+                a.step(f).unwrap();
+                b.step(f).unwrap();
+                a.read_logits(&mut la);
+                b.read_logits(&mut lb);
+                assert_eq!(la, lb, "{name}: restored after {steps} frames");
+            }
+        }
+    }
+    let mut gqa = Temporal::open(
+        &Pack::open(&packs::pack("tiny-gqa")).unwrap(),
+        &TemporalOptions::default(),
+    )
+    .unwrap();
+    let mut std = Temporal::open(
+        &Pack::open(&packs::pack("tiny")).unwrap(),
+        &TemporalOptions::default(),
+    )
+    .unwrap();
+    std.step(&tokens(0)).unwrap();
+    let s = std.snapshot().unwrap();
+    let e = gqa.restore(&s).unwrap_err().to_string();
+    assert!(e.contains("another graph"), "{e}");
+}

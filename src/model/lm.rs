@@ -254,6 +254,33 @@ impl TemporalModel {
         }
     }
 
+    /// The conversation's state, copied out (a transformer of its own; `None` for a shared
+    /// engine's slot, and where [`Temporal::snapshot`] gives none).
+    pub fn snapshot(&mut self) -> Option<crate::model::temporal::TemporalState> {
+        match self {
+            TemporalModel::Own(t) => t.snapshot(),
+            TemporalModel::Shared(_) => None,
+        }
+    }
+
+    /// Puts the conversation where `state` was taken.
+    ///
+    /// # Errors
+    ///
+    /// As [`Temporal::restore`]; a shared engine's slot takes none yet.
+    pub fn restore(
+        &mut self,
+        state: &crate::model::temporal::TemporalState,
+    ) -> Result<(), ModelError> {
+        match self {
+            TemporalModel::Own(t) => t.restore(state),
+            TemporalModel::Shared(_) => Err(ModelError::contract(
+                "temporal",
+                "a shared engine's slot cannot restore a primed state",
+            )),
+        }
+    }
+
     /// Values in a hidden state.
     pub fn hidden_dim(&self) -> usize {
         match self {

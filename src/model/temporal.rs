@@ -23,7 +23,7 @@ use ort::session::{IoBinding, Session};
 use ort::value::TensorElementType;
 
 use super::error::ModelError;
-use super::pack::{check_temporal, Graph, LmGraphInfo, Pack, Variant};
+use super::pack::{check_temporal, FloatType, Graph, LmGraphInfo, Pack, Variant};
 use super::session::{open, report, Provider, SessionOptions};
 use super::tensors::{
     allocator_at, element, input_placements, kv_placements, placement_of, read_floats, read_row,
@@ -143,6 +143,42 @@ pub struct Temporal {
     chunk: Option<ChunkIo>,
     /// The row of `chunk`'s outputs that holds the last step's (after a prefill).
     chunk_last: Option<usize>,
+}
+
+/// A conversation's temporal state, copied out of its transformer ([`Temporal::snapshot`]):
+/// the cache's valid rows and where the conversation stands. Restoring it
+/// ([`Temporal::restore`]) puts a transformer exactly where the snapshot was taken: a primed
+/// state computed once serves every later conversation with the same priming.
+#[derive(Clone)]
+pub struct TemporalState {
+    len: usize,
+    pos: usize,
+    /// Per layer's K then V: `heads × len × head_dim` elements, head by head.
+    rows: Vec<Vec<u8>>,
+    /// What it fits: layers, heads, head_dim, dtype, variant.
+    shape: (usize, usize, usize, FloatType, Variant),
+}
+
+impl TemporalState {
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.rows.iter().map(Vec::len).sum()
+    }
+
+    /// Positions it has used.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+}
+
+impl std::fmt::Debug for TemporalState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TemporalState")
+            .field("len", &self.len)
+            .field("pos", &self.pos)
+            .field("bytes", &self.bytes())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The inputs and outputs of a prefill chunk of up to `frames` frames.
@@ -690,6 +726,106 @@ impl Temporal {
         }
     }
 
+    /// The conversation's state, copied out; `None` where it cannot be (the host-fed and the
+    /// fixed-shape caches, a cache in device memory).
+    pub fn snapshot(&mut self) -> Option<TemporalState> {
+        let (rows_cap, set) = self.state_layout()?;
+        let es = element_bytes(self.info.kv);
+        let (h, d, len) = (self.info.heads, self.info.head_dim, self.len);
+        let mut rows = Vec::with_capacity(2 * self.info.layers);
+        for buf in self.cache.sets[set].iter_mut() {
+            if buf.placement().device != "Cpu" {
+                return None;
+            }
+            let all = buf.as_bytes();
+            let mut out = Vec::with_capacity(h * len * d * es);
+            for head in 0..h {
+                let at = head * rows_cap * d * es;
+                out.extend_from_slice(all.get(at..at + len * d * es)?);
+            }
+            rows.push(out);
+        }
+        Some(TemporalState {
+            len,
+            pos: self.pos,
+            rows,
+            shape: (self.info.layers, h, d, self.info.kv, self.info.variant),
+        })
+    }
+
+    /// Puts the conversation where `state` was taken (on a transformer of the same graph).
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Contract`] when the state is of another shape, needs more rows than this
+    /// transformer holds, or this transformer's cache cannot take it (host-fed, fixed-shape,
+    /// device memory).
+    pub fn restore(&mut self, state: &TemporalState) -> Result<(), ModelError> {
+        let bad = |why: &str| ModelError::contract("temporal", format!("restoring a state: {why}"));
+        let shape = (
+            self.info.layers,
+            self.info.heads,
+            self.info.head_dim,
+            self.info.kv,
+            self.info.variant,
+        );
+        if state.shape != shape {
+            return Err(bad("it is of another graph"));
+        }
+        self.reset();
+        if let Kv::PingPong { cur } = &mut self.kv {
+            *cur = 0;
+        }
+        let (rows_cap, set) = match self.state_layout() {
+            Some((_, set)) if matches!(self.kv, Kv::PingPong { .. }) => {
+                // Compact at the state's length, inside the window.
+                if state.len > self.window - 1 {
+                    return Err(bad("it is longer than the attention window"));
+                }
+                (state.len, set)
+            }
+            Some(l) => l,
+            None => return Err(bad("this cache cannot take one")),
+        };
+        if state.len > rows_cap || state.pos > self.capacity {
+            return Err(bad("it is longer than this cache"));
+        }
+        let es = element_bytes(self.info.kv);
+        let (h, d, len) = (self.info.heads, self.info.head_dim, state.len);
+        for (buf, rows) in self.cache.sets[set].iter_mut().zip(&state.rows) {
+            if buf.placement().device != "Cpu" {
+                return Err(bad("the cache is in device memory"));
+            }
+            let all = buf.as_bytes();
+            if all.len() < h * rows_cap * d * es {
+                return Err(bad("it is longer than this cache"));
+            }
+            for head in 0..h {
+                let at = head * rows_cap * d * es;
+                let from = head * len * d * es;
+                all[at..at + len * d * es].copy_from_slice(&rows[from..from + len * d * es]);
+            }
+        }
+        self.len = state.len;
+        self.pos = state.pos;
+        Ok(())
+    }
+
+    /// Where a state's rows live: the rows per head of the buffers that hold them now, and
+    /// which set; `None` for the caches a state cannot be taken from.
+    fn state_layout(&self) -> Option<(usize, usize)> {
+        if self.io.is_some() {
+            return None;
+        }
+        match self.kv {
+            // At full capacity, in place.
+            Kv::InPlace => Some((self.capacity, 0)),
+            // A view of the current length: rows laid out compactly, head after head.
+            Kv::PingPong { cur } => Some((self.len, cur)),
+            Kv::Host { .. } => None,
+        }
+    }
+
     /// Runs `frames` (each one token per channel, all known before the first runs: nothing is
     /// sampled between them, as while priming) in chunks of at most `chunk` frames, one graph
     /// call per chunk, and leaves the conversation where as many [`step`](Self::step)s would
@@ -816,6 +952,14 @@ impl Temporal {
         self.pos += n;
         self.chunk_last = Some(n - 1);
         Ok(())
+    }
+}
+
+/// Bytes per element of a cache.
+fn element_bytes(t: FloatType) -> usize {
+    match t {
+        FloatType::F32 => 4,
+        FloatType::F16 => 2,
     }
 }
 

@@ -116,6 +116,13 @@ impl Buffer {
         }
     }
 
+    /// The buffer's bytes (CPU buffers only).
+    pub fn as_bytes(&mut self) -> &mut [u8] {
+        let n = self.capacity * element_size(self.ty);
+        // SAFETY: the buffer holds `capacity` elements of `element_size(ty)` bytes, in CPU memory.
+        unsafe { std::slice::from_raw_parts_mut(self.tensor.data_ptr_mut().cast::<u8>(), n) }
+    }
+
     /// The buffer's data as `T` (CPU buffers only).
     pub fn as_slice<T>(&mut self) -> &mut [T] {
         debug_assert_eq!(std::mem::size_of::<T>(), element_size(self.ty));

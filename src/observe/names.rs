@@ -55,6 +55,13 @@ pub const OPUS_TIME: &str = "duplex_opus_seconds";
 /// Counter, label `what` (`pack|tokenizer|voice|template|engine`): things the process loaded
 /// (not taken from its resources): after the first session of a server, none but what changed.
 pub const RESOURCES_LOADED: &str = "duplex_resources_loaded_total";
+/// Counter, label `result` (`hit|miss`): primings (`priming: cached`) that found their primed
+/// state in the process's cache, or computed it.
+pub const PRIME_CACHE: &str = "duplex_prime_cache_total";
+/// Gauge: bytes of primed states the process keeps.
+pub const PRIME_CACHE_BYTES: &str = "duplex_prime_cache_bytes";
+/// Counter: primed states dropped to keep the cache within its bytes.
+pub const PRIME_CACHE_EVICTIONS: &str = "duplex_prime_cache_evictions_total";
 /// Counter, label `result` (`applied|rejected`): reloads of `duplex serve`'s session template
 /// (SIGHUP).
 pub const RELOADS: &str = "duplex_template_reloads_total";

@@ -130,9 +130,9 @@ pub(super) const KIND: StageKind = StageKind {
         },
         ParamSpec {
             name: "priming",
-            ty: T::Choice(&["stepped", "chunked"]),
+            ty: T::Choice(&["stepped", "chunked", "cached"]),
             default: D::Str("stepped"),
-            doc: "how the priming frames run: one step each (the reference), or the wholly forced ones in chunks of `priming_chunk`, one graph call each (a transformer of its own; a shared engine's slot steps)"
+            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (a transformer of its own; a shared engine's slot steps); or chunked once and then restored from the process's cache of primed states"
         },
         ParamSpec {
             name: "priming_chunk",
@@ -379,6 +379,8 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         ))
         .key("max_positions"));
     }
+    // What a primed state depends on besides the frames fed (the cache's keys).
+    let graph_id = format!("{} kv={:?}", temporal.runs_on(), opts.kv);
     let control = cx.endpoint();
     control.set("model", temporal.runs_on());
     control.set("paused", false);
@@ -395,8 +397,16 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         tokenizer,
         voice,
         silence_frames: p.int("silence_frames") as usize,
-        priming_chunk: (p.str("priming") == "chunked").then(|| p.int("priming_chunk") as usize),
+        priming_chunk: (p.str("priming") != "stepped").then(|| p.int("priming_chunk") as usize),
+        primed: (p.str("priming") == "cached").then(|| {
+            let cache = cx.resources.map(|r| r.primed()).unwrap_or_else(|| {
+                std::sync::Arc::new(crate::resources::PrimeCache::new(256 << 20))
+            });
+            let dir = std::fs::canonicalize(&pack.dir).unwrap_or_else(|_| pack.dir.clone());
+            (cache, format!("{} {graph_id}", dir.display()))
+        }),
         prefilled: 0,
+        restored: 0,
         transcript: Transcript::new(),
         line: String::new(),
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
@@ -429,6 +439,11 @@ struct TemporalStage {
     priming_chunk: Option<usize>,
     /// Priming frames the last priming ran as prefills.
     prefilled: usize,
+    /// `priming: cached`: the process's primed states, and what names this stage's graph in
+    /// their keys (the pack's folder, what the graph runs on).
+    primed: Option<(std::sync::Arc<crate::resources::PrimeCache>, String)>,
+    /// Priming frames the last priming restored from the cache.
+    restored: usize,
     transcript: Transcript,
     /// Transcript text not logged yet.
     line: String,
@@ -536,6 +551,7 @@ impl TemporalStage {
         }
         self.steps = 0;
         self.prefilled = 0;
+        self.restored = 0;
         let script = std::mem::take(&mut self.script);
         // A pipeline asked to stop (its client gone) stops priming at the next step.
         let mut r = Ok(());
@@ -544,8 +560,11 @@ impl TemporalStage {
             if cx.should_stop() {
                 break;
             }
-            // The wholly forced steps from here, prefilled in chunks when asked to.
+            // The wholly forced steps from here, prefilled in chunks when asked to (all of them
+            // from an empty cache when the primed state may come from the cache).
+            let whole = self.primed.is_some() && self.half.temporal.position() == 0;
             let run = match self.priming_chunk {
+                Some(_) if whole => self.half.forced_inputs(&script[at..], usize::MAX),
                 Some(chunk) => self.half.forced_inputs(&script[at..], chunk),
                 None => Vec::new(),
             };
@@ -579,8 +598,44 @@ impl TemporalStage {
         inputs: &[Vec<i64>],
     ) -> StageResult {
         let chunk = self.priming_chunk.unwrap_or(1);
-        self.half.temporal.prefill(inputs, chunk)?;
-        self.prefilled += inputs.len();
+        // From an empty cache, the state these frames leave is the cache's to give or keep.
+        let key = self
+            .primed
+            .as_ref()
+            .filter(|_| self.half.temporal.position() == 0)
+            .map(|(cache, graph)| {
+                use sha2::{Digest, Sha256};
+                let mut h = Sha256::new();
+                h.update(graph.as_bytes());
+                h.update(chunk.to_le_bytes());
+                for f in inputs {
+                    for t in f {
+                        h.update(t.to_le_bytes());
+                    }
+                }
+                (cache.clone(), <[u8; 32]>::from(h.finalize()))
+            });
+        let restored = match &key {
+            Some((cache, k)) => match cache.get(k) {
+                Some(state) if state.position() == inputs.len() => {
+                    self.half.temporal.restore(&state)?;
+                    true
+                }
+                _ => false,
+            },
+            None => false,
+        };
+        if restored {
+            self.restored += inputs.len();
+        } else {
+            self.half.temporal.prefill(inputs, chunk)?;
+            self.prefilled += inputs.len();
+            if let Some((cache, k)) = key {
+                if let Some(state) = self.half.temporal.snapshot() {
+                    cache.put(k, state);
+                }
+            }
+        }
         for s in steps {
             let step = self.half.begin_forced(s)?;
             cx.emit(0, Instant::now(), step)?;
@@ -624,6 +679,7 @@ impl Stage for TemporalStage {
         tracing::info!(
             steps = self.script.len(),
             prefilled = self.prefilled,
+            restored = self.restored,
             positions_left = self.half.temporal.positions_left(),
             "LM warmed up and primed"
         );
@@ -679,6 +735,12 @@ impl Stage for TemporalStage {
             );
             self.resets.increment(1);
             self.new_conversation(cx)?;
+            tracing::info!(
+                steps = self.script.len(),
+                prefilled = self.prefilled,
+                restored = self.restored,
+                "primed again"
+            );
         }
         let out = self.round_trip(cx, f.meta.origin, &f.data.0, None, None)?;
         if let Some(r) = &self.rec {
