@@ -463,4 +463,28 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("none.wav"), "{e}");
     }
+
+    #[test]
+    fn the_prime_cache_keeps_states_within_its_bytes_least_recently_used_out() {
+        use crate::model::temporal::TemporalState;
+        let c = PrimeCache::new(1000);
+        let k = |i: u8| [i; 32];
+        c.put(k(1), TemporalState::filler(400));
+        c.put(k(2), TemporalState::filler(400));
+        assert_eq!(c.usage(), (2, 800));
+        // 1 is used again, so 2 is the least recently used when 3 needs room.
+        assert!(c.get(&k(1)).is_some());
+        c.put(k(3), TemporalState::filler(400));
+        assert_eq!(c.usage(), (2, 800));
+        assert!(c.get(&k(2)).is_none(), "evicted");
+        assert!(c.get(&k(1)).is_some() && c.get(&k(3)).is_some());
+        // Another key is a miss; a state larger than the whole cache is not kept.
+        assert!(c.get(&k(9)).is_none());
+        c.put(k(4), TemporalState::filler(2000));
+        assert!(c.get(&k(4)).is_none());
+        assert_eq!(c.usage(), (2, 800));
+        // The same key again replaces its state.
+        c.put(k(3), TemporalState::filler(100));
+        assert_eq!(c.usage(), (2, 500));
+    }
 }

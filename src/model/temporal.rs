@@ -169,6 +169,17 @@ impl TemporalState {
     pub fn position(&self) -> usize {
         self.pos
     }
+
+    /// A state of `bytes` bytes that fits no graph (for tests of what keeps states).
+    #[cfg(test)]
+    pub(crate) fn filler(bytes: usize) -> Self {
+        TemporalState {
+            len: 0,
+            pos: 0,
+            rows: vec![vec![0; bytes]],
+            shape: (0, 0, 0, FloatType::F32, Variant::Gqa),
+        }
+    }
 }
 
 impl std::fmt::Debug for TemporalState {
