@@ -226,17 +226,7 @@ fn e2e_bench() {
         ),
     ] {
         let p = with_step_graphs(pack(name, &args));
-        let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
-            .unwrap()
-            .replace("models/tiny-gqa", p.to_str().unwrap())
-            .replace("out/tone-48k.wav", input.to_str().unwrap())
-            .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
-            .replace(
-                "out/agent-tokens.jsonl",
-                dir.join("tokens.jsonl").to_str().unwrap(),
-            );
-        let file = dir.join("p.yaml");
-        std::fs::write(&file, yaml).unwrap();
+        let file = file_pipeline(&dir, &p, &input);
         let report = duplex::app::run_file(&file, &sets).expect("pipeline runs");
         let frames = report.stage("temporal").unwrap().frames;
         assert_eq!(frames, 150, "12 s = 150 frames");
@@ -283,6 +273,23 @@ fn e2e_bench() {
 }
 
 /// The pack, with Mimi's step graphs added (`tools/make_mimi_step.py`) if it was built without.
+/// `pipelines/duplex-file.yaml` on pack `p` and `input`, writing into `dir` (`agent.wav`,
+/// `tokens.jsonl`): its path.
+fn file_pipeline(dir: &Path, p: &Path, input: &Path) -> PathBuf {
+    let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
+        .unwrap()
+        .replace("models/tiny-gqa", p.to_str().unwrap())
+        .replace("out/tone-48k.wav", input.to_str().unwrap())
+        .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
+        .replace(
+            "out/agent-tokens.jsonl",
+            dir.join("tokens.jsonl").to_str().unwrap(),
+        );
+    let file = dir.join("p.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    file
+}
+
 fn with_step_graphs(dir: PathBuf) -> PathBuf {
     if !dir.join("mimi_encoder_step_f16/state.json").is_file() {
         eprintln!("adding step graphs to {}", dir.display());
@@ -535,17 +542,7 @@ fn priming_bench() {
     write(&input, 0.8, 0.3);
     write(&voice, 10.0, 0.4);
     let p = pack("small-gqa", &["--size", "small", "--variant", "gqa"]);
-    let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
-        .unwrap()
-        .replace("models/tiny-gqa", p.to_str().unwrap())
-        .replace("out/tone-48k.wav", input.to_str().unwrap())
-        .replace("out/agent-48k.wav", dir.join("agent.wav").to_str().unwrap())
-        .replace(
-            "out/agent-tokens.jsonl",
-            dir.join("tokens.jsonl").to_str().unwrap(),
-        );
-    let file = dir.join("p.yaml");
-    std::fs::write(&file, yaml).unwrap();
+    let file = file_pipeline(&dir, &p, &input);
     let set = |k: &str, v: &str| duplex::config::Override::set(k, v);
     let persona: Vec<String> = (0..100).map(|i| (200 + 97 * i).to_string()).collect();
     let primed = |mode: &str| {

@@ -783,10 +783,8 @@ impl Temporal {
         if state.shape != shape {
             return Err(bad("it is of another graph"));
         }
+        // Empty, and a ping-pong cache back on its first set.
         self.reset();
-        if let Kv::PingPong { cur } = &mut self.kv {
-            *cur = 0;
-        }
         let (rows_cap, set) = match self.state_layout() {
             Some((_, set)) if matches!(self.kv, Kv::PingPong { .. }) => {
                 // Compact at the state's length, inside the window.
@@ -930,26 +928,18 @@ impl Temporal {
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         if let Kv::PingPong { cur } = self.kv {
             // Past: the `len` rows of one set; present: `len + n` rows of the other.
-            let (sa, sb) = self.cache.sets.split_at_mut(1);
-            let (src, dst) = if cur == 0 {
-                (&mut sa[0], &mut sb[0])
-            } else {
-                (&mut sb[0], &mut sa[0])
-            };
-            for (i, (ps, pd)) in src.chunks_mut(2).zip(dst.chunks_mut(2)).enumerate() {
-                for (j, kv) in ["key", "value"].iter().enumerate() {
-                    let past = ps[j]
-                        .view(&self.kv_alloc, &[1, h, self.len as i64, d])
-                        .map_err(&e)?;
-                    let present = pd[j].view(&self.kv_alloc, &[1, h, total, d]).map_err(&e)?;
-                    self.binding
-                        .bind_input(format!("past_key_values.{i}.{kv}"), &past)
-                        .map_err(&e)?;
-                    self.binding
-                        .bind_output(format!("present.{i}.{kv}"), present)
-                        .map_err(&e)?;
-                }
-            }
+            self.cache
+                .bind_growing(
+                    &mut self.binding,
+                    &self.kv_alloc,
+                    cur,
+                    1,
+                    h,
+                    self.len as i64,
+                    s,
+                    d,
+                )
+                .map_err(&e)?;
         }
         let ran = self.session.run_binding(&self.binding).map(drop);
         // The step's own bindings again, whatever happened.

@@ -285,6 +285,23 @@ impl PingPong {
         rows: i64,
         head_dim: i64,
     ) -> ort::Result<()> {
+        self.bind_growing(binding, alloc, from, batch, heads, rows, 1, head_dim)
+    }
+
+    /// As [`bind_batch`](Self::bind_batch) for a call that appends `added` rows (a prefill
+    /// chunk): the present views are `rows + added` long.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_growing(
+        &mut self,
+        binding: &mut ort::session::IoBinding,
+        alloc: &Allocator,
+        from: usize,
+        batch: i64,
+        heads: i64,
+        rows: i64,
+        added: i64,
+        head_dim: i64,
+    ) -> ort::Result<()> {
         let (a, b) = self.sets.split_at_mut(1);
         let (src, dst) = if from == 0 {
             (&mut a[0], &mut b[0])
@@ -294,7 +311,7 @@ impl PingPong {
         for (i, (s, d)) in src.chunks_mut(2).zip(dst.chunks_mut(2)).enumerate() {
             for (j, kv) in ["key", "value"].iter().enumerate() {
                 let past = s[j].view(alloc, &[batch, heads, rows, head_dim])?;
-                let present = d[j].view(alloc, &[batch, heads, rows + 1, head_dim])?;
+                let present = d[j].view(alloc, &[batch, heads, rows + added, head_dim])?;
                 binding.bind_input(format!("past_key_values.{i}.{kv}"), &past)?;
                 binding.bind_output(format!("present.{i}.{kv}"), present)?;
             }

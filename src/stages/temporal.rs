@@ -599,10 +599,12 @@ impl TemporalStage {
     ) -> StageResult {
         let chunk = self.priming_chunk.unwrap_or(1);
         // From an empty cache, the state these frames leave is the cache's to give or keep.
+        // Only a transformer of its own gives or takes a state: a shared slot is not looked up.
+        let own = matches!(self.half.temporal, TemporalModel::Own(_));
         let key = self
             .primed
             .as_ref()
-            .filter(|_| self.half.temporal.position() == 0)
+            .filter(|_| own && self.half.temporal.position() == 0)
             .map(|(cache, graph)| {
                 use sha2::{Digest, Sha256};
                 let mut h = Sha256::new();
