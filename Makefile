@@ -39,6 +39,7 @@ bench: setup
 	$(CARGO) bench --bench browser
 	$(CARGO) bench --bench aec
 	$(CARGO) bench --bench session_start
+	$(CARGO) bench --bench priming
 
 # Extras that `make setup` never installs. export-deps: huggingface_hub, for
 # `tools/export_pack.py --from-hub` (reading a checkpoint needs nothing more than `make setup`).

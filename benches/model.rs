@@ -25,6 +25,9 @@
 //!
 //! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill]`. Packs that are missing are built with `tools/make_pack.py`.
 
+#[path = "support/mod.rs"]
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -35,26 +38,7 @@ use duplex::model::pack::Pack;
 use duplex::model::session::SessionOptions;
 use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn pack(name: &str, args: &[&str]) -> PathBuf {
-    let dir = root().join("models").join(name);
-    if !dir.join("pack.yaml").is_file() {
-        eprintln!("building pack {name} ({})", args.join(" "));
-        let ok = std::process::Command::new(root().join(".venv/bin/python"))
-            .arg(root().join("tools/make_pack.py"))
-            .args(args)
-            .arg("--out")
-            .arg(&dir)
-            .status()
-            .expect("run tools/make_pack.py (make setup first)")
-            .success();
-        assert!(ok, "building pack {name} failed");
-    }
-    dir
-}
+use support::{pack, root, with_step_graphs};
 
 fn tokens(t: usize) -> Vec<i64> {
     let mut v = vec![((t * 7919) % 32_000) as i64];
@@ -288,21 +272,6 @@ fn file_pipeline(dir: &Path, p: &Path, input: &Path) -> PathBuf {
     let file = dir.join("p.yaml");
     std::fs::write(&file, yaml).unwrap();
     file
-}
-
-fn with_step_graphs(dir: PathBuf) -> PathBuf {
-    if !dir.join("mimi_encoder_step_f16/state.json").is_file() {
-        eprintln!("adding step graphs to {}", dir.display());
-        let ok = std::process::Command::new(root().join(".venv/bin/python"))
-            .arg(root().join("tools/make_mimi_step.py"))
-            .arg(&dir)
-            .arg("-q")
-            .status()
-            .expect("run tools/make_mimi_step.py (make setup first)")
-            .success();
-        assert!(ok, "building step graphs for {} failed", dir.display());
-    }
-    dir
 }
 
 fn codec_bench() {

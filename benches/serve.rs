@@ -13,9 +13,10 @@
 //!
 //! Run with `cargo bench --bench serve`.
 
-use std::io::{BufRead, BufReader};
+#[path = "support/mod.rs"]
+mod support;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use duplex::audio::opus::OggOpusWriter;
@@ -25,20 +26,7 @@ use tokio_tungstenite::tungstenite::Message;
 const SECONDS: f64 = 8.0;
 const LEVELS: &[usize] = &[1, 2, 4, 6, 8, 10, 12, 14, 16];
 
-struct Server {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(shared: bool) -> Server {
+fn start(shared: bool) -> support::Server {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = tempfile::tempdir().unwrap();
     let tpl = dir.path().join("session.yaml");
@@ -64,29 +52,7 @@ fn start(shared: bool) -> Server {
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["serve", "--config"])
-        .arg(&cfg)
-        .current_dir(root)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let mut port = 0;
-    for line in BufReader::new(out).lines().map_while(Result::ok) {
-        if let Some(a) = line.strip_prefix("listening on ") {
-            port = a.rsplit(':').next().unwrap().parse().unwrap();
-            break;
-        }
-    }
-    assert!(port > 0, "the server did not start");
-    Server {
-        child,
-        port,
-        _dir: dir,
-    }
+    support::serve(dir, &cfg, "warn")
 }
 
 fn http_get(port: u16, path: &str) -> String {
@@ -232,12 +198,7 @@ async fn client(port: u16, seconds: f64, quiet: bool) -> usize {
     let t0 = tokio::time::Instant::now();
     for k in 0..frames {
         if !quiet {
-            let pcm: Vec<f32> = (0..1920)
-                .map(|i| 0.3 * (((k * 1920 + i) as f32) * 0.06).sin())
-                .collect();
-            let bytes: Vec<u8> = w.push(&pcm).unwrap().concat();
-            let mut m = vec![1u8];
-            m.extend_from_slice(&bytes);
+            let m = support::tone_message(&mut w, k);
             if tx.send(Message::Binary(m.into())).await.is_err() {
                 break;
             }
@@ -285,7 +246,7 @@ fn main() {
 }
 
 /// Raises the number of sessions until one falls behind; returns the last level that kept up.
-fn levels(server: &Server, rt: &tokio::runtime::Runtime) -> usize {
+fn levels(server: &support::Server, rt: &tokio::runtime::Runtime) -> usize {
     let pid = server.child.id();
     std::thread::sleep(Duration::from_secs(1));
     let rss0 = rss_mib(pid);
@@ -362,7 +323,7 @@ fn levels(server: &Server, rt: &tokio::runtime::Runtime) -> usize {
     capacity
 }
 
-fn quiet(server: &Server, rt: &tokio::runtime::Runtime) {
+fn quiet(server: &support::Server, rt: &tokio::runtime::Runtime) {
     let pid = server.child.id();
 
     // Quiet sessions: the clock keeps running on silence.

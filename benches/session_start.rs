@@ -18,6 +18,9 @@
 //!
 //! Run with `cargo bench --bench session_start`.
 
+#[path = "support/mod.rs"]
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -42,26 +45,10 @@ fn rss_mib() -> f64 {
         / 1024.0
 }
 
-/// A 10 s voice prompt at 24 kHz (a gliding tone with a little noise).
+/// A 10 s voice prompt at 24 kHz.
 fn voice(dir: &Path) -> PathBuf {
     let path = dir.join("voice.wav");
-    let spec = hound::WavSpec {
-        channels: 1,
-        sample_rate: 24_000,
-        bits_per_sample: 16,
-        sample_format: hound::SampleFormat::Int,
-    };
-    let mut w = hound::WavWriter::create(&path, spec).unwrap();
-    let mut seed = 1u32;
-    let mut phase = 0.0f64;
-    for i in 0..240_000 {
-        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-        let noise = (seed >> 16) as f64 / 65_536.0 - 0.5;
-        phase += std::f64::consts::TAU * (150.0 + 100.0 * (i as f64 / 24_000.0).sin()) / 24_000.0;
-        let v = 0.3 * phase.sin() + 0.02 * noise;
-        w.write_sample((v * 32_767.0) as i16).unwrap();
-    }
-    w.finalize().unwrap();
+    support::voice_wav(&path);
     path
 }
 

@@ -107,6 +107,23 @@ fn pack_stamp(dir: &Path) -> Stamp {
     stamp_of(paths)
 }
 
+/// What names a pack's files as they are now (its canonical folder, and the sizes and times of
+/// its files): part of a primed state's key, so that a pack changed on disk (a daemon reloaded
+/// onto a new export in the same folder) never restores a state its old graphs computed.
+pub fn pack_version(dir: &Path) -> String {
+    let dir = canonical(dir);
+    let mut h = Sha256::new();
+    for (p, len, t) in pack_stamp(&dir) {
+        h.update(p.as_os_str().as_encoded_bytes());
+        h.update(len.to_le_bytes());
+        let ns = t
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        h.update(ns.to_le_bytes());
+    }
+    format!("{} {:x}", dir.display(), h.finalize())
+}
+
 type EngineKey = (PathBuf, &'static str, i32);
 
 /// A cache of things loaded from files, each with the stamp of the files it was loaded from.
@@ -274,6 +291,12 @@ impl Resources {
             )),
             loads: Loads::default(),
         }
+    }
+
+    /// Bounds the process's cache of primed states to `bytes` (an empty cache of that size:
+    /// set before the first conversation).
+    pub fn set_prime_cache_bytes(&mut self, bytes: usize) {
+        self.primed = Arc::new(PrimeCache::new(bytes));
     }
 
     /// The process's cache of primed conversation states (`priming: cached`).

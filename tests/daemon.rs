@@ -416,7 +416,12 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     assert!(!ok && out.contains("out of range"), "{out}");
     let (ok, out) = d.ctl(&["reset"]);
     assert!(ok && out.contains("new conversation"), "{out}");
-    // SIGHUP with a new persona: applied without a restart.
+    // The daemon's pipeline primes `cached`: a new conversation with the persona set before
+    // restores the state that persona's priming left.
+    let priming = |d: &Daemon| d.status().unwrap()["stages"]["temporal"]["priming"].clone();
+    assert_eq!(priming(&d), "cached");
+    // SIGHUP with a new persona: applied without a restart (primed by chunks: a new state);
+    // a reset then restores it, and the state of the start is still kept.
     std::fs::write(
         &d.config,
         config_text(d.pa.dir(), "persona_tokens: [10, 20, 30]\n"),
@@ -424,6 +429,12 @@ fn daemon_serves_control_reloads_and_stops_cleanly() {
     .unwrap();
     d.signal("-HUP");
     d.wait_log("persona changed: new conversation, primed again");
+    d.wait_status(30, "primed by chunks", |s| {
+        s["stages"]["temporal"]["priming"] == "chunked"
+    });
+    let (ok, out) = d.ctl(&["reset"]);
+    assert!(ok && out.contains("new conversation"), "{out}");
+    assert_eq!(priming(&d), "cached");
     // Different devices: only the stages that own them move; the models are not loaded again
     // and the conversation goes on.
     let loads = |d: &Daemon| d.log().matches("session ready").count();
@@ -860,6 +871,23 @@ fn the_systemd_unit_verifies() {
 
 #[test]
 fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
+    // The private sound server sometimes fails stream after stream with EIO on a loaded
+    // machine (seen on a CI machine: 74 device reopens in two minutes). Then the heap cannot be
+    // judged: the run is done again on a fresh server and daemon, up to three times in all.
+    for attempt in 1..=3 {
+        match two_minutes_in_real_time() {
+            Ok(()) => return,
+            Err(why) if attempt < 3 => {
+                eprintln!("attempt {attempt}: {why}; once more on a fresh sound server")
+            }
+            Err(why) => panic!("{why} (three attempts)"),
+        }
+    }
+}
+
+/// One run of the two-minute test; `Err` when the sound server failed the devices too often
+/// to judge the heap.
+fn two_minutes_in_real_time() -> Result<(), String> {
     let d = Daemon::start("");
     let pid = d.child.as_ref().unwrap().id();
     // After start-up (at least 20 s, and until the heap has settled: a loaded machine warms up
@@ -944,9 +972,9 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
             }
             (best.len() >= 5).then_some(best)
         })
-        .unwrap_or_else(|| {
-            panic!("the devices were reopened too often to judge the heap: reopens {reopened:?}")
-        });
+        .ok_or_else(|| {
+            format!("the devices were reopened too often to judge the heap: reopens {reopened:?}")
+        })?;
     let anon_trend = slope(&mem[stretch.clone()]);
     let anon_trend_all = slope(&mem);
     eprintln!(
@@ -970,6 +998,7 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
         rss_growth.abs() < 4.0,
         "resident (kB, resident/anonymous): {mem:?}"
     );
+    Ok(())
 }
 
 /// `ctl record on`: a new conversation, recorded (its pipeline built beside the running one);

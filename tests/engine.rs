@@ -464,3 +464,125 @@ fn a_slot_runs_out_of_positions_alone_and_a_reset_gives_them_back() {
     short.step(&[0; 17]).unwrap();
     assert_eq!((short.kv_len(), short.positions_left()), (1, 11));
 }
+
+/// Temporal input frames (17 channels) of tokens valid in every table.
+fn frames17(n: usize, seed: u64) -> Vec<Vec<i64>> {
+    codes(n, seed)
+        .into_iter()
+        .zip(codes(n, seed + 1))
+        .enumerate()
+        .map(|(t, (a, b))| {
+            let mut f = vec![(t as i64 * 97 + seed as i64) % 32000];
+            f.extend(a);
+            f.extend(b);
+            f
+        })
+        .collect()
+}
+
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Priming in a shared engine: a slot's prefill chunks (its row alone, between ticks, while
+/// another slot steps a conversation of its own) leave it where stepping the same frames does;
+/// the other conversation's logits are those it gets alone. A state taken from a slot and
+/// restored into another slot, or into a transformer of its own, steps bit for bit as the
+/// slot it was taken from; a state of another graph is refused.
+#[test]
+fn a_slot_primes_by_chunks_between_ticks_and_its_state_moves_between_slots_and_own() {
+    let (_keep, dir) = packs::variant("tiny-gqa", "");
+    let pack = Pack::open(&dir).unwrap();
+    let lm = open_engine(&pack, 3);
+    let prime = frames17(70, 3);
+    let talk = frames17(40, 9);
+    // The reference: the priming stepped, in a slot of its own.
+    let mut stepped = lm.temporal_slot(usize::MAX).unwrap();
+    for f in &prime {
+        stepped.step(f).unwrap();
+    }
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    stepped.read_logits(&mut want);
+    // The same frames as chunks of 16 while another slot talks.
+    let talker = {
+        let lm = lm.clone();
+        let talk = talk.clone();
+        std::thread::spawn(move || {
+            let mut s = lm.temporal_slot(usize::MAX).unwrap();
+            let mut out = Vec::new();
+            let mut l = Vec::new();
+            for f in &talk {
+                s.step(f).unwrap();
+                s.read_logits(&mut l);
+                out.push(l.clone());
+            }
+            out
+        })
+    };
+    let mut chunked = lm.temporal_slot(usize::MAX).unwrap();
+    // Something stepped before: a prefill after a reset starts a new conversation.
+    chunked.step(&talk[0]).unwrap();
+    chunked.reset();
+    chunked.prefill(&prime, 16).unwrap();
+    assert_eq!(chunked.position(), prime.len());
+    chunked.read_logits(&mut got);
+    let d = largest_difference(&want, &got);
+    assert!(d <= 1e-4, "the prefilled slot's logits differ by {d}");
+    let during = talker.join().unwrap();
+    // The talker, alone in a fresh engine.
+    let alone = open_engine(&pack, 1);
+    let mut s = alone.temporal_slot(usize::MAX).unwrap();
+    let mut l = Vec::new();
+    for (f, o) in talk.iter().zip(&during) {
+        s.step(f).unwrap();
+        s.read_logits(&mut l);
+        let d = largest_difference(&l, o);
+        assert!(
+            d <= 1e-4,
+            "the talker's logits moved by {d} while a slot primed"
+        );
+    }
+    drop(s);
+    // The prefilled rows are in the slot: its next steps are the stepped slot's.
+    for f in &talk[20..25] {
+        stepped.step(f).unwrap();
+        chunked.step(f).unwrap();
+        stepped.read_logits(&mut want);
+        chunked.read_logits(&mut got);
+        let d = largest_difference(&want, &got);
+        assert!(d <= 1e-4, "after a prefill, a step's logits differ by {d}");
+    }
+    // The chunked slot's state, into another slot and into a transformer of its own.
+    let state = std::sync::Arc::new(chunked.snapshot().expect("slots in host memory"));
+    assert_eq!(state.position(), prime.len() + 5);
+    drop(stepped);
+    let mut other = lm.temporal_slot(usize::MAX).unwrap();
+    other.step(&talk[1]).unwrap();
+    other.restore(&state).unwrap();
+    assert_eq!(other.position(), prime.len() + 5);
+    let mut own = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    own.restore(&state).unwrap();
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for f in &talk[..10] {
+        chunked.step(f).unwrap();
+        other.step(f).unwrap();
+        own.step(f).unwrap();
+        chunked.read_logits(&mut a);
+        other.read_logits(&mut b);
+        own.read_logits(&mut c);
+        assert_eq!(a, b, "a state restored into another slot");
+        let d = largest_difference(&a, &c);
+        assert!(d <= 1e-4, "a slot's state in a transformer of its own: {d}");
+    }
+    // A standard graph's state is refused, naming why.
+    let std_pack = Pack::open(&packs::pack("tiny")).unwrap();
+    let mut std_own = Temporal::open(&std_pack, &TemporalOptions::default()).unwrap();
+    std_own.step(&prime[0]).unwrap();
+    let foreign = std::sync::Arc::new(std_own.snapshot().unwrap());
+    let e = other.restore(&foreign).unwrap_err().to_string();
+    assert!(e.contains("another graph"), "{e}");
+}

@@ -515,7 +515,12 @@ fn a_cached_primed_state_gives_the_conversation_priming_gives() {
         .collect();
     std::fs::write(d.join("user.json"), frames.join("\n")).unwrap();
     let persona: Vec<String> = (0..12).map(|i| (300 + 53 * i).to_string()).collect();
-    for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
+    for (name, engine) in [
+        ("tiny", ""),
+        ("tiny-gqa", ""),
+        ("tiny-gqa-fp16", ""),
+        ("tiny-gqa", ", engine: shared"),
+    ] {
         let pack = packs::pack(name);
         let pk = pack.display();
         let mut streams = Vec::new();
@@ -524,8 +529,8 @@ fn a_cached_primed_state_gives_the_conversation_priming_gives() {
                 r#"
 stages:
   user: {{ kind: codes_source, path: {dd}/user.json }}
-  temporal: {{ kind: temporal, pack: {pk}, max_positions: 40, persona_tokens: [{persona}], priming: {mode} }}
-  depformer: {{ kind: depformer, pack: {pk}, seed: {SEED} }}
+  temporal: {{ kind: temporal, pack: {pk}, max_positions: 40, persona_tokens: [{persona}], priming: {mode}{engine} }}
+  depformer: {{ kind: depformer, pack: {pk}, seed: {SEED}{engine} }}
   tokens: {{ kind: token_sink, path: {dd}/tokens.jsonl }}
 links:
   - user -> temporal.codes
@@ -540,6 +545,7 @@ links:
             std::fs::write(&p, text).unwrap();
             let o = run(&p);
             let err = String::from_utf8_lossy(&o.stderr);
+            let name = format!("{name}{engine}");
             assert!(o.status.success(), "{name} {mode}: {err}");
             let agains: Vec<&str> = err.lines().filter(|l| l.contains("primed again")).collect();
             assert!(agains.len() >= 2, "{name} {mode}: re-primed: {err}");
@@ -554,11 +560,14 @@ links:
             }
             streams.push(std::fs::read_to_string(d.join("tokens.jsonl")).unwrap());
         }
-        assert_eq!(streams[0].lines().count(), 60, "{name}");
-        assert_eq!(streams[0], streams[2], "{name}: a run is reproducible");
+        assert_eq!(streams[0].lines().count(), 60, "{name}{engine}");
+        assert_eq!(
+            streams[0], streams[2],
+            "{name}{engine}: a run is reproducible"
+        );
         assert_eq!(
             streams[0], streams[1],
-            "{name}: the restored state changed the conversation"
+            "{name}{engine}: the restored state changed the conversation"
         );
     }
 }

@@ -158,10 +158,13 @@ fn kyutai_and_web_clients_get_the_reply_and_the_transcript_the_session_logged() 
     );
 }
 
+/// A persona of the server's: forced while priming, in the primed state's key.
+const PERSONA: &str = "You enjoy a good conversation.";
+
 #[test]
 fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
     let server = Server::start(
-        "sampling:\n  text_temperature: 0\n  audio_temperature: 0\nrecord:\n  dir: recordings\n",
+        &format!("text_prompt: \"{PERSONA}\"\nsampling:\n  text_temperature: 0\n  audio_temperature: 0\nrecord:\n  dir: recordings\n"),
         60_000,
     );
     let wav = server.dir.path().join("in.wav");
@@ -174,8 +177,72 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
     let dir = server.session_dir(id);
     // The session has fully ended (its logs are complete) once it is no longer listed.
     server.wait_sessions(0, 20);
-    let frames = assert_replay_matches(&dir, &server.dir.path().join("replay.jsonl"), &[]);
+    // Replayed with the priming stepped, one step per frame (the reference): the session's
+    // chunked priming gave the same conversation.
+    let tok = daemon::root().join("models/tokenizer-tiny.model");
+    let persona = ["--persona", PERSONA, "--tokenizer", tok.to_str().unwrap()];
+    let frames = assert_replay_matches(&dir, &server.dir.path().join("replay.jsonl"), &persona);
     assert!(frames >= 45, "{frames} frames");
+    // A second session, another voice: its primed state is the first's, restored from the
+    // process's cache (the default template's `priming: cached`); `/api/sessions` says so
+    // while it runs, and its conversation is still the one stepped priming gives.
+    let wav2 = server.dir.path().join("in2.wav");
+    speech_wav(&wav2, 4.0, 240.0);
+    let second = {
+        let (url, w) = (server.url(), wav2.to_str().unwrap().to_string());
+        std::thread::spawn(move || client(&url, &["--mode", "kyutai", "--wav", &w]))
+    };
+    let t0 = std::time::Instant::now();
+    let shown = loop {
+        let (_, body) = server.get("/api/sessions");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let p = v["sessions"]
+            .as_array()
+            .and_then(|l| l.first())
+            .map(|s| s["priming"].clone());
+        if let Some(p) = p.filter(|p| p["how"].is_string()) {
+            break p;
+        }
+        assert!(t0.elapsed().as_secs() < 30, "no priming in {body}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(shown["how"], "cached", "{shown}");
+    assert!(shown["ms"].as_i64().is_some(), "{shown}");
+    let r2 = second.join().unwrap();
+    assert!(r2["errors"].as_array().unwrap().is_empty(), "{r2}");
+    server.wait_sessions(0, 20);
+    let id2 = session_of(&server, r2["local_port"].as_u64().unwrap());
+    let out2 = server.dir.path().join("replay2.jsonl");
+    let frames2 = assert_replay_matches(&server.session_dir(id2), &out2, &persona);
+    assert!(frames2 >= 45, "{frames2} frames");
+    let m = server.metrics();
+    let value = |name: &str, label: &str| -> f64 {
+        m.lines()
+            .filter(|l| l.starts_with(name) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        value("duplex_prime_cache_total", "result=\"hit\""),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        value("duplex_prime_cache_total", "result=\"miss\""),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        value("duplex_priming_seconds_count", "how=\"cached\""),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        value("duplex_priming_seconds_count", "how=\"chunked\""),
+        1.0,
+        "{m}"
+    );
+    assert!(value("duplex_prime_cache_bytes", "") > 0.0, "{m}");
     // The session was recorded (`record.dir`): its recording replays to the same tokens.
     let recs = server.dir.path().join("recordings");
     let rec = std::fs::read_dir(&recs)

@@ -240,9 +240,9 @@ impl TemporalModel {
         }
     }
 
-    /// Frames known in advance: in chunks on a transformer of its own
-    /// ([`Temporal::prefill`]), one step each in a shared engine's slot (a long chunk would
-    /// stall the engine's live rows).
+    /// Frames known in advance, in chunks of at most `chunk` frames, one graph call each
+    /// ([`Temporal::prefill`]; in a shared engine's slot, [`TemporalSlot::prefill`]: a chunk
+    /// of its row alone between the engine's ticks).
     ///
     /// # Errors
     ///
@@ -250,34 +250,45 @@ impl TemporalModel {
     pub fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
         match self {
             TemporalModel::Own(t) => t.prefill(frames, chunk),
-            TemporalModel::Shared(t) => frames.iter().try_for_each(|f| t.step(f)),
+            TemporalModel::Shared(t) => t.prefill(frames, chunk),
         }
     }
 
-    /// The conversation's state, copied out (a transformer of its own; `None` for a shared
-    /// engine's slot, and where [`Temporal::snapshot`] gives none).
+    /// The conversation's state, copied out (`None` where [`Temporal::snapshot`] or
+    /// [`TemporalSlot::snapshot`] gives none).
     pub fn snapshot(&mut self) -> Option<crate::model::temporal::TemporalState> {
         match self {
             TemporalModel::Own(t) => t.snapshot(),
-            TemporalModel::Shared(_) => None,
+            TemporalModel::Shared(t) => t.snapshot(),
         }
     }
 
-    /// Puts the conversation where `state` was taken.
+    /// Puts the conversation where `state` was taken: a state of the same graph, taken from
+    /// a transformer of its own or a shared engine's slot.
     ///
     /// # Errors
     ///
-    /// As [`Temporal::restore`]; a shared engine's slot takes none yet.
+    /// As [`Temporal::restore`] and [`TemporalSlot::restore`].
     pub fn restore(
         &mut self,
-        state: &crate::model::temporal::TemporalState,
+        state: &std::sync::Arc<crate::model::temporal::TemporalState>,
     ) -> Result<(), ModelError> {
         match self {
             TemporalModel::Own(t) => t.restore(state),
-            TemporalModel::Shared(_) => Err(ModelError::contract(
-                "temporal",
-                "a shared engine's slot cannot restore a primed state",
-            )),
+            TemporalModel::Shared(t) => t.restore(state),
+        }
+    }
+
+    /// What names the graph a state is computed on, whoever runs it (a conversation of its
+    /// own or a shared engine's slot): the provider and the cache's float type.
+    pub fn graph_key(&self) -> String {
+        match self {
+            TemporalModel::Own(t) => t.runs_on(),
+            TemporalModel::Shared(t) => format!(
+                "{} {}",
+                t.engine().provider.name(),
+                t.engine().temporal_info.kv.name()
+            ),
         }
     }
 

@@ -151,12 +151,12 @@ pub struct Temporal {
 /// state computed once serves every later conversation with the same priming.
 #[derive(Clone)]
 pub struct TemporalState {
-    len: usize,
-    pos: usize,
+    pub(crate) len: usize,
+    pub(crate) pos: usize,
     /// Per layer's K then V: `heads × len × head_dim` elements, head by head.
-    rows: Vec<Vec<u8>>,
+    pub(crate) rows: Vec<Vec<u8>>,
     /// What it fits: layers, heads, head_dim, dtype, variant.
-    shape: (usize, usize, usize, FloatType, Variant),
+    pub(crate) shape: (usize, usize, usize, FloatType, Variant),
 }
 
 impl TemporalState {
@@ -193,12 +193,43 @@ impl std::fmt::Debug for TemporalState {
 }
 
 /// The inputs and outputs of a prefill chunk of up to `frames` frames.
-struct ChunkIo {
-    frames: usize,
-    frame: Buffer,
-    pos_ids: Buffer,
-    hidden: Buffer,
-    logits: Buffer,
+pub(crate) struct ChunkIo {
+    pub frames: usize,
+    pub frame: Buffer,
+    pub pos_ids: Buffer,
+    pub hidden: Buffer,
+    pub logits: Buffer,
+}
+
+impl ChunkIo {
+    /// Buffers for chunks of up to `frames` frames of a graph of `channels` input channels.
+    pub fn new(
+        alloc: &Allocator,
+        info: &LmGraphInfo,
+        channels: usize,
+        frames: usize,
+    ) -> ort::Result<ChunkIo> {
+        let (s, c) = (frames as i64, channels as i64);
+        let (hd, v) = (info.hidden_dim as i64, info.vocab as i64);
+        Ok(ChunkIo {
+            frames,
+            frame: Buffer::zeros(alloc, TensorElementType::Int64, &[1, c, s])?,
+            pos_ids: Buffer::zeros(alloc, TensorElementType::Int64, &[1, s])?,
+            hidden: Buffer::zeros(alloc, element(info.hidden), &[1, s, hd])?,
+            logits: Buffer::zeros(alloc, element(info.logits), &[1, s, v])?,
+        })
+    }
+
+    /// Writes `frames` as the graph takes a sequence: `[1, channels, n]`, channel-major.
+    pub fn fill(&mut self, frames: &[Vec<i64>]) {
+        let n = frames.len();
+        let f = self.frame.as_slice::<i64>();
+        for (t, frame) in frames.iter().enumerate() {
+            for (ch, &tok) in frame.iter().enumerate() {
+                f[ch * n + t] = tok;
+            }
+        }
+    }
 }
 
 fn ort_err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
@@ -882,29 +913,13 @@ impl Temporal {
         let e = ort_err("temporal");
         let (n, c) = (frames.len(), self.channels);
         if self.chunk.as_ref().is_none_or(|io| io.frames < chunk) {
-            let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
-            let a = &self.alloc;
-            let s = chunk as i64;
-            self.chunk = Some(ChunkIo {
-                frames: chunk,
-                frame: Buffer::zeros(a, TensorElementType::Int64, &[1, c as i64, s]).map_err(&e)?,
-                pos_ids: Buffer::zeros(a, TensorElementType::Int64, &[1, s]).map_err(&e)?,
-                hidden: Buffer::zeros(a, element(self.info.hidden), &[1, s, hd]).map_err(&e)?,
-                logits: Buffer::zeros(a, element(self.info.logits), &[1, s, v]).map_err(&e)?,
-            });
+            let io = ChunkIo::new(&self.alloc, &self.info, c, chunk).map_err(&e)?;
+            self.chunk = Some(io);
         }
         let Some(io) = self.chunk.as_mut() else {
             return Ok(());
         };
-        // [1, channels, n]: channel-major, as the graph takes a sequence.
-        {
-            let f = io.frame.as_slice::<i64>();
-            for (t, frame) in frames.iter().enumerate() {
-                for (ch, &tok) in frame.iter().enumerate() {
-                    f[ch * n + t] = tok;
-                }
-            }
-        }
+        io.fill(frames);
         let a = &self.alloc;
         let s = n as i64;
         let v = io.frame.view(a, &[1, c as i64, s]).map_err(&e)?;
@@ -957,7 +972,7 @@ impl Temporal {
 }
 
 /// Bytes per element of a cache.
-fn element_bytes(t: FloatType) -> usize {
+pub(crate) fn element_bytes(t: FloatType) -> usize {
     match t {
         FloatType::F32 => 4,
         FloatType::F16 => 2,

@@ -74,17 +74,36 @@ impl Buffer {
     /// The view must not outlive the buffer: owners keep views in fields dropped before their
     /// buffers, or rebuild them every step.
     pub fn view(&mut self, alloc: &Allocator, shape: &[i64]) -> ort::Result<DynTensor> {
+        self.view_at(alloc, 0, shape)
+    }
+
+    /// A tensor of `shape` over this buffer's elements from element `offset` on (no copy): one
+    /// row of a batch, in host or device memory.
+    ///
+    /// The view must not outlive the buffer, as [`view`](Self::view)'s.
+    pub fn view_at(
+        &mut self,
+        alloc: &Allocator,
+        offset: usize,
+        shape: &[i64],
+    ) -> ort::Result<DynTensor> {
         let n = shape.iter().product::<i64>().max(0) as usize;
-        if n > self.capacity {
+        if offset + n > self.capacity {
             return Err(ort::Error::new(format!(
-                "view of {n} elements over a buffer of {}",
+                "view of {n} elements from element {offset} over a buffer of {}",
                 self.capacity
             )));
         }
-        let data = self.tensor.data_ptr_mut();
+        // An address inside the buffer's allocation (host or device: only ONNX Runtime reads it).
+        let data = self
+            .tensor
+            .data_ptr_mut()
+            .cast::<u8>()
+            .wrapping_add(offset * element_size(self.ty))
+            .cast::<std::ffi::c_void>();
         let mut out: *mut ort::sys::OrtValue = std::ptr::null_mut();
-        // SAFETY: `data` points to `capacity` elements of `ty` in memory described by the
-        // buffer's memory info; the view covers at most that many. The created value does not
+        // SAFETY: `data` points to element `offset` of `capacity` elements of `ty` in memory
+        // described by the buffer's memory info; the view covers at most the rest. The created value does not
         // own the data (ONNX Runtime never frees external data).
         let status = unsafe {
             (ort::api().CreateTensorWithDataAsOrtValue)(

@@ -25,6 +25,12 @@ pub const SESSION_BUCKETS: &[f64] = &[
     1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
 ];
 
+/// Buckets of priming times, in seconds (a restored state's milliseconds to a real-size
+/// model's step-by-step priming).
+pub const PRIMING_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+];
+
 /// Answers `/healthz`: whether the process is healthy, and details.
 pub type Health = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
 
@@ -43,6 +49,12 @@ pub fn recorder() -> Result<PrometheusHandle, ExporterError> {
                     b.set_buckets_for_metric(
                         Matcher::Full(super::names::SESSION_DURATION.into()),
                         SESSION_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(super::names::PRIMING.into()),
+                        PRIMING_BUCKETS,
                     )
                 })
                 .map_err(|e| e.to_string())?

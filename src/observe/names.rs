@@ -62,6 +62,10 @@ pub const PRIME_CACHE: &str = "duplex_prime_cache_total";
 pub const PRIME_CACHE_BYTES: &str = "duplex_prime_cache_bytes";
 /// Counter: primed states dropped to keep the cache within its bytes.
 pub const PRIME_CACHE_EVICTIONS: &str = "duplex_prime_cache_evictions_total";
+/// Histogram, labels `stage`, `how` (`cached|chunked|stepped`): how long priming a
+/// conversation took (the voice prompt, the persona and the spacers, through the temporal
+/// transformer and the sampling half), seconds, by how its state was made.
+pub const PRIMING: &str = "duplex_priming_seconds";
 /// Counter, label `result` (`applied|rejected`): reloads of `duplex serve`'s session template
 /// (SIGHUP).
 pub const RELOADS: &str = "duplex_template_reloads_total";

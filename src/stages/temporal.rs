@@ -4,8 +4,11 @@
 //!
 //! At start it warms the graphs up (silent steps, then a reset and a reseed) and primes the
 //! persona and voice: a step each, or with `priming: chunked` the wholly forced steps' frames
-//! as prefills, a chunk per graph call. Before the graph's position limit (or `max_positions`) it applies the
-//! long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
+//! as prefills, a chunk per graph call, or with `priming: cached` the state a priming with the
+//! same pack, graph and frames left, restored from the process's cache (computed by chunks
+//! and kept there the first time). Each priming's time is recorded by how its state was made
+//! (`duplex_priming_seconds{how}`, and the `priming` and `priming_ms` status values). Before
+//! the graph's position limit (or `max_positions`) it applies the long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
 //! primes again; `stop` ends the stream cleanly. `max_steps` (Kyutai's cap of a conversation)
 //! ends the stream cleanly too, once that many agent frames have been emitted.
 //!
@@ -132,7 +135,7 @@ pub(super) const KIND: StageKind = StageKind {
             name: "priming",
             ty: T::Choice(&["stepped", "chunked", "cached"]),
             default: D::Str("stepped"),
-            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (a transformer of its own; a shared engine's slot steps); or chunked once and then restored from the process's cache of primed states"
+            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (in a shared engine, a chunk of the slot's row alone between ticks); or chunked once and then restored from the process's cache of primed states"
         },
         ParamSpec {
             name: "priming_chunk",
@@ -380,7 +383,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         .key("max_positions"));
     }
     // What a primed state depends on besides the frames fed (the cache's keys).
-    let graph_id = format!("{} kv={:?}", temporal.runs_on(), opts.kv);
+    let graph_id = format!("{} kv={:?}", temporal.graph_key(), opts.kv);
     let control = cx.endpoint();
     control.set("model", temporal.runs_on());
     control.set("paused", false);
@@ -402,8 +405,10 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             let cache = cx.resources.map(|r| r.primed()).unwrap_or_else(|| {
                 std::sync::Arc::new(crate::resources::PrimeCache::new(256 << 20))
             });
-            let dir = std::fs::canonicalize(&pack.dir).unwrap_or_else(|_| pack.dir.clone());
-            (cache, format!("{} {graph_id}", dir.display()))
+            (
+                cache,
+                format!("{} {graph_id}", crate::resources::pack_version(&pack.dir)),
+            )
         }),
         prefilled: 0,
         restored: 0,
@@ -552,6 +557,7 @@ impl TemporalStage {
         self.steps = 0;
         self.prefilled = 0;
         self.restored = 0;
+        let started = Instant::now();
         let script = std::mem::take(&mut self.script);
         // A pipeline asked to stop (its client gone) stops priming at the next step.
         let mut r = Ok(());
@@ -584,7 +590,24 @@ impl TemporalStage {
                 }
             }
         }
+        let whole = at == script.len();
         self.script = script;
+        if r.is_ok() && whole {
+            // How the state was made: restored (even in part), prefilled, or stepped.
+            let how = if self.restored > 0 {
+                "cached"
+            } else if self.prefilled > 0 {
+                "chunked"
+            } else {
+                "stepped"
+            };
+            let seconds = started.elapsed().as_secs_f64();
+            metrics::histogram!(names::PRIMING, "stage" => "temporal", "how" => how)
+                .record(seconds);
+            self.control.set("priming", how);
+            self.control
+                .set("priming_ms", (seconds * 1000.0).round() as i64);
+        }
         r
     }
 
@@ -598,13 +621,12 @@ impl TemporalStage {
         inputs: &[Vec<i64>],
     ) -> StageResult {
         let chunk = self.priming_chunk.unwrap_or(1);
-        // From an empty cache, the state these frames leave is the cache's to give or keep.
-        // Only a transformer of its own gives or takes a state: a shared slot is not looked up.
-        let own = matches!(self.half.temporal, TemporalModel::Own(_));
+        // From an empty cache, the state these frames leave is the cache's to give or keep
+        // (a transformer of its own or a shared engine's slot: the same graph's state).
         let key = self
             .primed
             .as_ref()
-            .filter(|_| own && self.half.temporal.position() == 0)
+            .filter(|_| self.half.temporal.position() == 0)
             .map(|(cache, graph)| {
                 use sha2::{Digest, Sha256};
                 let mut h = Sha256::new();

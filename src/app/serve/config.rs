@@ -34,6 +34,7 @@ const KEYS: &[&str] = &[
     "sampling",
     "limits",
     "drain_timeout_s",
+    "prime_cache_mb",
     "record",
     "log_transcripts",
     "keys_file",
@@ -156,6 +157,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// How long live sessions may run after SIGTERM.
     pub drain_timeout: Duration,
+    /// Bytes of primed conversation states the process keeps (`prime_cache_mb`).
+    pub prime_cache_bytes: usize,
     /// Session recording (`None`: off).
     pub record: Option<RecordSessions>,
     /// The ONNX Runtime library `ort.library` chooses (`None`: the template's, else the
@@ -335,6 +338,7 @@ pub fn load(
         max_steps,
         limits,
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
+        prime_cache_bytes: (f.number("prime_cache_mb", 0.0, 1e6)? * 1048576.0) as usize,
         file: fname.clone(),
         ort_library,
         origins,

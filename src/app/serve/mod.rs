@@ -401,6 +401,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     crate::resources::Loads::register_series();
     let mut resources = Resources::new(1);
     let (cfg, template, registry) = prepare(args, &resources)?;
+    resources.set_prime_cache_bytes(cfg.prime_cache_bytes);
     // A shared LM engine (`engine: shared`) holds one slot per session the server admits.
     resources.set_conversations(cfg.max_sessions);
     // A session built once, not started: every stage of the template is checked and the
@@ -1123,6 +1124,14 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                             .find_map(|st| st.get("agent_frames").map(|v| v.to_json()))
                     })
                     .unwrap_or(json!(0));
+                // How the session's state was primed (cached, chunked, stepped), and how long
+                // it took.
+                let find = |k: &str| {
+                    status
+                        .as_ref()
+                        .and_then(|s| s.values().find_map(|st| st.get(k).map(|v| v.to_json())))
+                };
+                let priming = json!({ "how": find("priming"), "ms": find("priming_ms") });
                 let verdicts: serde_json::Map<String, serde_json::Value> = l
                     .monitor
                     .as_ref()
@@ -1140,6 +1149,7 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     "age_s": l.started.elapsed().as_secs_f64(),
                     "ready": l.handle.as_ref().is_some_and(|h| h.is_ready()),
                     "frames": frames,
+                    "priming": priming,
                     "realtime_factor": l.monitor.as_ref().map(|m| m.realtime_factor()),
                     "verdicts": verdicts,
                     "silence_frames": L::get(&l.stats.silence_frames),

@@ -15,6 +15,11 @@
 //!   submitted, or `max_wait` has passed; a conversation that does not come is counted late
 //!   and stepped in a later tick, and nobody waits for it again until then. Under load,
 //!   requests that arrive while a tick runs are the next tick's batch.
+//! - **Priming.** A conversation being primed asks for its slot's own work between ticks:
+//!   a prefill chunk (frames known in advance, one graph call of its row alone), a copy of its
+//!   state, or a state restored into it ([`TemporalSlot::prefill`], `snapshot`, `restore`).
+//!   Each is one request, served after the tick it arrived with, so a priming conversation
+//!   holds the live ones up by one chunk at most.
 //! - **Depformer tick.** The depformer keeps no state between frames, so its batch is exactly
 //!   the frames ready: one [`DepformerBatch`](crate::model::depformer::DepformerBatch), the
 //!   same step a conversation's own depformer runs at one row ([`depformer`]).
@@ -42,7 +47,7 @@ pub use self::depformer::DepformerClient;
 use self::depformer::DepformerJob;
 use self::scheduler::{Arrival, Request, Scheduler, Served};
 pub use self::temporal::TemporalSlot;
-use self::temporal::{TemporalJob, TemporalWorker};
+use self::temporal::{PrimeJob, TemporalJob, TemporalWorker};
 use super::depformer::{check_frame, DepformerBatch, DepformerInput};
 use super::error::ModelError;
 use super::pack::{Graph, LmGraphInfo, Pack};
@@ -428,6 +433,7 @@ impl std::fmt::Debug for SharedLm {
 /// What a client sends to the engine's thread.
 enum Msg {
     Temporal { client: usize, job: TemporalJob },
+    Prime { client: usize, job: PrimeJob },
     Depformer { client: usize, job: DepformerJob },
     Leave { client: usize, slot: Option<usize> },
 }
@@ -441,6 +447,8 @@ impl Request for Msg {
         match self {
             // A frame starts with its temporal step; its depformer request comes right back.
             Msg::Temporal { client, .. } => Arrival::Starts(*client),
+            // A priming job is a frame of its own, served between ticks.
+            Msg::Prime { client, .. } => Arrival::Starts(*client),
             Msg::Depformer { client, .. } => Arrival::Continues(*client),
             Msg::Leave { client, .. } => Arrival::Leaves(*client),
         }
@@ -462,7 +470,7 @@ fn run_engine(
         observer.event(EngineEvent::Late(late));
         stats.late.fetch_add(late as u64, Ordering::Relaxed);
         // A slot given back starts empty (its next owner's first step is fresh anyway).
-        for m in sched.take_out(|m| matches!(m, Msg::Leave { .. })) {
+        for m in sched.take_out(|m| m.kind() == Kind::Leave) {
             if let Msg::Leave { slot: Some(s), .. } = m {
                 if let Some(l) = t.len.get_mut(s) {
                     *l = 0;
@@ -471,14 +479,10 @@ fn run_engine(
         }
         // Depformer requests first, and the temporal ones held meanwhile: conversations that
         // drifted half a frame apart meet again in the next temporal batch.
-        let mut deps: Vec<(usize, DepformerJob)> = sched
-            .take_out(|m| matches!(m, Msg::Depformer { .. }))
-            .into_iter()
-            .filter_map(|m| match m {
-                Msg::Depformer { client, job } => Some((client, job)),
-                _ => None,
-            })
-            .collect();
+        let mut deps = take(&mut sched, Kind::Depformer, |m| match m {
+            Msg::Depformer { client, job } => Some((client, job)),
+            _ => None,
+        });
         if !deps.is_empty() {
             let n = deps.len();
             stats.depformer_ticks.fetch_add(1, Ordering::Relaxed);
@@ -496,51 +500,99 @@ fn run_engine(
             }
             continue;
         }
-        let mut temps: Vec<(usize, TemporalJob)> = sched
-            .take_out(|m| matches!(m, Msg::Temporal { .. }))
-            .into_iter()
-            .filter_map(|m| match m {
-                Msg::Temporal { client, job } => Some((client, job)),
-                _ => None,
-            })
-            .collect();
-        if temps.is_empty() {
-            continue;
-        }
-        let ticks = stats.temporal_ticks.load(Ordering::Relaxed);
-        if panic_at_tick.is_some_and(|n| ticks + 1 >= n) {
-            panic!(
-                "fault drill: the engine fails at temporal tick {}",
-                ticks + 1
-            );
-        }
-        let n = temps.len();
-        stats.temporal_ticks.fetch_add(1, Ordering::Relaxed);
-        stats.temporal_rows.fetch_add(n as u64, Ordering::Relaxed);
-        stats
-            .temporal_max_batch
-            .fetch_max(n as u64, Ordering::Relaxed);
-        let t0 = Instant::now();
-        let context = temps
-            .iter()
-            .map(|(_, j)| if j.fresh { 0 } else { t.len[j.slot] })
-            .max()
-            .unwrap_or(0);
-        if let Err(e) = t.tick(&mut temps) {
-            let msg = e.to_string();
-            for (_, j) in &mut temps {
-                j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
-            }
-        }
-        observer.event(EngineEvent::TemporalTick {
-            batch: n,
-            context,
-            seconds: t0.elapsed().as_secs_f64(),
+        let temps = take(&mut sched, Kind::Temporal, |m| match m {
+            Msg::Temporal { client, job } => Some((client, job)),
+            _ => None,
         });
-        for (k, j) in temps {
-            sched.served(k, Served::MidFrame);
+        let primes = take(&mut sched, Kind::Prime, |m| match m {
+            Msg::Prime { client, job } => Some((client, job)),
+            _ => None,
+        });
+        if !temps.is_empty() {
+            temporal_tick(&mut t, temps, &mut sched, stats, panic_at_tick, observer);
+        }
+        // Priming conversations' jobs after the live rows' tick: one chunk each at most
+        // before the next.
+        for (k, mut j) in primes {
+            t.prime(&mut j);
+            sched.served(k, Served::FrameDone);
             let tx = j.reply.clone();
             let _ = tx.send(j);
         }
+    }
+}
+
+/// What a request is, for taking one kind out of a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Temporal,
+    Prime,
+    Depformer,
+    Leave,
+}
+
+impl Msg {
+    fn kind(&self) -> Kind {
+        match self {
+            Msg::Temporal { .. } => Kind::Temporal,
+            Msg::Prime { .. } => Kind::Prime,
+            Msg::Depformer { .. } => Kind::Depformer,
+            Msg::Leave { .. } => Kind::Leave,
+        }
+    }
+}
+
+/// The pending requests of `kind`, taken out of the tick as what `pick` makes of them.
+fn take<T>(sched: &mut Scheduler<Msg>, kind: Kind, pick: impl Fn(Msg) -> Option<T>) -> Vec<T> {
+    sched
+        .take_out(|m| m.kind() == kind)
+        .into_iter()
+        .filter_map(pick)
+        .collect()
+}
+
+/// One batched temporal step of the conversations in `temps`.
+fn temporal_tick(
+    t: &mut TemporalWorker,
+    mut temps: Vec<(usize, TemporalJob)>,
+    sched: &mut Scheduler<Msg>,
+    stats: &EngineStats,
+    panic_at_tick: Option<u64>,
+    observer: &dyn EngineObserver,
+) {
+    let ticks = stats.temporal_ticks.load(Ordering::Relaxed);
+    if panic_at_tick.is_some_and(|n| ticks + 1 >= n) {
+        panic!(
+            "fault drill: the engine fails at temporal tick {}",
+            ticks + 1
+        );
+    }
+    let n = temps.len();
+    stats.temporal_ticks.fetch_add(1, Ordering::Relaxed);
+    stats.temporal_rows.fetch_add(n as u64, Ordering::Relaxed);
+    stats
+        .temporal_max_batch
+        .fetch_max(n as u64, Ordering::Relaxed);
+    let t0 = Instant::now();
+    let context = temps
+        .iter()
+        .map(|(_, j)| if j.fresh { 0 } else { t.len[j.slot] })
+        .max()
+        .unwrap_or(0);
+    if let Err(e) = t.tick(&mut temps) {
+        let msg = e.to_string();
+        for (_, j) in &mut temps {
+            j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
+        }
+    }
+    observer.event(EngineEvent::TemporalTick {
+        batch: n,
+        context,
+        seconds: t0.elapsed().as_secs_f64(),
+    });
+    for (k, j) in temps {
+        sched.served(k, Served::MidFrame);
+        let tx = j.reply.clone();
+        let _ = tx.send(j);
     }
 }

@@ -18,9 +18,11 @@ use ort::value::TensorElementType;
 
 use super::{stopped, Msg, SharedLm};
 use crate::model::error::ModelError;
-use crate::model::pack::{check_temporal, LmGraphInfo, Variant};
+use crate::model::pack::{check_temporal, FloatType, LmGraphInfo, Variant};
 use crate::model::session::{open, report, Provider, SessionOptions};
-use crate::model::temporal::{no_position_left, validate_frame};
+use crate::model::temporal::{
+    element_bytes, no_position_left, validate_frame, ChunkIo, TemporalState,
+};
 use crate::model::tensors::{
     allocator_at, element, input_placements, placement_of, read_row, Buffer, Placement,
 };
@@ -34,6 +36,30 @@ pub(super) struct TemporalJob {
     pub logits: Vec<f32>,
     pub error: Option<ModelError>,
     pub reply: Sender<TemporalJob>,
+}
+
+/// What a priming conversation asks of its slot between ticks.
+pub(super) enum PrimeWork {
+    /// Frames known in advance, in one graph call of this row alone.
+    Prefill(Vec<Vec<i64>>),
+    /// The slot's state, copied out.
+    Snapshot,
+    /// The slot put where a state was taken.
+    Restore(Arc<TemporalState>),
+}
+
+pub(super) struct PrimeJob {
+    pub slot: usize,
+    /// Forget the slot's conversation first.
+    pub fresh: bool,
+    pub work: PrimeWork,
+    /// After a prefill: its last frame's hidden state and text logits.
+    pub hidden: Vec<f32>,
+    pub logits: Vec<f32>,
+    /// After a snapshot: the state.
+    pub state: Option<TemporalState>,
+    pub error: Option<ModelError>,
+    pub reply: Sender<PrimeJob>,
 }
 
 pub(super) struct TemporalWorker {
@@ -54,6 +80,8 @@ pub(super) struct TemporalWorker {
     channels: usize,
     rows: usize,
     pub len: Vec<usize>,
+    /// Prefill's buffers (a chunk's own inputs and outputs), made at its first use.
+    chunk: Option<ChunkIo>,
 }
 
 impl TemporalWorker {
@@ -109,6 +137,7 @@ impl TemporalWorker {
             channels,
             rows,
             len: vec![0; slots],
+            chunk: None,
             info,
         };
         report(
@@ -198,6 +227,172 @@ impl TemporalWorker {
     }
 }
 
+impl TemporalWorker {
+    /// Serves a priming conversation's job (between ticks: its slot is nobody else's).
+    pub fn prime(&mut self, job: &mut PrimeJob) {
+        if job.fresh {
+            self.len[job.slot] = 0;
+        }
+        let r = match &job.work {
+            PrimeWork::Prefill(frames) => {
+                self.prefill(job.slot, frames, &mut job.hidden, &mut job.logits)
+            }
+            PrimeWork::Snapshot => self.snapshot(job.slot).map(|s| job.state = Some(s)),
+            PrimeWork::Restore(state) => self.restore(job.slot, state),
+        };
+        if let Err(e) = r {
+            job.error = Some(e);
+        }
+    }
+
+    /// Element offset of a slot's rows in a KV buffer, and a head's rows in bytes.
+    fn slot_layout(&self, slot: usize) -> (usize, usize) {
+        let (h, d) = (self.info.heads, self.info.head_dim);
+        (slot * h * self.rows * d, self.rows * d)
+    }
+
+    /// `frames` through the graph as one call of the slot's row alone (the GQA graph writes
+    /// their entries at the row's length, as a step's), leaving the last frame's outputs in
+    /// `hidden` and `logits`.
+    fn prefill(
+        &mut self,
+        slot: usize,
+        frames: &[Vec<i64>],
+        hidden: &mut Vec<f32>,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        let n = frames.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let len = self.len[slot];
+        if len + n >= self.rows {
+            return Err(no_position_left(len));
+        }
+        let e = |err: ort::Error| ModelError::ort("temporal (shared engine)", err);
+        let (c, hd, vocab) = (self.channels, self.info.hidden_dim, self.info.vocab);
+        let (at, _) = self.slot_layout(slot);
+        if self.chunk.as_ref().is_none_or(|io| io.frames < n) {
+            self.chunk = Some(ChunkIo::new(&self.alloc, &self.info, c, n).map_err(e)?);
+        }
+        let Some(io) = self.chunk.as_mut() else {
+            return Ok(());
+        };
+        io.fill(frames);
+        let total = len + n;
+        self.mask.as_slice::<i64>()[..total].fill(1);
+        let (a, s) = (&self.alloc, n as i64);
+        let v = io.frame.view(a, &[1, c as i64, s]).map_err(e)?;
+        self.binding.bind_input("input_frame", &v).map_err(e)?;
+        let v = self.mask.view(a, &[1, total as i64]).map_err(e)?;
+        self.binding.bind_input("attention_mask", &v).map_err(e)?;
+        let shape = [
+            1,
+            self.info.heads as i64,
+            self.rows as i64,
+            self.info.head_dim as i64,
+        ];
+        for i in 0..self.info.layers {
+            for (j, kv) in ["key", "value"].iter().enumerate() {
+                let buf = &mut self.kv[2 * i + j];
+                let past = buf.view_at(&self.kv_alloc, at, &shape).map_err(e)?;
+                let present = buf.view_at(&self.kv_alloc, at, &shape).map_err(e)?;
+                self.binding
+                    .bind_input(format!("past_key_values.{i}.{kv}"), &past)
+                    .map_err(e)?;
+                self.binding
+                    .bind_output(format!("present.{i}.{kv}"), present)
+                    .map_err(e)?;
+            }
+        }
+        let v = io.hidden.view(a, &[1, s, hd as i64]).map_err(e)?;
+        self.binding.bind_output("hidden", v).map_err(e)?;
+        let v = io.logits.view(a, &[1, s, vocab as i64]).map_err(e)?;
+        self.binding.bind_output("text_logits", v).map_err(e)?;
+        drop(self.session.run_binding(&self.binding).map_err(e)?);
+        read_row(&mut io.hidden, n - 1, hd, hidden);
+        read_row(&mut io.logits, n - 1, vocab, logits);
+        self.len[slot] += n;
+        Ok(())
+    }
+
+    /// The slot's state, copied out (host memory only).
+    fn snapshot(&mut self, slot: usize) -> Result<TemporalState, ModelError> {
+        let es = element_bytes(self.info.kv);
+        let (h, d, len) = (self.info.heads, self.info.head_dim, self.len[slot]);
+        let (at, head_rows) = self.slot_layout(slot);
+        let mut rows = Vec::with_capacity(self.kv.len());
+        for buf in &mut self.kv {
+            if buf.placement().device != "Cpu" {
+                return Err(in_device("taking a state"));
+            }
+            let all = buf.as_bytes();
+            let mut out = Vec::with_capacity(h * len * d * es);
+            for head in 0..h {
+                let from = (at + head * head_rows) * es;
+                out.extend_from_slice(&all[from..from + len * d * es]);
+            }
+            rows.push(out);
+        }
+        Ok(TemporalState {
+            len,
+            pos: len,
+            rows,
+            shape: self.state_shape(),
+        })
+    }
+
+    /// Puts the slot where `state` was taken.
+    fn restore(&mut self, slot: usize, state: &TemporalState) -> Result<(), ModelError> {
+        let bad = |why: &str| {
+            ModelError::contract(
+                "temporal (shared engine)",
+                format!("restoring a state: {why}"),
+            )
+        };
+        if state.shape != self.state_shape() {
+            return Err(bad("it is of another graph"));
+        }
+        // A slot never drops rows: every position is a row.
+        if state.pos != state.len || state.len + 1 >= self.rows {
+            return Err(bad("it is longer than this slot"));
+        }
+        let es = element_bytes(self.info.kv);
+        let (h, d, len) = (self.info.heads, self.info.head_dim, state.len);
+        let (at, head_rows) = self.slot_layout(slot);
+        for (buf, rows) in self.kv.iter_mut().zip(&state.rows) {
+            if buf.placement().device != "Cpu" {
+                return Err(in_device("restoring a state"));
+            }
+            let all = buf.as_bytes();
+            for head in 0..h {
+                let to = (at + head * head_rows) * es;
+                let from = head * len * d * es;
+                all[to..to + len * d * es].copy_from_slice(&rows[from..from + len * d * es]);
+            }
+        }
+        self.len[slot] = len;
+        Ok(())
+    }
+
+    fn state_shape(&self) -> (usize, usize, usize, FloatType, Variant) {
+        (
+            self.info.layers,
+            self.info.heads,
+            self.info.head_dim,
+            self.info.kv,
+            self.info.variant,
+        )
+    }
+}
+
+fn in_device(what: &str) -> ModelError {
+    ModelError::contract(
+        "temporal (shared engine)",
+        format!("{what}: the slots are in device memory (a state is kept in host memory)"),
+    )
+}
+
 /// A conversation's KV slot in a shared engine: the temporal transformer's interface
 /// ([`Temporal`](crate::model::temporal::Temporal)'s methods), stepped in the engine's batch.
 pub struct TemporalSlot {
@@ -205,6 +400,8 @@ pub struct TemporalSlot {
     slot: usize,
     reply: Receiver<TemporalJob>,
     job: Option<TemporalJob>,
+    prime_reply: Receiver<PrimeJob>,
+    prime_tx: Sender<PrimeJob>,
     capacity: usize,
     /// Positions since the last reset: also the rows in the slot (nothing is dropped).
     pos: usize,
@@ -213,9 +410,12 @@ pub struct TemporalSlot {
 impl TemporalSlot {
     pub(super) fn new(lm: Arc<SharedLm>, slot: usize, capacity: usize) -> Self {
         let (tx, rx) = bounded(1);
+        let (prime_tx, prime_reply) = bounded(1);
         TemporalSlot {
             slot,
             reply: rx,
+            prime_reply,
+            prime_tx,
             job: Some(TemporalJob {
                 slot,
                 input: Vec::with_capacity(lm.channels),
@@ -314,6 +514,84 @@ impl TemporalSlot {
         }
         self.pos += 1;
         Ok(())
+    }
+
+    /// Frames known in advance (priming), in chunks of at most `chunk`: each chunk one graph
+    /// call of this slot's row alone, served between the engine's ticks, so that a priming
+    /// conversation holds the live ones up by one chunk at most. Leaves the slot where as many
+    /// [`step`](Self::step)s would (within the float rounding of a different reduction order);
+    /// [`read_hidden`](Self::read_hidden) and [`read_logits`](Self::read_logits) then give
+    /// the last frame's.
+    ///
+    /// # Errors
+    ///
+    /// Token errors (every frame is checked before any runs), no position left for all of
+    /// them, the engine's errors.
+    pub fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
+        for f in frames {
+            self.validate(f)?;
+        }
+        if self.positions_left() < frames.len() {
+            return Err(no_position_left(self.pos + self.positions_left()));
+        }
+        for part in frames.chunks(chunk.max(1)) {
+            let job = self.prime(PrimeWork::Prefill(part.to_vec()))?;
+            self.pos += part.len();
+            if let Some(j) = self.job.as_mut() {
+                j.hidden.clone_from(&job.hidden);
+                j.logits.clone_from(&job.logits);
+            }
+        }
+        Ok(())
+    }
+
+    /// The conversation's state, copied out of the engine (`None` where the slots are in
+    /// device memory).
+    pub fn snapshot(&mut self) -> Option<TemporalState> {
+        self.prime(PrimeWork::Snapshot).ok()?.state
+    }
+
+    /// Puts the conversation where `state` was taken (by this engine's slot or a transformer
+    /// of its own on the same graph).
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Contract`] when the state is of another graph, longer than the slot, or
+    /// the slots are in device memory.
+    pub fn restore(&mut self, state: &Arc<TemporalState>) -> Result<(), ModelError> {
+        self.prime(PrimeWork::Restore(state.clone()))?;
+        self.pos = state.pos;
+        Ok(())
+    }
+
+    /// One priming job, served between the engine's ticks.
+    fn prime(&mut self, work: PrimeWork) -> Result<PrimeJob, ModelError> {
+        let fresh = self.job.as_ref().is_some_and(|j| j.fresh);
+        let job = PrimeJob {
+            slot: self.slot,
+            fresh,
+            work,
+            hidden: Vec::new(),
+            logits: Vec::new(),
+            state: None,
+            error: None,
+            reply: self.prime_tx.clone(),
+        };
+        self.lm
+            .tx
+            .send(Msg::Prime {
+                client: self.slot,
+                job,
+            })
+            .map_err(|_| stopped("temporal"))?;
+        let mut job = self.prime_reply.recv().map_err(|_| stopped("temporal"))?;
+        if let Some(e) = job.error.take() {
+            return Err(e);
+        }
+        if let Some(j) = self.job.as_mut() {
+            j.fresh = false;
+        }
+        Ok(job)
     }
 
     /// The last step's hidden state.
