@@ -510,4 +510,30 @@ mod tests {
         c.put(k(3), TemporalState::filler(100));
         assert_eq!(c.usage(), (2, 500));
     }
+
+    /// A primed state's key names the pack's files as they are: the same folder after an export
+    /// in place (a graph's weights rewritten) is another pack; the same files under another
+    /// path name are the same folder.
+    #[test]
+    fn a_pack_changed_on_disk_is_another_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let pack = dir.path().join("pack");
+        std::fs::create_dir_all(pack.join("temporal")).unwrap();
+        std::fs::write(pack.join("pack.yaml"), "name: x\n").unwrap();
+        let data = pack.join("temporal/model.onnx.data");
+        std::fs::write(pack.join("temporal/model.onnx"), b"graph").unwrap();
+        std::fs::write(&data, vec![1u8; 64]).unwrap();
+        let v0 = pack_version(&pack);
+        assert_eq!(v0, pack_version(&dir.path().join("pack/../pack")));
+        assert_eq!(v0, pack_version(&pack), "nothing changed");
+        // New weights of another size.
+        std::fs::write(&data, vec![2u8; 65]).unwrap();
+        let v1 = pack_version(&pack);
+        assert_ne!(v0, v1);
+        // Of the same size, written later.
+        let f = std::fs::File::options().write(true).open(&data).unwrap();
+        f.set_modified(SystemTime::now() + std::time::Duration::from_secs(5))
+            .unwrap();
+        assert_ne!(v1, pack_version(&pack));
+    }
 }

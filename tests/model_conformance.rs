@@ -71,10 +71,11 @@ fn greedy_tokens_match_the_reference_step_by_step() {
             (vec!["--silence-frames", "0"], vec!["--silence-frames", "0"]),
         ] {
             let b = reference(&pack, &codes, &dir.path().join("ref.jsonl"), &theirs);
-            // Both depformer modes: every substep run, or those nothing reads skipped.
-            for mode in ["run", "skip"] {
+            // Both depformer modes: every substep run, or those nothing reads skipped; and the
+            // priming's frames as prefills (`chunked`) against the reference's steps.
+            for (mode, priming) in [("run", "stepped"), ("skip", "stepped"), ("skip", "chunked")] {
                 let mut ours = ours.clone();
-                ours.extend(["--greedy", "--user-substeps", mode]);
+                ours.extend(["--greedy", "--user-substeps", mode, "--priming", priming]);
                 let a = replay(&pack, &codes, &dir.path().join("ours.jsonl"), &ours);
                 let (a, b): (Vec<&str>, Vec<&str>) = (a.lines().collect(), b.lines().collect());
                 assert_eq!(a.len(), b.len(), "{name} {ours:?}: frame counts");
@@ -161,10 +162,13 @@ fn batched_replays_match_the_reference_for_each_conversation() {
                 reference(&pack, c, &out, &["--persona", "10,20,31999"])
             })
             .collect();
-        for mode in ["run", "skip"] {
-            let out = dir.path().join(format!("batch-{name}-{mode}"));
+        // The priming as prefills in the engine, and restored from the process's cache by the
+        // conversations that start after one has primed.
+        for (mode, priming) in [("run", "stepped"), ("skip", "stepped"), ("skip", "cached")] {
+            let out = dir.path().join(format!("batch-{name}-{mode}-{priming}"));
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_duplex"));
             cmd.args(["replay", "--greedy", "--user-substeps", mode])
+                .args(["--priming", priming])
                 .args(["--persona-tokens", "10,20,31999", "--pack"])
                 .arg(&pack)
                 .arg("--out")
@@ -186,11 +190,15 @@ fn batched_replays_match_the_reference_for_each_conversation() {
                 let stem = c.file_stem().unwrap().to_str().unwrap();
                 let ours = std::fs::read_to_string(out.join(format!("{stem}.jsonl"))).unwrap();
                 let (a, b): (Vec<&str>, Vec<&str>) = (ours.lines().collect(), r.lines().collect());
-                assert_eq!(a.len(), b.len(), "{name} {mode} {stem}: frame counts");
+                assert_eq!(
+                    a.len(),
+                    b.len(),
+                    "{name} {mode} {priming} {stem}: frame counts"
+                );
                 for (i, (x, y)) in a.iter().zip(&b).enumerate() {
                     assert_eq!(
                         x, y,
-                        "{name} {mode} {stem}: first difference at agent frame {i}"
+                        "{name} {mode} {priming} {stem}: first difference at agent frame {i}"
                     );
                 }
             }

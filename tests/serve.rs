@@ -222,25 +222,22 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
-    assert_eq!(
-        value("duplex_prime_cache_total", "result=\"hit\""),
-        1.0,
-        "{m}"
-    );
-    assert_eq!(
-        value("duplex_prime_cache_total", "result=\"miss\""),
-        1.0,
-        "{m}"
-    );
-    assert_eq!(
-        value("duplex_priming_seconds_count", "how=\"cached\""),
-        1.0,
-        "{m}"
-    );
-    assert_eq!(
-        value("duplex_priming_seconds_count", "how=\"chunked\""),
-        1.0,
-        "{m}"
+    // Computed once, by the server's priming at start (`prime_at_start`); both sessions
+    // restored it.
+    for (name, label, n) in [
+        ("duplex_prime_cache_total", "result=\"miss\"", 1.0),
+        ("duplex_priming_seconds_count", "how=\"chunked\"", 1.0),
+        ("duplex_prime_cache_total", "result=\"hit\"", 2.0),
+        ("duplex_priming_seconds_count", "how=\"cached\"", 2.0),
+    ] {
+        assert_eq!(value(name, label), n, "{name}{{{label}}}: {m}");
+    }
+    assert!(
+        server
+            .log()
+            .contains("primed the default session's state at start"),
+        "{}",
+        server.log()
     );
     assert!(value("duplex_prime_cache_bytes", "") > 0.0, "{m}");
     // The session was recorded (`record.dir`): its recording replays to the same tokens.
@@ -875,7 +872,9 @@ fn a_voice_prompt_names_a_file_of_the_voices_folder_and_nothing_else() {
                 .ok()
         })
         .collect();
-    assert_eq!(steps.len(), 1, "{log}");
+    // The server's own priming at start (the defaults: no voice), then the client's.
+    assert_eq!(steps.len(), 2, "{log}");
+    assert_eq!(steps[1], steps[0] + 12, "{log}");
     for bad in ["missing.wav", "../voices/calm.wav", "%2Fetc%2Fpasswd"] {
         let r = client(
             &server.url(),

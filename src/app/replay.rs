@@ -89,6 +89,11 @@ pub struct ReplayArgs {
     /// Silence spacer frames while priming (default 6).
     #[arg(long)]
     pub silence_frames: Option<u64>,
+    /// How the priming frames run: `stepped` (default, the reference), `chunked` (prefills),
+    /// or `cached` (chunked once, then restored for every later conversation of the run with
+    /// the same priming).
+    #[arg(long, value_parser = ["stepped", "chunked", "cached"])]
+    pub priming: Option<String>,
     /// KV cache handling: resident (default) or host.
     #[arg(long)]
     pub kv: Option<String>,
@@ -241,6 +246,9 @@ fn build_one(
     }
     if let Some(kv) = &a.kv {
         temporal.push(("kv", s(kv)));
+    }
+    if let Some(p) = &a.priming {
+        temporal.push(("priming", s(p)));
     }
     if let Some(n) = a.max_steps {
         temporal.push(("max_steps", int(n)));

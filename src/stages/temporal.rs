@@ -576,7 +576,6 @@ impl TemporalStage {
             };
             let done = if run.len() >= 2 {
                 self.prefilled(cx, &script[at..at + run.len()], &run)
-                    .map(|()| run.len())
             } else {
                 let s = &script[at];
                 self.round_trip(cx, Instant::now(), &s.user, s.text, s.agent.as_deref())
@@ -613,13 +612,15 @@ impl TemporalStage {
 
     /// Wholly forced priming steps whose temporal frames run as one prefill: the frames in
     /// one call (chunks of `priming_chunk`), then each step's round trip through the sampling
-    /// half as [`round_trip`](Self::round_trip) makes it, minus the temporal step.
+    /// half as [`round_trip`](Self::round_trip) makes it, minus the temporal step. Returns the
+    /// steps done: fewer when the pipeline is asked to stop (its client gone), which is
+    /// looked at between chunks and between steps.
     fn prefilled(
         &mut self,
         cx: &mut Context<'_>,
         steps: &[ForcedStep],
         inputs: &[Vec<i64>],
-    ) -> StageResult {
+    ) -> StageResult<usize> {
         let chunk = self.priming_chunk.unwrap_or(1);
         // From an empty cache, the state these frames leave is the cache's to give or keep
         // (a transformer of its own or a shared engine's slot: the same graph's state).
@@ -652,7 +653,12 @@ impl TemporalStage {
         if restored {
             self.restored += inputs.len();
         } else {
-            self.half.temporal.prefill(inputs, chunk)?;
+            for part in inputs.chunks(chunk.max(1)) {
+                if cx.should_stop() {
+                    return Ok(0);
+                }
+                self.half.temporal.prefill(part, chunk)?;
+            }
             self.prefilled += inputs.len();
             if let Some((cache, k)) = key {
                 if let Some(state) = self.half.temporal.snapshot() {
@@ -660,7 +666,10 @@ impl TemporalStage {
                 }
             }
         }
-        for s in steps {
+        for (done, s) in steps.iter().enumerate() {
+            if cx.should_stop() {
+                return Ok(done);
+            }
             let step = self.half.begin_forced(s)?;
             cx.emit(0, Instant::now(), step)?;
             let Some(tokens) = cx.recv_feedback::<Sampled>(1)? else {
@@ -668,7 +677,7 @@ impl TemporalStage {
             };
             self.half.commit(&tokens.data)?;
         }
-        Ok(())
+        Ok(steps.len())
     }
 }
 

@@ -35,6 +35,7 @@ const KEYS: &[&str] = &[
     "limits",
     "drain_timeout_s",
     "prime_cache_mb",
+    "prime_at_start",
     "record",
     "log_transcripts",
     "keys_file",
@@ -159,6 +160,8 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
     /// Bytes of primed conversation states the process keeps (`prime_cache_mb`).
     pub prime_cache_bytes: usize,
+    /// Prime the default session's state before serving (`prime_at_start`).
+    pub prime_at_start: bool,
     /// Session recording (`None`: off).
     pub record: Option<RecordSessions>,
     /// The ONNX Runtime library `ort.library` chooses (`None`: the template's, else the
@@ -339,6 +342,7 @@ pub fn load(
         limits,
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
         prime_cache_bytes: (f.number("prime_cache_mb", 0.0, 1e6)? * 1048576.0) as usize,
+        prime_at_start: f.boolean("prime_at_start")?,
         file: fname.clone(),
         ort_library,
         origins,

@@ -422,6 +422,20 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    if cfg.prime_at_start && session::primes_cached(&template) {
+        // The first client with the default voice and persona restores its state.
+        let took =
+            session::prime_at_start(&cfg, &template, &registry, &resources).map_err(|e| {
+                anyhow::anyhow!("priming the default session at start (`prime_at_start`): {e:#}")
+            })?;
+        let (states, bytes) = resources.primed().usage();
+        tracing::info!(
+            ms = took.as_millis() as u64,
+            states,
+            bytes,
+            "primed the default session's state at start"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("duplex:serve")

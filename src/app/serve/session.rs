@@ -163,6 +163,57 @@ pub(super) fn check_template(
     Ok(engines)
 }
 
+/// Whether a session of `template` keeps its primed state in the process's cache (a
+/// `temporal` stage with `priming: cached`).
+pub(super) fn primes_cached(template: &PipelineSpec) -> bool {
+    template
+        .stages
+        .iter()
+        .any(|s| s.kind == "temporal" && s.params.str("priming") == "cached")
+}
+
+/// Runs one session of the template with the defaults, headless (no client: nothing comes in,
+/// what goes out is dropped), until it is primed, then stops it: the state its priming left is
+/// in the process's cache for the first client with the same voice and persona. Returns how
+/// long it took.
+///
+/// # Errors
+///
+/// The session's build error, or its run's when it ended before it was primed.
+pub(super) fn prime_at_start(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+    resources: &crate::resources::Resources,
+) -> anyhow::Result<std::time::Duration> {
+    let t0 = std::time::Instant::now();
+    let params = cfg
+        .session_params(&[])
+        .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
+    let spec = session_spec(cfg, template, registry, &params, "prime")?;
+    let (client, end) = crate::session::link(8, 8);
+    let b = crate::app::build_session(&spec, registry, Some(&end), None, resources)?;
+    let running = b.build()?.start();
+    let handle = running.handle();
+    let run = std::thread::Builder::new()
+        .name("duplex:prime".into())
+        .spawn(move || running.wait())?;
+    while !handle.is_ready() && !run.is_finished() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let primed = handle.is_ready();
+    handle.stop();
+    drop(client);
+    let outcome = run
+        .join()
+        .map_err(|_| anyhow::anyhow!("the priming session's thread panicked"))?;
+    if !primed {
+        outcome.into_result()?;
+        anyhow::bail!("the priming session ended before it was primed");
+    }
+    Ok(t0.elapsed())
+}
+
 /// A started session pipeline.
 struct Started {
     running: crate::runtime::Running,
