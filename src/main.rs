@@ -73,6 +73,10 @@ enum Cmd {
     /// Serve conversations over the network (WebSocket, the Moshi protocol): one session
     /// pipeline per client, built from a session template.
     Serve(app::serve::ServeArgs),
+    /// Prime a session of the server's template with its default voice and persona and write
+    /// the primed state to a file, for `duplex serve`'s `prime_cache_file` (a server that
+    /// loads it starts warm).
+    Prime(app::serve::PrimeArgs),
     /// Send a command to the running daemon: status, reset, persona TEXT, mute, unmute, pause,
     /// resume, record on|off.
     Ctl {
@@ -188,6 +192,7 @@ fn main() -> ExitCode {
             app::daemon::run(config.as_deref())
         }
         Cmd::Serve(args) => app::serve::run(&args),
+        Cmd::Prime(args) => out(&app::serve::prime(&args)?),
         Cmd::Ctl { socket, command } => {
             // Only the socket is looked up: `ctl` works from any directory.
             let socket = match socket {

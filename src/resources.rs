@@ -31,6 +31,9 @@ use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
 
+pub mod primed;
+
+pub use self::primed::{PrimeCache, PrimeRecipe};
 use crate::model::engine::{EngineOptions, SharedLm};
 use crate::model::pack::Pack;
 use crate::model::tokenizer::Tokenizer;
@@ -167,83 +170,6 @@ pub struct Resources {
     primed: Arc<PrimeCache>,
     /// What has been loaded so far.
     pub loads: Loads,
-}
-
-/// Primed conversation states (`priming: cached`), by what primed them (a digest of the pack,
-/// the graph and every frame fed): a cache shared by every conversation of the process, least
-/// recently used first out, bounded in bytes.
-#[derive(Debug)]
-pub struct PrimeCache {
-    max_bytes: usize,
-    inner: Mutex<PrimeEntries>,
-}
-
-#[derive(Debug, Default)]
-struct PrimeEntries {
-    bytes: usize,
-    clock: u64,
-    map: HashMap<[u8; 32], (Arc<crate::model::temporal::TemporalState>, u64)>,
-}
-
-impl PrimeCache {
-    /// A cache of at most `max_bytes`.
-    pub fn new(max_bytes: usize) -> Self {
-        PrimeCache {
-            max_bytes,
-            inner: Mutex::default(),
-        }
-    }
-
-    /// The state primed by `key`, when kept (counted as a hit or a miss).
-    pub fn get(&self, key: &[u8; 32]) -> Option<Arc<crate::model::temporal::TemporalState>> {
-        let found = self.inner.lock().ok().and_then(|mut e| {
-            e.clock += 1;
-            let now = e.clock;
-            e.map.get_mut(key).map(|(s, used)| {
-                *used = now;
-                s.clone()
-            })
-        });
-        let result = if found.is_some() { "hit" } else { "miss" };
-        metrics::counter!(names::PRIME_CACHE, "result" => result).increment(1);
-        found
-    }
-
-    /// Keeps `state` under `key`, dropping the least recently used states until the cache is
-    /// within its bytes (a state larger than the whole cache is not kept).
-    pub fn put(&self, key: [u8; 32], state: crate::model::temporal::TemporalState) {
-        let size = state.bytes();
-        if size > self.max_bytes {
-            return;
-        }
-        let Ok(mut e) = self.inner.lock() else {
-            return;
-        };
-        e.clock += 1;
-        let now = e.clock;
-        if let Some((old, _)) = e.map.insert(key, (Arc::new(state), now)) {
-            e.bytes -= old.bytes();
-        }
-        e.bytes += size;
-        while e.bytes > self.max_bytes {
-            let Some(oldest) = e.map.iter().min_by_key(|(_, (_, t))| *t).map(|(k, _)| *k) else {
-                break;
-            };
-            if let Some((s, _)) = e.map.remove(&oldest) {
-                e.bytes -= s.bytes();
-                metrics::counter!(names::PRIME_CACHE_EVICTIONS).increment(1);
-            }
-        }
-        metrics::gauge!(names::PRIME_CACHE_BYTES).set(e.bytes as f64);
-    }
-
-    /// States kept, and their bytes.
-    pub fn usage(&self) -> (usize, usize) {
-        self.inner
-            .lock()
-            .map(|e| (e.map.len(), e.bytes))
-            .unwrap_or((0, 0))
-    }
 }
 
 impl std::fmt::Debug for Resources {
@@ -485,30 +411,6 @@ mod tests {
             .voice_codes(&dir.path().join("none.wav"), &pack, "x", |e| e, enc)
             .unwrap_err();
         assert!(e.contains("none.wav"), "{e}");
-    }
-
-    #[test]
-    fn the_prime_cache_keeps_states_within_its_bytes_least_recently_used_out() {
-        use crate::model::temporal::TemporalState;
-        let c = PrimeCache::new(1000);
-        let k = |i: u8| [i; 32];
-        c.put(k(1), TemporalState::filler(400));
-        c.put(k(2), TemporalState::filler(400));
-        assert_eq!(c.usage(), (2, 800));
-        // 1 is used again, so 2 is the least recently used when 3 needs room.
-        assert!(c.get(&k(1)).is_some());
-        c.put(k(3), TemporalState::filler(400));
-        assert_eq!(c.usage(), (2, 800));
-        assert!(c.get(&k(2)).is_none(), "evicted");
-        assert!(c.get(&k(1)).is_some() && c.get(&k(3)).is_some());
-        // Another key is a miss; a state larger than the whole cache is not kept.
-        assert!(c.get(&k(9)).is_none());
-        c.put(k(4), TemporalState::filler(2000));
-        assert!(c.get(&k(4)).is_none());
-        assert_eq!(c.usage(), (2, 800));
-        // The same key again replaces its state.
-        c.put(k(3), TemporalState::filler(100));
-        assert_eq!(c.usage(), (2, 500));
     }
 
     /// A primed state's key names the pack's files as they are: the same folder after an export

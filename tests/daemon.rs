@@ -1182,3 +1182,41 @@ fn a_reload_to_another_pack_frees_the_old_packs_shared_engine() {
         .unwrap_or_else(|| panic!("did not stop: {}", d.log()));
     assert_eq!(status.code(), Some(0), "{}", d.log());
 }
+
+/// `prime_cache_file`: the daemon saves the states it primed when it stops, and the next start
+/// loads them: its first conversation restores its primed state instead of computing it.
+#[test]
+fn primed_states_are_kept_across_a_restart_in_a_file() {
+    let pa = Pulse::start();
+    let file = pa.dir().join("primed.states");
+    let extra = format!(
+        "persona_tokens: [10, 20, 30]\nprime_cache_file: {}\n",
+        file.display()
+    );
+    let text = config_text(pa.dir(), &extra);
+    let mut d = Daemon::start_with_config(pa, &text);
+    d.wait_status(30, "primed", |s| {
+        s["stages"]["temporal"]["priming"] == "chunked"
+    });
+    d.signal("-TERM");
+    let mut child = d.child.take().unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("did not stop: {}", d.log()));
+    assert_eq!(status.code(), Some(0), "{}", d.log());
+    assert!(d.log().contains("primed states saved"), "{}", d.log());
+    assert!(file.is_file());
+    // Started again: the state comes from the file.
+    let pa = std::mem::replace(&mut d.pa, Pulse::start());
+    drop(d);
+    let d = Daemon::start_with_config(pa, &text);
+    assert!(d.log().contains("primed states loaded"), "{}", d.log());
+    d.wait_status(30, "primed", |s| {
+        s["stages"]["temporal"]["priming"].is_string()
+    });
+    assert_eq!(
+        d.status().unwrap()["stages"]["temporal"]["priming"],
+        "cached",
+        "{}",
+        d.log()
+    );
+}

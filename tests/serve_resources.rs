@@ -13,6 +13,7 @@ mod pulse;
 #[path = "support/serve.rs"]
 mod serve;
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serve::{client, metric_value_of, speech_wav, Server};
@@ -145,5 +146,112 @@ fn later_sessions_load_nothing_and_the_template_changes_only_at_a_reload() {
     assert_eq!(
         metric_value_of(&m, "duplex_template_reloads_total{result=\"rejected\"}"),
         1.0
+    );
+}
+
+/// `duplex prime` writes the state a session of the server's template primes with its default
+/// voice and persona; a server that loads the file (`prime_cache_file`) starts warm (its own
+/// priming at start restores, nothing is computed), saves the states it computed meanwhile at
+/// exit, and a server of another pack refuses the file, naming both packs.
+#[test]
+fn primed_states_go_to_a_file_and_a_restarted_server_starts_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let voices = dir.path().join("voices");
+    std::fs::create_dir(&voices).unwrap();
+    speech_wav(&voices.join("a.wav"), 2.0, 180.0);
+    let tpl = dir.path().join("session.yaml");
+    std::fs::write(&tpl, serve::template(&dir.path().join("sessions"), 240)).unwrap();
+    let states = dir.path().join("primed.states");
+    let settings = format!(
+        "pipeline: {}\nvoices: {}\nvoice_prompt: a.wav\ntext_prompt: \"You are kind.\"\nprime_cache_file: {}\n",
+        tpl.display(),
+        voices.display(),
+        states.display()
+    );
+    let cfg = dir.path().join("prime.yaml");
+    std::fs::write(&cfg, &settings).unwrap();
+    let prime = || {
+        Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["prime", "--config"])
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&states)
+            .output()
+            .unwrap()
+    };
+    let o = prime();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(said.contains("holds 1 primed states (1 new)"), "{said}");
+    // Again: the file's state is restored, nothing new.
+    let o = prime();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("holds 1 primed states (0 new)"), "{said}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("restored="),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    let server_dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_with(
+        server_dir,
+        &settings.replace(&format!("pipeline: {}\n", tpl.display()), ""),
+        &tpl,
+    );
+    wait_log(&server, "primed states loaded");
+    let m = server.metrics();
+    let value = |m: &str, label: &str| {
+        metric_value_of(
+            m,
+            &format!("duplex_prime_cache_total{{result=\"{label}\"}}"),
+        )
+    };
+    assert_eq!(value(&m, "miss"), 0.0, "the server computed a state: {m}");
+    assert_eq!(value(&m, "hit"), 1.0, "its priming at start restored: {m}");
+    // A session with another persona computes a state of its own...
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 1.0, 200.0);
+    let r = client(
+        &server.url(),
+        &[
+            "--mode",
+            "web",
+            "--query",
+            "text_prompt=You+are+brief.",
+            "--wav",
+            wav.to_str().unwrap(),
+        ],
+    );
+    assert!(r["errors"].as_array().unwrap().is_empty(), "{r}");
+    assert_eq!(value(&server.metrics(), "miss"), 1.0);
+    // ...which the server saves with the one it loaded when it stops.
+    server.signal("TERM");
+    let st = server.wait_exit(Duration::from_secs(60));
+    assert!(st.is_some_and(|s| s.success()), "{st:?}\n{}", server.log());
+    assert!(
+        server.log().contains("primed states saved"),
+        "{}",
+        server.log()
+    );
+    let o = prime();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("holds 2 primed states (0 new)"), "{said}");
+
+    // Another pack's server refuses the file, naming both packs, before it serves (exit 2).
+    let other = settings.clone() + &format!("pack: {}\n", packs::pack("tiny-gqa-fp16").display());
+    std::fs::write(&cfg, other).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("prime_cache_file")
+            && err.contains("primed on pack tiny-gqa ")
+            && err.contains("tiny-gqa-fp16"),
+        "{err}"
     );
 }

@@ -405,10 +405,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             let cache = cx.resources.map(|r| r.primed()).unwrap_or_else(|| {
                 std::sync::Arc::new(crate::resources::PrimeCache::new(256 << 20))
             });
-            (
-                cache,
-                format!("{} {graph_id}", crate::resources::pack_version(&pack.dir)),
-            )
+            (cache, pack.dir.clone(), graph_id.clone())
         }),
         prefilled: 0,
         restored: 0,
@@ -445,8 +442,12 @@ struct TemporalStage {
     /// Priming frames the last priming ran as prefills.
     prefilled: usize,
     /// `priming: cached`: the process's primed states, and what names this stage's graph in
-    /// their keys (the pack's folder, what the graph runs on).
-    primed: Option<(std::sync::Arc<crate::resources::PrimeCache>, String)>,
+    /// their recipes (the pack's folder; what the graph runs on).
+    primed: Option<(
+        std::sync::Arc<crate::resources::PrimeCache>,
+        PathBuf,
+        String,
+    )>,
     /// Priming frames the last priming restored from the cache.
     restored: usize,
     transcript: Transcript,
@@ -628,20 +629,17 @@ impl TemporalStage {
             .primed
             .as_ref()
             .filter(|_| self.half.temporal.position() == 0)
-            .map(|(cache, graph)| {
-                use sha2::{Digest, Sha256};
-                let mut h = Sha256::new();
-                h.update(graph.as_bytes());
-                h.update(chunk.to_le_bytes());
-                for f in inputs {
-                    for t in f {
-                        h.update(t.to_le_bytes());
-                    }
-                }
-                (cache.clone(), <[u8; 32]>::from(h.finalize()))
+            .map(|(cache, pack, graph)| {
+                let recipe = crate::resources::PrimeRecipe {
+                    pack: pack.clone(),
+                    graph: graph.clone(),
+                    chunk,
+                    frames: inputs.to_vec(),
+                };
+                (cache.clone(), recipe.key(), recipe)
             });
         let restored = match &key {
-            Some((cache, k)) => match cache.get(k) {
+            Some((cache, k, _)) => match cache.get(k) {
                 Some(state) if state.position() == inputs.len() => {
                     self.half.temporal.restore(&state)?;
                     true
@@ -660,9 +658,9 @@ impl TemporalStage {
                 self.half.temporal.prefill(part, chunk)?;
             }
             self.prefilled += inputs.len();
-            if let Some((cache, k)) = key {
+            if let Some((cache, k, recipe)) = key {
                 if let Some(state) = self.half.temporal.snapshot() {
-                    cache.put(k, state);
+                    cache.put(k, state, Some(recipe));
                 }
             }
         }

@@ -71,6 +71,8 @@ pub struct DaemonConfig {
     pub record: bool,
     /// Where they are recorded.
     pub record_dir: PathBuf,
+    /// Primed states loaded at start and saved at exit (`prime_cache_file`).
+    pub prime_cache_file: Option<PathBuf>,
     /// The ONNX Runtime library `ort.library` chooses, set over the pipeline file's (`None`:
     /// the pipeline file's, else the search of [`ortlib`](crate::model::ortlib)).
     pub ort_library: Option<OrtChoice>,
@@ -97,6 +99,7 @@ const KEYS: &[&str] = &[
     "control_socket",
     "record",
     "record_dir",
+    "prime_cache_file",
     crate::config::ort::SECTION,
 ];
 
@@ -265,6 +268,9 @@ pub fn load_config(
         },
         record,
         record_dir,
+        prime_cache_file: Some(f.string("prime_cache_file")?)
+            .filter(|p| !p.trim().is_empty())
+            .map(PathBuf::from),
         ort_library,
         origins,
     })

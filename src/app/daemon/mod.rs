@@ -503,6 +503,21 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     if let Ok(mut s) = shared.socket.lock() {
         *s = Some(c.control_socket.clone());
     }
+    if let Some(file) = c.prime_cache_file.as_ref().filter(|f| f.exists()) {
+        let spec = c.pipeline_spec_with(&c.echo_decision())?;
+        let packs: Vec<PathBuf> = spec
+            .stages
+            .iter()
+            .filter(|s| s.kind == "temporal")
+            .map(|s| PathBuf::from(s.params.str("pack")))
+            .collect();
+        let n = shared
+            .resources
+            .primed()
+            .load(file, &packs)
+            .map_err(|e| c.error("prime_cache_file", ConfigErrorKind::Read, e))?;
+        tracing::info!(file = %file.display(), states = n, "primed states loaded");
+    }
     let mut notified = false;
     let mut prepared: Option<Built> = None;
     let result = loop {
@@ -627,6 +642,14 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         };
     };
     drop(control);
+    // The states primed meanwhile, for the next start (`prime_cache_file`).
+    let file = lock(&shared.config).and_then(|c| c.prime_cache_file.clone());
+    if let Some(file) = file {
+        match shared.resources.primed().save(&file) {
+            Ok(n) => tracing::info!(file = %file.display(), states = n, "primed states saved"),
+            Err(e) => tracing::error!("saving the primed states (`prime_cache_file`): {e}"),
+        }
+    }
     result
 }
 

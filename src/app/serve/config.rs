@@ -36,6 +36,7 @@ const KEYS: &[&str] = &[
     "drain_timeout_s",
     "prime_cache_mb",
     "prime_at_start",
+    "prime_cache_file",
     "record",
     "log_transcripts",
     "keys_file",
@@ -162,6 +163,8 @@ pub struct ServeConfig {
     pub prime_cache_bytes: usize,
     /// Prime the default session's state before serving (`prime_at_start`).
     pub prime_at_start: bool,
+    /// Primed states loaded at start and saved at exit (`prime_cache_file`).
+    pub prime_cache_file: Option<PathBuf>,
     /// Session recording (`None`: off).
     pub record: Option<RecordSessions>,
     /// The ONNX Runtime library `ort.library` chooses (`None`: the template's, else the
@@ -343,6 +346,9 @@ pub fn load(
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
         prime_cache_bytes: (f.number("prime_cache_mb", 0.0, 1e6)? * 1048576.0) as usize,
         prime_at_start: f.boolean("prime_at_start")?,
+        prime_cache_file: Some(f.string("prime_cache_file")?)
+            .filter(|p| !p.trim().is_empty())
+            .map(PathBuf::from),
         file: fname.clone(),
         ort_library,
         origins,

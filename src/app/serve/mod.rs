@@ -422,6 +422,16 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    if let Some(file) = cfg.prime_cache_file.as_ref().filter(|f| f.exists()) {
+        load_primed(
+            &cfg,
+            &template,
+            &registry,
+            &resources,
+            file,
+            "`prime_cache_file`",
+        )?;
+    }
     if cfg.prime_at_start && session::primes_cached(&template) {
         // The first client with the default voice and persona restores its state.
         let took =
@@ -552,8 +562,96 @@ async fn serve(
         let _ = done_rx.await;
     });
     accept(&server, listener, app, &mut done).await;
+    if let Some(file) = &server.cfg.prime_cache_file {
+        match server.resources.primed().save(file) {
+            Ok(n) => tracing::info!(file = %file.display(), states = n, "primed states saved"),
+            Err(e) => tracing::error!("saving the primed states (`prime_cache_file`): {e}"),
+        }
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Loads a file of primed states into the process's cache, for the template's temporal packs.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) naming `what` (where the file was named) and the file:
+/// unreadable, not a state file, or a state of another pack's temporal graph.
+fn load_primed(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+    resources: &Resources,
+    file: &std::path::Path,
+    what: &str,
+) -> Result<usize, ConfigError> {
+    let packs = session::temporal_packs(cfg, template, registry)?;
+    let n = resources.primed().load(file, &packs).map_err(|e| {
+        ConfigError::new(
+            &cfg.file,
+            crate::config::ConfigErrorKind::Read,
+            format!("{what}: {e}"),
+        )
+    })?;
+    tracing::info!(file = %file.display(), states = n, "primed states loaded");
+    Ok(n)
+}
+
+/// Flags of `duplex prime`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PrimeArgs {
+    /// The server's settings file (as `duplex serve --config`): its session template, pack and
+    /// default voice and persona (`text_prompt`, `voice_prompt`; DUPLEX__TEXT_PROMPT=… and
+    /// DUPLEX__VOICE_PROMPT=… override them).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The file of primed states to write; states already in it (of the same pack) are kept.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// `duplex prime`: primes a session of the server's template with its default voice and
+/// persona, headless, and writes the state (with those the file held) to `--out`, for
+/// `prime_cache_file`. Returns what it says it did.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for a wrong configuration or template, a template that does not
+/// prime `cached`, or an `--out` of another pack; another error (exit 1) when the priming or
+/// the writing fails.
+pub fn prime(args: &PrimeArgs) -> anyhow::Result<String> {
+    let resources = Resources::new(1);
+    let serve_args = ServeArgs {
+        config: args.config.clone(),
+        check: false,
+    };
+    let (cfg, template, registry) = prepare(&serve_args, &resources)?;
+    if !session::primes_cached(&template) {
+        return Err(ConfigError::new(
+            &template.file,
+            crate::config::ConfigErrorKind::Build,
+            "its `temporal` stage does not keep primed states: set `priming: cached`",
+        )
+        .into());
+    }
+    let before = if args.out.exists() {
+        load_primed(&cfg, &template, &registry, &resources, &args.out, "--out")?
+    } else {
+        0
+    };
+    session::check_template(&cfg, &template, &registry, &resources)?;
+    let took = session::prime_at_start(&cfg, &template, &registry, &resources)?;
+    let n = resources
+        .primed()
+        .save(&args.out)
+        .map_err(|e| anyhow::anyhow!("writing the primed states: {e}"))?;
+    Ok(format!(
+        "primed in {:.2} s; {} holds {n} primed states ({} new)\n",
+        took.as_secs_f64(),
+        args.out.display(),
+        n.saturating_sub(before)
+    ))
 }
 
 /// Publishes, every second, what the sessions' private monitors show together: the real-time

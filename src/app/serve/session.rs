@@ -122,6 +122,20 @@ fn session_spec(
     Ok(spec)
 }
 
+/// The session pipeline's spec with the configuration's defaults (no client's params), its
+/// `{session}` replaced by `id`.
+fn default_spec(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+    id: &str,
+) -> Result<PipelineSpec, ConfigError> {
+    let params = cfg
+        .session_params(&[])
+        .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
+    session_spec(cfg, template, registry, &params, id)
+}
+
 /// Builds one session of the template (not started) with the defaults: every stage checked,
 /// the models loaded into `resources` (so the first client's session finds them there). For
 /// start-up, `--check` and a reload. Returns the shared engines the session opened, for the
@@ -150,10 +164,7 @@ pub(super) fn check_template(
             ));
         }
     }
-    let params = cfg
-        .session_params(&[])
-        .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
-    let spec = session_spec(cfg, template, registry, &params, "check")?;
+    let spec = default_spec(cfg, template, registry, "check")?;
     let (_client, end) = crate::session::link(1, 1);
     let b = crate::app::build_session(&spec, registry, Some(&end), None, resources)?;
     // Held across the drop of the check's pipeline, so that the engines stay open.
@@ -172,6 +183,26 @@ pub(super) fn primes_cached(template: &PipelineSpec) -> bool {
         .any(|s| s.kind == "temporal" && s.params.str("priming") == "cached")
 }
 
+/// The packs of the template's `temporal` stages as a session with the defaults has them (the
+/// configuration's `pack` over the template's).
+///
+/// # Errors
+///
+/// The configuration's or the template's error, naming it.
+pub(super) fn temporal_packs(
+    cfg: &ServeConfig,
+    template: &PipelineSpec,
+    registry: &Registry,
+) -> Result<Vec<std::path::PathBuf>, ConfigError> {
+    let spec = default_spec(cfg, template, registry, "prime")?;
+    Ok(spec
+        .stages
+        .iter()
+        .filter(|s| s.kind == "temporal")
+        .map(|s| std::path::PathBuf::from(s.params.str("pack")))
+        .collect())
+}
+
 /// Runs one session of the template with the defaults, headless (no client: nothing comes in,
 /// what goes out is dropped), until it is primed, then stops it: the state its priming left is
 /// in the process's cache for the first client with the same voice and persona. Returns how
@@ -187,10 +218,7 @@ pub(super) fn prime_at_start(
     resources: &crate::resources::Resources,
 ) -> anyhow::Result<std::time::Duration> {
     let t0 = std::time::Instant::now();
-    let params = cfg
-        .session_params(&[])
-        .map_err(|m| ConfigError::new(&cfg.file, cfg::ConfigErrorKind::Build, m))?;
-    let spec = session_spec(cfg, template, registry, &params, "prime")?;
+    let spec = default_spec(cfg, template, registry, "prime")?;
     let (client, end) = crate::session::link(8, 8);
     let b = crate::app::build_session(&spec, registry, Some(&end), None, resources)?;
     let running = b.build()?.start();
