@@ -274,6 +274,23 @@ fn file_pipeline(dir: &Path, p: &Path, input: &Path) -> PathBuf {
     file
 }
 
+/// The pack with the full-size codec's step graphs, the session options of the codec
+/// benchmarks, and a noise source (seeded).
+fn full_codec(seed: u64) -> (Pack, SessionOptions, duplex::audio::Synth) {
+    let dir = with_step_graphs(pack(
+        "small-gqa-fullmimi",
+        &["--size", "small", "--variant", "gqa", "--mimi", "full"],
+    ));
+    let noise = duplex::audio::Synth::new(
+        duplex::audio::Waveform::Noise {
+            amplitude: 0.2,
+            seed,
+        },
+        24_000,
+    );
+    (Pack::open(&dir).unwrap(), SessionOptions::default(), noise)
+}
+
 fn codec_bench() {
     use duplex::model::mimi::{MimiDecoder, MimiEncoder};
     use duplex::model::mimi_step::StepCodec;
@@ -281,19 +298,7 @@ fn codec_bench() {
     println!(
         "\n6. full-size Mimi per 80 ms frame, 1 thread: stateful step graphs vs the 8-frame window"
     );
-    let dir = with_step_graphs(pack(
-        "small-gqa-fullmimi",
-        &["--size", "small", "--variant", "gqa", "--mimi", "full"],
-    ));
-    let p = Pack::open(&dir).unwrap();
-    let so = SessionOptions::default();
-    let mut noise = duplex::audio::Synth::new(
-        duplex::audio::Waveform::Noise {
-            amplitude: 0.2,
-            seed: 3,
-        },
-        24_000,
-    );
+    let (p, so, mut noise) = full_codec(3);
     let frames: Vec<Vec<f32>> = (0..40)
         .map(|_| {
             let mut f = vec![0.0; 1920];
@@ -445,6 +450,78 @@ fn main() {
     if all || which == "prefill" {
         prefill_bench();
     }
+    if all || which == "codec-batch" {
+        codec_batch_bench();
+    }
+}
+
+/// One batched step call of B streams against B calls of one stream, full-size codec.
+fn codec_batch_bench() {
+    use duplex::model::mimi_step::StepCodec;
+    use duplex::model::pack::{FloatType, StepRole};
+    println!("\n8. full-size Mimi, B streams per 80 ms tick, 1 thread: one call of B rows vs B calls of one row");
+    let (p, so, mut noise) = full_codec(5);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "{:>8} {:>3} {:>16} {:>16} {:>8}",
+        "graph", "B", "B calls of 1 ms", "1 call of B ms", "ratio"
+    );
+    for role in [StepRole::Encoder, StepRole::Decoder] {
+        let mut one = StepCodec::open(&p, role, FloatType::F32, &so).unwrap();
+        for b in [1usize, 4, 8, 16] {
+            let mut batch = StepCodec::open_rows(&p, role, FloatType::F32, &so, b).unwrap();
+            let pcm: Vec<f32> = {
+                let mut f = vec![0.0; 1920 * b];
+                noise.fill(&mut f);
+                f
+            };
+            let codes: Vec<i64> = (0..8 * b).map(|i| ((i * 97) % 2048) as i64).collect();
+            let mut tick_one = || match role {
+                StepRole::Encoder => {
+                    for r in 0..b {
+                        one.encode(&pcm[r * 1920..(r + 1) * 1920]).unwrap();
+                    }
+                }
+                StepRole::Decoder => {
+                    for r in 0..b {
+                        one.decode(&codes[r * 8..(r + 1) * 8], 2048).unwrap();
+                    }
+                }
+            };
+            let separate = time_ticks(&mut tick_one);
+            let mut tick_batch = || match role {
+                StepRole::Encoder => drop(batch.encode_rows(&pcm).unwrap()),
+                StepRole::Decoder => drop(batch.decode_rows(&codes, 2048).unwrap()),
+            };
+            let together = time_ticks(&mut tick_batch);
+            println!(
+                "{:>8} {b:>3} {:>16.1} {:>16.1} {:>7.2}x",
+                match role {
+                    StepRole::Encoder => "encoder",
+                    StepRole::Decoder => "decoder",
+                },
+                ms(separate),
+                ms(together),
+                together.as_secs_f64() / separate.as_secs_f64()
+            );
+        }
+    }
+}
+
+/// The median of 15 ticks after 5 to warm up.
+fn time_ticks(f: &mut dyn FnMut()) -> Duration {
+    for _ in 0..5 {
+        f();
+    }
+    median(
+        (0..15)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed()
+            })
+            .collect(),
+    )
 }
 
 fn prefill_bench() {

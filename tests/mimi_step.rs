@@ -462,3 +462,82 @@ fn at_the_real_codecs_size_streaming_equals_offline_and_fp16_agrees() {
     );
     assert!(snr >= 40.0, "SNR {snr:.1} dB");
 }
+
+/// Several streams stepped together, one batch row each (`StepCodec::open_rows`): every row's
+/// codes are those of its stream coded alone and its decoded samples within 1e-6 of them, for
+/// 10 s on the tiny and the full-size codec, with one row restarted mid-stream
+/// (`reset_row`): that row then equals a fresh stream and the others do not notice.
+#[test]
+// Frame `t` of every row: the index is the time, not a walk over one sequence.
+#[allow(clippy::needless_range_loop)]
+fn streams_stepped_together_equal_each_stream_alone() {
+    const ROWS: usize = 3;
+    let full = Pack::open(&packs::pack("tiny-gqa-mimi-full")).unwrap();
+    for (name, pack, secs) in [("tiny", tiny(), 10.0), ("full-size", full, 10.0)] {
+        let streams: Vec<Vec<f32>> = (0..ROWS).map(|r| speechlike(secs, 11 + r as u64)).collect();
+        let frames = streams[0].len() / FRAME;
+        // Row 1 starts a new stream at frame `restart` (its input from then on is stream 1
+        // from its beginning again).
+        let restart = frames / 2;
+        let input = |r: usize, t: usize| -> &[f32] {
+            let t = if r == 1 && t >= restart {
+                t - restart
+            } else {
+                t
+            };
+            &streams[r][t * FRAME..(t + 1) * FRAME]
+        };
+        // Alone.
+        let mut alone_codes: Vec<Vec<Vec<i64>>> = Vec::new();
+        let mut alone_pcm: Vec<Vec<f32>> = Vec::new();
+        for r in 0..ROWS {
+            let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+            let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
+            let mut codes = Vec::new();
+            let mut pcm = Vec::new();
+            for t in 0..frames {
+                if r == 1 && t == restart {
+                    enc.reset();
+                    dec.reset();
+                }
+                let c = enc.encode(input(r, t)).unwrap();
+                pcm.extend(dec.decode(&c, 2048).unwrap());
+                codes.push(c);
+            }
+            alone_codes.push(codes);
+            alone_pcm.push(pcm);
+        }
+        // Together.
+        let open = |role| StepCodec::open_rows(&pack, role, FloatType::F32, &opts(), ROWS).unwrap();
+        let (mut enc, mut dec) = (open(StepRole::Encoder), open(StepRole::Decoder));
+        let mut pcm: Vec<Vec<f32>> = vec![Vec::new(); ROWS];
+        for t in 0..frames {
+            if t == restart {
+                enc.reset_row(1);
+                dec.reset_row(1);
+            }
+            let batch: Vec<f32> = (0..ROWS).flat_map(|r| input(r, t).to_vec()).collect();
+            let codes = enc.encode_rows(&batch).unwrap();
+            for r in 0..ROWS {
+                assert_eq!(
+                    &codes[r * 8..(r + 1) * 8],
+                    &alone_codes[r][t][..],
+                    "{name}: row {r}, frame {t}"
+                );
+            }
+            let out = dec.decode_rows(&codes, 2048).unwrap();
+            for r in 0..ROWS {
+                pcm[r].extend_from_slice(&out[r * FRAME..(r + 1) * FRAME]);
+            }
+        }
+        for r in 0..ROWS {
+            let d = max_diff(&pcm[r], &alone_pcm[r]);
+            assert!(d <= 1e-6, "{name}: row {r}'s samples differ by {d}");
+        }
+    }
+    // A wrong number of rows is refused, naming it.
+    let mut enc =
+        StepCodec::open_rows(&tiny(), StepRole::Encoder, FloatType::F32, &opts(), 2).unwrap();
+    let e = enc.encode(&[0.0; FRAME]).unwrap_err().to_string();
+    assert!(e.contains("2 rows of 1920"), "{e}");
+}

@@ -12,6 +12,10 @@
 //! the other, and the two bindings are built once and alternate. A call writes the frame into
 //! a bound input, runs, and reads the bound output: no allocation, no copy of the state.
 //!
+//! A codec opened with [`StepCodec::open_rows`] steps several streams in one call, one batch
+//! row each, every row a frame per call; each row keeps its own state and counters, so a row
+//! can start a new stream ([`StepCodec::reset_row`]) while the others go on.
+//!
 //! Buffers are host memory; under CUDA, ONNX Runtime copies them to the device around each run.
 //!
 //! This module knows the step graphs' contract, not the stages that use them.
@@ -131,7 +135,8 @@ struct State {
     bufs: Vec<Buffer>,
 }
 
-/// A step graph with its state: the codec side of one stream.
+/// A step graph with its state: the codec side of one stream, or of `rows` streams stepped
+/// together (one batch row each, every row a frame per call).
 pub struct StepCodec {
     /// Two bindings built once: even calls read set 0 and write set 1, odd calls the reverse.
     bindings: [IoBinding; 2],
@@ -149,6 +154,8 @@ pub struct StepCodec {
     pub dtype: FloatType,
     /// Calls since the last reset.
     pub frames: u64,
+    /// Streams (batch rows) stepped per call.
+    pub rows: usize,
 }
 
 impl StepCodec {
@@ -170,7 +177,26 @@ impl StepCodec {
         dtype: FloatType,
         opts: &SessionOptions,
     ) -> Result<StepCodec, ModelError> {
+        Self::open_rows(pack, role, dtype, opts, 1)
+    }
+
+    /// As [`open`](Self::open), for `rows` streams stepped together: every state, the frame
+    /// input and the output have `rows` batch rows ([`encode_rows`](Self::encode_rows),
+    /// [`decode_rows`](Self::decode_rows), [`reset_row`](Self::reset_row)).
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open).
+    pub fn open_rows(
+        pack: &Pack,
+        role: StepRole,
+        dtype: FloatType,
+        opts: &SessionOptions,
+        rows: usize,
+    ) -> Result<StepCodec, ModelError> {
         let graph = role.graph();
+        let rows = rows.max(1);
+        let batch = rows as i64;
         let Some(dir) = pack.step_graph(role, dtype) else {
             return Err(ModelError::Pack {
                 path: pack.dir.clone(),
@@ -246,7 +272,7 @@ impl StepCodec {
         let alloc = Allocator::default();
         let mut states = Vec::with_capacity(manifest.states.len());
         for s in &manifest.states {
-            let mut shape = vec![1i64];
+            let mut shape = vec![batch];
             shape.extend(&s.shape);
             let n = if s.inplace { 1 } else { 2 };
             let bufs = (0..n)
@@ -255,41 +281,17 @@ impl StepCodec {
                 .map_err(e)?;
             states.push(State { bufs });
         }
-        let (input, output) = match role {
-            StepRole::Encoder => (
-                Buffer::zeros(
-                    &alloc,
-                    TensorElementType::Float32,
-                    &[1, 1, m.frame_size as i64],
-                ),
-                Buffer::zeros(
-                    &alloc,
-                    TensorElementType::Int64,
-                    &[1, m.codebooks as i64, 1],
-                ),
-            ),
-            StepRole::Decoder => (
-                Buffer::zeros(
-                    &alloc,
-                    TensorElementType::Int64,
-                    &[1, m.codebooks as i64, 1],
-                ),
-                Buffer::zeros(
-                    &alloc,
-                    TensorElementType::Float32,
-                    &[1, 1, m.frame_size as i64],
-                ),
-            ),
+        let pcm = (
+            TensorElementType::Float32,
+            vec![batch, 1, m.frame_size as i64],
+        );
+        let codes = (TensorElementType::Int64, vec![batch, m.codebooks as i64, 1]);
+        let ((in_ty, in_shape), (out_ty, out_shape)) = match role {
+            StepRole::Encoder => (pcm, codes),
+            StepRole::Decoder => (codes, pcm),
         };
-        let (mut input, mut output) = (input.map_err(e)?, output.map_err(e)?);
-        let in_shape: Vec<i64> = match role {
-            StepRole::Encoder => vec![1, 1, m.frame_size as i64],
-            StepRole::Decoder => vec![1, m.codebooks as i64, 1],
-        };
-        let out_shape: Vec<i64> = match role {
-            StepRole::Encoder => vec![1, m.codebooks as i64, 1],
-            StepRole::Decoder => vec![1, 1, m.frame_size as i64],
-        };
+        let mut input = Buffer::zeros(&alloc, in_ty, &in_shape).map_err(e)?;
+        let mut output = Buffer::zeros(&alloc, out_ty, &out_shape).map_err(e)?;
         let mut bind = |parity: usize| -> ort::Result<IoBinding> {
             let mut b = os.session.create_binding()?;
             let v = input.view(&alloc, &in_shape)?;
@@ -297,7 +299,7 @@ impl StepCodec {
             let v = output.view(&alloc, &out_shape)?;
             b.bind_output(manifest.output.as_str(), v)?;
             for (s, st) in manifest.states.iter().zip(states.iter_mut()) {
-                let mut shape = vec![1i64];
+                let mut shape = vec![batch];
                 shape.extend(&s.shape);
                 let (r, w) = if s.inplace {
                     (0, 0)
@@ -331,8 +333,30 @@ impl StepCodec {
             provider: os.provider,
             dtype,
             frames: 0,
+            rows,
             manifest,
         })
+    }
+
+    /// Starts a new stream in batch row `row` alone: its state back to its initial value, the
+    /// other rows' untouched.
+    pub fn reset_row(&mut self, row: usize) {
+        if row >= self.rows {
+            return;
+        }
+        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+            let n = s.shape.iter().product::<i64>().max(0) as usize;
+            let at = row * n..(row + 1) * n;
+            for b in &mut st.bufs {
+                match b.ty {
+                    TensorElementType::Int64 => b.as_slice::<i64>()[at.clone()].fill(0),
+                    TensorElementType::Float16 => {
+                        b.as_slice::<half::f16>()[at.clone()].fill(half::f16::ZERO)
+                    }
+                    _ => b.as_slice::<f32>()[at.clone()].fill(0.0),
+                }
+            }
+        }
     }
 
     /// Starts a new stream: every state back to its initial value.
@@ -361,59 +385,86 @@ impl StepCodec {
         Ok(())
     }
 
-    /// Encodes the next frame of exactly `frame_samples` samples (encoder graphs); returns its
-    /// codes.
+    /// Encodes the next frame of exactly `frame_samples` samples (encoder graphs of one row);
+    /// returns its codes.
     ///
     /// # Errors
     ///
     /// A frame of the wrong size, a decoder graph, ONNX Runtime errors.
     pub fn encode(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
+        self.encode_rows(frame)
+    }
+
+    /// Encodes the next frame of every row at once: `frames` holds `rows` frames of
+    /// `frame_samples` samples, row after row; returns `rows` × `codebooks` codes, row after
+    /// row.
+    ///
+    /// # Errors
+    ///
+    /// Frames of the wrong size, a decoder graph, ONNX Runtime errors.
+    pub fn encode_rows(&mut self, frames: &[f32]) -> Result<Vec<i64>, ModelError> {
         if self.manifest.input != "pcm" {
             return Err(ModelError::contract(self.graph, "not an encoder"));
         }
-        if frame.len() != self.manifest.frame_samples {
+        let want = self.rows * self.manifest.frame_samples;
+        if frames.len() != want {
             return Err(ModelError::contract(
                 self.graph,
                 format!(
-                    "frame of {} samples, expected {}",
-                    frame.len(),
+                    "{} samples, expected {} ({} rows of {})",
+                    frames.len(),
+                    want,
+                    self.rows,
                     self.manifest.frame_samples
                 ),
             ));
         }
-        self.input.as_slice::<f32>().copy_from_slice(frame);
+        self.input.as_slice::<f32>().copy_from_slice(frames);
         self.run()?;
         Ok(self.output.as_slice::<i64>().to_vec())
     }
 
-    /// Decodes the next frame's codes (decoder graphs); returns its samples.
+    /// Decodes the next frame's codes (decoder graphs of one row); returns its samples.
     ///
     /// # Errors
     ///
     /// Codes of the wrong count or out of `0..audio_vocab`, an encoder graph, ONNX Runtime
     /// errors.
     pub fn decode(&mut self, codes: &[i64], audio_vocab: i64) -> Result<Vec<f32>, ModelError> {
+        self.decode_rows(codes, audio_vocab)
+    }
+
+    /// Decodes the next frame of every row at once: `codes` holds `rows` × `codebooks` codes,
+    /// row after row; returns `rows` frames of samples, row after row.
+    ///
+    /// # Errors
+    ///
+    /// Codes of the wrong count or out of `0..audio_vocab`, an encoder graph, ONNX Runtime
+    /// errors.
+    pub fn decode_rows(&mut self, codes: &[i64], audio_vocab: i64) -> Result<Vec<f32>, ModelError> {
         if self.manifest.input != "codes" {
             return Err(ModelError::contract(self.graph, "not a decoder"));
         }
-        if codes.len() != self.manifest.codebooks {
+        let q = self.manifest.codebooks;
+        if codes.len() != self.rows * q {
             return Err(ModelError::contract(
                 self.graph,
                 format!(
-                    "{} codes, expected {}",
+                    "{} codes, expected {} ({} rows of {q})",
                     codes.len(),
-                    self.manifest.codebooks
+                    self.rows * q,
+                    self.rows
                 ),
             ));
         }
-        if let Some((q, &c)) = codes
+        if let Some((i, &c)) = codes
             .iter()
             .enumerate()
             .find(|(_, &c)| !(0..audio_vocab).contains(&c))
         {
             return Err(ModelError::Token {
                 graph: self.graph.into(),
-                channel: format!("codebook {q}"),
+                channel: format!("codebook {}", i % q),
                 value: c,
                 limit: audio_vocab,
             });
