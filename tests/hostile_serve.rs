@@ -433,18 +433,29 @@ fn transcripts_are_logged_only_when_asked_and_escaped() {
     );
     let wav = server.dir.path().join("in.wav");
     speech_wav(&wav, 6.0, 200.0);
-    let r = client(
-        &server.url(),
-        &[
-            "--mode",
-            "kyutai",
-            "--wav",
-            wav.to_str().unwrap(),
-            "--tail",
-            "1",
-        ],
-    );
-    assert!(!r["text"].as_array().unwrap().is_empty(), "{r}");
+    // Each session draws with a fresh seed, and the random tiny model says nothing printable
+    // in some of them (its top 25 text tokens can all lie outside the tiny tokenizer's 400
+    // pieces): up
+    // to three sessions, until one has said something.
+    let mut said = serde_json::Value::Null;
+    for _ in 0..3 {
+        let r = client(
+            &server.url(),
+            &[
+                "--mode",
+                "kyutai",
+                "--wav",
+                wav.to_str().unwrap(),
+                "--tail",
+                "1",
+            ],
+        );
+        said = r;
+        if !said["text"].as_array().unwrap().is_empty() {
+            break;
+        }
+    }
+    assert!(!said["text"].as_array().unwrap().is_empty(), "{said}");
     let log = server.log();
     let line = log
         .lines()
