@@ -58,6 +58,37 @@ pub fn build(
     Ok((spec, b))
 }
 
+/// Loads a file of primed states (`prime_cache_file`, `duplex prime --out`) into the process's
+/// cache, for the packs of `spec`'s `temporal` stages; logs how many.
+///
+/// # Errors
+///
+/// As [`PrimeCache::load`](crate::resources::PrimeCache::load): the file names itself.
+pub(crate) fn load_primed_states(
+    resources: &crate::resources::Resources,
+    file: &Path,
+    spec: &PipelineSpec,
+) -> Result<usize, String> {
+    let packs: Vec<std::path::PathBuf> = spec
+        .stages
+        .iter()
+        .filter(|s| s.kind == "temporal")
+        .map(|s| std::path::PathBuf::from(s.params.str("pack")))
+        .collect();
+    let n = resources.primed().load(file, &packs)?;
+    tracing::info!(file = %file.display(), states = n, "primed states loaded");
+    Ok(n)
+}
+
+/// Writes the process's primed states to `file` at exit (`prime_cache_file`); a failure is
+/// logged, as nothing else is left to do about it then.
+pub(crate) fn save_primed_states(resources: &crate::resources::Resources, file: &Path) {
+    match resources.primed().save(file) {
+        Ok(n) => tracing::info!(file = %file.display(), states = n, "primed states saved"),
+        Err(e) => tracing::error!("saving the primed states (`prime_cache_file`): {e}"),
+    }
+}
+
 /// Builds (but does not start) the pipeline of an already loaded spec.
 ///
 /// # Errors

@@ -156,7 +156,7 @@ pub struct TemporalState {
     /// Per layer's K then V: `heads × len × head_dim` elements, head by head.
     pub(crate) rows: Vec<Vec<u8>>,
     /// What it fits: layers, heads, head_dim, dtype, variant.
-    pub(crate) shape: (usize, usize, usize, FloatType, Variant),
+    pub(crate) shape: StateShape,
 }
 
 impl TemporalState {
@@ -180,6 +180,94 @@ impl TemporalState {
             shape: (0, 0, 0, FloatType::F32, Variant::Gqa),
         }
     }
+}
+
+/// What a state fits: the graph's layers, heads, head size, cache dtype and variant.
+pub(crate) type StateShape = (usize, usize, usize, FloatType, Variant);
+
+/// The shape of the states a graph's cache holds.
+pub(crate) fn state_shape(info: &LmGraphInfo) -> StateShape {
+    (
+        info.layers,
+        info.heads,
+        info.head_dim,
+        info.kv,
+        info.variant,
+    )
+}
+
+/// Where a conversation's rows lie in KV buffers of host memory (every layer's K and V buffer
+/// alike): head `i`'s rows start at element `base + i × stride × head_dim` (`stride`: rows per
+/// head in the buffer). A state's rows are the same, compact: `heads × len × head_dim`.
+pub(crate) struct RowSpan {
+    /// The first head's first element.
+    pub base: usize,
+    /// Rows from one head's first row to the next's.
+    pub stride: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Bytes per element.
+    pub elem: usize,
+}
+
+impl RowSpan {
+    /// Head `head`'s first `len` rows, in bytes.
+    fn head(&self, head: usize, len: usize) -> std::ops::Range<usize> {
+        let at = (self.base + head * self.stride * self.head_dim) * self.elem;
+        at..at + len * self.head_dim * self.elem
+    }
+
+    /// The first `len` rows of every head of each buffer, compact (a state's `rows`).
+    ///
+    /// # Errors
+    ///
+    /// Why not: a buffer in device memory, or shorter than the span.
+    pub fn gather(&self, bufs: &mut [Buffer], len: usize) -> Result<Vec<Vec<u8>>, &'static str> {
+        bufs.iter_mut()
+            .map(|buf| {
+                let all = host_bytes(buf)?;
+                let mut out = Vec::with_capacity(self.heads * len * self.head_dim * self.elem);
+                for head in 0..self.heads {
+                    out.extend_from_slice(all.get(self.head(head, len)).ok_or(TOO_LONG)?);
+                }
+                Ok(out)
+            })
+            .collect()
+    }
+
+    /// Writes a state's `len` compact rows of every head into each buffer.
+    ///
+    /// # Errors
+    ///
+    /// As [`gather`](Self::gather).
+    pub fn scatter(
+        &self,
+        bufs: &mut [Buffer],
+        rows: &[Vec<u8>],
+        len: usize,
+    ) -> Result<(), &'static str> {
+        let n = len * self.head_dim * self.elem;
+        for (buf, rows) in bufs.iter_mut().zip(rows) {
+            let all = host_bytes(buf)?;
+            for head in 0..self.heads {
+                let src = rows.get(head * n..(head + 1) * n).ok_or(TOO_LONG)?;
+                all.get_mut(self.head(head, len))
+                    .ok_or(TOO_LONG)?
+                    .copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+}
+
+const TOO_LONG: &str = "it is longer than this cache";
+
+/// A KV buffer's bytes, when it is in host memory.
+fn host_bytes(buf: &mut Buffer) -> Result<&mut [u8], &'static str> {
+    if buf.placement().device != "Cpu" {
+        return Err("the cache is in device memory (a state is kept in host memory)");
+    }
+    Ok(buf.as_bytes())
 }
 
 impl std::fmt::Debug for TemporalState {
@@ -772,27 +860,27 @@ impl Temporal {
     /// fixed-shape caches, a cache in device memory).
     pub fn snapshot(&mut self) -> Option<TemporalState> {
         let (rows_cap, set) = self.state_layout()?;
-        let es = element_bytes(self.info.kv);
-        let (h, d, len) = (self.info.heads, self.info.head_dim, self.len);
-        let mut rows = Vec::with_capacity(2 * self.info.layers);
-        for buf in self.cache.sets[set].iter_mut() {
-            if buf.placement().device != "Cpu" {
-                return None;
-            }
-            let all = buf.as_bytes();
-            let mut out = Vec::with_capacity(h * len * d * es);
-            for head in 0..h {
-                let at = head * rows_cap * d * es;
-                out.extend_from_slice(all.get(at..at + len * d * es)?);
-            }
-            rows.push(out);
-        }
+        let rows = self
+            .row_span(rows_cap)
+            .gather(&mut self.cache.sets[set], self.len)
+            .ok()?;
         Some(TemporalState {
-            len,
+            len: self.len,
             pos: self.pos,
             rows,
-            shape: (self.info.layers, h, d, self.info.kv, self.info.variant),
+            shape: state_shape(&self.info),
         })
+    }
+
+    /// Where the rows lie in buffers of `rows_cap` rows per head.
+    fn row_span(&self, rows_cap: usize) -> RowSpan {
+        RowSpan {
+            base: 0,
+            stride: rows_cap,
+            heads: self.info.heads,
+            head_dim: self.info.head_dim,
+            elem: element_bytes(self.info.kv),
+        }
     }
 
     /// Puts the conversation where `state` was taken (on a transformer of the same graph).
@@ -804,14 +892,7 @@ impl Temporal {
     /// device memory).
     pub fn restore(&mut self, state: &TemporalState) -> Result<(), ModelError> {
         let bad = |why: &str| ModelError::contract("temporal", format!("restoring a state: {why}"));
-        let shape = (
-            self.info.layers,
-            self.info.heads,
-            self.info.head_dim,
-            self.info.kv,
-            self.info.variant,
-        );
-        if state.shape != shape {
+        if state.shape != state_shape(&self.info) {
             return Err(bad("it is of another graph"));
         }
         // Empty, and a ping-pong cache back on its first set.
@@ -830,22 +911,9 @@ impl Temporal {
         if state.len > rows_cap || state.pos > self.capacity {
             return Err(bad("it is longer than this cache"));
         }
-        let es = element_bytes(self.info.kv);
-        let (h, d, len) = (self.info.heads, self.info.head_dim, state.len);
-        for (buf, rows) in self.cache.sets[set].iter_mut().zip(&state.rows) {
-            if buf.placement().device != "Cpu" {
-                return Err(bad("the cache is in device memory"));
-            }
-            let all = buf.as_bytes();
-            if all.len() < h * rows_cap * d * es {
-                return Err(bad("it is longer than this cache"));
-            }
-            for head in 0..h {
-                let at = head * rows_cap * d * es;
-                let from = head * len * d * es;
-                all[at..at + len * d * es].copy_from_slice(&rows[from..from + len * d * es]);
-            }
-        }
+        self.row_span(rows_cap)
+            .scatter(&mut self.cache.sets[set], &state.rows, state.len)
+            .map_err(bad)?;
         self.len = state.len;
         self.pos = state.pos;
         Ok(())

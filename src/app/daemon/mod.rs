@@ -505,18 +505,8 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     }
     if let Some(file) = c.prime_cache_file.as_ref().filter(|f| f.exists()) {
         let spec = c.pipeline_spec_with(&c.echo_decision())?;
-        let packs: Vec<PathBuf> = spec
-            .stages
-            .iter()
-            .filter(|s| s.kind == "temporal")
-            .map(|s| PathBuf::from(s.params.str("pack")))
-            .collect();
-        let n = shared
-            .resources
-            .primed()
-            .load(file, &packs)
+        super::load_primed_states(&shared.resources, file, &spec)
             .map_err(|e| c.error("prime_cache_file", ConfigErrorKind::Read, e))?;
-        tracing::info!(file = %file.display(), states = n, "primed states loaded");
     }
     let mut notified = false;
     let mut prepared: Option<Built> = None;
@@ -645,10 +635,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     // The states primed meanwhile, for the next start (`prime_cache_file`).
     let file = lock(&shared.config).and_then(|c| c.prime_cache_file.clone());
     if let Some(file) = file {
-        match shared.resources.primed().save(&file) {
-            Ok(n) => tracing::info!(file = %file.display(), states = n, "primed states saved"),
-            Err(e) => tracing::error!("saving the primed states (`prime_cache_file`): {e}"),
-        }
+        super::save_primed_states(&shared.resources, &file);
     }
     result
 }

@@ -563,10 +563,7 @@ async fn serve(
     });
     accept(&server, listener, app, &mut done).await;
     if let Some(file) = &server.cfg.prime_cache_file {
-        match server.resources.primed().save(file) {
-            Ok(n) => tracing::info!(file = %file.display(), states = n, "primed states saved"),
-            Err(e) => tracing::error!("saving the primed states (`prime_cache_file`): {e}"),
-        }
+        crate::app::save_primed_states(&server.resources, file);
     }
     tracing::info!("stopped");
     Ok(())
@@ -586,16 +583,14 @@ fn load_primed(
     file: &std::path::Path,
     what: &str,
 ) -> Result<usize, ConfigError> {
-    let packs = session::temporal_packs(cfg, template, registry)?;
-    let n = resources.primed().load(file, &packs).map_err(|e| {
+    let spec = session::default_spec(cfg, template, registry, "prime")?;
+    crate::app::load_primed_states(resources, file, &spec).map_err(|e| {
         ConfigError::new(
             &cfg.file,
             crate::config::ConfigErrorKind::Read,
             format!("{what}: {e}"),
         )
-    })?;
-    tracing::info!(file = %file.display(), states = n, "primed states loaded");
-    Ok(n)
+    })
 }
 
 /// Flags of `duplex prime`.

@@ -124,7 +124,7 @@ fn session_spec(
 
 /// The session pipeline's spec with the configuration's defaults (no client's params), its
 /// `{session}` replaced by `id`.
-fn default_spec(
+pub(super) fn default_spec(
     cfg: &ServeConfig,
     template: &PipelineSpec,
     registry: &Registry,
@@ -181,26 +181,6 @@ pub(super) fn primes_cached(template: &PipelineSpec) -> bool {
         .stages
         .iter()
         .any(|s| s.kind == "temporal" && s.params.str("priming") == "cached")
-}
-
-/// The packs of the template's `temporal` stages as a session with the defaults has them (the
-/// configuration's `pack` over the template's).
-///
-/// # Errors
-///
-/// The configuration's or the template's error, naming it.
-pub(super) fn temporal_packs(
-    cfg: &ServeConfig,
-    template: &PipelineSpec,
-    registry: &Registry,
-) -> Result<Vec<std::path::PathBuf>, ConfigError> {
-    let spec = default_spec(cfg, template, registry, "prime")?;
-    Ok(spec
-        .stages
-        .iter()
-        .filter(|s| s.kind == "temporal")
-        .map(|s| std::path::PathBuf::from(s.params.str("pack")))
-        .collect())
 }
 
 /// Runs one session of the template with the defaults, headless (no client: nothing comes in,

@@ -18,10 +18,10 @@ use ort::value::TensorElementType;
 
 use super::{stopped, Msg, SharedLm};
 use crate::model::error::ModelError;
-use crate::model::pack::{check_temporal, FloatType, LmGraphInfo, Variant};
+use crate::model::pack::{check_temporal, LmGraphInfo, Variant};
 use crate::model::session::{open, report, Provider, SessionOptions};
 use crate::model::temporal::{
-    element_bytes, no_position_left, validate_frame, ChunkIo, TemporalState,
+    element_bytes, no_position_left, state_shape, validate_frame, ChunkIo, RowSpan, TemporalState,
 };
 use crate::model::tensors::{
     allocator_at, element, input_placements, placement_of, read_row, Buffer, Placement,
@@ -245,10 +245,16 @@ impl TemporalWorker {
         }
     }
 
-    /// Element offset of a slot's rows in a KV buffer, and a head's rows in bytes.
-    fn slot_layout(&self, slot: usize) -> (usize, usize) {
+    /// Where a slot's rows lie in the KV buffers (a block of `rows` rows per head).
+    fn slot_span(&self, slot: usize) -> RowSpan {
         let (h, d) = (self.info.heads, self.info.head_dim);
-        (slot * h * self.rows * d, self.rows * d)
+        RowSpan {
+            base: slot * h * self.rows * d,
+            stride: self.rows,
+            heads: h,
+            head_dim: d,
+            elem: element_bytes(self.info.kv),
+        }
     }
 
     /// `frames` through the graph as one call of the slot's row alone (the GQA graph writes
@@ -271,7 +277,7 @@ impl TemporalWorker {
         }
         let e = |err: ort::Error| ModelError::ort("temporal (shared engine)", err);
         let (c, hd, vocab) = (self.channels, self.info.hidden_dim, self.info.vocab);
-        let (at, _) = self.slot_layout(slot);
+        let at = self.slot_span(slot).base;
         if self.chunk.as_ref().is_none_or(|io| io.frames < n) {
             self.chunk = Some(ChunkIo::new(&self.alloc, &self.info, c, n).map_err(e)?);
         }
@@ -318,79 +324,39 @@ impl TemporalWorker {
 
     /// The slot's state, copied out (host memory only).
     fn snapshot(&mut self, slot: usize) -> Result<TemporalState, ModelError> {
-        let es = element_bytes(self.info.kv);
-        let (h, d, len) = (self.info.heads, self.info.head_dim, self.len[slot]);
-        let (at, head_rows) = self.slot_layout(slot);
-        let mut rows = Vec::with_capacity(self.kv.len());
-        for buf in &mut self.kv {
-            if buf.placement().device != "Cpu" {
-                return Err(in_device("taking a state"));
-            }
-            let all = buf.as_bytes();
-            let mut out = Vec::with_capacity(h * len * d * es);
-            for head in 0..h {
-                let from = (at + head * head_rows) * es;
-                out.extend_from_slice(&all[from..from + len * d * es]);
-            }
-            rows.push(out);
-        }
+        let len = self.len[slot];
+        let rows = self
+            .slot_span(slot)
+            .gather(&mut self.kv, len)
+            .map_err(|why| state_error("taking a state", why))?;
         Ok(TemporalState {
             len,
             pos: len,
             rows,
-            shape: self.state_shape(),
+            shape: state_shape(&self.info),
         })
     }
 
     /// Puts the slot where `state` was taken.
     fn restore(&mut self, slot: usize, state: &TemporalState) -> Result<(), ModelError> {
-        let bad = |why: &str| {
-            ModelError::contract(
-                "temporal (shared engine)",
-                format!("restoring a state: {why}"),
-            )
-        };
-        if state.shape != self.state_shape() {
+        let bad = |why: &str| state_error("restoring a state", why);
+        if state.shape != state_shape(&self.info) {
             return Err(bad("it is of another graph"));
         }
         // A slot never drops rows: every position is a row.
         if state.pos != state.len || state.len + 1 >= self.rows {
             return Err(bad("it is longer than this slot"));
         }
-        let es = element_bytes(self.info.kv);
-        let (h, d, len) = (self.info.heads, self.info.head_dim, state.len);
-        let (at, head_rows) = self.slot_layout(slot);
-        for (buf, rows) in self.kv.iter_mut().zip(&state.rows) {
-            if buf.placement().device != "Cpu" {
-                return Err(in_device("restoring a state"));
-            }
-            let all = buf.as_bytes();
-            for head in 0..h {
-                let to = (at + head * head_rows) * es;
-                let from = head * len * d * es;
-                all[to..to + len * d * es].copy_from_slice(&rows[from..from + len * d * es]);
-            }
-        }
-        self.len[slot] = len;
+        self.slot_span(slot)
+            .scatter(&mut self.kv, &state.rows, state.len)
+            .map_err(bad)?;
+        self.len[slot] = state.len;
         Ok(())
-    }
-
-    fn state_shape(&self) -> (usize, usize, usize, FloatType, Variant) {
-        (
-            self.info.layers,
-            self.info.heads,
-            self.info.head_dim,
-            self.info.kv,
-            self.info.variant,
-        )
     }
 }
 
-fn in_device(what: &str) -> ModelError {
-    ModelError::contract(
-        "temporal (shared engine)",
-        format!("{what}: the slots are in device memory (a state is kept in host memory)"),
-    )
+fn state_error(what: &str, why: &str) -> ModelError {
+    ModelError::contract("temporal (shared engine)", format!("{what}: {why}"))
 }
 
 /// A conversation's KV slot in a shared engine: the temporal transformer's interface
