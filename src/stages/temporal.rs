@@ -8,9 +8,10 @@
 //! same pack, graph and frames left, restored from the process's cache (computed by chunks
 //! and kept there the first time). Each priming's time is recorded by how its state was made
 //! (`duplex_priming_seconds{how}`, and the `priming` and `priming_ms` status values). Before
-//! the graph's position limit (or `max_positions`) it applies the long-session policy: `reset_and_reprime` clears the conversation at a frame boundary and
-//! primes again; `stop` ends the stream cleanly. `max_steps` (Kyutai's cap of a conversation)
-//! ends the stream cleanly too, once that many agent frames have been emitted.
+//! the graph's position limit (or `max_positions`) it applies the long-session policy:
+//! `reset_and_reprime` clears the conversation at a frame boundary and primes again; `stop`
+//! ends the stream cleanly. `max_steps` (Kyutai's cap of a conversation) ends the stream
+//! cleanly too, once that many agent frames have been emitted.
 //!
 //! With `engine: shared` the transformer is a KV slot of the process's shared engine
 //! ([`crate::model::engine`]): the same steps, batched with the other conversations'.
@@ -141,7 +142,7 @@ pub(super) const KIND: StageKind = StageKind {
             name: "priming_chunk",
             ty: T::Int { min: 2, max: 512 },
             default: D::Int(32),
-            doc: "frames per graph call with `priming: chunked`"
+            doc: "frames per graph call with `priming: chunked` or `cached`"
         },
         ParamSpec {
             name: "warmup_frames",
