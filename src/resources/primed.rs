@@ -324,7 +324,8 @@ impl PrimeCache {
                 return Err(bad(&format!(
                     "primed on pack {} (temporal graph {}), not on {}",
                     d["pack"].as_str().unwrap_or("?"),
-                    &temporal[..temporal.len().min(12)],
+                    // The file's text: cut by characters, never inside one.
+                    temporal.chars().take(12).collect::<String>(),
                     if offered.is_empty() {
                         "any pack of this configuration".to_string()
                     } else {
@@ -461,6 +462,20 @@ mod tests {
             std::fs::write(&damaged, &b).unwrap();
             let _ = PrimeCache::new(1 << 20).load(&damaged, std::slice::from_ref(&pack));
         }
+        // A graph identity that is not hex (a character of several bytes at the cut) is named,
+        // not a panic.
+        let text = String::from_utf8_lossy(&bytes).replace(
+            &format!(
+                "\"temporal\":\"{}",
+                &temporal_identity(&pack).unwrap()[..11]
+            ),
+            "\"temporal\":\"abcdefghijké",
+        );
+        std::fs::write(&damaged, text.as_bytes()).unwrap();
+        let e = PrimeCache::new(1 << 20)
+            .load(&damaged, std::slice::from_ref(&pack))
+            .unwrap_err();
+        assert!(e.contains("graph abcdefghijké"), "{e}");
         // Another pack's graph.
         let other = dir.path().join("other");
         std::fs::create_dir_all(other.join("temporal")).unwrap();
