@@ -1,5 +1,5 @@
 //! What a process builds once and every pipeline it builds shares: opened packs, tokenizers,
-//! the codes of voice prompts, and the shared LM engines.
+//! the codes of voice prompts, the shared LM engines and the shared codecs.
 //!
 //! [`Resources`] is owned by the app (`run`, `validate`, `replay`, `daemon`, `serve`) and handed
 //! to stage builders through the build context: a second session of `duplex serve` opens no
@@ -17,6 +17,9 @@
 //!   none, is the process's ([`Resources::new`]). An engine whose thread failed is replaced by
 //!   a fresh one for the next conversation. `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK=N` is a fault
 //!   drill: the first engine the process opens fails at its N-th temporal tick.
+//! - **Codecs** (a shared Mimi encoder or decoder) likewise, keyed by pack, role, precision,
+//!   provider and device. The slots a new conversation can have are the fewest free of any
+//!   engine or codec open ([`Resources::free_slots`]).
 //!
 //! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
 //! operators can see what a session cost. The engines report to the process's observer
@@ -34,8 +37,8 @@ use sha2::{Digest, Sha256};
 pub mod primed;
 
 pub use self::primed::{PrimeCache, PrimeRecipe};
-use crate::model::engine::{EngineOptions, SharedLm};
-use crate::model::pack::Pack;
+use crate::model::engine::{CodecOptions, EngineOptions, SharedCodec, SharedLm};
+use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
 use crate::observe::names;
@@ -54,8 +57,10 @@ pub struct Loads {
     pub voices: AtomicU64,
     /// Session templates read (by the apps that keep one).
     pub templates: AtomicU64,
-    /// Shared engines opened.
+    /// Shared LM engines opened.
     pub engines: AtomicU64,
+    /// Shared codec engines opened (each role its own).
+    pub codecs: AtomicU64,
 }
 
 impl Loads {
@@ -71,7 +76,7 @@ impl Loads {
 
     /// Every series at zero (after the metrics recorder is installed).
     pub fn register_series() {
-        for what in ["pack", "tokenizer", "voice", "template", "engine"] {
+        for what in ["pack", "tokenizer", "voice", "template", "engine", "codec"] {
             metrics::counter!(names::RESOURCES_LOADED, "what" => what).absolute(0);
         }
     }
@@ -128,6 +133,8 @@ pub fn pack_version(dir: &Path) -> String {
 }
 
 type EngineKey = (PathBuf, &'static str, i32);
+/// A shared codec is known by its pack, role, precision, provider and device.
+type CodecKey = (PathBuf, &'static str, &'static str, &'static str, i32);
 
 /// A cache of things loaded from files, each with the stamp of the files it was loaded from.
 type Cache<T> = Mutex<HashMap<PathBuf, (Stamp, Arc<T>)>>;
@@ -161,6 +168,7 @@ pub struct Resources {
     tokenizers: Cache<Tokenizer>,
     voices: Mutex<HashMap<VoiceKey, VoiceCodes>>,
     engines: Mutex<HashMap<EngineKey, Weak<SharedLm>>>,
+    codecs: Mutex<HashMap<CodecKey, Weak<SharedCodec>>>,
     /// The fault drill (`DUPLEX_DRILL_ENGINE_PANIC_AT_TICK`), for the first engine opened.
     drill: Mutex<Option<u64>>,
     /// Who hears the engines (their metrics and diagnosis, off their threads): made with the
@@ -202,6 +210,7 @@ impl Resources {
             tokenizers: Mutex::default(),
             voices: Mutex::default(),
             engines: Mutex::default(),
+            codecs: Mutex::default(),
             drill: Mutex::new(
                 std::env::var("DUPLEX_DRILL_ENGINE_PANIC_AT_TICK")
                     .ok()
@@ -349,6 +358,61 @@ impl Resources {
         Ok(e)
     }
 
+    /// The shared codec of `pack`'s `role` step graph of precision `dtype` on `opts`' execution
+    /// provider and device, opened (and warmed) on first use and kept while anything holds it.
+    /// A stage that asks for no slot count (0) gets the process's.
+    ///
+    /// # Errors
+    ///
+    /// As [`SharedCodec::open`].
+    pub fn codec(
+        &self,
+        pack: &Pack,
+        role: StepRole,
+        dtype: FloatType,
+        opts: &CodecOptions,
+    ) -> Result<Arc<SharedCodec>, ModelError> {
+        let (provider, device) = match opts.session.provider {
+            crate::model::session::Provider::Cpu => ("cpu", 0),
+            crate::model::session::Provider::Cuda { device_id } => ("cuda", device_id),
+        };
+        let key = (
+            canonical(&pack.dir),
+            role.graph(),
+            dtype.name(),
+            provider,
+            device,
+        );
+        let mut map = self
+            .codecs
+            .lock()
+            .map_err(|_| ModelError::contract(role.graph(), "the codec table is poisoned"))?;
+        map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
+        if let Some(e) = map.get(&key).and_then(Weak::upgrade) {
+            return Ok(e);
+        }
+        let mut opts = opts.clone();
+        opts.observer = self
+            .observer
+            .get_or_init(crate::observe::engine::EngineMetrics::start)
+            .clone();
+        if opts.slots == 0 {
+            opts.slots = self.slots;
+        }
+        let e = Arc::new(SharedCodec::open(pack, role, dtype, &opts)?);
+        Loads::count(&self.loads.codecs, "codec");
+        map.insert(key, Arc::downgrade(&e));
+        Ok(e)
+    }
+
+    /// The shared codecs open now.
+    pub fn codecs(&self) -> Vec<Arc<SharedCodec>> {
+        self.codecs
+            .lock()
+            .map(|m| m.values().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
     /// The engines open now (failed ones included: [`SharedLm::is_failed`]).
     pub fn engines(&self) -> Vec<Arc<SharedLm>> {
         self.engines
@@ -357,14 +421,19 @@ impl Resources {
             .unwrap_or_default()
     }
 
-    /// Slots of the open engines (the fewest of any), `None` when none is open.
+    /// Slots of the open engines, the LM's and the codecs' (the fewest of any), `None` when
+    /// none is open.
     pub fn total_slots(&self) -> Option<usize> {
-        self.engines().iter().map(|e| e.slots).min()
+        let lm = self.engines().into_iter().map(|e| e.slots);
+        lm.chain(self.codecs().into_iter().map(|c| c.slots)).min()
     }
 
-    /// Free slots of the open engines (the fewest of any), `None` when none is open.
+    /// Free slots of the open engines, the LM's and the codecs' (the fewest of any), `None`
+    /// when none is open.
     pub fn free_slots(&self) -> Option<usize> {
-        self.engines().iter().map(|e| e.free_slots()).min()
+        let lm = self.engines().into_iter().map(|e| e.free_slots());
+        lm.chain(self.codecs().into_iter().map(|c| c.free_slots()))
+            .min()
     }
 }
 

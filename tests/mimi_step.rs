@@ -541,3 +541,268 @@ fn streams_stepped_together_equal_each_stream_alone() {
     let e = enc.encode(&[0.0; FRAME]).unwrap_err().to_string();
     assert!(e.contains("2 rows of 1920"), "{e}");
 }
+
+/// One stream of a batched schedule: it holds `slot` from tick `join` on, codes `frames`
+/// frames of its clip, has no frame at the ticks `idle` picks, and (when `restart` is some)
+/// starts its clip over at that frame of its own.
+struct Scheduled {
+    slot: usize,
+    join: usize,
+    frames: usize,
+    restart: Option<usize>,
+    idle: fn(usize) -> bool,
+    clip: Vec<f32>,
+}
+
+impl Scheduled {
+    /// The clip's frame for the stream's `k`-th frame.
+    fn frame(&self, k: usize) -> &[f32] {
+        let k = match self.restart {
+            Some(r) if k >= r => k - r,
+            _ => k,
+        };
+        &self.clip[k * FRAME..(k + 1) * FRAME]
+    }
+}
+
+/// A shared codec's tick steps only the rows that have a frame (the step graphs' `active`
+/// input): on the tiny and the full-size codec, streams that join and leave at different
+/// ticks, skip ticks, restart mid-stream and reuse a slot give, row by row, the codes of each
+/// stream coded alone and samples within 1e-6 of its own decoding; a row left out of a call
+/// keeps every state byte, and a slot nobody uses stays at its initial state.
+#[test]
+fn rows_left_out_of_a_call_keep_their_state_and_every_stream_equals_itself_alone() {
+    const SLOTS: usize = 4;
+    let full = Pack::open(&packs::pack("tiny-gqa-mimi-full")).unwrap();
+    for (name, pack) in [("tiny", tiny()), ("full-size", full)] {
+        let streams = [
+            // 10 s, idle at every third tick.
+            Scheduled {
+                slot: 0,
+                join: 0,
+                frames: 125,
+                restart: None,
+                idle: |t| t % 3 == 1,
+                clip: speechlike(10.0, 21),
+            },
+            // Joins late, leaves early: its slot is reused by the fourth stream.
+            Scheduled {
+                slot: 1,
+                join: 7,
+                frames: 60,
+                restart: None,
+                idle: |t| t % 5 == 0,
+                clip: speechlike(5.0, 22),
+            },
+            // Restarts its clip at its 40th frame (a new conversation).
+            Scheduled {
+                slot: 2,
+                join: 20,
+                frames: 110,
+                restart: Some(40),
+                idle: |t| t % 7 == 3,
+                clip: speechlike(10.0, 23),
+            },
+            Scheduled {
+                slot: 1,
+                join: 100,
+                frames: 70,
+                restart: None,
+                idle: |_| false,
+                clip: speechlike(6.0, 24),
+            },
+        ];
+        // Alone: each stream on a codec of its own.
+        let alone: Vec<(Vec<Vec<i64>>, Vec<f32>)> = streams
+            .iter()
+            .map(|s| {
+                let mut enc = step(&pack, StepRole::Encoder, FloatType::F32);
+                let mut dec = step(&pack, StepRole::Decoder, FloatType::F32);
+                let (mut codes, mut pcm) = (Vec::new(), Vec::new());
+                for k in 0..s.frames {
+                    if s.restart == Some(k) {
+                        enc.reset();
+                        dec.reset();
+                    }
+                    let c = enc.encode(s.frame(k)).unwrap();
+                    pcm.extend(dec.decode(&c, 2048).unwrap());
+                    codes.push(c);
+                }
+                (codes, pcm)
+            })
+            .collect();
+        // Together, one tick at a time.
+        let open =
+            |role| StepCodec::open_rows(&pack, role, FloatType::F32, &opts(), SLOTS).unwrap();
+        let (mut enc, mut dec) = (open(StepRole::Encoder), open(StepRole::Decoder));
+        assert!(enc.steps_some_rows() && dec.steps_some_rows());
+        let unused = enc.row_state(3);
+        assert!(unused.iter().all(|b| *b == 0));
+        let mut done = vec![0usize; streams.len()];
+        let mut codes_out: Vec<Vec<Vec<i64>>> = vec![Vec::new(); streams.len()];
+        let mut pcm_out: Vec<Vec<f32>> = vec![Vec::new(); streams.len()];
+        let (mut idle_checks, mut ticks) = (0, 0);
+        for t in 0.. {
+            if done.iter().zip(&streams).all(|(d, s)| *d == s.frames) {
+                break;
+            }
+            let mut active = [false; SLOTS];
+            let mut who = [None; SLOTS];
+            let mut pcm_in = vec![0.0f32; SLOTS * FRAME];
+            for (i, s) in streams.iter().enumerate() {
+                if t < s.join || done[i] == s.frames || (s.idle)(t) {
+                    continue;
+                }
+                if done[i] == 0 || s.restart == Some(done[i]) {
+                    enc.reset_row(s.slot);
+                    dec.reset_row(s.slot);
+                }
+                active[s.slot] = true;
+                who[s.slot] = Some(i);
+                pcm_in[s.slot * FRAME..(s.slot + 1) * FRAME].copy_from_slice(s.frame(done[i]));
+            }
+            let before: Vec<Option<(Vec<u8>, Vec<u8>)>> = (0..SLOTS)
+                .map(|r| (!active[r]).then(|| (enc.row_state(r), dec.row_state(r))))
+                .collect();
+            let codes = enc.encode_some(&pcm_in, Some(&active)).unwrap();
+            // The codes of idle rows are meaningless: the decoder gets zeros there.
+            let mut codes_in = vec![0i64; SLOTS * 8];
+            for r in (0..SLOTS).filter(|r| active[*r]) {
+                codes_in[r * 8..(r + 1) * 8].copy_from_slice(&codes[r * 8..(r + 1) * 8]);
+            }
+            let pcm = dec.decode_some(&codes_in, Some(&active), 2048).unwrap();
+            ticks += 1;
+            for r in 0..SLOTS {
+                if let Some((e, d)) = &before[r] {
+                    assert!(
+                        enc.row_state(r) == *e && dec.row_state(r) == *d,
+                        "{name}: row {r}, left out of tick {t}, changed"
+                    );
+                    idle_checks += 1;
+                }
+                if let Some(i) = who[r] {
+                    codes_out[i].push(codes[r * 8..(r + 1) * 8].to_vec());
+                    pcm_out[i].extend_from_slice(&pcm[r * FRAME..(r + 1) * FRAME]);
+                    done[i] += 1;
+                }
+            }
+        }
+        assert_eq!(enc.row_state(3), unused, "{name}: the unused slot");
+        for (i, (codes, pcm)) in alone.iter().enumerate() {
+            assert_same_codes(&codes_out[i], codes);
+            let d = max_diff(&pcm_out[i], pcm);
+            assert!(d <= 1e-6, "{name}: stream {i}'s samples differ by {d}");
+        }
+        eprintln!(
+            "{name}: {ticks} ticks, {idle_checks} rows left out and unchanged, 4 streams equal alone"
+        );
+    }
+    // A graph without the `active` input cannot leave a row out, and says how to rebuild it.
+    let (_keep, old) = packs::without_active_input("tiny");
+    let old = Pack::open(&old).unwrap();
+    let mut enc =
+        StepCodec::open_rows(&old, StepRole::Encoder, FloatType::F32, &opts(), 2).unwrap();
+    assert!(!enc.steps_some_rows());
+    enc.encode_rows(&[0.0; 2 * FRAME]).unwrap();
+    let e = enc
+        .encode_some(&[0.0; 2 * FRAME], Some(&[true, false]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("active") && e.contains("make_mimi_step.py"),
+        "{e}"
+    );
+}
+
+/// The shared codec engine (`SharedCodec`), on its own threads, with conversations on threads
+/// of theirs that come and go at their own pace: the 9 s clip's codes equal the offline
+/// encoder's, the 30 s clip's equal the windowed offline reference's, a third conversation
+/// leaves halfway and a fourth takes its slot, and every decoded stream is within 1e-6 of the
+/// same codes decoded alone. Ticks batched more than one row.
+#[test]
+fn the_shared_codec_engine_codes_every_conversation_as_if_alone() {
+    use duplex::model::engine::{CodecOptions, SharedCodec};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let reference = Pack::open(&windowed_reference(dir.path())).unwrap();
+    let pack = tiny();
+    let opts = CodecOptions {
+        slots: 3,
+        ..Default::default()
+    };
+    let enc = Arc::new(SharedCodec::open(&pack, StepRole::Encoder, FloatType::F32, &opts).unwrap());
+    let dec = Arc::new(SharedCodec::open(&pack, StepRole::Decoder, FloatType::F32, &opts).unwrap());
+    let clips = [
+        speechlike(9.0, 1),
+        speechlike(30.0, 2),
+        speechlike(4.0, 3),
+        speechlike(8.0, 4),
+    ];
+    let run = |clip: Vec<f32>, pause_every: usize, stop_after: Option<usize>| {
+        let (enc, dec) = (enc.clone(), dec.clone());
+        std::thread::spawn(move || {
+            let mut e = enc.slot().unwrap();
+            let mut d = dec.slot().unwrap();
+            let rows = (e.row(), d.row());
+            let (mut codes, mut pcm) = (Vec::new(), Vec::new());
+            for (k, f) in clip.chunks_exact(FRAME).enumerate() {
+                if stop_after == Some(k) {
+                    break;
+                }
+                if k % pause_every == pause_every - 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(7));
+                }
+                let c = e.encode(f).unwrap();
+                pcm.extend(d.decode(&c).unwrap());
+                codes.push(c);
+            }
+            (codes, pcm, rows)
+        })
+    };
+    let a = run(clips[0].clone(), 4, None);
+    let b = run(clips[1].clone(), 5, None);
+    let c = run(clips[2].clone(), 3, Some(25));
+    let (c_codes, c_pcm, c_rows) = c.join().unwrap();
+    // The third conversation has left: the fourth takes its slot.
+    let d4 = run(clips[3].clone(), 6, None);
+    let (a_codes, a_pcm, _) = a.join().unwrap();
+    let (b_codes, b_pcm, _) = b.join().unwrap();
+    let (d_codes, d_pcm, d_rows) = d4.join().unwrap();
+    assert_eq!(
+        c_rows, d_rows,
+        "the fourth conversation reuses the third's slot"
+    );
+    assert_same_codes(&a_codes, &offline_codes(&pack, &clips[0]));
+    assert_same_codes(&b_codes, &offline_codes(&reference, &clips[1]));
+    for (name, clip, codes, pcm, n) in [
+        ("9 s", &clips[0], &a_codes, &a_pcm, 112),
+        ("30 s", &clips[1], &b_codes, &b_pcm, 375),
+        ("leaving", &clips[2], &c_codes, &c_pcm, 25),
+        ("reusing", &clips[3], &d_codes, &d_pcm, 100),
+    ] {
+        assert_eq!(codes.len(), n, "{name}");
+        let mut e = step(&pack, StepRole::Encoder, FloatType::F32);
+        let alone: Vec<Vec<i64>> = clip
+            .chunks_exact(FRAME)
+            .take(n)
+            .map(|f| e.encode(f).unwrap())
+            .collect();
+        assert_same_codes(codes, &alone);
+        let mut d = step(&pack, StepRole::Decoder, FloatType::F32);
+        let d_alone = decode_frames(&mut d, codes);
+        let diff = max_diff(pcm, &d_alone);
+        assert!(diff <= 1e-6, "{name}: decoded samples differ by {diff}");
+    }
+    let s = &enc.stats;
+    eprintln!(
+        "encoder: {} ticks, mean batch {:.2}, max {}",
+        s.ticks.load(std::sync::atomic::Ordering::Relaxed),
+        s.mean_batch(),
+        s.max_batch.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(
+        s.max_batch.load(std::sync::atomic::Ordering::Relaxed) >= 2,
+        "no tick batched two conversations"
+    );
+    assert_eq!(enc.free_slots(), 3, "every slot was given back");
+}

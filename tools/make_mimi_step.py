@@ -9,6 +9,10 @@ The offline graphs of a pack (`mimi_encoder`, `mimi_decoder`, built by the expor
 * `mimi_encoder_step`: `pcm` (B, 1, 1920) float32 + state -> `codes` (B, 8, 1) int64 + state;
 * `mimi_decoder_step`: `codes` (B, 8, 1) int64 + state -> `pcm` (B, 1, 1920) float32 + state;
 
+and an `active` (B,) bool input to both: a row whose `active` is false keeps every state tensor
+and counter bit for bit (its output is meaningless), so one batched call can step the rows that
+have a frame and leave the others as they were (a shared codec's tick);
+
 each beside a `state.json` that names every state tensor (input, output, shape without the
 batch dimension, dtype, initial value), so that a runtime needs no list of its own. fp16 graphs
 (`--dtype f16`, folders `*_step_f16`) keep float32 PCM at their edges.
@@ -122,11 +126,27 @@ def _modules():
             # (B, 1, 1) bool: the stream's first call, set by the transformer (its `filled`
             # counter), read by the replicate-padded downsample after it.
             self.first = None
+            # (B,) bool, the graph input `active`: rows without a frame this call keep every
+            # state and counter bit for bit (their frame output is meaningless).
+            self.active = None
+            self._inputs = {}
+            self._inplace = set()
+
+        def active_like(self, rank):
+            """`active` reshaped to (B, 1, ...) of `rank` dimensions, for a Where."""
+            op = self.builder.op
+            if rank == 1:
+                return self.active
+            shape = op.Constant(value=ir.tensor(np.array([-1] + [1] * (rank - 1), dtype=np.int64)))
+            return op.Reshape(self.active, shape)
 
         def state(self, key, shape, dtype=None, inplace=False):
             dtype = dtype or self.dtype
             batch = ir.SymbolicDim("batch")
             value = self.builder.input(f"state.{key}", dtype=dtype, shape=[batch, *shape])
+            self._inputs[key] = (value, 1 + len(shape))
+            if inplace:
+                self._inplace.add(key)
             self.states.append(
                 {
                     "name": key,
@@ -142,6 +162,11 @@ def _modules():
             return value
 
         def next(self, key, value):
+            if key not in self._inplace:
+                # A row without a frame keeps its state (in-place rings keep theirs by what
+                # they are written with: see StepAttention).
+                old, rank = self._inputs[key]
+                value = self.builder.op.Where(self.active_like(rank), value, old)
             self.outputs.append((value, f"state_next.{key}"))
 
     class StepConv(nn.Module):
@@ -292,6 +317,9 @@ def _modules():
             caches = []
             for name, new in (("k", k), ("v", v)):
                 ring = step.state(f"{key}.{name}", [WINDOW, self._width], inplace=True)
+                # A row without a frame writes back what its slots held.
+                held = op.GatherElements(ring, op.Expand(ctx.slots, op.Shape(new)), axis=1)
+                new = op.Where(step.active_like(3), new, held)
                 ring = op.TensorScatter(ring, new, ctx.write, axis=1, mode="circular")
                 step.next(f"{key}.{name}", ring)
                 caches.append(ring)
@@ -345,6 +373,8 @@ def _modules():
             ctx.cos = op.Cast(op.Cos(angles), to=step.dtype)
             ctx.sin = op.Cast(op.Sin(angles), to=step.dtype)
             ctx.write = op.Mod(position, i64(WINDOW))
+            # The ring slots this call writes: (B, T, 1).
+            ctx.slots = op.Unsqueeze(op.Mod(pos, i64(WINDOW)), i64([2]))
             # The ring slot s holds the latest position a(s) <= last with a(s) = s (mod WINDOW).
             last = op.Add(position, i64(t - 1))
             slots = i64(np.arange(WINDOW).reshape(1, WINDOW))
@@ -557,6 +587,7 @@ def build(sizes: Sizes, dtype_name: str, gemm: bool):
                 graph, builder = _make_graph(name=f"mimi_{role}_step")
                 step = Step(builder, dtype)
                 x = builder.input(in_name, dtype=in_dtype, shape=in_shape)
+                step.active = builder.input("active", dtype=ir.DataType.BOOL, shape=[batch])
                 y = getattr(module, role)(builder.op, x, step)
                 builder.add_output(y, out_name)
                 for value, name in step.outputs:
@@ -631,6 +662,7 @@ def add_step_graphs(pack: str, dtypes=("f32", "f16"), gemm: bool = True, say=pri
                 "rvq": ("gemm" if gemm else "broadcast") if role == "encoder" else None,
                 "input": "pcm" if role == "encoder" else "codes",
                 "output": "codes" if role == "encoder" else "pcm",
+                "active": "active",
                 "states": states,
             }
             with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:

@@ -13,8 +13,11 @@
 //! a bound input, runs, and reads the bound output: no allocation, no copy of the state.
 //!
 //! A codec opened with [`StepCodec::open_rows`] steps several streams in one call, one batch
-//! row each, every row a frame per call; each row keeps its own state and counters, so a row
-//! can start a new stream ([`StepCodec::reset_row`]) while the others go on.
+//! row each; each row keeps its own state and counters, so a row can start a new stream
+//! ([`StepCodec::reset_row`]) while the others go on. Graphs with the `active` input (the
+//! manifest's `active`) step only the rows that have a frame and leave the others exactly as
+//! they were ([`StepCodec::encode_some`], [`StepCodec::decode_some`]): what a shared codec's
+//! tick needs, since its conversations' frames do not all come at once.
 //!
 //! Buffers are host memory; under CUDA, ONNX Runtime copies them to the device around each run.
 //!
@@ -55,6 +58,11 @@ pub struct StepManifest {
     pub input: String,
     /// The frame output's name (`codes` or `pcm`).
     pub output: String,
+    /// The per-row `active` input (bool, one per batch row): a row whose flag is false keeps
+    /// every state bit for bit. Absent in graphs built before it, which step every row on
+    /// every call and cannot serve a shared codec.
+    #[serde(default)]
+    pub active: Option<String>,
     /// Every state tensor.
     pub states: Vec<StateSpec>,
 }
@@ -144,6 +152,8 @@ pub struct StepCodec {
     states: Vec<State>,
     input: Buffer,
     output: Buffer,
+    /// The `active` flags (one byte per row), when the graph has them.
+    active: Option<Buffer>,
     parity: usize,
     graph: &'static str,
     /// What the graph says about itself.
@@ -249,6 +259,7 @@ impl StepCodec {
         let mut want_inputs: Vec<String> =
             manifest.states.iter().map(|s| s.input.clone()).collect();
         want_inputs.push(manifest.input.clone());
+        want_inputs.extend(manifest.active.clone());
         let mut want_outputs: Vec<String> =
             manifest.states.iter().map(|s| s.output.clone()).collect();
         want_outputs.push(manifest.output.clone());
@@ -292,10 +303,22 @@ impl StepCodec {
         };
         let mut input = Buffer::zeros(&alloc, in_ty, &in_shape).map_err(e)?;
         let mut output = Buffer::zeros(&alloc, out_ty, &out_shape).map_err(e)?;
+        let mut active = match &manifest.active {
+            Some(_) => {
+                let mut b = Buffer::zeros(&alloc, TensorElementType::Bool, &[batch]).map_err(e)?;
+                b.as_bytes().fill(1);
+                Some(b)
+            }
+            None => None,
+        };
         let mut bind = |parity: usize| -> ort::Result<IoBinding> {
             let mut b = os.session.create_binding()?;
             let v = input.view(&alloc, &in_shape)?;
             b.bind_input(manifest.input.as_str(), &v)?;
+            if let (Some(name), Some(buf)) = (&manifest.active, active.as_mut()) {
+                let v = buf.view(&alloc, &[batch])?;
+                b.bind_input(name.as_str(), &v)?;
+            }
             let v = output.view(&alloc, &out_shape)?;
             b.bind_output(manifest.output.as_str(), v)?;
             for (s, st) in manifest.states.iter().zip(states.iter_mut()) {
@@ -328,6 +351,7 @@ impl StepCodec {
             states,
             input,
             output,
+            active,
             parity: 0,
             graph,
             provider: os.provider,
@@ -403,6 +427,57 @@ impl StepCodec {
     ///
     /// Frames of the wrong size, a decoder graph, ONNX Runtime errors.
     pub fn encode_rows(&mut self, frames: &[f32]) -> Result<Vec<i64>, ModelError> {
+        self.encode_some(frames, None)
+    }
+
+    /// Whether the graph can step some rows and leave the others as they were (its manifest
+    /// names the `active` input).
+    pub fn steps_some_rows(&self) -> bool {
+        self.active.is_some()
+    }
+
+    /// Sets which rows the next call steps (`None`: all). A graph without the `active` input
+    /// steps all rows or refuses.
+    fn set_active(&mut self, active: Option<&[bool]>) -> Result<(), ModelError> {
+        match (active, self.active.as_mut()) {
+            (None, Some(buf)) => buf.as_bytes().fill(1),
+            (None, None) => {}
+            (Some(a), _) if a.len() != self.rows => {
+                return Err(ModelError::contract(
+                    self.graph,
+                    format!("{} row flags for {} rows", a.len(), self.rows),
+                ))
+            }
+            (Some(a), Some(buf)) => {
+                for (b, &on) in buf.as_bytes().iter_mut().zip(a) {
+                    *b = u8::from(on);
+                }
+            }
+            (Some(a), None) if a.iter().all(|&on| on) => {}
+            (Some(_), None) => {
+                return Err(ModelError::contract(
+                    self.graph,
+                    "this step graph has no `active` input: it cannot leave a row out of a call \
+                     (rebuild the pack's step graphs with tools/make_mimi_step.py)",
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// As [`encode_rows`](Self::encode_rows), stepping only the rows whose flag in `active` is
+    /// set (`None`: all): the others keep their state, and their codes in the result are
+    /// meaningless. Their frames are read but do not matter.
+    ///
+    /// # Errors
+    ///
+    /// As [`encode_rows`](Self::encode_rows); flags for another number of rows; rows left out
+    /// on a graph without the `active` input.
+    pub fn encode_some(
+        &mut self,
+        frames: &[f32],
+        active: Option<&[bool]>,
+    ) -> Result<Vec<i64>, ModelError> {
         if self.manifest.input != "pcm" {
             return Err(ModelError::contract(self.graph, "not an encoder"));
         }
@@ -419,6 +494,7 @@ impl StepCodec {
                 ),
             ));
         }
+        self.set_active(active)?;
         self.input.as_slice::<f32>().copy_from_slice(frames);
         self.run()?;
         Ok(self.output.as_slice::<i64>().to_vec())
@@ -442,6 +518,23 @@ impl StepCodec {
     /// Codes of the wrong count or out of `0..audio_vocab`, an encoder graph, ONNX Runtime
     /// errors.
     pub fn decode_rows(&mut self, codes: &[i64], audio_vocab: i64) -> Result<Vec<f32>, ModelError> {
+        self.decode_some(codes, None, audio_vocab)
+    }
+
+    /// As [`decode_rows`](Self::decode_rows), stepping only the rows whose flag in `active` is
+    /// set (`None`: all): the others keep their state, and their samples in the result are
+    /// meaningless. Their codes are read, so they must be in range (zeros will do).
+    ///
+    /// # Errors
+    ///
+    /// As [`decode_rows`](Self::decode_rows); flags for another number of rows; rows left out
+    /// on a graph without the `active` input.
+    pub fn decode_some(
+        &mut self,
+        codes: &[i64],
+        active: Option<&[bool]>,
+        audio_vocab: i64,
+    ) -> Result<Vec<f32>, ModelError> {
         if self.manifest.input != "codes" {
             return Err(ModelError::contract(self.graph, "not a decoder"));
         }
@@ -469,6 +562,7 @@ impl StepCodec {
                 limit: audio_vocab,
             });
         }
+        self.set_active(active)?;
         self.input.as_slice::<i64>().copy_from_slice(codes);
         self.run()?;
         Ok(self.output.as_slice::<f32>().to_vec())
@@ -484,6 +578,23 @@ impl StepCodec {
         // The current value is in the set the next call reads.
         let r = if st.bufs.len() == 1 { 0 } else { self.parity };
         st.bufs[r].as_slice::<i64>().first().copied()
+    }
+
+    /// The bytes of row `row`'s whole state as the next call reads it (every state tensor in
+    /// the manifest's order): how tests show that a row left out of a call kept its state bit
+    /// for bit.
+    pub fn row_state(&mut self, row: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let parity = self.parity;
+        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+            let r = if st.bufs.len() == 1 { 0 } else { parity };
+            let b = &mut st.bufs[r];
+            let n = s.shape.iter().product::<i64>().max(0) as usize * b.element_bytes();
+            if let Some(bytes) = b.as_bytes().get(row * n..(row + 1) * n) {
+                out.extend_from_slice(bytes);
+            }
+        }
+        out
     }
 
     /// Sets every i64 state called `*.position` to `value` (a stream that started `value`

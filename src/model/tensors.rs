@@ -69,6 +69,11 @@ impl Buffer {
         })
     }
 
+    /// Bytes per element.
+    pub fn element_bytes(&self) -> usize {
+        element_size(self.ty)
+    }
+
     /// A tensor of `shape` over the first elements of this buffer (no copy).
     ///
     /// The view must not outlive the buffer: owners keep views in fields dropped before their

@@ -121,11 +121,12 @@ pub const AEC_DOUBLE_TALK: &str = "duplex_aec_double_talk_ratio";
 /// Times an `aec` stage realigned its reference to the capture clock (`stage`).
 pub const AEC_REALIGNS: &str = "duplex_aec_realigns_total";
 
-/// Histogram, label `engine` (`temporal|depformer`) and, for the temporal engine, `context` (the
-/// longest KV context in the batch, in buckets of 375 frames): one batched step of the shared LM
-/// engine, every session in the tick at once.
+/// Histogram, label `engine` (`temporal|depformer|codec_encoder|codec_decoder`) and, for the
+/// temporal engine, `context` (the longest KV context in the batch, in buckets of 375 frames):
+/// one batched step of a shared engine (the LM's or a codec's), every session in the tick at
+/// once.
 pub const ENGINE_TICK: &str = "duplex_engine_tick_seconds";
-/// Histogram, label `engine`: sessions stepped in one tick of the shared LM engine.
+/// Histogram, label `engine`: sessions stepped in one tick of a shared engine.
 pub const ENGINE_BATCH: &str = "duplex_engine_batch_size";
 /// Counter: requests a conversation had not submitted when the tick that expected it ran (it is
 /// stepped in a later tick; the others did not wait longer for it).
@@ -142,3 +143,13 @@ pub const ENGINE_FAILURES: &str = "duplex_engine_failures_total";
 pub const ENGINE_EVENTS_DROPPED: &str = "duplex_engine_events_dropped_total";
 /// Gauge: KV slots of the shared LM engine in use.
 pub const ENGINE_SLOTS_USED: &str = "duplex_engine_slots_used";
+/// Gauge, label `engine` (`codec_encoder|codec_decoder`): shared codec engines open (one per
+/// pack, role, precision, provider and device; closed when their last conversation leaves).
+pub const CODECS_OPEN: &str = "duplex_codec_engines_open";
+/// Gauge, label `engine`: slots (batch rows) of the shared codec.
+pub const CODEC_SLOTS: &str = "duplex_codec_slots";
+/// Gauge, label `engine`: slots of the shared codec in use.
+pub const CODEC_SLOTS_USED: &str = "duplex_codec_slots_used";
+/// Counter, label `engine`: frames a shared codec's tick expected that had not come (coded in a
+/// later tick; the others did not wait longer for them).
+pub const CODEC_LATE: &str = "duplex_codec_late_frames_total";

@@ -1,15 +1,23 @@
 //! The codec strategy of the Mimi stages: `stateful` (the pack's step graphs, one frame of work
 //! per frame, equal to offline coding) or `window` (the whole-utterance graphs re-run on the
-//! last `window` frames), chosen by the `streaming` param and logged.
+//! last `window` frames), chosen by the `streaming` param and logged; and, for `stateful`, a
+//! step graph of the stage's own or a slot of the process's shared codec (`engine: shared`).
 
 use crate::config::Params;
+use crate::model::engine::{CodecOptions, CodecSlot};
 use crate::model::mimi::{MimiDecoder, MimiEncoder};
 use crate::model::mimi_step::StepCodec;
 use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::ModelError;
 
 use super::model_params::session_options;
-use super::BuildError;
+use super::{BuildContext, BuildError};
+
+/// A stateful codec: a step graph of the stage's own, or a slot of the shared codec.
+pub(super) enum Step {
+    Own(Box<StepCodec>),
+    Shared(Box<CodecSlot>),
+}
 
 /// The step graph's precision a stage's params ask for.
 fn step_dtype(p: &Params) -> FloatType {
@@ -22,15 +30,35 @@ fn step_dtype(p: &Params) -> FloatType {
 /// The step graph the stage runs, opened, or None for the window: `stateful` needs the step
 /// graphs, `auto` takes them when the pack has them. Logged with the reason.
 fn open_step(
+    cx: &BuildContext<'_>,
     pack: &Pack,
     p: &Params,
     role: StepRole,
-    stage: &str,
-) -> Result<Option<Box<StepCodec>>, BuildError> {
+) -> Result<Option<Step>, BuildError> {
+    let stage = cx.stage;
     let dtype = step_dtype(p);
     let have = pack.step_graph(role, dtype).is_some();
+    let shared = p.str("engine") == "shared";
     let chosen = match p.str("streaming") {
+        "window" if shared => {
+            return Err(BuildError::invalid(
+                "`engine: shared` needs `streaming: stateful` (or auto): the shared codec steps \
+                 the pack's step graphs",
+            )
+            .key("engine"));
+        }
         "window" => false,
+        _ if shared && !have => {
+            return Err(BuildError::invalid(format!(
+                "{}: `engine: shared` needs the pack's {} step graph of precision {} (build it \
+                 with python tools/make_mimi_step.py {})",
+                pack.dir.display(),
+                role.graph(),
+                dtype.name(),
+                pack.dir.display()
+            ))
+            .key("engine"));
+        }
         "stateful" if !have => {
             return Err(BuildError::invalid(format!(
                 "{}: the pack has no {} step graph of precision {} (build it with \
@@ -55,28 +83,73 @@ fn open_step(
         strategy = if chosen { "stateful" } else { "window" },
         dtype = if chosen { dtype.name() } else { "f32" },
         why,
+        engine = p.str("engine"),
         "codec streaming"
     );
     if !chosen {
         return Ok(None);
     }
-    Ok(Some(Box::new(StepCodec::open(
-        pack,
-        role,
-        dtype,
-        &session_options(p),
-    )?)))
+    if !shared {
+        return Ok(Some(Step::Own(Box::new(StepCodec::open(
+            pack,
+            role,
+            dtype,
+            &session_options(p),
+        )?))));
+    }
+    let opts = CodecOptions {
+        session: session_options(p),
+        slots: p.int("slots") as usize,
+        ..Default::default()
+    };
+    let codec = match cx.resources {
+        Some(r) => r.codec(pack, role, dtype, &opts),
+        None => crate::resources::Resources::new(1).codec(pack, role, dtype, &opts),
+    }
+    .map_err(|e| {
+        let b = BuildError::from(e);
+        if b.key.is_none() {
+            b.key("engine")
+        } else {
+            b
+        }
+    })?;
+    // A full codec is a capacity error (retryable), as a full LM engine is.
+    let slot = codec.slot().map_err(BuildError::from)?;
+    Ok(Some(Step::Shared(Box::new(slot))))
+}
+
+impl Step {
+    fn runs_on(&self) -> String {
+        match self {
+            Step::Own(s) => s.runs_on(),
+            Step::Shared(s) => s.codec().runs_on(),
+        }
+    }
+
+    fn reset(&mut self) {
+        match self {
+            Step::Own(s) => s.reset(),
+            Step::Shared(s) => s.reset(),
+        }
+    }
+
+    /// Whether the first frame of the stage must be paid before the first real one (a shared
+    /// codec was warmed when it opened).
+    fn needs_warming(&self) -> bool {
+        matches!(self, Step::Own(_))
+    }
 }
 
 /// An encoder of either strategy.
 pub(super) enum Encoder {
-    Stateful(Box<StepCodec>),
+    Stateful(Step),
     Window(MimiEncoder),
 }
 
 impl Encoder {
-    pub fn open(pack: &Pack, p: &Params, stage: &str) -> Result<Encoder, BuildError> {
-        Ok(match open_step(pack, p, StepRole::Encoder, stage)? {
+    pub fn open(cx: &BuildContext<'_>, pack: &Pack, p: &Params) -> Result<Encoder, BuildError> {
+        Ok(match open_step(cx, pack, p, StepRole::Encoder)? {
             Some(s) => Encoder::Stateful(s),
             None => Encoder::Window(MimiEncoder::open(
                 pack,
@@ -95,7 +168,8 @@ impl Encoder {
 
     pub fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
         match self {
-            Encoder::Stateful(s) => s.encode(frame),
+            Encoder::Stateful(Step::Own(s)) => s.encode(frame),
+            Encoder::Stateful(Step::Shared(s)) => s.encode(frame),
             Encoder::Window(w) => w.push(frame),
         }
     }
@@ -106,17 +180,25 @@ impl Encoder {
             Encoder::Window(w) => w.reset(),
         }
     }
+
+    /// Whether the stage should pay the graph's first (slow) run before its first frame.
+    pub fn needs_warming(&self) -> bool {
+        match self {
+            Encoder::Stateful(s) => s.needs_warming(),
+            Encoder::Window(_) => true,
+        }
+    }
 }
 
 /// A decoder of either strategy.
 pub(super) enum Decoder {
-    Stateful(Box<StepCodec>),
+    Stateful(Step),
     Window(MimiDecoder),
 }
 
 impl Decoder {
-    pub fn open(pack: &Pack, p: &Params, stage: &str) -> Result<Decoder, BuildError> {
-        Ok(match open_step(pack, p, StepRole::Decoder, stage)? {
+    pub fn open(cx: &BuildContext<'_>, pack: &Pack, p: &Params) -> Result<Decoder, BuildError> {
+        Ok(match open_step(cx, pack, p, StepRole::Decoder)? {
             Some(s) => Decoder::Stateful(s),
             None => Decoder::Window(MimiDecoder::open(
                 pack,
@@ -135,7 +217,8 @@ impl Decoder {
 
     pub fn push(&mut self, codes: &[i64], vocab: i64) -> Result<Vec<f32>, ModelError> {
         match self {
-            Decoder::Stateful(s) => s.decode(codes, vocab),
+            Decoder::Stateful(Step::Own(s)) => s.decode(codes, vocab),
+            Decoder::Stateful(Step::Shared(s)) => s.decode(codes),
             Decoder::Window(w) => w.push(codes, vocab),
         }
     }
@@ -144,6 +227,14 @@ impl Decoder {
         match self {
             Decoder::Stateful(s) => s.reset(),
             Decoder::Window(w) => w.reset(),
+        }
+    }
+
+    /// Whether the stage should pay the graph's first (slow) run before its first frame.
+    pub fn needs_warming(&self) -> bool {
+        match self {
+            Decoder::Stateful(s) => s.needs_warming(),
+            Decoder::Window(_) => true,
         }
     }
 }

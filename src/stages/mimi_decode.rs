@@ -1,7 +1,8 @@
 //! `mimi_decode`: the agent's codes → 1920-sample frames at 24 kHz, streaming: on the pack's
 //! step graphs (`streaming: stateful`, the default when it has them) or on a rolling window of
-//! the whole-utterance graph. Runs in its own actor, so decoding frame t overlaps the LM's work
-//! on frame t+1. A new conversation starts a new stream at the next frame.
+//! the whole-utterance graph; with `engine: shared`, in a slot of the process's shared decoder.
+//! Runs in its own actor, so decoding frame t overlaps the LM's work on frame t+1. A new
+//! conversation starts a new stream at the next frame.
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
@@ -24,7 +25,7 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(cx, p)?;
-    let dec = Decoder::open(&pack, p, cx.stage)?;
+    let dec = Decoder::open(cx, &pack, p)?;
     cx.endpoint().set("model", dec.runs_on());
     let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiDecode {
@@ -58,7 +59,9 @@ impl Stage for MimiDecode {
     }
 
     fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
-        self.dec.push(&self.silence, self.vocab)?;
+        if self.dec.needs_warming() {
+            self.dec.push(&self.silence, self.vocab)?;
+        }
         self.dec.reset();
         Ok(())
     }

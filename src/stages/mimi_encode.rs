@@ -1,7 +1,8 @@
 //! `mimi_encode`: 1920-sample frames at 24 kHz → the user's codes, streaming: on the pack's step
 //! graphs (`streaming: stateful`, the default when it has them) or on a rolling window of the
-//! whole-utterance graph. A new conversation (the LM stage's reset or re-prime) starts a new
-//! stream at the next frame.
+//! whole-utterance graph; with `engine: shared`, in a slot of the process's shared encoder (one
+//! batched call per tick for every conversation). A new conversation (the LM stage's reset or
+//! re-prime) starts a new stream at the next frame.
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
@@ -24,7 +25,7 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let pack = open_pack(cx, p)?;
-    let enc = Encoder::open(&pack, p, cx.stage)?;
+    let enc = Encoder::open(cx, &pack, p)?;
     cx.endpoint().set("model", enc.runs_on());
     let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiEncode {
@@ -58,8 +59,11 @@ impl Stage for MimiEncode {
     }
 
     fn start(&mut self, _cx: &mut Context<'_>) -> StageResult {
-        // The first run of a graph is slow: pay it before the first real frame.
-        self.enc.push(&vec![0.0; self.frame])?;
+        // The first run of a graph is slow: pay it before the first real frame (a shared
+        // codec paid it when it opened).
+        if self.enc.needs_warming() {
+            self.enc.push(&vec![0.0; self.frame])?;
+        }
         self.enc.reset();
         Ok(())
     }

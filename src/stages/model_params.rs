@@ -41,6 +41,13 @@ macro_rules! model_params {
                 default: D::Int(8),
                 doc: "frames of left context re-run per frame (window)",
             },
+            ParamSpec {
+                name: "engine",
+                ty: T::Choice(&["own", "shared"]),
+                default: D::Str("own"),
+                doc: "own: a step graph of this pipeline's own; shared: the process's codec (weights loaded once, every conversation's frame in one batched call per tick; stateful step graphs with the `active` input)",
+            },
+            $crate::stages::model_params::SLOTS_PARAM,
             $($spec,)*
         ]
     };
@@ -97,7 +104,7 @@ pub(super) const SLOTS_PARAM: crate::config::ParamSpec = crate::config::ParamSpe
     name: "slots",
     ty: crate::config::ParamType::Int { min: 0, max: 4096 },
     default: crate::config::ParamDefault::Int(0),
-    doc: "KV slots of the shared engine (0 = the conversations the process hosts: `duplex serve`'s `max_sessions`)",
+    doc: "slots of the shared engine (0 = the conversations the process hosts: `duplex serve`'s `max_sessions`)",
 };
 
 /// The process's shared engine for the stage's pack when `engine: shared`, else `None` (a

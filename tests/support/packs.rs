@@ -85,3 +85,54 @@ pub fn without_step_graphs(name: &str) -> (tempfile::TempDir, PathBuf) {
     }
     (dir, dst)
 }
+
+/// A copy of pack `name` whose fp32 step graphs are as built before the `active` input: the
+/// same graphs with `active` made inside from the batch size (every row steps on every call),
+/// and a `state.json` that names no `active` input.
+pub fn without_active_input(name: &str) -> (tempfile::TempDir, PathBuf) {
+    const REWRITE: &str = r#"
+import json, sys
+import onnx
+from onnx import TensorProto, helper
+src, dst = sys.argv[1], sys.argv[2]
+m = onnx.load(src + "/model.onnx", load_external_data=False)
+g = m.graph
+frame = [i.name for i in g.input if i.name in ("pcm", "codes")][0]
+kept = [i for i in g.input if i.name != "active"]
+del g.input[:]
+g.input.extend(kept)
+ones = helper.make_tensor("one", TensorProto.BOOL, [1], [True])
+g.node.insert(0, helper.make_node("ConstantOfShape", ["active.batch"], ["active"], value=ones))
+g.node.insert(0, helper.make_node("Shape", [frame], ["active.batch"], start=0, end=1))
+onnx.save(m, dst + "/model.onnx")
+s = json.load(open(src + "/state.json"))
+s.pop("active", None)
+json.dump(s, open(dst + "/state.json", "w"))
+"#;
+    let (dir, dst) = variant(name, "");
+    let src = pack(name);
+    for g in ["mimi_encoder_step", "mimi_decoder_step"] {
+        std::fs::remove_file(dst.join(g)).unwrap();
+        std::fs::create_dir(dst.join(g)).unwrap();
+        // Copied: ONNX Runtime refuses weights that resolve outside the graph's folder.
+        std::fs::copy(
+            src.join(g).join("model.onnx.data"),
+            dst.join(g).join("model.onnx.data"),
+        )
+        .unwrap();
+        let o = std::process::Command::new(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"),
+        )
+        .args(["-c", REWRITE])
+        .arg(src.join(g))
+        .arg(dst.join(g))
+        .output()
+        .expect("run .venv/bin/python (make setup)");
+        assert!(
+            o.status.success(),
+            "rewriting {g}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    (dir, dst)
+}

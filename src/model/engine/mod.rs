@@ -33,6 +33,7 @@
 //! Only GQA temporal graphs can share an engine (the standard graph has one past length for the
 //! whole batch). Knows nothing of stages, pipelines or the network.
 
+pub mod codec;
 pub mod depformer;
 pub mod scheduler;
 pub mod temporal;
@@ -43,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 
+pub use self::codec::{CodecOptions, CodecSlot, SharedCodec};
 pub use self::depformer::DepformerClient;
 use self::depformer::DepformerJob;
 use self::scheduler::{Arrival, Request, Scheduler, Served};
@@ -89,6 +91,40 @@ pub enum EngineEvent {
         /// Frames in it.
         batch: usize,
         /// Its time.
+        seconds: f64,
+    },
+    /// A shared codec opened (`open`) or closed.
+    CodecOpen {
+        /// `codec_encoder` or `codec_decoder`.
+        engine: &'static str,
+        /// Opened, or closed.
+        open: bool,
+    },
+    /// A shared codec's slots, and how many are claimed.
+    CodecSlots {
+        /// `codec_encoder` or `codec_decoder`.
+        engine: &'static str,
+        /// Slots.
+        slots: usize,
+        /// Claimed.
+        used: usize,
+    },
+    /// Frames a shared codec's tick expected that had not come.
+    CodecLate {
+        /// `codec_encoder` or `codec_decoder`.
+        engine: &'static str,
+        /// How many.
+        n: usize,
+    },
+    /// A shared codec's batched call.
+    CodecTick {
+        /// `codec_encoder` or `codec_decoder`.
+        engine: &'static str,
+        /// Rows with a frame.
+        batch: usize,
+        /// The most frames any of them had stepped since its stream started.
+        context: usize,
+        /// The graph call's time.
         seconds: f64,
     },
 }
