@@ -8,10 +8,12 @@
 //!    second, split into the model stages and everything else (network, Opus, framing).
 //! 2. Memory per additional session (resident), and what a quiet session costs (the model's clock
 //!    keeps running on silence).
-//! 3. Both again with the session template's LM on the process's shared engine (`engine:
-//!    shared`: weights once, every session stepped in one batched call per tick), side by side.
+//! 3. Both again with the session template's LM and codec on the process's shared engines
+//!    (`engine: shared`: weights once, every session stepped in one batched call per tick), side
+//!    by side; then with the full-size Mimi (`tiny-gqa-mimi-full`: the tiny LM, the real codec's
+//!    shapes), the codec per session against the shared codec.
 //!
-//! Run with `cargo bench --bench serve`.
+//! Run with `cargo bench --bench serve` (`-- full` for the full-size codec's sections only).
 
 #[path = "support/mod.rs"]
 mod support;
@@ -24,24 +26,80 @@ use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
 
 const SECONDS: f64 = 8.0;
-const LEVELS: &[usize] = &[1, 2, 4, 6, 8, 10, 12, 14, 16];
 
-fn start(shared: bool) -> support::Server {
+/// The runs: the tiny pack with everything per session and everything shared, then the tiny LM
+/// with the full-size Mimi (`tiny-gqa-mimi-full`), the LM shared and the codec per session or
+/// shared: where the codec is what limits a server.
+const SETUPS: &[Setup] = &[
+    Setup {
+        label: "tiny pack, LM and codec of each session's own (engine: own)",
+        pack: "tiny-gqa",
+        lm_shared: false,
+        codec_shared: false,
+        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16],
+    },
+    Setup {
+        label:
+            "tiny pack, LM and codec on the process's shared engines (engine: shared, the default)",
+        pack: "tiny-gqa",
+        lm_shared: true,
+        codec_shared: true,
+        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16],
+    },
+    Setup {
+        label: "full-size codec (tiny-gqa-mimi-full), LM shared, codec of each session's own",
+        pack: "tiny-gqa-mimi-full",
+        lm_shared: true,
+        codec_shared: false,
+        levels: &[1, 2, 3, 4, 6, 8],
+    },
+    Setup {
+        label: "full-size codec (tiny-gqa-mimi-full), LM and codec shared",
+        pack: "tiny-gqa-mimi-full",
+        lm_shared: true,
+        codec_shared: true,
+        levels: &[1, 2, 4, 6, 8, 10, 12],
+    },
+];
+
+/// How a run's template is set up.
+struct Setup {
+    /// What the section is called.
+    label: &'static str,
+    /// The pack under `models/`.
+    pack: &'static str,
+    /// The LM on the shared engine.
+    lm_shared: bool,
+    /// The codec on the shared encoder and decoder.
+    codec_shared: bool,
+    /// Session counts tried, in order, until one falls behind.
+    levels: &'static [usize],
+}
+
+fn start(setup: &Setup) -> support::Server {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = tempfile::tempdir().unwrap();
     let tpl = dir.path().join("session.yaml");
     let mut text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
         .unwrap()
+        .replace("models/tiny-gqa\n", &format!("models/{}\n", setup.pack))
         .replace("models/", &format!("{}/models/", root.display()));
-    // The default template runs the LM on the shared engine.
-    if !shared {
-        text = text.replace("    engine: shared\n", "    engine: own\n");
+    // The default template runs the LM and the codec on the process's shared engines.
+    for (kind, shared) in [
+        ("temporal", setup.lm_shared),
+        ("depformer", setup.lm_shared),
+        ("mimi_encode", setup.codec_shared),
+        ("mimi_decode", setup.codec_shared),
+    ] {
+        let default = format!("    kind: {kind}\n    engine: shared\n");
+        assert!(
+            text.contains(&default),
+            "the template's {kind} is not `engine: shared`"
+        );
+        if !shared {
+            text = text.replace(&default, &format!("    kind: {kind}\n    engine: own\n"));
+        }
     }
-    assert!(
-        text.contains("engine: "),
-        "the template has no `engine:` param"
-    );
-
     std::fs::write(&tpl, text).unwrap();
     let cfg = dir.path().join("serve.yaml");
     std::fs::write(
@@ -58,7 +116,7 @@ fn start(shared: bool) -> support::Server {
 fn http_get(port: u16, path: &str) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
     let mut t = String::new();
     s.read_to_string(&mut t).unwrap();
     t.split_once("\r\n\r\n")
@@ -221,32 +279,27 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    // `cargo bench --bench serve -- full` runs the full-size codec's sections only.
+    let only_full = std::env::args().any(|a| a == "full");
     println!(
-        "duplex serve, tiny pack, {} cores, {SECONDS} s per level",
+        "duplex serve, {} cores, {SECONDS} s per level",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let mut caps = Vec::new();
-    for shared in [false, true] {
-        let server = start(shared);
-        println!(
-            "\n{}",
-            if shared {
-                "LM on the shared engine (engine: shared)"
-            } else {
-                "LM graphs of each session's own (engine: own)"
-            }
-        );
-        caps.push(levels(&server, &rt));
+    for setup in SETUPS.iter().filter(|s| !only_full || s.pack != "tiny-gqa") {
+        let server = start(setup);
+        println!("\n{}", setup.label);
+        caps.push((setup.label, levels(&server, &rt, setup.levels)));
         quiet(&server, &rt);
     }
-    println!(
-        "\nreal-time sessions per process: {} with graphs of their own, {} on the shared engine",
-        caps[0], caps[1]
-    );
+    println!("\nreal-time sessions per process:");
+    for (label, cap) in caps {
+        println!("  {cap:>3}  {label}");
+    }
 }
 
 /// Raises the number of sessions until one falls behind; returns the last level that kept up.
-fn levels(server: &support::Server, rt: &tokio::runtime::Runtime) -> usize {
+fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usize]) -> usize {
     let pid = server.child.id();
     std::thread::sleep(Duration::from_secs(1));
     let rss0 = rss_mib(pid);
@@ -264,7 +317,7 @@ fn levels(server: &support::Server, rt: &tokio::runtime::Runtime) -> usize {
         "MiB/sess"
     );
     let mut capacity = 0;
-    for &n in LEVELS {
+    for &n in levels {
         let m0 = http_get(server.port, "/metrics");
         let cpu0 = cpu_seconds(pid);
         let model0 = model_thread_seconds(pid);

@@ -43,6 +43,40 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
 use crate::observe::names;
 
+/// Handles on the shared engines (LM and codecs) a process holds open: while it holds them,
+/// they stay open with no conversation on them.
+#[derive(Debug, Clone, Default)]
+pub struct Engines {
+    /// Shared LM engines.
+    pub lm: Vec<Arc<SharedLm>>,
+    /// Shared codecs.
+    pub codecs: Vec<Arc<SharedCodec>>,
+}
+
+impl Engines {
+    /// Whether any of them has failed (until a fresh one replaces it).
+    pub fn any_failed(&self) -> bool {
+        self.lm.iter().any(|e| e.is_failed()) || self.codecs.iter().any(|c| c.is_failed())
+    }
+
+    /// The fewest slots of any of them (`None` when none is held): the conversations they
+    /// can host at once.
+    pub fn min_slots(&self) -> Option<usize> {
+        let lm = self.lm.iter().map(|e| e.slots);
+        lm.chain(self.codecs.iter().map(|c| c.slots)).min()
+    }
+
+    /// Sets their slot gauges (after a metrics recorder is installed).
+    pub fn publish(&self) {
+        for e in &self.lm {
+            e.publish();
+        }
+        for c in &self.codecs {
+            c.publish_slots();
+        }
+    }
+}
+
 /// The codes of a voice prompt: one `[codebooks]` row per 80 ms frame.
 pub type VoiceCodes = Arc<Vec<Vec<i64>>>;
 
@@ -411,6 +445,14 @@ impl Resources {
             .lock()
             .map(|m| m.values().filter_map(Weak::upgrade).collect())
             .unwrap_or_default()
+    }
+
+    /// Every shared engine and codec open now, held.
+    pub fn open_engines(&self) -> Engines {
+        Engines {
+            lm: self.engines(),
+            codecs: self.codecs(),
+        }
     }
 
     /// The engines open now (failed ones included: [`SharedLm::is_failed`]).

@@ -60,6 +60,9 @@ CONTEXT = 250
 WINDOW = 256
 THETA = 10000.0
 FRAMES_PER_CALL = FRAME // int(np.prod(RATIOS))  # 2 transformer frames per 80 ms
+# Convolutions with at most this many output frames per call run as one GEMM over the batch
+# (their weights read once per call, not once per row); longer ones stay Conv (compute-bound).
+GEMM_FRAMES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,9 @@ def _modules():
             self.active = None
             self._inputs = {}
             self._inplace = set()
+            # Samples (or frames) along time of the value being traced, when known: a
+            # convolution's GEMM form needs its output length.
+            self.frames = None
 
         def active_like(self, rank):
             """`active` reshaped to (B, 1, ...) of `rank` dimensions, for a Where."""
@@ -169,6 +175,26 @@ def _modules():
                 value = self.builder.op.Where(self.active_like(rank), value, old)
             self.outputs.append((value, f"state_next.{key}"))
 
+    class ConvWeights(nn.Module):
+        """A Conv1d's weight and bias, as the exporter names them (`….conv.conv.weight`)."""
+
+        def __init__(self, in_ch, out_ch, kernel, groups, bias):
+            super().__init__()
+            self.weight = nn.Parameter([out_ch, in_ch // groups, kernel])
+            self.bias = nn.Parameter([out_ch]) if bias else None
+
+        def forward(self, op):
+            b = op.Identity(self.bias) if self.bias is not None else None
+            return op.Identity(self.weight), b
+
+    class ConvHolder(nn.Module):
+        def __init__(self, in_ch, out_ch, kernel, groups, bias):
+            super().__init__()
+            self.conv = ConvWeights(in_ch, out_ch, kernel, groups, bias)
+
+        def forward(self, op):
+            return self.conv(op)
+
     class StepConv(nn.Module):
         """A causal Conv1d that keeps the last `kernel - stride` samples of its input."""
 
@@ -176,12 +202,50 @@ def _modules():
             super().__init__()
             self._pad = kernel - stride
             self._in = in_ch
+            self._out = out_ch
+            self._stride = stride
+            self._groups = groups
             self._edge = edge
-            self.conv = mimi._NormConv(in_ch, out_ch, kernel, stride=stride, groups=groups, bias=bias)
+            self._kernel = kernel
+            self.conv = ConvHolder(in_ch, out_ch, kernel, groups, bias)
+
+        def _gemm(self, op, joined, frames):
+            """The convolution as one GEMM over every row's `frames` output frames.
+
+            ONNX Runtime's Conv runs a batch row at a time, so a layer with a few output frames
+            and large weights reads its weights once per row; unfolded into (B, frames,
+            in * kernel) windows, one MatMul reads them once per call.
+            """
+            k, s = self._kernel, self._stride
+            weight, bias = self.conv(op)
+            i64 = lambda v: op.Constant(value=ir.tensor(np.array(v, dtype=np.int64)))  # noqa: E731
+            cols = [
+                op.Unsqueeze(op.Slice(joined, i64([i]), i64([i + (frames - 1) * s + 1]),
+                                      i64([2]), i64([s])), i64([3]))
+                for i in range(k)
+            ]
+            u = cols[0] if k == 1 else op.Concat(*cols, axis=3)  # (B, in, frames, k)
+            u = op.Reshape(op.Transpose(u, perm=[0, 2, 1, 3]), i64([0, frames, self._in * k]))
+            w = op.Transpose(op.Reshape(weight, i64([self._out, self._in * k])), perm=[1, 0])
+            y = op.MatMul(u, w)  # (B, frames, out)
+            if bias is not None:
+                y = op.Add(y, bias)
+            return op.Transpose(y, perm=[0, 2, 1])
+
+        def _apply(self, op, joined, step):
+            """Conv, or the GEMM form for layers of at most GEMM_FRAMES output frames."""
+            frames = None if step.frames is None else step.frames // self._stride
+            step.frames = frames
+            if frames is not None and frames <= GEMM_FRAMES and self._groups == 1:
+                return self._gemm(op, joined, frames)
+            weight, bias = self.conv(op)
+            args = (joined, weight) if bias is None else (joined, weight, bias)
+            return op.Conv(*args, kernel_shape=[self._kernel], strides=[self._stride],
+                           dilations=[1], pads=[0, 0], group=self._groups)
 
         def forward(self, op, x, step, key, first=None):
             if self._pad == 0:
-                return self.conv(op, x)
+                return self._apply(op, x, step)
             state = step.state(key, [self._in, self._pad])
             if self._edge:
                 # Offline replicates the first sample on the left: so does the first call.
@@ -192,7 +256,7 @@ def _modules():
             joined = op.Concat(state, x, axis=2)
             step.next(key, op.Slice(joined, op.Constant(value_ints=[-self._pad]),
                                     op.Constant(value_ints=[2**62]), op.Constant(value_ints=[2])))
-            return self.conv(op, joined)
+            return self._apply(op, joined, step)
 
     class TrWeights(nn.Module):
         """A ConvTranspose1d's weight and bias, as the exporter names them."""
@@ -264,6 +328,7 @@ def _modules():
             return y
 
         def forward(self, op, x, step, key, frames):
+            step.frames = frames * self._stride
             if self._groups == 1 and self._tail == self._stride:
                 return self._gemm(op, x, step, key, frames)
             y = self.convtr(op, x)  # (B, C, frames * stride + tail)
@@ -523,6 +588,7 @@ def _modules():
 
         def forward(self, op, pcm, step):
             x = pcm if self._dtype == ir.DataType.FLOAT else op.Cast(pcm, to=self._dtype)
+            step.frames = FRAME
             x = self.encoder(op, x, step)
             x = self.encoder_transformer(op, x, step, "encoder_transformer")
             x = self.downsample(op, x, step)

@@ -30,9 +30,16 @@ pub fn pack(name: &str, args: &[&str]) -> PathBuf {
     dir
 }
 
-/// `dir`, with the codec's step graphs added when it has none.
+/// `dir`, with the codec's step graphs added when it has none or has them from before the
+/// `active` input.
 pub fn with_step_graphs(dir: PathBuf) -> PathBuf {
-    if !dir.join("mimi_encoder_step_f16/state.json").is_file() {
+    let current = ["mimi_encoder_step", "mimi_decoder_step_f16"]
+        .iter()
+        .all(|g| {
+            std::fs::read_to_string(dir.join(g).join("state.json"))
+                .is_ok_and(|s| s.contains("\"active\""))
+        });
+    if !current {
         eprintln!("adding step graphs to {}", dir.display());
         let ok = Command::new(root().join(".venv/bin/python"))
             .arg(root().join("tools/make_mimi_step.py"))

@@ -148,9 +148,28 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
             .zip(&pcm)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
+        // Whether a shared codec can run them: a row left out of a call must keep its state.
+        let rows = if senc.steps_some_rows() && sdec.steps_some_rows() {
+            let mut two = StepCodec::open_rows(&pack, StepRole::Encoder, dtype, &session, 2)?;
+            two.encode_some(&vec![0.25; 2 * m.frame_size], Some(&[true, false]))?;
+            if two.row_state(1).iter().any(|b| *b != 0) {
+                return Err(ModelError::contract(
+                    "mimi_encoder_step",
+                    "a batch row left out of a call (`active` false) changed its state",
+                ));
+            }
+            "batch rows stepped apart (a shared codec can run them)".to_string()
+        } else {
+            format!(
+                "no `active` input: every batch row steps on every call, so a shared codec \
+                 cannot run them (rebuild with python tools/make_mimi_step.py {})",
+                pack.dir.display()
+            )
+        };
         text.push_str(&format!(
             "mimi step graphs ({}): encoder on {}, {} states; decoder on {}, {} states; a silent \
-             frame encodes to {scodes:?} ({}), decodes within {worst:.1e} of the decoder's\n",
+             frame encodes to {scodes:?} ({}), decodes within {worst:.1e} of the decoder's; \
+             {rows}\n",
             dtype.name(),
             senc.runs_on(),
             senc.manifest.states.len(),

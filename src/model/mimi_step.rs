@@ -17,7 +17,10 @@
 //! ([`StepCodec::reset_row`]) while the others go on. Graphs with the `active` input (the
 //! manifest's `active`) step only the rows that have a frame and leave the others exactly as
 //! they were ([`StepCodec::encode_some`], [`StepCodec::decode_some`]): what a shared codec's
-//! tick needs, since its conversations' frames do not all come at once.
+//! tick needs, since its conversations' frames do not all come at once. Such a call runs over
+//! the rows from the first stepped to the last alone (views of those rows, bound the first
+//! time that span is asked for), so a tick costs the rows in it, not every slot; the copied
+//! states of the rows outside are carried over to the set the next call reads.
 //!
 //! Buffers are host memory; under CUDA, ONNX Runtime copies them to the device around each run.
 //!
@@ -143,17 +146,106 @@ struct State {
     bufs: Vec<Buffer>,
 }
 
-/// A step graph with its state: the codec side of one stream, or of `rows` streams stepped
-/// together (one batch row each, every row a frame per call).
-pub struct StepCodec {
-    /// Two bindings built once: even calls read set 0 and write set 1, odd calls the reverse.
-    bindings: [IoBinding; 2],
-    session: Session,
+/// Every buffer a call binds.
+struct Io {
     states: Vec<State>,
     input: Buffer,
     output: Buffer,
     /// The `active` flags (one byte per row), when the graph has them.
     active: Option<Buffer>,
+    /// Elements of one row of the frame input and of the output.
+    in_row: usize,
+    out_row: usize,
+}
+
+impl Io {
+    /// A binding of rows `lo..lo + n` of every buffer: a call that reads state set `parity`
+    /// and writes the other (in-place states: their one buffer).
+    fn bind(
+        &mut self,
+        session: &Session,
+        manifest: &StepManifest,
+        alloc: &Allocator,
+        lo: usize,
+        n: usize,
+        parity: usize,
+    ) -> ort::Result<IoBinding> {
+        let batch = n as i64;
+        let mut b = session.create_binding()?;
+        let shape = |row: &[i64]| {
+            let mut v = vec![batch];
+            v.extend(row);
+            v
+        };
+        let (in_shape, out_shape) = match manifest.input.as_str() {
+            "pcm" => (
+                shape(&[1, self.in_row as i64]),
+                shape(&[self.out_row as i64, 1]),
+            ),
+            _ => (
+                shape(&[self.in_row as i64, 1]),
+                shape(&[1, self.out_row as i64]),
+            ),
+        };
+        let v = self.input.view_at(alloc, lo * self.in_row, &in_shape)?;
+        b.bind_input(manifest.input.as_str(), &v)?;
+        if let (Some(name), Some(buf)) = (&manifest.active, self.active.as_mut()) {
+            let v = buf.view_at(alloc, lo, &[batch])?;
+            b.bind_input(name.as_str(), &v)?;
+        }
+        let v = self.output.view_at(alloc, lo * self.out_row, &out_shape)?;
+        b.bind_output(manifest.output.as_str(), v)?;
+        for (s, st) in manifest.states.iter().zip(self.states.iter_mut()) {
+            let row = s.shape.iter().product::<i64>().max(0) as usize;
+            let shape = shape(&s.shape);
+            let (r, w) = if s.inplace {
+                (0, 0)
+            } else {
+                (parity, 1 - parity)
+            };
+            let v = st.bufs[r].view_at(alloc, lo * row, &shape)?;
+            b.bind_input(s.input.as_str(), &v)?;
+            let v = st.bufs[w].view_at(alloc, lo * row, &shape)?;
+            b.bind_output(s.output.as_str(), v)?;
+        }
+        Ok(b)
+    }
+
+    /// Carries the state of the rows outside `lo..lo + n` over to the set the next call reads
+    /// (a call over those rows alone leaves the other rows' copied states in the set it read).
+    fn carry_outside(&mut self, manifest: &StepManifest, lo: usize, n: usize, parity: usize) {
+        for (s, st) in manifest.states.iter().zip(self.states.iter_mut()) {
+            if st.bufs.len() < 2 {
+                continue;
+            }
+            let row = s.shape.iter().product::<i64>().max(0) as usize * st.bufs[0].element_bytes();
+            let (a, b) = st.bufs.split_at_mut(1);
+            let (read, write) = if parity == 0 {
+                (&mut a[0], &mut b[0])
+            } else {
+                (&mut b[0], &mut a[0])
+            };
+            let (read, write) = (read.as_bytes(), write.as_bytes());
+            let total = read.len().min(write.len());
+            for range in [0..(lo * row).min(total), ((lo + n) * row).min(total)..total] {
+                write[range.clone()].copy_from_slice(&read[range]);
+            }
+        }
+    }
+}
+
+/// A step graph with its state: the codec side of one stream, or of `rows` streams stepped
+/// together (one batch row each, every row a frame per call).
+pub struct StepCodec {
+    /// Bindings of a part of the rows (`lo`, `n`), made when a call first needs them; both
+    /// binding sets are dropped before the buffers they view.
+    spans: std::collections::HashMap<(usize, usize), [IoBinding; 2]>,
+    /// Two bindings of every row built once: even calls read set 0 and write set 1, odd calls
+    /// the reverse.
+    bindings: [IoBinding; 2],
+    session: Session,
+    io: Io,
+    alloc: Allocator,
     parity: usize,
     graph: &'static str,
     /// What the graph says about itself.
@@ -301,9 +393,9 @@ impl StepCodec {
             StepRole::Encoder => (pcm, codes),
             StepRole::Decoder => (codes, pcm),
         };
-        let mut input = Buffer::zeros(&alloc, in_ty, &in_shape).map_err(e)?;
-        let mut output = Buffer::zeros(&alloc, out_ty, &out_shape).map_err(e)?;
-        let mut active = match &manifest.active {
+        let input = Buffer::zeros(&alloc, in_ty, &in_shape).map_err(e)?;
+        let output = Buffer::zeros(&alloc, out_ty, &out_shape).map_err(e)?;
+        let active = match &manifest.active {
             Some(_) => {
                 let mut b = Buffer::zeros(&alloc, TensorElementType::Bool, &[batch]).map_err(e)?;
                 b.as_bytes().fill(1);
@@ -311,32 +403,20 @@ impl StepCodec {
             }
             None => None,
         };
-        let mut bind = |parity: usize| -> ort::Result<IoBinding> {
-            let mut b = os.session.create_binding()?;
-            let v = input.view(&alloc, &in_shape)?;
-            b.bind_input(manifest.input.as_str(), &v)?;
-            if let (Some(name), Some(buf)) = (&manifest.active, active.as_mut()) {
-                let v = buf.view(&alloc, &[batch])?;
-                b.bind_input(name.as_str(), &v)?;
-            }
-            let v = output.view(&alloc, &out_shape)?;
-            b.bind_output(manifest.output.as_str(), v)?;
-            for (s, st) in manifest.states.iter().zip(states.iter_mut()) {
-                let mut shape = vec![batch];
-                shape.extend(&s.shape);
-                let (r, w) = if s.inplace {
-                    (0, 0)
-                } else {
-                    (parity, 1 - parity)
-                };
-                let v = st.bufs[r].view(&alloc, &shape)?;
-                b.bind_input(s.input.as_str(), &v)?;
-                let v = st.bufs[w].view(&alloc, &shape)?;
-                b.bind_output(s.output.as_str(), v)?;
-            }
-            Ok(b)
+        let mut io = Io {
+            states,
+            input,
+            output,
+            active,
+            in_row: in_shape[1..].iter().product::<i64>() as usize,
+            out_row: out_shape[1..].iter().product::<i64>() as usize,
         };
-        let bindings = [bind(0).map_err(e)?, bind(1).map_err(e)?];
+        let bindings = [
+            io.bind(&os.session, &manifest, &alloc, 0, rows, 0)
+                .map_err(e)?,
+            io.bind(&os.session, &manifest, &alloc, 0, rows, 1)
+                .map_err(e)?,
+        ];
         let dtype_name = dtype.name();
         report(opts, graph, os.provider, dtype_name);
         tracing::debug!(
@@ -346,12 +426,11 @@ impl StepCodec {
             "step graph bound"
         );
         Ok(StepCodec {
+            spans: std::collections::HashMap::new(),
             bindings,
             session: os.session,
-            states,
-            input,
-            output,
-            active,
+            io,
+            alloc,
             parity: 0,
             graph,
             provider: os.provider,
@@ -368,7 +447,7 @@ impl StepCodec {
         if row >= self.rows {
             return;
         }
-        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+        for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             let n = s.shape.iter().product::<i64>().max(0) as usize;
             let at = row * n..(row + 1) * n;
             for b in &mut st.bufs {
@@ -385,7 +464,7 @@ impl StepCodec {
 
     /// Starts a new stream: every state back to its initial value.
     pub fn reset(&mut self) {
-        for st in &mut self.states {
+        for st in &mut self.io.states {
             for b in &mut st.bufs {
                 match b.ty {
                     TensorElementType::Int64 => b.as_slice::<i64>().fill(0),
@@ -398,15 +477,46 @@ impl StepCodec {
         self.frames = 0;
     }
 
-    fn run(&mut self) -> Result<(), ModelError> {
-        drop(
-            self.session
-                .run_binding(&self.bindings[self.parity])
-                .map_err(|e| ModelError::ort(self.graph, e))?,
-        );
+    /// One call over rows `lo..lo + n` alone; the other rows keep their state.
+    fn run_span(&mut self, lo: usize, n: usize) -> Result<(), ModelError> {
+        let graph = self.graph;
+        let e = |err| ModelError::ort(graph, err);
+        let binding = if lo == 0 && n == self.rows {
+            &self.bindings[self.parity]
+        } else {
+            if !self.spans.contains_key(&(lo, n)) {
+                // A few spans recur (the rows the conversations hold): keep a bounded few.
+                if self.spans.len() >= 64 {
+                    self.spans.clear();
+                }
+                let (io, m, a) = (&mut self.io, &self.manifest, &self.alloc);
+                let set = [
+                    io.bind(&self.session, m, a, lo, n, 0).map_err(e)?,
+                    io.bind(&self.session, m, a, lo, n, 1).map_err(e)?,
+                ];
+                self.spans.insert((lo, n), set);
+            }
+            &self.spans[&(lo, n)][self.parity]
+        };
+        drop(self.session.run_binding(binding).map_err(e)?);
+        if n < self.rows {
+            self.io.carry_outside(&self.manifest, lo, n, self.parity);
+        }
         self.parity ^= 1;
         self.frames += 1;
         Ok(())
+    }
+
+    /// The rows a call with these flags must cover: from the first row stepped to the last
+    /// (`None`: all rows; `Some((0, 0))`: none).
+    fn span_of(&self, active: Option<&[bool]>) -> (usize, usize) {
+        match active {
+            None => (0, self.rows),
+            Some(a) => match (a.iter().position(|x| *x), a.iter().rposition(|x| *x)) {
+                (Some(lo), Some(hi)) => (lo, hi + 1 - lo),
+                _ => (0, 0),
+            },
+        }
     }
 
     /// Encodes the next frame of exactly `frame_samples` samples (encoder graphs of one row);
@@ -433,13 +543,13 @@ impl StepCodec {
     /// Whether the graph can step some rows and leave the others as they were (its manifest
     /// names the `active` input).
     pub fn steps_some_rows(&self) -> bool {
-        self.active.is_some()
+        self.io.active.is_some()
     }
 
     /// Sets which rows the next call steps (`None`: all). A graph without the `active` input
     /// steps all rows or refuses.
     fn set_active(&mut self, active: Option<&[bool]>) -> Result<(), ModelError> {
-        match (active, self.active.as_mut()) {
+        match (active, self.io.active.as_mut()) {
             (None, Some(buf)) => buf.as_bytes().fill(1),
             (None, None) => {}
             (Some(a), _) if a.len() != self.rows => {
@@ -495,9 +605,12 @@ impl StepCodec {
             ));
         }
         self.set_active(active)?;
-        self.input.as_slice::<f32>().copy_from_slice(frames);
-        self.run()?;
-        Ok(self.output.as_slice::<i64>().to_vec())
+        self.io.input.as_slice::<f32>().copy_from_slice(frames);
+        let (lo, n) = self.span_of(active);
+        if n > 0 {
+            self.run_span(lo, n)?;
+        }
+        Ok(self.io.output.as_slice::<i64>().to_vec())
     }
 
     /// Decodes the next frame's codes (decoder graphs of one row); returns its samples.
@@ -563,15 +676,18 @@ impl StepCodec {
             });
         }
         self.set_active(active)?;
-        self.input.as_slice::<i64>().copy_from_slice(codes);
-        self.run()?;
-        Ok(self.output.as_slice::<f32>().to_vec())
+        self.io.input.as_slice::<i64>().copy_from_slice(codes);
+        let (lo, n) = self.span_of(active);
+        if n > 0 {
+            self.run_span(lo, n)?;
+        }
+        Ok(self.io.output.as_slice::<f32>().to_vec())
     }
 
     /// The value of an i64 state (a counter) by name, for diagnostics and tests.
     pub fn counter(&mut self, name: &str) -> Option<i64> {
         let i = self.manifest.states.iter().position(|s| s.name == name)?;
-        let st = &mut self.states[i];
+        let st = &mut self.io.states[i];
         if st.bufs[0].ty != TensorElementType::Int64 {
             return None;
         }
@@ -586,7 +702,7 @@ impl StepCodec {
     pub fn row_state(&mut self, row: usize) -> Vec<u8> {
         let mut out = Vec::new();
         let parity = self.parity;
-        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+        for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             let r = if st.bufs.len() == 1 { 0 } else { parity };
             let b = &mut st.bufs[r];
             let n = s.shape.iter().product::<i64>().max(0) as usize * b.element_bytes();
@@ -602,7 +718,7 @@ impl StepCodec {
     /// stream do not move the results.
     pub fn set_position(&mut self, value: i64) {
         let parity = self.parity;
-        for (s, st) in self.manifest.states.iter().zip(self.states.iter_mut()) {
+        for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             if s.name.ends_with(".position") && st.bufs[0].ty == TensorElementType::Int64 {
                 let r = if st.bufs.len() == 1 { 0 } else { parity };
                 st.bufs[r].as_slice::<i64>().fill(value);

@@ -89,8 +89,8 @@ pub(crate) struct Server {
     template: std::sync::RwLock<Arc<PipelineSpec>>,
     /// What the process builds once: packs, tokenizers, voice codes, engines.
     resources: Resources,
-    /// The shared engines of the template, kept open while the server serves it.
-    engines: Mutex<Vec<Arc<crate::model::engine::SharedLm>>>,
+    /// The shared engines and codecs of the template, kept open while the server serves it.
+    engines: Mutex<crate::resources::Engines>,
     sessions: Mutex<BTreeMap<u64, Live>>,
     /// Slots taken: sessions admitted and not yet ended.
     taken: AtomicUsize,
@@ -197,10 +197,7 @@ impl LogThrottle {
 impl Server {
     /// Whether a shared engine the server holds has failed (until a fresh one replaces it).
     fn engine_failed(&self) -> bool {
-        self.engines
-            .lock()
-            .map(|e| e.iter().any(|e| e.is_failed()))
-            .unwrap_or(false)
+        self.engines.lock().map(|e| e.any_failed()).unwrap_or(false)
     }
 
     /// The session template in force.
@@ -464,18 +461,18 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 struct Held {
     template: std::sync::RwLock<Arc<PipelineSpec>>,
     resources: Resources,
-    engines: Mutex<Vec<Arc<crate::model::engine::SharedLm>>>,
+    engines: Mutex<crate::resources::Engines>,
 }
 
 /// Sessions the server admits at once: `max_sessions`, or fewer when the template's shared LM
-/// engine has fewer slots (each session holds one).
-fn capacity(cfg: &ServeConfig, engines: &[Arc<crate::model::engine::SharedLm>]) -> usize {
-    let slots = engines.iter().map(|e| e.slots).min().unwrap_or(usize::MAX);
+/// engine or codec has fewer slots (each session holds one of each).
+fn capacity(cfg: &ServeConfig, engines: &crate::resources::Engines) -> usize {
+    let slots = engines.min_slots().unwrap_or(usize::MAX);
     if slots < cfg.max_sessions {
         tracing::warn!(
             max_sessions = cfg.max_sessions,
             slots,
-            "the shared LM engine has fewer slots than `max_sessions`: admitting {slots} sessions at once"
+            "a shared engine or codec has fewer slots than `max_sessions`: admitting {slots} sessions at once"
         );
     }
     cfg.max_sessions.min(slots)
@@ -494,9 +491,7 @@ async fn serve(
     let addr = listener.local_addr()?;
     metrics::gauge!(names::SESSIONS_CAPACITY).set(capacity as f64);
     if let Ok(engines) = held.engines.lock() {
-        for e in engines.iter() {
-            e.publish();
-        }
+        engines.publish();
     }
     let (close_all, _) = tokio::sync::watch::channel(false);
     let server = Arc::new(Server {

@@ -138,8 +138,8 @@ pub(super) fn default_spec(
 
 /// Builds one session of the template (not started) with the defaults: every stage checked,
 /// the models loaded into `resources` (so the first client's session finds them there). For
-/// start-up, `--check` and a reload. Returns the shared engines the session opened, for the
-/// server to keep while it serves.
+/// start-up, `--check` and a reload. Returns the shared engines and codecs the session opened,
+/// for the server to keep while it serves.
 ///
 /// # Errors
 ///
@@ -149,7 +149,7 @@ pub(super) fn check_template(
     template: &PipelineSpec,
     registry: &Registry,
     resources: &crate::resources::Resources,
-) -> Result<Vec<Arc<crate::model::engine::SharedLm>>, ConfigError> {
+) -> Result<crate::resources::Engines, ConfigError> {
     for (kind, what) in [
         ("session_in", "the client's audio"),
         ("session_audio_out", "the agent's audio for the client"),
@@ -168,7 +168,7 @@ pub(super) fn check_template(
     let (_client, end) = crate::session::link(1, 1);
     let b = crate::app::build_session(&spec, registry, Some(&end), None, resources)?;
     // Held across the drop of the check's pipeline, so that the engines stay open.
-    let engines = resources.engines();
+    let engines = resources.open_engines();
     b.build()
         .map_err(|e| ConfigError::new(&spec.file, cfg::ConfigErrorKind::Link, e.to_string()))?;
     Ok(engines)

@@ -254,6 +254,13 @@ impl SharedCodec {
         )
     }
 
+    /// Sets the slot gauges (after a metrics recorder is installed).
+    pub fn publish_slots(&self) {
+        if let Ok(t) = self.taken.lock() {
+            self.publish(&t);
+        }
+    }
+
     fn publish(&self, taken: &[bool]) {
         self.observer.event(EngineEvent::CodecSlots {
             engine: label(self.role),

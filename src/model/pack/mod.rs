@@ -461,8 +461,29 @@ impl Pack {
         (dir.join("model.onnx").is_file() && dir.join("state.json").is_file()).then_some(dir)
     }
 
-    /// `pack.yaml`'s `mimi_streaming` against the folders: a strategy it lists must be there.
+    /// Whether the pack's `role` step graph of precision `dtype` can step some batch rows and
+    /// leave the others exactly as they were (its `state.json` names the `active` input): what
+    /// a shared codec needs. `false` when the pack has no such graph.
+    ///
+    /// # Errors
+    ///
+    /// The graph's `state.json` cannot be read or is wrong.
+    pub fn step_graph_batches(&self, role: StepRole, dtype: FloatType) -> Result<bool, ModelError> {
+        match self.step_graph(role, dtype) {
+            Some(dir) => Ok(super::mimi_step::StepManifest::read(&dir)?.active.is_some()),
+            None => Ok(false),
+        }
+    }
+
+    /// `pack.yaml`'s `mimi_streaming` against the folders: a strategy it lists must be there,
+    /// and every step graph's `state.json` must read (what it says of its batch rows is
+    /// [`step_graph_batches`](Self::step_graph_batches)).
     fn check_step_graphs(&self) -> Result<(), ModelError> {
+        for dtype in [FloatType::F32, FloatType::F16] {
+            for role in [StepRole::Encoder, StepRole::Decoder] {
+                self.step_graph_batches(role, dtype)?;
+            }
+        }
         let Some(listed) = &self.manifest.mimi_streaming else {
             return Ok(());
         };
