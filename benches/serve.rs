@@ -272,7 +272,15 @@ async fn client(port: u16, seconds: f64, quiet: bool) -> usize {
         .unwrap_or(0)
 }
 
-const MODEL_STAGES: &[&str] = &["encode", "temporal", "depformer", "decode", "engine"];
+const MODEL_STAGES: &[&str] = &[
+    "encode",
+    "temporal",
+    "depformer",
+    "decode",
+    "engine",
+    "codec_encoder",
+    "codec_decoder",
+];
 
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -281,12 +289,18 @@ fn main() {
         .unwrap();
     // `cargo bench --bench serve -- full` runs the full-size codec's sections only.
     let only_full = std::env::args().any(|a| a == "full");
+    // `-- shared` runs the sections with the shared codec only.
+    let only_shared = std::env::args().any(|a| a == "shared");
     println!(
         "duplex serve, {} cores, {SECONDS} s per level",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let mut caps = Vec::new();
-    for setup in SETUPS.iter().filter(|s| !only_full || s.pack != "tiny-gqa") {
+    for setup in SETUPS
+        .iter()
+        .filter(|s| !only_full || s.pack != "tiny-gqa")
+        .filter(|s| !only_shared || s.codec_shared)
+    {
         let server = start(setup);
         println!("\n{}", setup.label);
         caps.push((setup.label, levels(&server, &rt, setup.levels)));

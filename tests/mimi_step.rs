@@ -806,3 +806,62 @@ fn the_shared_codec_engine_codes_every_conversation_as_if_alone() {
     );
     assert_eq!(enc.free_slots(), 3, "every slot was given back");
 }
+
+/// `engine: shared` on the Mimi stages: a pipeline runs on the process's shared codec (logged,
+/// and its output the same as on codecs of its own); on a pack whose step graphs were built
+/// before the `active` input it is refused before start (exit 2), naming the pack and the
+/// command that rebuilds them; and `streaming: window` cannot be shared.
+#[test]
+fn a_shared_codec_runs_a_pipeline_and_a_pack_that_cannot_batch_is_refused_before_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = [
+        "--set",
+        "stages.encode.engine=shared",
+        "--set",
+        "stages.decode.engine=shared",
+        "--set",
+        "stages.depformer.text_temperature=0",
+        "--set",
+        "stages.depformer.audio_temperature=0",
+    ];
+    let o = run_pipeline(&packs::pack("tiny-gqa"), dir.path(), 3.0, &shared);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("shared codec ready"), "{err}");
+    let tokens = |d: &Path| std::fs::read_to_string(d.join("out/tokens.jsonl")).unwrap();
+    let shared_tokens = tokens(dir.path());
+    let own: Vec<&str> = shared[4..].to_vec();
+    let o = run_pipeline(&packs::pack("tiny-gqa"), dir.path(), 3.0, &own);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Greedy, the same codes in: the same tokens out.
+    assert!(shared_tokens.lines().count() >= 30, "{shared_tokens}");
+    assert_eq!(shared_tokens, tokens(dir.path()));
+
+    let (_keep, old) = packs::without_active_input("tiny-gqa");
+    let o = run_pipeline(&old, dir.path(), 2.0, &shared);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&old.display().to_string()) && err.contains("tools/make_mimi_step.py"),
+        "{err}"
+    );
+    assert!(err.contains("active"), "{err}");
+    // The same pack on codecs of their own still runs.
+    let o = run_pipeline(&old, dir.path(), 2.0, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let o = run_pipeline(
+        &packs::pack("tiny-gqa"),
+        dir.path(),
+        2.0,
+        &[
+            "--set",
+            "stages.encode.engine=shared",
+            "--set",
+            "stages.encode.streaming=window",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("engine") && err.contains("stateful"), "{err}");
+}

@@ -343,12 +343,72 @@ fn shared_engine_sessions_give_the_replay_tokens_and_its_slots_bound_admission()
         "{m}"
     );
     assert!(
-        serve::metric_value_of(&m, "duplex_engine_batch_size_count{engine=\"temporal\"}") >= 110.0,
+        // Frames stepped (the sessions' frames share ticks: the shared encoder lines them up).
+        serve::metric_value_of(&m, "duplex_engine_batch_size_sum{engine=\"temporal\"}") >= 110.0,
         "{m}"
     );
     assert!(
         m.contains("duplex_engine_tick_seconds_bucket{engine=\"temporal\",context=\"0-374\""),
         "{m}"
+    );
+    // The codec was shared too (the default template's): one encoder and one decoder, a slot
+    // per session the server admits, every frame of both sessions through them.
+    for engine in ["codec_encoder", "codec_decoder"] {
+        let series = |name: &str| format!("{name}{{engine=\"{engine}\"}}");
+        assert_eq!(
+            serve::metric_value_of(&m, &series("duplex_codec_engines_open")),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            serve::metric_value_of(&m, &series("duplex_codec_slots")),
+            3.0,
+            "{m}"
+        );
+        assert_eq!(
+            serve::metric_value_of(&m, &series("duplex_codec_slots_used")),
+            0.0,
+            "{m}"
+        );
+        assert!(
+            serve::metric_value_of(&m, &series("duplex_engine_batch_size_sum")) >= 110.0,
+            "{m}"
+        );
+    }
+}
+
+/// The sessions a server admits are bounded by the shared codec's slots as by the LM's: a
+/// template whose encoder has 2 slots serves 2 sessions although `max_sessions` allows 5.
+#[test]
+fn the_shared_codecs_slots_bound_admission() {
+    let dir = tempfile::tempdir().unwrap();
+    let tpl = dir.path().join("session.yaml");
+    let text = serve::template(&dir.path().join("sessions"), 60_000).replace(
+        "    kind: mimi_encode\n    engine: shared\n",
+        "    kind: mimi_encode\n    engine: shared\n    slots: 2\n",
+    );
+    assert!(text.contains("slots: 2"), "the template's encoder moved");
+    std::fs::write(&tpl, text).unwrap();
+    let cfg = dir.path().join("serve.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: 5\n",
+            tpl.display()
+        ),
+    )
+    .unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["serve", "--check", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("would serve 2 sessions"), "{out}\n{err}");
+    assert!(
+        err.contains("a shared engine or codec has fewer slots than `max_sessions`"),
+        "{err}"
     );
 }
 

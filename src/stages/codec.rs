@@ -100,6 +100,7 @@ fn open_step(
     let opts = CodecOptions {
         session: session_options(p),
         slots: p.int("slots") as usize,
+        max_wait: std::time::Duration::from_millis(p.int("batch_wait_ms").max(0) as u64),
         ..Default::default()
     };
     let codec = match cx.resources {

@@ -48,6 +48,12 @@ macro_rules! model_params {
                 doc: "own: a step graph of this pipeline's own; shared: the process's codec (weights loaded once, every conversation's frame in one batched call per tick; stateful step graphs with the `active` input)",
             },
             $crate::stages::model_params::SLOTS_PARAM,
+            ParamSpec {
+                name: "batch_wait_ms",
+                ty: T::Int { min: 0, max: 80 },
+                default: D::Int(30),
+                doc: "how long a shared codec's tick waits for the conversations whose next frame is due (more frames per call, at most this much more latency; the first stage to open the codec decides)",
+            },
             $($spec,)*
         ]
     };

@@ -11,10 +11,12 @@
 //!   state. Its first frame, and the first after [`CodecSlot::reset`] (a new conversation,
 //!   a persona, a long session's re-prime), starts a new stream in that row alone; a slot given
 //!   back is reset for its next owner.
-//! - **Ticks.** The same [`Scheduler`] as the LM engine's gathers the frames that are ready;
-//!   one call steps their rows and leaves every other row exactly as it was (the step graphs'
-//!   `active` input), so conversations join, leave and miss ticks without touching each
-//!   other. Under load the frames that come while a tick runs are the next tick's batch.
+//! - **Ticks.** The same [`Scheduler`] as the LM engine's gathers the frames, paced at the
+//!   codec's frame rate: a tick waits up to `max_wait` for the conversations whose next frame
+//!   is due, so conversations at different phases of the 80 ms frame share a call instead of
+//!   each paying one. One call steps their rows (from the first to the last, not every slot)
+//!   and leaves every other row exactly as it was (the step graphs' `active` input), so
+//!   conversations join, leave and miss ticks without touching each other.
 //! - **Warm.** The engine's first call (the slow one: ONNX Runtime plans it) runs when it opens,
 //!   so a conversation's first frame costs what any frame costs.
 //!
@@ -42,7 +44,9 @@ pub struct CodecOptions {
     pub session: SessionOptions,
     /// Slots: conversations the engine holds at once (at least 1).
     pub slots: usize,
-    /// How long a tick waits for the conversations it expects.
+    /// How long a tick waits for the conversations whose next frame is due (paced at the
+    /// codec's frame rate) or that are expected back at once: longer gathers more frames into
+    /// one call and adds at most this much to a frame's latency.
     pub max_wait: Duration,
     /// Who hears what the engine does.
     pub observer: Arc<dyn EngineObserver>,
@@ -53,7 +57,7 @@ impl Default for CodecOptions {
         CodecOptions {
             session: SessionOptions::default(),
             slots: 1,
-            max_wait: Duration::from_millis(2),
+            max_wait: Duration::from_millis(30),
             observer: Arc::new(Unobserved),
         }
     }
@@ -188,11 +192,19 @@ impl SharedCodec {
         let failed = Arc::new(AtomicBool::new(false));
         let (st, fail, obs) = (stats.clone(), failed.clone(), opts.observer.clone());
         let wait = opts.max_wait;
+        let period = Duration::from_secs_f64(frame as f64 / f64::from(m.sample_rate.max(1)));
         std::thread::Builder::new()
             .name(format!("duplex:{}", label(role)))
             .spawn(move || {
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run_codec(codec, &rx, wait, &st, &*obs, vocab)
+                    run_codec(
+                        codec,
+                        &rx,
+                        Scheduler::new(wait).with_period(period),
+                        &st,
+                        &*obs,
+                        vocab,
+                    )
                 }));
                 if run.is_err() {
                     fail.store(true, Ordering::Release);
@@ -462,7 +474,7 @@ impl Drop for CodecSlot {
 fn run_codec(
     mut codec: StepCodec,
     rx: &Receiver<Msg>,
-    max_wait: Duration,
+    mut sched: Scheduler<Msg>,
     stats: &CodecStats,
     observer: &dyn EngineObserver,
     vocab: i64,
@@ -481,7 +493,6 @@ fn run_codec(
     let mut codes = vec![0i64; rows * q];
     // Frames stepped per row since its stream started, for the tick's report.
     let mut age = vec![0usize; rows];
-    let mut sched = Scheduler::new(max_wait);
     while let Some(late) = sched.gather(rx) {
         if late > 0 {
             observer.event(EngineEvent::CodecLate { engine, n: late });

@@ -9,7 +9,11 @@
 //! - it is in the middle of a frame (its last request was answered with
 //!   [`Served::MidFrame`]: its next one comes right back), or
 //! - it finished its last frame ([`Served::FrameDone`]) and its request before that came
-//!   within `max_wait` of the answer (it had its next frame ready: a run as fast as possible).
+//!   within `max_wait` of the answer (it had its next frame ready: a run as fast as possible), or
+//! - the scheduler knows the clients' frame period ([`Scheduler::with_period`]: paced clients,
+//!   a frame every 80 ms) and its next frame is due before the tick's deadline (its last frame
+//!   started a period before). Ticks of paced clients so gather every frame due within
+//!   `max_wait`, instead of one tick per client at its own phase.
 //!
 //! A client that was expected and had not come is counted *late* and not waited for again
 //! until it has been served once more, so a client that never sends stalls nobody for more
@@ -67,6 +71,12 @@ pub struct Scheduler<R> {
     prompt: BTreeSet<usize>,
     /// The requests of the next tick, some carried over from the last; leaves included.
     pending: Vec<R>,
+    /// The clients' frame period, when they are paced.
+    period: Option<Duration>,
+    /// When each client's last frame started.
+    started: HashMap<usize, Instant>,
+    /// The deadline of the tick being gathered.
+    deadline: Option<Instant>,
 }
 
 impl<R: Request> Scheduler<R> {
@@ -77,7 +87,17 @@ impl<R: Request> Scheduler<R> {
             transit: HashMap::new(),
             prompt: BTreeSet::new(),
             pending: Vec::new(),
+            period: None,
+            started: HashMap::new(),
+            deadline: None,
         }
+    }
+
+    /// A scheduler whose clients are paced, a frame every `period`: a client's next frame is
+    /// expected in a tick when it is due before the tick's deadline.
+    pub fn with_period(mut self, period: Duration) -> Self {
+        self.period = Some(period);
+        self
     }
 
     /// Clients expected in the next tick now.
@@ -91,8 +111,16 @@ impl<R: Request> Scheduler<R> {
     fn is_expected(&self, client: usize) -> bool {
         match self.transit.get(&client) {
             Some(Transit::MidFrame) => true,
-            Some(Transit::FrameDone { .. }) => self.prompt.contains(&client),
+            Some(Transit::FrameDone { .. }) => self.prompt.contains(&client) || self.due(client),
             None => false,
+        }
+    }
+
+    /// Whether a paced client's next frame is due before the deadline of the tick.
+    fn due(&self, client: usize) -> bool {
+        match (self.period, self.started.get(&client), self.deadline) {
+            (Some(p), Some(t), Some(d)) => *t + p <= d,
+            _ => false,
         }
     }
 
@@ -121,6 +149,9 @@ impl<R: Request> Scheduler<R> {
                     }
                 }
                 self.transit.remove(&c);
+                if self.period.is_some() {
+                    self.started.insert(c, Instant::now());
+                }
             }
             Arrival::Continues(c) => {
                 self.transit.remove(&c);
@@ -128,6 +159,7 @@ impl<R: Request> Scheduler<R> {
             Arrival::Leaves(c) => {
                 self.transit.remove(&c);
                 self.prompt.remove(&c);
+                self.started.remove(&c);
             }
         }
         self.pending.push(r);
@@ -142,6 +174,7 @@ impl<R: Request> Scheduler<R> {
             self.take(r);
         }
         let deadline = Instant::now() + self.max_wait;
+        self.deadline = Some(deadline);
         loop {
             while let Ok(r) = rx.try_recv() {
                 self.take(r);
@@ -151,6 +184,7 @@ impl<R: Request> Scheduler<R> {
                 .keys()
                 .any(|k| self.is_expected(*k) && !self.has(*k));
             if !waiting {
+                self.deadline = None;
                 return Some(0);
             }
             match rx.recv_deadline(deadline) {
@@ -169,6 +203,7 @@ impl<R: Request> Scheduler<R> {
             self.transit.remove(k);
             self.prompt.remove(k);
         }
+        self.deadline = None;
         Some(late.len())
     }
 
@@ -360,6 +395,45 @@ mod tests {
             !s.is_expected(1),
             "a late client is not waited for again until served"
         );
+    }
+
+    #[test]
+    fn paced_clients_due_within_the_wait_share_a_tick() {
+        let period = Duration::from_millis(400);
+        let wait = Duration::from_millis(200);
+        let mut s = Scheduler::new(wait).with_period(period);
+        let (tx, rx) = unbounded();
+        // Two paced clients 100 ms apart in phase (times generous for a loaded machine).
+        tx.send(start(1)).unwrap();
+        s.gather(&rx).unwrap();
+        run_all(&mut s, Served::FrameDone);
+        std::thread::sleep(Duration::from_millis(100));
+        tx.send(start(2)).unwrap();
+        s.gather(&rx).unwrap();
+        run_all(&mut s, Served::FrameDone);
+        // Client 1's next frame, a period later: client 2's is due 100 ms after it, within the
+        // wait, so the tick waits for it and steps both.
+        std::thread::sleep(Duration::from_millis(300));
+        tx.send(start(1)).unwrap();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            tx.send(start(2)).unwrap();
+            tx
+        });
+        assert_eq!(s.gather(&rx), Some(0));
+        assert_eq!(run_all(&mut s, Served::FrameDone), vec![start(1), start(2)]);
+        let tx = sender.join().unwrap();
+        // Without the period, the same arrivals make two ticks.
+        let mut s = Scheduler::new(wait);
+        for c in [1, 2] {
+            tx.send(start(c)).unwrap();
+            s.gather(&rx).unwrap();
+            run_all(&mut s, Served::FrameDone);
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        tx.send(start(1)).unwrap();
+        assert_eq!(s.gather(&rx), Some(0));
+        assert_eq!(run_all(&mut s, Served::FrameDone), vec![start(1)]);
     }
 
     #[test]
