@@ -105,7 +105,11 @@ fn start(setup: &Setup) -> support::Server {
     std::fs::write(
         &cfg,
         format!(
-            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: 32\nlimits:\n  idle_timeout_s: 120\n",
+            // Every client comes from 127.0.0.1: the per-address limits are raised past the
+            // bench's sessions.
+            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: 32\nmax_connections_per_ip: 1000\n\
+             limits:\n  idle_timeout_s: 120\n  sessions_per_minute_per_ip: 100000\n  \
+             session_burst_per_ip: 100000\n",
             tpl.display()
         ),
     )

@@ -248,8 +248,8 @@ fn after_a_reset_the_next_frames_equal_a_fresh_streams() {
     let mut carried = step(&pack, StepRole::Encoder, FloatType::F32);
     encode_frames(&mut carried, &a);
     let carried_b = encode_frames(&mut carried, &b);
-    enc.reset();
-    dec.reset();
+    enc.reset().unwrap();
+    dec.reset().unwrap();
     assert_eq!(enc.counter("encoder_transformer.position"), Some(0));
     let after = encode_frames(&mut enc, &b);
     let fresh = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F32), &b);
@@ -270,7 +270,7 @@ fn two_hours_of_position_change_nothing() {
     let pcm = speechlike(12.0, 6);
     let at_zero = encode_frames(&mut step(&pack, StepRole::Encoder, FloatType::F32), &pcm);
     let mut late = step(&pack, StepRole::Encoder, FloatType::F32);
-    late.set_position(180_000);
+    late.set_position(180_000).unwrap();
     let at_late = encode_frames(&mut late, &pcm);
     assert_eq!(
         late.counter("encoder_transformer.position"),
@@ -282,7 +282,7 @@ fn two_hours_of_position_change_nothing() {
         &at_zero,
     );
     let mut dl = step(&pack, StepRole::Decoder, FloatType::F32);
-    dl.set_position(180_000);
+    dl.set_position(180_000).unwrap();
     let wl = decode_frames(&mut dl, &at_zero);
     let d = max_diff(&w0, &wl);
     eprintln!("at position 180000 (2 h): 150 frames of codes identical, waveform within {d:.2e}");
@@ -310,8 +310,8 @@ fn the_gemm_rvq_gives_the_broadcast_forms_codes() {
     for seed in [7, 8] {
         let pcm = speechlike(9.0, seed);
         assert_eq!(encode_frames(&mut g, &pcm), encode_frames(&mut b, &pcm));
-        g.reset();
-        b.reset();
+        g.reset().unwrap();
+        b.reset().unwrap();
     }
 }
 
@@ -497,8 +497,8 @@ fn streams_stepped_together_equal_each_stream_alone() {
             let mut pcm = Vec::new();
             for t in 0..frames {
                 if r == 1 && t == restart {
-                    enc.reset();
-                    dec.reset();
+                    enc.reset().unwrap();
+                    dec.reset().unwrap();
                 }
                 let c = enc.encode(input(r, t)).unwrap();
                 pcm.extend(dec.decode(&c, 2048).unwrap());
@@ -513,8 +513,8 @@ fn streams_stepped_together_equal_each_stream_alone() {
         let mut pcm: Vec<Vec<f32>> = vec![Vec::new(); ROWS];
         for t in 0..frames {
             if t == restart {
-                enc.reset_row(1);
-                dec.reset_row(1);
+                enc.reset_row(1).unwrap();
+                dec.reset_row(1).unwrap();
             }
             let batch: Vec<f32> = (0..ROWS).flat_map(|r| input(r, t).to_vec()).collect();
             let codes = enc.encode_rows(&batch).unwrap();
@@ -621,8 +621,8 @@ fn rows_left_out_of_a_call_keep_their_state_and_every_stream_equals_itself_alone
                 let (mut codes, mut pcm) = (Vec::new(), Vec::new());
                 for k in 0..s.frames {
                     if s.restart == Some(k) {
-                        enc.reset();
-                        dec.reset();
+                        enc.reset().unwrap();
+                        dec.reset().unwrap();
                     }
                     let c = enc.encode(s.frame(k)).unwrap();
                     pcm.extend(dec.decode(&c, 2048).unwrap());
@@ -654,8 +654,8 @@ fn rows_left_out_of_a_call_keep_their_state_and_every_stream_equals_itself_alone
                     continue;
                 }
                 if done[i] == 0 || s.restart == Some(done[i]) {
-                    enc.reset_row(s.slot);
-                    dec.reset_row(s.slot);
+                    enc.reset_row(s.slot).unwrap();
+                    dec.reset_row(s.slot).unwrap();
                 }
                 active[s.slot] = true;
                 who[s.slot] = Some(i);

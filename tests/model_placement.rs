@@ -81,3 +81,40 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
         }
     }
 }
+
+/// Every state buffer of the codec's step graphs (conv tails, counters, K/V rings; both sets of
+/// the double-buffered ones) is allocated where its session reads that input, for a codec of
+/// its own and for the shared codec's batch, on the tiny and the full-size codec: under CUDA
+/// the same code puts them in device memory, so only the frame in and the frame out cross.
+#[test]
+fn every_codec_state_buffer_is_where_its_session_reads_it() {
+    use duplex::model::mimi_step::StepCodec;
+    use duplex::model::pack::{FloatType, StepRole};
+    for name in ["tiny", "tiny-gqa-mimi-full"] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        for role in [StepRole::Encoder, StepRole::Decoder] {
+            for rows in [1, 3] {
+                let c = StepCodec::open_rows(
+                    &pack,
+                    role,
+                    FloatType::F32,
+                    &SessionOptions::default(),
+                    rows,
+                )
+                .unwrap();
+                let buffers: usize = c
+                    .manifest
+                    .states
+                    .iter()
+                    .map(|s| if s.inplace { 1 } else { 2 })
+                    .sum();
+                assert!(buffers > 20, "{name} {role:?}: {buffers} state buffers");
+                check(
+                    &format!("{name} {role:?} ×{rows}"),
+                    &c.state_placements(),
+                    buffers,
+                );
+            }
+        }
+    }
+}

@@ -86,13 +86,14 @@ fn promtool_accepts_the_config_and_the_rules_and_their_tests_pass() {
     promtool(&["test", "rules", "rules_test.yml"]);
 }
 
-/// Whether a dashboard or rule expression is about network sessions or the shared LM engine
-/// (data only from `duplex serve`, whose default template runs the engine).
+/// Whether a dashboard or rule expression is about network sessions or the shared LM engine and
+/// codec (data only from `duplex serve`, whose default template runs them).
 fn about_sessions(e: &str) -> bool {
     e.contains("duplex_session")
         || e.contains("duplex_opus")
         || e.contains("path=\"server\"")
         || e.contains("duplex_engine")
+        || e.contains("duplex_codec")
 }
 
 /// Whether a dashboard expression is about an echo canceller (data only from a pipeline with a

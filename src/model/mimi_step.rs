@@ -22,7 +22,11 @@
 //! time that span is asked for), so a tick costs the rows in it, not every slot; the copied
 //! states of the rows outside are carried over to the set the next call reads.
 //!
-//! Buffers are host memory; under CUDA, ONNX Runtime copies them to the device around each run.
+//! Every state is allocated where the session reads it (ONNX Runtime's own answer per input:
+//! device memory under CUDA, reset there through ONNX Runtime's copy), so a call moves only the
+//! frame in and the frame out between host and device ([`StepCodec::state_placements`]). States
+//! in a device's memory are stepped every row on every call (the flags keep the rows without a
+//! frame as they were).
 //!
 //! This module knows the step graphs' contract, not the stages that use them.
 
@@ -36,7 +40,7 @@ use serde::Deserialize;
 use super::error::ModelError;
 use super::pack::{FloatType, Pack, StepRole};
 use super::session::{open, report, Provider, SessionOptions};
-use super::tensors::Buffer;
+use super::tensors::{allocator_at, input_placements, placement_of, Buffer, Placement};
 
 /// `state.json`: what a step graph keeps from call to call.
 #[derive(Debug, Clone, Deserialize)]
@@ -149,6 +153,8 @@ struct State {
 /// Every buffer a call binds.
 struct Io {
     states: Vec<State>,
+    /// Whether every state is in host memory (else a call runs every row).
+    on_host: bool,
     input: Buffer,
     output: Buffer,
     /// The `active` flags (one byte per row), when the graph has them.
@@ -246,6 +252,8 @@ pub struct StepCodec {
     session: Session,
     io: Io,
     alloc: Allocator,
+    /// Where the session reads each input.
+    wanted: Vec<(String, Placement)>,
     parity: usize,
     graph: &'static str,
     /// What the graph says about itself.
@@ -373,15 +381,24 @@ impl StepCodec {
             }
         }
         let alloc = Allocator::default();
+        // Every state where the session reads it (device memory under CUDA: only the frame in
+        // and the frame out cross to the host).
+        let wanted = input_placements(&os.session).map_err(e)?;
         let mut states = Vec::with_capacity(manifest.states.len());
         for s in &manifest.states {
             let mut shape = vec![batch];
             shape.extend(&s.shape);
             let n = if s.inplace { 1 } else { 2 };
-            let bufs = (0..n)
-                .map(|_| Buffer::zeros(&alloc, element_of(&s.dtype), &shape))
+            let at = allocator_at(&os.session, &placement_of(&wanted, &s.input)).map_err(e)?;
+            let mut bufs = (0..n)
+                .map(|_| Buffer::zeros(&at, element_of(&s.dtype), &shape))
                 .collect::<ort::Result<Vec<_>>>()
                 .map_err(e)?;
+            for b in bufs.iter_mut().filter(|b| !b.on_host()) {
+                // Device memory comes as the device gives it: a state starts at zero.
+                let n = b.capacity;
+                b.zero_at(&at, 0, n).map_err(e)?;
+            }
             states.push(State { bufs });
         }
         let pcm = (
@@ -404,6 +421,7 @@ impl StepCodec {
             None => None,
         };
         let mut io = Io {
+            on_host: states.iter().all(|st| st.bufs.iter().all(Buffer::on_host)),
             states,
             input,
             output,
@@ -427,6 +445,7 @@ impl StepCodec {
         );
         Ok(StepCodec {
             spans: std::collections::HashMap::new(),
+            wanted,
             bindings,
             session: os.session,
             io,
@@ -443,44 +462,54 @@ impl StepCodec {
 
     /// Starts a new stream in batch row `row` alone: its state back to its initial value, the
     /// other rows' untouched.
-    pub fn reset_row(&mut self, row: usize) {
+    ///
+    /// # Errors
+    ///
+    /// ONNX Runtime's copy, for states in a device's memory.
+    pub fn reset_row(&mut self, row: usize) -> Result<(), ModelError> {
         if row >= self.rows {
-            return;
+            return Ok(());
         }
+        let (graph, alloc) = (self.graph, &self.alloc);
         for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             let n = s.shape.iter().product::<i64>().max(0) as usize;
-            let at = row * n..(row + 1) * n;
             for b in &mut st.bufs {
-                match b.ty {
-                    TensorElementType::Int64 => b.as_slice::<i64>()[at.clone()].fill(0),
-                    TensorElementType::Float16 => {
-                        b.as_slice::<half::f16>()[at.clone()].fill(half::f16::ZERO)
-                    }
-                    _ => b.as_slice::<f32>()[at.clone()].fill(0.0),
-                }
+                b.zero_at(alloc, row * n, n)
+                    .map_err(|e| ModelError::ort(graph, e))?;
             }
         }
+        Ok(())
     }
 
     /// Starts a new stream: every state back to its initial value.
-    pub fn reset(&mut self) {
+    ///
+    /// # Errors
+    ///
+    /// ONNX Runtime's copy, for states in a device's memory.
+    pub fn reset(&mut self) -> Result<(), ModelError> {
+        let (graph, alloc) = (self.graph, &self.alloc);
         for st in &mut self.io.states {
             for b in &mut st.bufs {
-                match b.ty {
-                    TensorElementType::Int64 => b.as_slice::<i64>().fill(0),
-                    TensorElementType::Float16 => b.as_slice::<half::f16>().fill(half::f16::ZERO),
-                    _ => b.as_slice::<f32>().fill(0.0),
-                }
+                let n = b.capacity;
+                b.zero_at(alloc, 0, n)
+                    .map_err(|e| ModelError::ort(graph, e))?;
             }
         }
         self.parity = 0;
         self.frames = 0;
+        Ok(())
     }
 
     /// One call over rows `lo..lo + n` alone; the other rows keep their state.
     fn run_span(&mut self, lo: usize, n: usize) -> Result<(), ModelError> {
         let graph = self.graph;
         let e = |err| ModelError::ort(graph, err);
+        // States in a device's memory: every call runs every row (no carry-over to do there).
+        let (lo, n) = if self.io.on_host {
+            (lo, n)
+        } else {
+            (0, self.rows)
+        };
         let binding = if lo == 0 && n == self.rows {
             &self.bindings[self.parity]
         } else {
@@ -693,7 +722,8 @@ impl StepCodec {
         }
         // The current value is in the set the next call reads.
         let r = if st.bufs.len() == 1 { 0 } else { self.parity };
-        st.bufs[r].as_slice::<i64>().first().copied()
+        let b = st.bufs[r].read_at(&self.alloc, 0, 1).ok()?;
+        Some(i64::from_le_bytes(b.try_into().ok()?))
     }
 
     /// The bytes of row `row`'s whole state as the next call reads it (every state tensor in
@@ -701,13 +731,28 @@ impl StepCodec {
     /// for bit.
     pub fn row_state(&mut self, row: usize) -> Vec<u8> {
         let mut out = Vec::new();
-        let parity = self.parity;
+        let (parity, alloc) = (self.parity, &self.alloc);
         for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             let r = if st.bufs.len() == 1 { 0 } else { parity };
-            let b = &mut st.bufs[r];
-            let n = s.shape.iter().product::<i64>().max(0) as usize * b.element_bytes();
-            if let Some(bytes) = b.as_bytes().get(row * n..(row + 1) * n) {
-                out.extend_from_slice(bytes);
+            let n = s.shape.iter().product::<i64>().max(0) as usize;
+            if let Ok(bytes) = st.bufs[r].read_at(alloc, row * n, n) {
+                out.extend_from_slice(&bytes);
+            }
+        }
+        out
+    }
+
+    /// Every state buffer against where the session reads it: `(input name, where the buffer
+    /// is, where the session wants it)`.
+    pub fn state_placements(&self) -> Vec<(String, Placement, Placement)> {
+        let mut out = Vec::new();
+        for (s, st) in self.manifest.states.iter().zip(&self.io.states) {
+            for b in &st.bufs {
+                out.push((
+                    s.input.clone(),
+                    b.placement(),
+                    placement_of(&self.wanted, &s.input),
+                ));
             }
         }
         out
@@ -716,13 +761,23 @@ impl StepCodec {
     /// Sets every i64 state called `*.position` to `value` (a stream that started `value`
     /// transformer frames ago, with nothing valid in its window): how tests show that hours of
     /// stream do not move the results.
-    pub fn set_position(&mut self, value: i64) {
-        let parity = self.parity;
+    ///
+    /// # Errors
+    ///
+    /// ONNX Runtime's copy, for states in a device's memory.
+    pub fn set_position(&mut self, value: i64) -> Result<(), ModelError> {
+        let (parity, alloc, graph) = (self.parity, &self.alloc, self.graph);
         for (s, st) in self.manifest.states.iter().zip(self.io.states.iter_mut()) {
             if s.name.ends_with(".position") && st.bufs[0].ty == TensorElementType::Int64 {
                 let r = if st.bufs.len() == 1 { 0 } else { parity };
-                st.bufs[r].as_slice::<i64>().fill(value);
+                let b = &mut st.bufs[r];
+                let bytes: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), b.capacity)
+                    .flatten()
+                    .collect();
+                b.write_at(alloc, 0, &bytes)
+                    .map_err(|e| ModelError::ort(graph, e))?;
             }
         }
+        Ok(())
     }
 }

@@ -131,6 +131,79 @@ impl Buffer {
         Ok(unsafe { DynTensor::from_ptr(ptr, Some(alloc)) })
     }
 
+    /// Whether the buffer is in memory the host can read and write.
+    pub fn on_host(&self) -> bool {
+        self.tensor.memory_info().is_cpu_accessible()
+    }
+
+    /// Writes `bytes` over elements from `at` on, in host or device memory (a device buffer
+    /// through ONNX Runtime's copy from a host buffer).
+    ///
+    /// # Errors
+    ///
+    /// A range past the buffer, ONNX Runtime's copy.
+    pub fn write_at(&mut self, alloc: &Allocator, at: usize, bytes: &[u8]) -> ort::Result<()> {
+        let size = element_size(self.ty);
+        let n = bytes.len() / size;
+        let start = at * size;
+        if at + n > self.capacity {
+            return Err(ort::Error::new(format!(
+                "write of {n} elements from element {at} over a buffer of {}",
+                self.capacity
+            )));
+        }
+        if self.on_host() {
+            self.as_bytes()[start..start + n * size].copy_from_slice(&bytes[..n * size]);
+            return Ok(());
+        }
+        let host = Allocator::default();
+        let mut staging = Buffer::zeros(&host, self.ty, &[n as i64])?;
+        staging.as_bytes().copy_from_slice(&bytes[..n * size]);
+        let src = staging.view(&host, &[n as i64])?;
+        let mut dst = self.view_at(alloc, at, &[n as i64])?;
+        src.copy_into(&mut dst)
+    }
+
+    /// Sets `n` elements from `at` on to zero, in host or device memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`write_at`](Self::write_at).
+    pub fn zero_at(&mut self, alloc: &Allocator, at: usize, n: usize) -> ort::Result<()> {
+        if self.on_host() {
+            let size = element_size(self.ty);
+            let end = ((at + n) * size).min(self.capacity * size);
+            self.as_bytes()[(at * size).min(end)..end].fill(0);
+            return Ok(());
+        }
+        self.write_at(alloc, at, &vec![0u8; n * element_size(self.ty)])
+    }
+
+    /// The bytes of `n` elements from `at` on, from host or device memory.
+    ///
+    /// # Errors
+    ///
+    /// A range past the buffer, ONNX Runtime's copy.
+    pub fn read_at(&mut self, alloc: &Allocator, at: usize, n: usize) -> ort::Result<Vec<u8>> {
+        let size = element_size(self.ty);
+        if at + n > self.capacity {
+            return Err(ort::Error::new(format!(
+                "read of {n} elements from element {at} of a buffer of {}",
+                self.capacity
+            )));
+        }
+        if self.on_host() {
+            return Ok(self.as_bytes()[at * size..(at + n) * size].to_vec());
+        }
+        let host = Allocator::default();
+        let mut staging = Buffer::zeros(&host, self.ty, &[n as i64])?;
+        let src = self.view_at(alloc, at, &[n as i64])?;
+        let mut dst = staging.view(&host, &[n as i64])?;
+        src.copy_into(&mut dst)?;
+        drop(dst);
+        Ok(staging.as_bytes().to_vec())
+    }
+
     /// Where the buffer lives.
     pub fn placement(&self) -> Placement {
         let m = self.tensor.memory_info();

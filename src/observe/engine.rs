@@ -134,7 +134,9 @@ fn record(ev: EngineEvent, diagnosers: &mut HashMap<(&'static str, usize), Diagn
         EngineEvent::CodecOpen { engine, open } => {
             let g = metrics::gauge!(names::CODECS_OPEN, "engine" => engine);
             if open {
-                g.increment(1.0)
+                g.increment(1.0);
+                // Its late frames from zero, so a rate has a series before the first one.
+                metrics::counter!(names::CODEC_LATE, "engine" => engine).increment(0);
             } else {
                 g.decrement(1.0)
             }

@@ -128,10 +128,13 @@ impl Step {
         }
     }
 
-    fn reset(&mut self) {
+    fn reset(&mut self) -> Result<(), ModelError> {
         match self {
             Step::Own(s) => s.reset(),
-            Step::Shared(s) => s.reset(),
+            Step::Shared(s) => {
+                s.reset();
+                Ok(())
+            }
         }
     }
 
@@ -175,10 +178,13 @@ impl Encoder {
         }
     }
 
-    pub fn reset(&mut self) {
+    pub fn reset(&mut self) -> Result<(), ModelError> {
         match self {
             Encoder::Stateful(s) => s.reset(),
-            Encoder::Window(w) => w.reset(),
+            Encoder::Window(w) => {
+                w.reset();
+                Ok(())
+            }
         }
     }
 
@@ -224,10 +230,13 @@ impl Decoder {
         }
     }
 
-    pub fn reset(&mut self) {
+    pub fn reset(&mut self) -> Result<(), ModelError> {
         match self {
             Decoder::Stateful(s) => s.reset(),
-            Decoder::Window(w) => w.reset(),
+            Decoder::Window(w) => {
+                w.reset();
+                Ok(())
+            }
         }
     }
 

@@ -62,7 +62,7 @@ impl Stage for MimiDecode {
         if self.dec.needs_warming() {
             self.dec.push(&self.silence, self.vocab)?;
         }
-        self.dec.reset();
+        self.dec.reset()?;
         Ok(())
     }
 
@@ -71,7 +71,7 @@ impl Stage for MimiDecode {
         let now = self.conversation.current();
         if now != self.seen {
             self.seen = now;
-            self.dec.reset();
+            self.dec.reset()?;
             tracing::info!("new conversation: a new decoder stream");
         }
         let samples = self.dec.push(&f.data.audio, self.vocab)?;

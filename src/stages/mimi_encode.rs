@@ -64,7 +64,7 @@ impl Stage for MimiEncode {
         if self.enc.needs_warming() {
             self.enc.push(&vec![0.0; self.frame])?;
         }
-        self.enc.reset();
+        self.enc.reset()?;
         Ok(())
     }
 
@@ -84,7 +84,7 @@ impl Stage for MimiEncode {
         let now = self.conversation.current();
         if now != self.seen {
             self.seen = now;
-            self.enc.reset();
+            self.enc.reset()?;
             tracing::info!("new conversation: a new encoder stream");
         }
         let codes = self.enc.push(&f.data.samples)?;

@@ -185,7 +185,7 @@ impl SharedCodec {
             StepRole::Encoder => drop(codec.encode_rows(&vec![0.0; slots * frame])?),
             StepRole::Decoder => drop(codec.decode_rows(&vec![0; slots * codebooks], vocab)?),
         }
-        codec.reset();
+        codec.reset()?;
         let provider = codec.provider;
         let (tx, rx) = unbounded();
         let stats = Arc::new(CodecStats::default());
@@ -500,7 +500,10 @@ fn run_codec(
         }
         for m in sched.take_out(|m| matches!(m, Msg::Leave(_))) {
             if let Msg::Leave(s) = m {
-                codec.reset_row(s);
+                // Its next owner resets it again; a failure here is that one's to see.
+                if let Err(e) = codec.reset_row(s) {
+                    tracing::warn!("resetting a slot given back: {e}");
+                }
                 if let Some(a) = age.get_mut(s) {
                     *a = 0;
                 }
@@ -521,9 +524,12 @@ fn run_codec(
         if jobs.is_empty() {
             continue;
         }
-        for j in &jobs {
+        for j in &mut jobs {
             if j.fresh {
-                codec.reset_row(j.slot);
+                if let Err(e) = codec.reset_row(j.slot) {
+                    j.error = Some(e);
+                    active[j.slot] = false;
+                }
                 age[j.slot] = 0;
             }
             match role {
@@ -558,6 +564,7 @@ fn run_codec(
             let s = j.slot;
             age[s] += 1;
             match &result {
+                _ if j.error.is_some() => {}
                 Ok(()) => match role {
                     StepRole::Encoder => {
                         j.codes.clear();
