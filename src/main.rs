@@ -281,6 +281,12 @@ fn main() -> ExitCode {
                     let times =
                         app::doctor::step_times(&pack, provider, &app::doctor::TIMED_CONTEXTS)?;
                     out(&times)?;
+                    let codec = app::doctor::codec_batch_times(
+                        &pack,
+                        provider,
+                        &app::doctor::CODEC_BATCHES,
+                    )?;
+                    out(&codec)?;
                 }
                 return Ok(());
             }

@@ -19,6 +19,9 @@
 #   - which provider each graph runs on (`duplex doctor --pack`),
 #   - the temporal step at contexts 50 / 1000 / 2500 on the small GQA fp16 pack: cache
 #     resident, fed from the host, and replayed as a CUDA graph (`duplex doctor --time`),
+#   - the codec's step graphs as the shared codec runs them: one call of B = 1/16/32/48 rows
+#     against B calls of one row, encoder and decoder (`duplex doctor --time`, the same pack's
+#     codec),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.

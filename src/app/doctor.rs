@@ -8,8 +8,8 @@
 //! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
 //! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
-//! graph under CUDA). Prints what it found; knows
-//! no stages or pipelines.
+//! graph under CUDA), and the codec's step graphs batched as a shared codec runs them (one call
+//! of B rows against B calls of one row). Prints what it found; knows no stages or pipelines.
 
 use std::path::Path;
 use std::time::Instant;
@@ -320,6 +320,85 @@ pub fn step_times(
             .map(|((r, h), c)| format!("{c}: {:.2}", r / h))
             .collect();
         text.push_str(&format!("  resident / host: {}\n", ratios.join(", ")));
+    }
+    Ok(text)
+}
+
+/// Batch sizes at which [`codec_batch_times`] reports.
+pub const CODEC_BATCHES: [usize; 4] = [1, 16, 32, 48];
+
+/// The codec's step graphs (fp32) as the shared codec runs them: for each role and each batch
+/// size B of `batches`, the median time of one call of B rows against B calls of one row (the
+/// codec per session), and their ratio. An empty report when the pack has no step graphs.
+///
+/// # Errors
+///
+/// A [`ModelError`] from opening or running a step graph.
+pub fn codec_batch_times(
+    pack: &Pack,
+    provider: Provider,
+    batches: &[usize],
+) -> Result<String, ModelError> {
+    let session = SessionOptions {
+        provider,
+        ..SessionOptions::default()
+    };
+    let m = &pack.manifest;
+    if pack.step_graph(StepRole::Encoder, FloatType::F32).is_none() {
+        return Ok(String::new());
+    }
+    let mut text = format!(
+        "codec step graphs (f32) on {}, one call of B rows vs B calls of one row (median of 7):\n",
+        provider.name()
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for role in [StepRole::Encoder, StepRole::Decoder] {
+        let mut one = StepCodec::open(pack, role, FloatType::F32, &session)?;
+        let call = |c: &mut StepCodec, rows: usize| -> Result<(), ModelError> {
+            match role {
+                StepRole::Encoder => drop(c.encode_rows(&vec![0.1; rows * m.frame_size])?),
+                StepRole::Decoder => {
+                    drop(c.decode_rows(&vec![1; rows * m.codebooks], m.audio_vocab)?)
+                }
+            }
+            Ok(())
+        };
+        for _ in 0..3 {
+            call(&mut one, 1)?;
+        }
+        let mut cells = Vec::new();
+        for &b in batches {
+            let mut batch = StepCodec::open_rows(pack, role, FloatType::F32, &session, b)?;
+            for _ in 0..3 {
+                call(&mut batch, b)?;
+            }
+            let mut together = Vec::new();
+            let mut apart = Vec::new();
+            for _ in 0..7 {
+                let t0 = Instant::now();
+                call(&mut batch, b)?;
+                together.push(t0.elapsed().as_secs_f64() * 1e3);
+                let t0 = Instant::now();
+                for _ in 0..b {
+                    call(&mut one, 1)?;
+                }
+                apart.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            let (t, a) = (median(together), median(apart));
+            cells.push(format!("B={b}: {t:.2} ms vs {a:.2} ms ({:.2})", t / a));
+        }
+        text.push_str(&format!(
+            "  {:<8} ({}) {}\n",
+            match role {
+                StepRole::Encoder => "encoder",
+                StepRole::Decoder => "decoder",
+            },
+            one.runs_on(),
+            cells.join(", ")
+        ));
     }
     Ok(text)
 }
