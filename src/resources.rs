@@ -423,6 +423,16 @@ impl Resources {
             .map_err(|_| ModelError::contract(role.graph(), "the codec table is poisoned"))?;
         map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
         if let Some(e) = map.get(&key).and_then(Weak::upgrade) {
+            // The first stage to open the codec decided its size.
+            if opts.slots != 0 && opts.slots != e.slots {
+                tracing::warn!(
+                    pack = %pack.dir.display(),
+                    graph = role.graph(),
+                    slots = e.slots,
+                    asked = opts.slots,
+                    "the shared codec is already open: `slots` of this stage is not applied"
+                );
+            }
             return Ok(e);
         }
         let mut opts = opts.clone();

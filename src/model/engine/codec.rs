@@ -347,6 +347,10 @@ impl Drop for SharedCodec {
     }
 }
 
+fn stopped(graph: &str) -> ModelError {
+    ModelError::contract(graph, "the shared codec's thread has stopped")
+}
+
 /// A conversation's row of a [`SharedCodec`]. Dropping it gives the row back.
 pub struct CodecSlot {
     codec: Arc<SharedCodec>,
@@ -385,17 +389,29 @@ impl CodecSlot {
         self.frames = 0;
     }
 
+    /// The job that travels with this slot's frames, or the error of an engine that kept it
+    /// (its thread stopped while it held it).
+    fn job(&mut self) -> Result<&mut CodecJob, ModelError> {
+        let graph = self.codec.role.graph();
+        self.job.as_mut().ok_or_else(|| stopped(graph))
+    }
+
     fn call(&mut self) -> Result<&mut CodecJob, ModelError> {
         let graph = self.codec.role.graph();
-        let stopped = || ModelError::contract(graph, "the shared codec's thread has stopped");
-        let job = self.job.take().ok_or_else(stopped)?;
-        self.codec.tx.send(Msg::Frame(job)).map_err(|_| stopped())?;
-        let mut job = self.reply.recv().map_err(|_| stopped())?;
-        job.fresh = false;
+        let job = self.job.take().ok_or_else(|| stopped(graph))?;
+        if let Err(crossbeam_channel::SendError(m)) = self.codec.tx.send(Msg::Frame(job)) {
+            if let Msg::Frame(j) = m {
+                self.job = Some(j);
+            }
+            return Err(stopped(graph));
+        }
+        let job = self.reply.recv().map_err(|_| stopped(graph))?;
         let j = self.job.insert(job);
         if let Some(e) = j.error.take() {
+            // A stream that was to start afresh still is.
             return Err(e);
         }
+        j.fresh = false;
         self.frames += 1;
         Ok(j)
     }
@@ -416,10 +432,7 @@ impl CodecSlot {
                 format!("{} samples, expected {}", frame.len(), c.frame),
             ));
         }
-        let j = self
-            .job
-            .as_mut()
-            .expect("a slot holds its job between calls");
+        let j = self.job()?;
         j.pcm.clear();
         j.pcm.extend_from_slice(frame);
         Ok(self.call()?.codes.clone())
@@ -453,10 +466,7 @@ impl CodecSlot {
                 limit: c.vocab,
             });
         }
-        let j = self
-            .job
-            .as_mut()
-            .expect("a slot holds its job between calls");
+        let j = self.job()?;
         j.codes.clear();
         j.codes.extend_from_slice(codes);
         Ok(self.call()?.pcm.clone())
