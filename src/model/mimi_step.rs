@@ -9,8 +9,9 @@
 //! Each state tensor is allocated once. A state the graph updates in place (the transformer's
 //! K/V rings, written by `TensorScatter`) is bound as both input and output, so no call copies
 //! it; every other state (conv tails, counters) has two buffers, read from one and written to
-//! the other, and the two bindings are built once and alternate. A call writes the frame into
-//! a bound input, runs, and reads the bound output: no allocation, no copy of the state.
+//! the other, and the two bindings of every row are built once and alternate. A call writes the
+//! frame into a bound input, runs, and reads the bound output: no allocation, no copy of the
+//! state (a call over part of the rows copies the small conv tails and counters of the others).
 //!
 //! A codec opened with [`StepCodec::open_rows`] steps several streams in one call, one batch
 //! row each; each row keeps its own state and counters, so a row can start a new stream
