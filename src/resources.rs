@@ -170,6 +170,67 @@ type EngineKey = (PathBuf, &'static str, i32);
 /// A shared codec is known by its pack, role, precision, provider and device.
 type CodecKey = (PathBuf, &'static str, &'static str, &'static str, i32);
 
+/// An execution provider as part of an engine's key: its name and device.
+fn device_of(p: crate::model::session::Provider) -> (&'static str, i32) {
+    match p {
+        crate::model::session::Provider::Cpu => ("cpu", 0),
+        crate::model::session::Provider::Cuda { device_id } => ("cuda", device_id),
+    }
+}
+
+/// A shared engine or codec as [`Resources`] keeps it.
+trait Shared {
+    fn is_failed(&self) -> bool;
+    fn slots(&self) -> usize;
+    /// `shared engine`, `shared codec`.
+    const WHAT: &'static str;
+}
+
+impl Shared for SharedLm {
+    fn is_failed(&self) -> bool {
+        SharedLm::is_failed(self)
+    }
+    fn slots(&self) -> usize {
+        self.slots
+    }
+    const WHAT: &'static str = "shared engine";
+}
+
+impl Shared for SharedCodec {
+    fn is_failed(&self) -> bool {
+        SharedCodec::is_failed(self)
+    }
+    fn slots(&self) -> usize {
+        self.slots
+    }
+    const WHAT: &'static str = "shared codec";
+}
+
+/// The entry of `map` for `key` while it is open and has not failed (gone and failed entries are
+/// dropped: a fresh one is opened). The first stage to open it decided its size: a stage that
+/// asks for other `slots` is warned that they are not applied.
+fn still_open<K: Eq + std::hash::Hash, E: Shared>(
+    map: &mut HashMap<K, Weak<E>>,
+    key: &K,
+    pack: &Pack,
+    asked: usize,
+    graph: &str,
+) -> Option<Arc<E>> {
+    map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
+    let e = map.get(key).and_then(Weak::upgrade)?;
+    if asked != 0 && asked != e.slots() {
+        tracing::warn!(
+            pack = %pack.dir.display(),
+            graph,
+            slots = e.slots(),
+            asked,
+            "the {} is already open: `slots` of this stage is not applied",
+            E::WHAT
+        );
+    }
+    Some(e)
+}
+
 /// A cache of things loaded from files, each with the stamp of the files it was loaded from.
 type Cache<T> = Mutex<HashMap<PathBuf, (Stamp, Arc<T>)>>;
 
@@ -343,6 +404,22 @@ impl Resources {
         Ok(codes)
     }
 
+    /// Who hears the engines and codecs (made with the first one).
+    fn observer(&self) -> Arc<dyn crate::model::engine::EngineObserver> {
+        self.observer
+            .get_or_init(crate::observe::engine::EngineMetrics::start)
+            .clone()
+    }
+
+    /// A stage's slot count, or the process's when it asks for none (0).
+    fn slots_or_default(&self, asked: usize) -> usize {
+        if asked == 0 {
+            self.slots
+        } else {
+            asked
+        }
+    }
+
     /// The shared engine of `pack` on `opts`' execution provider and device, opened on first
     /// use and kept while anything holds it. A stage that asks for no slot count gets the
     /// process's.
@@ -351,37 +428,18 @@ impl Resources {
     ///
     /// As [`SharedLm::open`].
     pub fn engine(&self, pack: &Pack, opts: &EngineOptions) -> Result<Arc<SharedLm>, ModelError> {
-        let (provider, device) = match opts.session.provider {
-            crate::model::session::Provider::Cpu => ("cpu", 0),
-            crate::model::session::Provider::Cuda { device_id } => ("cuda", device_id),
-        };
+        let (provider, device) = device_of(opts.session.provider);
         let key = (canonical(&pack.dir), provider, device);
         let mut map = self
             .engines
             .lock()
             .map_err(|_| ModelError::contract("engine", "the engine table is poisoned"))?;
-        // Gone (its last conversation left), or failed: a fresh one is opened.
-        map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
-        if let Some(e) = map.get(&key).and_then(Weak::upgrade) {
-            // The first stage to open the engine decided its size.
-            if opts.slots != 0 && opts.slots != e.slots {
-                tracing::warn!(
-                    pack = %pack.dir.display(),
-                    slots = e.slots,
-                    asked = opts.slots,
-                    "the shared engine is already open: `slots` of this stage is not applied"
-                );
-            }
+        if let Some(e) = still_open(&mut map, &key, pack, opts.slots, "engine") {
             return Ok(e);
         }
         let mut opts = opts.clone();
-        opts.observer = self
-            .observer
-            .get_or_init(crate::observe::engine::EngineMetrics::start)
-            .clone();
-        if opts.slots == 0 {
-            opts.slots = self.slots;
-        }
+        opts.observer = self.observer();
+        opts.slots = self.slots_or_default(opts.slots);
         if let Some(n) = self.drill.lock().ok().and_then(|mut d| d.take()) {
             tracing::warn!("fault drill: this engine fails at temporal tick {n}");
             opts.panic_at_tick = Some(n);
@@ -406,10 +464,7 @@ impl Resources {
         dtype: FloatType,
         opts: &CodecOptions,
     ) -> Result<Arc<SharedCodec>, ModelError> {
-        let (provider, device) = match opts.session.provider {
-            crate::model::session::Provider::Cpu => ("cpu", 0),
-            crate::model::session::Provider::Cuda { device_id } => ("cuda", device_id),
-        };
+        let (provider, device) = device_of(opts.session.provider);
         let key = (
             canonical(&pack.dir),
             role.graph(),
@@ -421,28 +476,12 @@ impl Resources {
             .codecs
             .lock()
             .map_err(|_| ModelError::contract(role.graph(), "the codec table is poisoned"))?;
-        map.retain(|_, w| w.upgrade().is_some_and(|e| !e.is_failed()));
-        if let Some(e) = map.get(&key).and_then(Weak::upgrade) {
-            // The first stage to open the codec decided its size.
-            if opts.slots != 0 && opts.slots != e.slots {
-                tracing::warn!(
-                    pack = %pack.dir.display(),
-                    graph = role.graph(),
-                    slots = e.slots,
-                    asked = opts.slots,
-                    "the shared codec is already open: `slots` of this stage is not applied"
-                );
-            }
+        if let Some(e) = still_open(&mut map, &key, pack, opts.slots, role.graph()) {
             return Ok(e);
         }
         let mut opts = opts.clone();
-        opts.observer = self
-            .observer
-            .get_or_init(crate::observe::engine::EngineMetrics::start)
-            .clone();
-        if opts.slots == 0 {
-            opts.slots = self.slots;
-        }
+        opts.observer = self.observer();
+        opts.slots = self.slots_or_default(opts.slots);
         let e = Arc::new(SharedCodec::open(pack, role, dtype, &opts)?);
         Loads::count(&self.loads.codecs, "codec");
         map.insert(key, Arc::downgrade(&e));

@@ -25,13 +25,13 @@
 //! time), late frames and slots as [`EngineEvent`]s. Knows nothing of stages or the network.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 
 use super::scheduler::{Arrival, Request, Scheduler, Served};
-use super::{EngineEvent, EngineObserver, Unobserved};
+use super::{EngineEvent, EngineObserver, SlotTable, Unobserved};
 use crate::model::error::ModelError;
 use crate::model::mimi_step::StepCodec;
 use crate::model::pack::{FloatType, Pack, StepRole};
@@ -124,7 +124,7 @@ pub struct SharedCodec {
     observer: Arc<dyn EngineObserver>,
     failed: Arc<AtomicBool>,
     tx: Sender<Msg>,
-    taken: Mutex<Vec<bool>>,
+    taken: SlotTable,
     frame: usize,
     codebooks: usize,
     vocab: i64,
@@ -236,7 +236,18 @@ impl SharedCodec {
             observer: opts.observer.clone(),
             failed,
             tx,
-            taken: Mutex::new(vec![false; slots]),
+            taken: SlotTable::new(
+                slots,
+                opts.observer.clone(),
+                |engine, slots, used| EngineEvent::CodecSlots {
+                    engine,
+                    slots,
+                    used,
+                },
+                label(role),
+                "shared codec",
+                graph,
+            ),
             frame,
             codebooks,
             vocab,
@@ -250,10 +261,7 @@ impl SharedCodec {
 
     /// Slots not claimed.
     pub fn free_slots(&self) -> usize {
-        self.taken
-            .lock()
-            .map(|t| t.iter().filter(|x| !**x).count())
-            .unwrap_or(0)
+        self.taken.free()
     }
 
     /// What the graph runs on: `cpu f32 stateful (shared codec, 8 slots)`.
@@ -268,17 +276,7 @@ impl SharedCodec {
 
     /// Sets the slot gauges (after a metrics recorder is installed).
     pub fn publish_slots(&self) {
-        if let Ok(t) = self.taken.lock() {
-            self.publish(&t);
-        }
-    }
-
-    fn publish(&self, taken: &[bool]) {
-        self.observer.event(EngineEvent::CodecSlots {
-            engine: label(self.role),
-            slots: self.slots,
-            used: taken.iter().filter(|x| **x).count(),
-        });
+        self.taken.publish();
     }
 
     /// Claims a slot: a batch row whose first frame starts a new stream.
@@ -287,25 +285,7 @@ impl SharedCodec {
     ///
     /// [`ModelError::Busy`] when every slot is in use.
     pub fn slot(self: &Arc<Self>) -> Result<CodecSlot, ModelError> {
-        let graph = self.role.graph();
-        let slot = {
-            let mut t = self
-                .taken
-                .lock()
-                .map_err(|_| ModelError::contract(graph, "the slot table is poisoned"))?;
-            let Some(i) = t.iter().position(|x| !x) else {
-                return Err(ModelError::Busy {
-                    graph: graph.into(),
-                    detail: format!(
-                        "all {} slots of the shared codec are in use (raise `slots`)",
-                        self.slots
-                    ),
-                });
-            };
-            t[i] = true;
-            self.publish(&t);
-            i
-        };
+        let slot = self.taken.claim(self.role.graph())?;
         let (tx, rx) = bounded(1);
         Ok(CodecSlot {
             job: Some(CodecJob {
@@ -324,12 +304,7 @@ impl SharedCodec {
     }
 
     fn release(&self, slot: usize) {
-        if let Ok(mut t) = self.taken.lock() {
-            if let Some(x) = t.get_mut(slot) {
-                *x = false;
-            }
-            self.publish(&t);
-        }
+        self.taken.release(slot);
     }
 }
 

@@ -233,7 +233,7 @@ pub struct SharedLm {
     /// that input.
     pub cache_placements: Vec<(String, Placement, Placement)>,
     tx: Sender<Msg>,
-    taken: Mutex<Vec<bool>>,
+    taken: SlotTable,
     next_client: AtomicUsize,
     channels: usize,
     text_limit: i64,
@@ -326,7 +326,7 @@ impl SharedLm {
             "shared LM engine ready"
         );
         Ok(SharedLm {
-            observer,
+            observer: observer.clone(),
             failed,
             stats,
             slots,
@@ -336,7 +336,14 @@ impl SharedLm {
             provider,
             cache_placements,
             tx,
-            taken: Mutex::new(vec![false; slots]),
+            taken: SlotTable::new(
+                slots,
+                observer.clone(),
+                |_, slots, used| EngineEvent::Slots { slots, used },
+                "engine",
+                "shared engine",
+                "temporal",
+            ),
             next_client: AtomicUsize::new(0),
             channels,
             text_limit: m.text_vocab + 1,
@@ -352,17 +359,12 @@ impl SharedLm {
 
     /// Sets the slot gauges (after a metrics recorder is installed).
     pub fn publish(&self) {
-        if let Ok(t) = self.taken.lock() {
-            publish_slots(&*self.observer, self.slots, &t);
-        }
+        self.taken.publish();
     }
 
     /// Slots not claimed.
     pub fn free_slots(&self) -> usize {
-        self.taken
-            .lock()
-            .map(|t| t.iter().filter(|x| !**x).count())
-            .unwrap_or(0)
+        self.taken.free()
     }
 
     /// What the graphs run on: `cpu f32`, `cuda f16` (with the engine's batch).
@@ -384,24 +386,7 @@ impl SharedLm {
         self: &Arc<Self>,
         max_positions: usize,
     ) -> Result<TemporalSlot, ModelError> {
-        let slot = {
-            let mut t = self
-                .taken
-                .lock()
-                .map_err(|_| ModelError::contract("engine", "the slot table is poisoned"))?;
-            let Some(i) = t.iter().position(|x| !x) else {
-                return Err(ModelError::Busy {
-                    graph: "temporal".into(),
-                    detail: format!(
-                        "all {} slots of the shared engine are in use (raise `slots`)",
-                        self.slots
-                    ),
-                });
-            };
-            t[i] = true;
-            publish_slots(&*self.observer, self.slots, &t);
-            i
-        };
+        let slot = self.taken.claim("engine")?;
         Ok(TemporalSlot::new(
             self.clone(),
             slot,
@@ -429,21 +414,100 @@ impl SharedLm {
     }
 
     fn release(&self, slot: usize) {
+        self.taken.release(slot);
+    }
+}
+
+/// The slots of a shared engine (the LM's KV slots, a codec's rows): which are claimed,
+/// reported to the engine's observer at every claim and release.
+pub(crate) struct SlotTable {
+    taken: Mutex<Vec<bool>>,
+    observer: Arc<dyn EngineObserver>,
+    /// The event that reports (slots, claimed).
+    report: fn(&'static str, usize, usize) -> EngineEvent,
+    /// The engine's name in that event, in messages (`shared engine`, `shared codec`) and the
+    /// graph a full table is reported for.
+    engine: &'static str,
+    what: &'static str,
+    graph: &'static str,
+}
+
+impl SlotTable {
+    /// `slots` free slots of the engine `what` (its event label `engine`), whose claims are
+    /// for `graph`.
+    pub(crate) fn new(
+        slots: usize,
+        observer: Arc<dyn EngineObserver>,
+        report: fn(&'static str, usize, usize) -> EngineEvent,
+        engine: &'static str,
+        what: &'static str,
+        graph: &'static str,
+    ) -> Self {
+        SlotTable {
+            taken: Mutex::new(vec![false; slots]),
+            observer,
+            report,
+            engine,
+            what,
+            graph,
+        }
+    }
+
+    fn publish_locked(&self, taken: &[bool]) {
+        let used = taken.iter().filter(|x| **x).count();
+        self.observer
+            .event((self.report)(self.engine, taken.len(), used));
+    }
+
+    /// Reports the slots (after a metrics recorder is installed).
+    pub(crate) fn publish(&self) {
+        if let Ok(t) = self.taken.lock() {
+            self.publish_locked(&t);
+        }
+    }
+
+    /// Slots not claimed.
+    pub(crate) fn free(&self) -> usize {
+        self.taken
+            .lock()
+            .map(|t| t.iter().filter(|x| !**x).count())
+            .unwrap_or(0)
+    }
+
+    /// Claims the lowest free slot.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Busy`] when every slot is in use.
+    pub(crate) fn claim(&self, poisoned: &str) -> Result<usize, ModelError> {
+        let mut t = self
+            .taken
+            .lock()
+            .map_err(|_| ModelError::contract(poisoned, "the slot table is poisoned"))?;
+        let Some(i) = t.iter().position(|x| !x) else {
+            return Err(ModelError::Busy {
+                graph: self.graph.into(),
+                detail: format!(
+                    "all {} slots of the {} are in use (raise `slots`)",
+                    t.len(),
+                    self.what
+                ),
+            });
+        };
+        t[i] = true;
+        self.publish_locked(&t);
+        Ok(i)
+    }
+
+    /// Gives slot `slot` back.
+    pub(crate) fn release(&self, slot: usize) {
         if let Ok(mut t) = self.taken.lock() {
             if let Some(x) = t.get_mut(slot) {
                 *x = false;
             }
-            publish_slots(&*self.observer, self.slots, &t);
+            self.publish_locked(&t);
         }
     }
-}
-
-/// The slots, reported at every claim and release.
-fn publish_slots(observer: &dyn EngineObserver, slots: usize, taken: &[bool]) {
-    observer.event(EngineEvent::Slots {
-        slots,
-        used: taken.iter().filter(|x| **x).count(),
-    });
 }
 
 impl Drop for SharedLm {
