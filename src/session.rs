@@ -14,10 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A message for the client.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Outbound {
     /// A piece of the Ogg/Opus stream (one or more whole pages).
     Audio(Vec<u8>),
+    /// Agent audio as 24 kHz PCM, for a transport that encodes it itself (the realtime API,
+    /// the telephone).
+    Pcm(Vec<f32>),
     /// A piece of the agent's transcript.
     Text(String),
 }
@@ -198,6 +201,7 @@ impl Output {
     pub fn offer(&self, m: Outbound) -> Result<(), Refused> {
         let n = match &m {
             Outbound::Audio(b) => b.len(),
+            Outbound::Pcm(p) => 2 * p.len(),
             Outbound::Text(t) => t.len(),
         } as u64;
         match self.tx.try_send(m) {

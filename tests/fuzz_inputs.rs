@@ -1,7 +1,7 @@
 //! The bad-input suite: generated inputs to every parser that takes outside input (pipeline and
 //! daemon YAML with their `--set` and environment layers, `pack.yaml`, codes JSON, WAV files,
 //! control-socket lines, a network client's Ogg/Opus stream cut into messages anywhere, the query
-//! parameters of `/api/chat`), most of them almost valid so that they reach the deep checks, some
+//! parameters of `/api/chat`, the JSON events of `/v1/realtime`), most of them almost valid so that they reach the deep checks, some
 //! hostile (alias bombs, deep nesting, lying headers). Every case asserts: no panic, a bounded
 //! cost (memory allocated by the parsing thread; a deadline far above any real cost, to catch
 //! hangs), and an error that names its source (the file, the variable, the flag).
@@ -1094,6 +1094,124 @@ proptest! {
             Err(m) => {
                 prop_assert!(m.contains("query parameter") || m.contains("voice prompt"), "{m}");
                 prop_assert!(m.len() < 400, "{m}");
+            }
+        }
+    }
+}
+
+/// Events of `/v1/realtime` as clients send them, and worse: every event type with fields of
+/// every JSON kind, the formats in both spellings, sampling options, base64 that is and is not,
+/// deep nesting, and raw text.
+fn realtime_events() -> impl Strategy<Value = String> {
+    use serde_json::{json, Value};
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        (-1e9f64..1e9).prop_map(Value::from),
+        prop::sample::select(vec![
+            "pcm16",
+            "g711_ulaw",
+            "g711_alaw",
+            "audio/pcm",
+            "audio/pcmu",
+            "mp3",
+            "calm.wav",
+            "../etc/passwd",
+            "AAAA",
+            "AAA",
+            "////",
+            "",
+        ])
+        .prop_map(Value::from),
+        "[A-Za-z0-9+/=]{0,64}".prop_map(Value::from),
+        prop::collection::vec(any::<char>(), 0..20)
+            .prop_map(|c| Value::from(c.into_iter().collect::<String>())),
+    ];
+    let value = leaf.prop_recursive(4, 32, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            prop::collection::btree_map(
+                prop::sample::select(vec![
+                    "type",
+                    "rate",
+                    "format",
+                    "voice",
+                    "input",
+                    "output",
+                    "text_temperature",
+                    "audio_topk",
+                    "max_steps",
+                    "x",
+                ])
+                .prop_map(String::from),
+                inner,
+                0..4
+            )
+            .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    });
+    let kind = prop::sample::select(vec![
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "response.create",
+        "response.cancel",
+        "conversation.item.create",
+        "no.such.event",
+        "",
+    ]);
+    let session = (
+        value.clone(),
+        value.clone(),
+        value.clone(),
+        value.clone(),
+        value.clone(),
+    )
+        .prop_map(|(i, f, v, o, d)| {
+            json!({
+                "instructions": i,
+                "input_audio_format": f,
+                "audio": {"output": {"voice": v, "format": o}},
+                "duplex": d,
+            })
+        });
+    let event = (kind, session, value.clone(), value, any::<bool>()).prop_map(
+        |(kind, session, audio, id, typed)| {
+            let mut e = json!({"session": session, "audio": audio, "event_id": id});
+            if typed {
+                e["type"] = Value::from(kind);
+            }
+            e.to_string()
+        },
+    );
+    prop_oneof![
+        8 => event,
+        1 => prop::collection::vec(any::<char>(), 0..200).prop_map(|c| c.into_iter().collect()),
+        1 => (1usize..5000).prop_map(|n| "[".repeat(n)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(config(2000))]
+
+    #[test]
+    fn realtime_events_parse_or_name_their_fault(text in realtime_events()) {
+        use duplex::app::serve::realtime::{parse_event, ClientEvent};
+        let r = bounded("realtime event", || parse_event(&text));
+        match r {
+            Ok((_, ClientEvent::Append(bytes))) => prop_assert!(bytes.len() <= text.len()),
+            Ok(_) => {}
+            Err(e) => {
+                prop_assert!(!e.message.is_empty() && e.message.len() < 400, "{e:?}");
+                let known = [
+                    "invalid_json", "missing_type", "unknown_event", "unsupported_event",
+                    "invalid_value", "invalid_base64",
+                ];
+                prop_assert!(known.contains(&e.code), "{e:?}");
+                // Only a message that is not JSON has no field to name.
+                prop_assert_eq!(e.param.is_none(), e.code == "invalid_json", "{:?}", e);
             }
         }
     }

@@ -13,44 +13,7 @@ mod serve;
 
 use std::time::{Duration, Instant};
 
-use serve::{client, client_command, speech_wav, token_log, Server};
-
-/// Replays a session's logged user codes (`duplex replay --greedy` and `extra`, on the tiny
-/// pack) into `out` and checks every frame's tokens equal those the session logged; returns the
-/// number of frames.
-fn assert_replay_matches(
-    session: &std::path::Path,
-    out: &std::path::Path,
-    extra: &[&str],
-) -> usize {
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["replay", "--greedy", "--pack"])
-        .arg(packs::pack("tiny-gqa"))
-        .arg("--codes")
-        .arg(session.join("user.jsonl"))
-        .arg("--out")
-        .arg(out)
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    let live = token_log(&session.join("agent.jsonl"));
-    let replayed = token_log(out);
-    assert_eq!(live.len(), replayed.len(), "{}", session.display());
-    for (i, (a, b)) in live.iter().zip(&replayed).enumerate() {
-        assert_eq!(
-            (&a["text"], &a["audio"]),
-            (&b["text"], &b["audio"]),
-            "{}: frame {i} differs",
-            session.display()
-        );
-    }
-    live.len()
-}
+use serve::{assert_replay_matches, client, client_command, speech_wav, token_log, Server};
 
 /// The session id the server gave the client that connected from `port`, from its log.
 fn session_of(server: &Server, port: u64) -> u64 {

@@ -28,6 +28,7 @@ missing_pins() {
 import importlib.metadata as m, sys
 for pin in sys.argv[1:]:
     name, version = pin.split("==")
+    name = name.split("[")[0]
     try:
         ok = m.version(name) == version
     except m.PackageNotFoundError:
@@ -121,9 +122,11 @@ fi
 
 # --- Independent implementations for the protocol tests ------------------------------------------
 # The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus), opuslib (the
-# system's libopus, for the web client's 20 ms frames) and aiohttp (WebSocket), never only duplex
-# on both ends; kubernetes-validate checks deploy/kubernetes.
-TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 opuslib==3.0.1 kubernetes-validate==1.37.0)
+# system's libopus, for the web client's 20 ms frames), aiohttp (WebSocket) and the official openai
+# SDK's realtime client (with its websockets), never only duplex on both ends; kubernetes-validate
+# checks deploy/kubernetes.
+TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 opuslib==3.0.1 kubernetes-validate==1.37.0
+  "openai[realtime]==3.57.0" websockets==15.0.1)
 wrong=$(missing_pins "${TEST_PACKAGES[@]}")
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"

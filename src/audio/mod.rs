@@ -1,4 +1,4 @@
-//! Audio building blocks: PCM buffers, WAV files, resampling, framing, test signals, echo
+//! Audio building blocks: PCM buffers, WAV files, G.711, resampling, framing, test signals, echo
 //! cancellation; and the sound devices.
 //!
 //! Plain single-threaded code with unit tests that need no sound card and no runtime, except
@@ -10,6 +10,7 @@ pub mod device;
 pub mod echo;
 mod error;
 pub mod framer;
+pub mod g711;
 pub mod jitter;
 pub mod live;
 pub mod opus;

@@ -4,6 +4,9 @@
 //!
 //! Each value is checked against its stage kind's declared params exactly as a value of the
 //! file is (type, range, choices), and keeps where it came from for messages.
+//!
+//! [`PipelineSpec::merge_pair`] makes two linked stages one of another kind: how the server
+//! gives a transport that carries PCM the same template as one that carries Ogg/Opus.
 
 use config::{Value, ValueKind};
 
@@ -105,6 +108,80 @@ impl PipelineSpec {
                     o.origin, o.stage, o.param
                 ),
             ));
+        }
+        Ok(spec)
+    }
+
+    /// A copy with the stages `first` and `second`, linked `first -> second` by their only
+    /// link (`first`'s only output, `second`'s only input), made one stage of `kind` named
+    /// `keep` (one of the two names): the links into `first` and out of `second` are its, and
+    /// each param of the two that `kind` declares carries over (`second`'s wins), checked as a
+    /// file's value is.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] naming the file and the stage when the two are not so linked, or a
+    /// carried value does not suit `kind`.
+    pub fn merge_pair(
+        &self,
+        catalog: &dyn KindCatalog,
+        first: &str,
+        second: &str,
+        keep: &str,
+        kind: &str,
+    ) -> Result<PipelineSpec, ConfigError> {
+        let stage_of = |end: &str| end.split('.').next().unwrap_or_default().to_string();
+        let bad = |m: String| {
+            ConfigError::new(&self.file, ConfigErrorKind::Link, m).stage(first.to_string())
+        };
+        let out_of_first = self.links.iter().filter(|l| stage_of(&l.from) == first);
+        let into_second = self.links.iter().filter(|l| stage_of(&l.to) == second);
+        if out_of_first.count() != 1
+            || into_second.count() != 1
+            || !self
+                .links
+                .iter()
+                .any(|l| stage_of(&l.from) == first && stage_of(&l.to) == second)
+        {
+            return Err(bad(format!(
+                "`{first}` must feed `{second}` alone, and `{second}` take only `{first}`, to be \
+                 made one `{kind}` stage"
+            )));
+        }
+        let specs = catalog.params(kind).ok_or_else(|| {
+            ConfigError::new(&self.file, ConfigErrorKind::UnknownKind, "unknown kind")
+                .stage(keep.to_string())
+        })?;
+        let mut values: Vec<(String, Value)> = Vec::new();
+        for name in [first, second] {
+            let Some(stage) = self.stages.iter().find(|s| s.name == name) else {
+                return Err(bad(format!("no stage `{name}`")));
+            };
+            for (k, v) in stage.params.iter() {
+                if specs.iter().any(|p| p.name == k) {
+                    values.retain(|(key, _)| key != k);
+                    let origin = stage.params.origin(k).map(str::to_string);
+                    values.push((k.to_string(), raw(v, origin.as_ref())));
+                }
+            }
+        }
+        let params = check(&self.file, keep, kind, specs, &values)?;
+        let gone = if keep == first { second } else { first };
+        let mut spec = self.clone();
+        spec.stages.retain(|s| s.name != gone);
+        if let Some(s) = spec.stages.iter_mut().find(|s| s.name == keep) {
+            s.kind = kind.to_string();
+            s.params = params;
+            s.inject = None;
+        }
+        spec.links
+            .retain(|l| !(stage_of(&l.from) == first && stage_of(&l.to) == second));
+        for l in &mut spec.links {
+            for end in [&mut l.from, &mut l.to] {
+                if stage_of(end) == gone {
+                    *end = end.replacen(gone, keep, 1);
+                }
+            }
         }
         Ok(spec)
     }

@@ -479,6 +479,8 @@ impl Registry {
                 session::INPUT,
                 session::AUDIO_OUT,
                 session::TEXT_OUT,
+                session::PCM_INPUT,
+                session::PCM_OUT,
             ],
         }
     }

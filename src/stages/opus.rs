@@ -22,29 +22,43 @@ use crate::runtime::{
 
 use super::{caps, BuildContext, BuildError, OggOpus, StageKind};
 
+/// How fast a client's audio is taken (`opus_decode`, `session_pcm_in`).
+pub(super) const MAX_SPEED: ParamSpec = ParamSpec {
+    name: "max_speed",
+    ty: T::Float {
+        min: 0.0,
+        max: 100.0,
+    },
+    default: D::Float(1.0),
+    doc: "audio taken at most this many times as fast as it plays, beyond `catch_up_ms` (0 = unpaced, for streams you trust)",
+};
+
+/// How far ahead of real time a client's audio may come at once.
+pub(super) const CATCH_UP: ParamSpec = ParamSpec {
+    name: "catch_up_ms",
+    ty: T::Int {
+        min: 80,
+        max: 60_000,
+    },
+    default: D::Int(1000),
+    doc: "audio that may come ahead of real time at once (a burst after a network stall); more is skipped and counted",
+};
+
+/// The pacing of [`MAX_SPEED`] and [`CATCH_UP`] as a stage's params set them.
+pub(super) fn budget(p: &Params) -> Box<dyn Budget + Send> {
+    let speed = p.float("max_speed");
+    if speed > 0.0 {
+        let catch_up = Duration::from_millis(p.int("catch_up_ms") as u64);
+        Box::new(RealTime::new(RATE, speed, catch_up))
+    } else {
+        Box::new(Unlimited)
+    }
+}
+
 pub(super) const DECODE: StageKind = StageKind {
     name: "opus_decode",
     doc: "a client's Ogg/Opus stream (chunks split anywhere) -> 24 kHz mono PCM; gaps -> silence; paced",
-    params: &[
-        ParamSpec {
-            name: "max_speed",
-            ty: T::Float {
-                min: 0.0,
-                max: 100.0,
-            },
-            default: D::Float(1.0),
-            doc: "audio decoded at most this many times as fast as it plays, beyond `catch_up_ms` (0 = unpaced, for streams you trust)",
-        },
-        ParamSpec {
-            name: "catch_up_ms",
-            ty: T::Int {
-                min: 80,
-                max: 60_000,
-            },
-            default: D::Int(1000),
-            doc: "audio that may come ahead of real time at once (a burst after a network stall); more is skipped undecoded and counted",
-        },
-    ],
+    params: &[MAX_SPEED, CATCH_UP],
     inputs: || vec![PortSpec::new::<OggOpus>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -75,13 +89,7 @@ pub(super) const ENCODE: StageKind = StageKind {
 };
 
 fn build_decode(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let speed = p.float("max_speed");
-    let budget: Box<dyn Budget + Send> = if speed > 0.0 {
-        let catch_up = Duration::from_millis(p.int("catch_up_ms") as u64);
-        Box::new(RealTime::new(RATE, speed, catch_up))
-    } else {
-        Box::new(Unlimited)
-    };
+    let budget = budget(p);
     let control = cx.endpoint();
     control.set("refused_ms", 0u64);
     Ok(Body::Stage(Box::new(Decode {

@@ -275,6 +275,39 @@ pub fn client(url: &str, args: &[&str]) -> serde_json::Value {
 }
 
 /// The agent's token log of a session: (text pieces joined per frame, frames).
+/// Replays a session's logged user codes (`duplex replay --greedy` and `extra`, on the tiny
+/// pack) into `out` and checks every frame's tokens equal those the session logged; returns the
+/// number of frames.
+pub fn assert_replay_matches(session: &Path, out: &Path, extra: &[&str]) -> usize {
+    let st = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["replay", "--greedy", "--pack"])
+        .arg(root().join("models/tiny-gqa"))
+        .arg("--codes")
+        .arg(session.join("user.jsonl"))
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let live = token_log(&session.join("agent.jsonl"));
+    let replayed = token_log(out);
+    assert_eq!(live.len(), replayed.len(), "{}", session.display());
+    for (i, (a, b)) in live.iter().zip(&replayed).enumerate() {
+        assert_eq!(
+            (&a["text"], &a["audio"]),
+            (&b["text"], &b["audio"]),
+            "{}: frame {i} differs",
+            session.display()
+        );
+    }
+    live.len()
+}
+
 pub fn token_log(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))

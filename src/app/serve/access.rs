@@ -214,8 +214,9 @@ impl Keys {
     }
 }
 
-/// The key a request presents: the `kyutai-api-key` header, `Authorization: Bearer …`, or the
-/// `auth_id` query parameter, in that order.
+/// The key a request presents: the `kyutai-api-key` header, `Authorization: Bearer …`, the
+/// `openai-insecure-api-key.…` WebSocket subprotocol (how a browser's OpenAI realtime client
+/// passes its key), or the `auth_id` query parameter, in that order.
 pub fn presented(headers: &HeaderMap, query: Option<&str>) -> Option<String> {
     if let Some(k) = headers.get("kyutai-api-key").and_then(|v| v.to_str().ok()) {
         return Some(k.trim().to_string());
@@ -229,6 +230,15 @@ pub fn presented(headers: &HeaderMap, query: Option<&str>) -> Option<String> {
                 return Some(token.trim().to_string());
             }
         }
+    }
+    if let Some(k) = headers
+        .get_all(axum::http::header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix("openai-insecure-api-key."))
+    {
+        return Some(k.to_string());
     }
     let q = query?;
     form_urlencoded::parse(q.as_bytes())
@@ -456,6 +466,11 @@ mod tests {
         assert_eq!(presented(&h, Some("auth_id=k2")).as_deref(), Some("k1"));
         let h = headers(&[("authorization", "Bearer k3")]);
         assert_eq!(presented(&h, None).as_deref(), Some("k3"));
+        let h = headers(&[(
+            "sec-websocket-protocol",
+            "realtime, openai-insecure-api-key.k5, openai-beta.realtime-v1",
+        )]);
+        assert_eq!(presented(&h, None).as_deref(), Some("k5"));
         let h = HeaderMap::new();
         assert_eq!(
             presented(&h, Some("text_topk=5&auth_id=k%2B4")).as_deref(),

@@ -45,6 +45,8 @@ const KEYS: &[&str] = &[
     "trusted_proxies",
     "protect_metrics",
     "instance_name",
+    "twilio_auth_token",
+    "twilio_url",
     crate::config::ort::SECTION,
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
@@ -135,6 +137,11 @@ pub struct ServeConfig {
     pub protect_metrics: bool,
     /// The name the server gives itself in its metadata (`instance_name`).
     pub instance_name: String,
+    /// Twilio's auth token: `/twilio/media` then needs Twilio's signature.
+    pub twilio_auth_token: Option<String>,
+    /// The stream's URL as the TwiML gives it to Twilio (what Twilio signs); `None`: `wss://`,
+    /// the request's `Host` and path.
+    pub twilio_url: Option<String>,
     /// The session template.
     pub pipeline: PathBuf,
     /// The pack of every model stage (`None`: the template's).
@@ -321,7 +328,12 @@ pub fn load(
             ),
         ));
     }
+    let nonempty = |v: String| Some(v.trim().to_string()).filter(|v| !v.is_empty());
+    let twilio_auth_token = nonempty(f.string("twilio_auth_token")?);
+    let twilio_url = nonempty(f.string("twilio_url")?);
     let config = ServeConfig {
+        twilio_auth_token,
+        twilio_url,
         allowed_hosts,
         allowed_origins,
         trusted_proxies,

@@ -11,7 +11,9 @@
 
 mod access;
 pub mod config;
+pub mod realtime;
 mod session;
+mod twilio;
 mod web;
 
 use std::collections::{BTreeMap, HashMap};
@@ -532,6 +534,8 @@ async fn serve(
     });
     let app = axum::Router::new()
         .route("/api/chat", get(chat))
+        .route("/v1/realtime", get(realtime_chat))
+        .route("/twilio/media", get(twilio_media))
         .route("/readyz", get(readyz))
         .route("/api/sessions", get(sessions))
         .route("/api/defaults", get(defaults))
@@ -542,7 +546,7 @@ async fn serve(
         .fallback(crate::observe::exporter::not_found)
         .layer(axum::middleware::from_fn_with_state(server.clone(), guard));
     tracing::info!(
-        "serving {} sessions of {} on ws://{addr}/api/chat",
+        "serving {} sessions of {} on ws://{addr}/api/chat, /v1/realtime and /twilio/media",
         server.capacity,
         server.cfg.pipeline.display()
     );
@@ -704,10 +708,13 @@ pub(crate) struct Client {
     key: Option<usize>,
 }
 
-/// Whether `path` needs a key (when keys are configured): the API, and `/metrics` with
-/// `protect_metrics`. The page's files, `/healthz` and `/readyz` never do.
+/// Whether `path` needs a key (when keys are configured): the API (`/api/`, `/v1/`), and
+/// `/metrics` with `protect_metrics`. The page's files, `/healthz` and `/readyz` never do, nor
+/// `/twilio/media`, which Twilio's signature guards instead.
 fn protected(path: &str, cfg: &ServeConfig) -> bool {
-    path.starts_with("/api/") || (path == "/metrics" && cfg.protect_metrics)
+    path.starts_with("/api/")
+        || path.starts_with("/v1/")
+        || (path == "/metrics" && cfg.protect_metrics)
 }
 
 /// Every request, before any route: its `Host` must be one this server answers to (an IP
@@ -757,7 +764,8 @@ async fn guard(
             .headers()
             .get(header::ORIGIN)
             .map(|o| String::from_utf8_lossy(o.as_bytes()).into_owned());
-        if let Some(o) = origin.filter(|_| req.uri().path() == "/api/chat") {
+        let opens_sessions = matches!(req.uri().path(), "/api/chat" | "/v1/realtime");
+        if let Some(o) = origin.filter(|_| opens_sessions) {
             if !access::origin_allowed(&o, host.as_deref(), &cfg.allowed_origins) {
                 break 'decided refuse(
                     "origin",
@@ -862,6 +870,7 @@ fn register_series() {
         "origin",
         "missing_key",
         "unknown_key",
+        "signature",
     ] {
         metrics::counter!(names::HTTP_REFUSED, "reason" => reason).absolute(0);
     }
@@ -1081,6 +1090,125 @@ async fn chat(
     headers: axum::http::HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
+    let query = query_pairs(query);
+    let proto = session::Kyutai::new(query);
+    open_session(server, peer, client, conn, &headers, ws, proto)
+}
+
+/// `GET /v1/realtime`: the OpenAI Realtime API ([`realtime`]); `event_names=ga|beta|both` in
+/// the query chooses the server events' names (the API's `model` parameter is ignored).
+async fn realtime_chat(
+    State(server): State<Arc<Server>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::Extension(client): axum::Extension<Client>,
+    axum::Extension(conn): axum::Extension<Arc<Connection>>,
+    RawQuery(query): RawQuery,
+    headers: axum::http::HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
+    let names = match query_pairs(query)
+        .into_iter()
+        .find(|(k, _)| k == "event_names")
+        .map(|(_, v)| realtime::Names::parse(&v))
+        .transpose()
+    {
+        Ok(n) => n,
+        Err(m) => {
+            metrics::counter!(names::HTTP_REFUSED, "reason" => "bad_request").increment(1);
+            return (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response();
+        }
+    };
+    let proto = realtime::Realtime::new(server.clone(), names);
+    // Browsers name the API's subprotocol (and pass their key in another one).
+    let ws = ws.protocols(["realtime"]);
+    open_session(server, peer, client, conn, &headers, ws, proto)
+}
+
+/// `GET /twilio/media`: a phone call through Twilio's Media Streams ([`twilio`]). Twilio
+/// presents no key of ours: with `twilio_auth_token` the request must carry Twilio's signature;
+/// a server with keys and no token refuses calls.
+async fn twilio_media(
+    State(server): State<Arc<Server>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::Extension(client): axum::Extension<Client>,
+    axum::Extension(conn): axum::Extension<Arc<Connection>>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
+    let cfg = &server.cfg;
+    let refuse = |status: StatusCode, reason: &'static str, msg: &'static str| {
+        metrics::counter!(names::HTTP_REFUSED, "reason" => reason).increment(1);
+        if let Some(held) = server.log_throttle.allow(reason) {
+            tracing::info!(client = %client.ip, reason, held, "refused a call: {msg}");
+        }
+        (status, format!("{msg}\n")).into_response()
+    };
+    match &cfg.twilio_auth_token {
+        Some(token) => {
+            let url = cfg.twilio_url.clone().unwrap_or_else(|| {
+                let host = headers
+                    .get(header::HOST)
+                    .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned())
+                    .unwrap_or_default();
+                format!("wss://{host}{uri}")
+            });
+            let signature = headers
+                .get("x-twilio-signature")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            if !twilio::signature_ok(token, &url, signature) {
+                return refuse(
+                    StatusCode::FORBIDDEN,
+                    "signature",
+                    "not signed by Twilio for this URL (X-Twilio-Signature, `twilio_url`)",
+                );
+            }
+        }
+        None if cfg.keys.any() => {
+            return refuse(
+                StatusCode::FORBIDDEN,
+                "signature",
+                "this server has keys: calls need `twilio_auth_token` to be checked",
+            );
+        }
+        None => {}
+    }
+    let server = server.clone();
+    open_session(
+        server,
+        peer,
+        client,
+        conn,
+        &headers,
+        ws,
+        twilio::Twilio::new(),
+    )
+}
+
+/// A query's pairs, the empty names left out.
+fn query_pairs(query: Option<String>) -> Vec<(String, String)> {
+    query
+        .map(|q| {
+            url_pairs(&q)
+                .into_iter()
+                .filter(|(k, _)| !k.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Admits a WebSocket client (its key's and address's limits, the server's capacity) and runs
+/// its session in `proto`.
+fn open_session<P: session::Protocol>(
+    server: Arc<Server>,
+    peer: SocketAddr,
+    client: Client,
+    conn: Arc<Connection>,
+    headers: &axum::http::HeaderMap,
+    ws: WebSocketUpgrade,
+    proto: P,
+) -> Response {
     // RFC 6455 4.1: the key is 16 random bytes in base64; anything else is not a WebSocket
     // client.
     let key = headers.get(header::SEC_WEBSOCKET_KEY).map(|k| k.as_bytes());
@@ -1124,21 +1252,13 @@ async fn chat(
         Err(r) => return *r,
     };
     admission.key = key;
-    let query: Vec<(String, String)> = query
-        .map(|q| {
-            url_pairs(&q)
-                .into_iter()
-                .filter(|(k, _)| !k.is_empty())
-                .collect()
-        })
-        .unwrap_or_default();
     let limit = server.cfg.limits.max_message_bytes;
     ws.max_message_size(limit)
         .max_frame_size(limit)
         .max_write_buffer_size(WRITE_BUFFER_MAX)
         .on_failed_upgrade(move |e| tracing::info!(client = %peer, "WebSocket upgrade failed: {e}"))
         .on_upgrade(move |socket| async move {
-            session::run(server, socket, peer, query, admission).await;
+            session::run(server, socket, peer, proto, admission).await;
             drop(conn);
         })
 }

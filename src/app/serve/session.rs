@@ -50,8 +50,10 @@ const OUTBOUND_QUEUE: usize = 96;
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `kind` label values of protocol errors.
-pub(super) const PROTOCOL_ERRORS: [&str; 6] = [
+pub(super) const PROTOCOL_ERRORS: [&str; 8] = [
     "unknown_kind",
+    "not_json",
+    "bad_event",
     "bad_query",
     "too_large",
     "not_binary",
@@ -174,6 +176,66 @@ pub(super) fn check_template(
     Ok(engines)
 }
 
+/// The template with PCM ends in place of its Ogg/Opus ones, for a transport that converts
+/// its own wire format: `session_in → opus_decode` becomes one `session_pcm_in` (named as the
+/// decoder, with the pacing and silence params of both), `opus_encode → session_audio_out` one
+/// `session_pcm_out` (named as the encoder). The model's part of the template is untouched.
+///
+/// # Errors
+///
+/// A [`ConfigError`] naming the template when it has no such ends.
+pub(super) fn pcm_ends(
+    template: &PipelineSpec,
+    registry: &Registry,
+) -> Result<PipelineSpec, ConfigError> {
+    let stage_of = |end: &str| end.split('.').next().unwrap_or_default().to_string();
+    let kind_of = |spec: &PipelineSpec, name: &str| {
+        spec.stages
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| s.kind.clone())
+            .unwrap_or_default()
+    };
+    let missing = |what: &str| {
+        ConfigError::new(
+            &template.file,
+            cfg::ConfigErrorKind::Link,
+            format!(
+                "the PCM transports (the realtime API, the telephone) need the template's {what}; \
+                 see pipelines/serve.yaml"
+            ),
+        )
+    };
+    let input = template
+        .stages
+        .iter()
+        .find(|s| s.kind == "session_in")
+        .map(|s| s.name.clone())
+        .ok_or_else(|| missing("`session_in` stage"))?;
+    let decoder = template
+        .links
+        .iter()
+        .find(|l| stage_of(&l.from) == input)
+        .map(|l| stage_of(&l.to))
+        .filter(|d| kind_of(template, d) == "opus_decode")
+        .ok_or_else(|| missing("`session_in` feeding an `opus_decode` stage"))?;
+    let spec = template.merge_pair(registry, &input, &decoder, &decoder, "session_pcm_in")?;
+    let output = spec
+        .stages
+        .iter()
+        .find(|s| s.kind == "session_audio_out")
+        .map(|s| s.name.clone())
+        .ok_or_else(|| missing("`session_audio_out` stage"))?;
+    let encoder = spec
+        .links
+        .iter()
+        .find(|l| stage_of(&l.to) == output)
+        .map(|l| stage_of(&l.from))
+        .filter(|e| kind_of(&spec, e) == "opus_encode")
+        .ok_or_else(|| missing("`opus_encode` stage feeding `session_audio_out`"))?;
+    spec.merge_pair(registry, &encoder, &output, &encoder, "session_pcm_out")
+}
+
 /// Whether a session of `template` keeps its primed state in the process's cache (a
 /// `temporal` stage with `priming: cached`).
 pub(super) fn primes_cached(template: &PipelineSpec) -> bool {
@@ -234,8 +296,14 @@ fn start(
     params: &super::config::SessionParams,
     id: u64,
     end: &crate::session::PipelineEnd,
+    pcm: bool,
 ) -> anyhow::Result<Started> {
     let template = server.template();
+    let template = if pcm {
+        Arc::new(pcm_ends(&template, &server.registry)?)
+    } else {
+        template
+    };
     let spec = session_spec(
         &server.cfg,
         &template,
@@ -371,110 +439,207 @@ fn metadata(server: &Server, params: &super::config::SessionParams, id: u64) -> 
     })
 }
 
-/// Sends the handshake (every session's first message: a client written against Kyutai's
-/// Python server takes the first message as one), then an error message, and closes (best
-/// effort: the client may be gone).
-async fn refuse(socket: &mut WebSocket, text: &str) {
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = socket.send(message(HANDSHAKE, &[0; 8])).await;
-        let _ = socket.send(message(ERROR, text.as_bytes())).await;
-        let _ = socket
-            .send(Message::Close(Some(CloseFrame {
-                code: 1008,
-                reason: close_reason(text).into(),
-            })))
-            .await;
-    })
-    .await;
+/// What differs between the protocols a session is spoken in (Kyutai's binary one, the realtime
+/// API's JSON events): the messages that open, answer and end a session, how the client's
+/// audio arrives and how the pipeline's messages are written. The rest of a connection (the
+/// session's pipeline, the limits, the writer, the outcomes and their metrics) is
+/// [`run`]'s, the same for all.
+pub(super) trait Protocol: Send + 'static {
+    /// Messages sent as soon as the connection opens (before the session's params are known).
+    fn hello(&mut self) -> Vec<Message> {
+        Vec::new()
+    }
+
+    /// Whether the session may start: the client has said what it wants (Kyutai's protocol:
+    /// at once, from the query; the realtime API: at its first audio or `response.create`).
+    fn may_start(&self) -> bool {
+        true
+    }
+
+    /// The session's params, once it may start; a refusal names the client's mistake.
+    fn params(&mut self, cfg: &ServeConfig) -> Result<super::config::SessionParams, String>;
+
+    /// Messages that tell the client its session is ready; the pipeline's output follows.
+    fn ready(&mut self, meta: &serde_json::Value) -> Vec<Message>;
+
+    /// One message of the client's (binary or text; not a close, ping or pong), paid for.
+    fn take(&mut self, m: Message, cx: &mut Taken<'_>);
+
+    /// The writer's encoder of the pipeline's messages.
+    fn encoder(&self) -> Box<dyn Encoder>;
+
+    /// What a client is told when its session cannot start (before `ready`).
+    fn refusal(&self, text: &str) -> Vec<Message>;
+
+    /// What a client is told when its session fails (after `ready`).
+    fn failure(&self, text: &str) -> Vec<Message>;
+
+    /// The close code and reason when the pipeline refused the client's audio.
+    fn bad_audio(&self) -> (u16, &'static str);
+
+    /// What a client is told before its connection is closed for a message over `limit` bytes.
+    fn too_large(&mut self, _limit: usize) -> Vec<Message> {
+        Vec::new()
+    }
+
+    /// Whether the protocol carries PCM and converts its own wire format: its sessions run the
+    /// template with PCM ends ([`pcm_ends`]).
+    fn pcm(&self) -> bool {
+        false
+    }
 }
 
-/// Runs one connection to its end.
-pub(super) async fn run(
-    server: Arc<Server>,
-    mut socket: WebSocket,
-    peer: SocketAddr,
-    query: Vec<(String, String)>,
-    admission: Admission,
-) {
-    let id = server.next_id.fetch_add(1, Ordering::Relaxed);
-    let t0 = Instant::now();
-    metrics::counter!(names::SESSIONS_ADMITTED).increment(1);
-    let outcome = match server.cfg.session_params(&query) {
-        Err(m) => {
-            tracing::info!(session = id, client = %peer, "refused: {m}");
-            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_query").increment(1);
-            refuse(&mut socket, &m).await;
-            Outcome::Refused
+/// Turns the pipeline's messages into the protocol's (in the writer's task).
+pub(super) trait Encoder: Send {
+    /// The messages for one of the pipeline's.
+    fn encode(&mut self, m: Outbound) -> Vec<Message>;
+}
+
+/// What a protocol's [`Protocol::take`] may do with a message.
+pub(super) struct Taken<'a> {
+    /// The session's link: the client's audio is offered to it.
+    pub client: &'a crate::session::ClientEnd,
+    /// The session's id, for the log.
+    pub id: u64,
+    /// Messages for the client, sent before anything of the pipeline's.
+    pub replies: Vec<Message>,
+    /// Set when the message broke the protocol beyond an answer: the close code and reason.
+    pub close: Option<(u16, &'static str)>,
+    /// Whether the message carried the client's audio (it is not idle).
+    pub heard: bool,
+    /// Set when the message ends the session as the client's close would (a call hung up).
+    pub end: bool,
+    warned: &'a mut std::collections::HashSet<&'static str>,
+}
+
+impl Taken<'_> {
+    /// Counts a protocol error of `kind` (one of [`PROTOCOL_ERRORS`]).
+    pub fn protocol_error(&self, kind: &'static str) {
+        metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).increment(1);
+    }
+
+    /// Whether `what` is logged for the first time in this session.
+    pub fn first(&mut self, what: &'static str) -> bool {
+        self.warned.insert(what)
+    }
+
+    /// Offers a chunk of the client's audio; a full queue drops it (counted, logged once).
+    pub fn offer(&mut self, chunk: Vec<u8>) {
+        self.heard = true;
+        if self.client.offer(chunk).is_err() && self.first("flood") {
+            tracing::warn!(
+                session = self.id,
+                "the client sends faster than the session takes its audio: chunks dropped (counted)"
+            );
         }
-        Ok(params) => {
-            let meta = metadata(&server, &params, id);
-            let (client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
-            server
-                .sessions
-                .lock()
-                .map(|mut m| {
-                    m.insert(
-                        id,
-                        Live {
-                            peer,
-                            key: admission.key.as_ref().map(|k| k.name().to_string()),
-                            started: t0,
-                            handle: None,
-                            monitor: None,
-                            stats: client.stats.clone(),
-                        },
-                    )
-                })
-                .ok();
-            let s = server.clone();
-            let built = tokio::task::spawn_blocking(move || {
-                let r = start(&s, &params, id, &end);
-                drop(end);
-                r
-            })
-            .await;
-            match built {
-                Ok(Ok(started)) => {
-                    if let Ok(mut m) = server.sessions.lock() {
-                        if let Some(l) = m.get_mut(&id) {
-                            l.handle = Some(started.handle.clone());
-                            l.monitor = Some(started.monitor.clone());
-                        }
+    }
+}
+
+/// Kyutai's protocol (PROTOCOL.md): binary messages whose first byte is their kind.
+pub(super) struct Kyutai {
+    query: Vec<(String, String)>,
+}
+
+impl Kyutai {
+    pub(super) fn new(query: Vec<(String, String)>) -> Self {
+        Kyutai { query }
+    }
+}
+
+struct KyutaiEncoder;
+
+impl Encoder for KyutaiEncoder {
+    fn encode(&mut self, m: Outbound) -> Vec<Message> {
+        match m {
+            Outbound::Audio(b) => vec![message(AUDIO, &b)],
+            Outbound::Text(t) => vec![message(TEXT, t.as_bytes())],
+            // Not made by an Ogg/Opus template's pipeline.
+            Outbound::Pcm(_) => Vec::new(),
+        }
+    }
+}
+
+impl Protocol for Kyutai {
+    fn params(&mut self, cfg: &ServeConfig) -> Result<super::config::SessionParams, String> {
+        cfg.session_params(&self.query).inspect_err(|_| {
+            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_query").increment(1);
+        })
+    }
+
+    fn ready(&mut self, meta: &serde_json::Value) -> Vec<Message> {
+        // The 9-byte handshake (kind 0, protocol version 0, model version 0) first, always;
+        // then the metadata.
+        vec![
+            message(HANDSHAKE, &[0; 8]),
+            message(METADATA, meta.to_string().as_bytes()),
+        ]
+    }
+
+    fn take(&mut self, m: Message, cx: &mut Taken<'_>) {
+        let id = cx.id;
+        match m {
+            Message::Binary(b) => match b.first() {
+                Some(&AUDIO) => cx.offer(b[1..].to_vec()),
+                Some(&CONTROL) => {}
+                k => {
+                    cx.protocol_error("unknown_kind");
+                    if cx.first("kind") {
+                        tracing::info!(
+                            session = id,
+                            "ignored a message of unknown kind {k:?} (logged once per session)"
+                        );
                     }
-                    tracing::info!(session = id, client = %peer, "session started");
-                    bridge(&server, socket, client, started, id, meta).await
                 }
-                Ok(Err(e)) => {
-                    tracing::warn!(session = id, client = %peer, "the session could not start: {e:#}");
-                    refuse(&mut socket, &for_client(&e, id)).await;
-                    Outcome::Failed
-                }
-                Err(e) => {
-                    tracing::error!(session = id, "building the session panicked: {e}");
-                    refuse(&mut socket, "the session could not start: internal error").await;
-                    Outcome::Failed
+            },
+            Message::Text(_) => {
+                cx.protocol_error("not_binary");
+                if cx.first("text") {
+                    tracing::info!(
+                        session = id,
+                        "ignored a text message: the protocol is binary (logged once per session)"
+                    );
                 }
             }
+            _ => {}
         }
-    };
-    if let Ok(mut m) = server.sessions.lock() {
-        m.remove(&id);
     }
-    let took = t0.elapsed().as_secs_f64();
-    metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome.name()).increment(1);
-    metrics::histogram!(names::SESSION_DURATION).record(took);
-    tracing::info!(
-        session = id,
-        client = %peer,
-        outcome = outcome.name(),
-        "session ended after {took:.1} s"
-    );
-    drop(admission);
+
+    fn encoder(&self) -> Box<dyn Encoder> {
+        Box::new(KyutaiEncoder)
+    }
+
+    fn refusal(&self, text: &str) -> Vec<Message> {
+        // The handshake first: a client written against Kyutai's Python server takes the first
+        // message as one.
+        vec![message(HANDSHAKE, &[0; 8]), message(ERROR, text.as_bytes())]
+    }
+
+    fn failure(&self, text: &str) -> Vec<Message> {
+        vec![message(ERROR, text.as_bytes())]
+    }
+
+    fn bad_audio(&self) -> (u16, &'static str) {
+        (1007, "the audio is not a usable Ogg/Opus stream")
+    }
 }
+
+/// What the writer is given besides the pipeline's messages.
+enum Reply {
+    /// A message of the protocol's.
+    Send(Message),
+    /// The session is ready: the pipeline's messages may follow.
+    Open,
+    /// The end: what the pipeline still has (when the session was open), then these messages,
+    /// then a close frame with this code and reason (or the answer to the client's close).
+    Finish(Vec<Message>, Option<(u16, String)>),
+}
+
+/// Replies that may wait for the client.
+const REPLY_QUEUE: usize = 64;
 
 /// Why the writer stopped.
 enum WriterEnd {
-    /// The pipeline's outputs ended (it finished or failed).
+    /// It sent what it had, and the end.
     Done,
     /// The client did not take a message within `stall_timeout`.
     Stalled,
@@ -482,9 +647,103 @@ enum WriterEnd {
     Gone,
 }
 
+/// The writing side of a connection.
+struct Writer {
+    sink: futures_util::stream::SplitSink<WebSocket, Message>,
+    encoder: Box<dyn Encoder>,
+    stall: Duration,
+    bytes_out: metrics::Counter,
+}
+
+impl Writer {
+    /// Sends one message within the stall limit.
+    async fn send(&mut self, m: Message) -> Result<(), WriterEnd> {
+        let n = match &m {
+            Message::Binary(b) => b.len(),
+            Message::Text(t) => t.len(),
+            _ => 0,
+        } as u64;
+        match tokio::time::timeout(self.stall, self.sink.send(m)).await {
+            Ok(Ok(())) => {
+                self.bytes_out.increment(n);
+                Ok(())
+            }
+            Ok(Err(_)) => Err(WriterEnd::Gone),
+            Err(_) => Err(WriterEnd::Stalled),
+        }
+    }
+
+    async fn send_encoded(&mut self, m: Outbound) -> Result<(), WriterEnd> {
+        for msg in self.encoder.encode(m) {
+            self.send(msg).await?;
+        }
+        Ok(())
+    }
+
+    /// The protocol's replies first, then (once the session is open) the pipeline's messages,
+    /// each sent within the stall limit; `ended` fires when the pipeline's outputs have ended.
+    async fn run(
+        mut self,
+        mut replies: tokio::sync::mpsc::Receiver<Reply>,
+        mut outbound: tokio::sync::mpsc::Receiver<Outbound>,
+        ended: tokio::sync::oneshot::Sender<()>,
+    ) -> WriterEnd {
+        let mut ended = Some(ended);
+        let mut open = false;
+        let result: Result<(), WriterEnd> = async {
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    r = replies.recv() => Err(r),
+                    m = outbound.recv(), if open && ended.is_some() => Ok(m),
+                };
+                match next {
+                    Err(Some(Reply::Send(m))) => self.send(m).await?,
+                    Err(Some(Reply::Open)) => open = true,
+                    Err(Some(Reply::Finish(messages, close))) => {
+                        if open {
+                            while let Some(m) = outbound.recv().await {
+                                self.send_encoded(m).await?;
+                            }
+                        }
+                        for m in messages {
+                            self.send(m).await?;
+                        }
+                        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+                            if let Some((code, reason)) = close {
+                                let _ = self
+                                    .sink
+                                    .send(Message::Close(Some(CloseFrame {
+                                        code,
+                                        reason: reason.into(),
+                                    })))
+                                    .await;
+                            }
+                            let _ = self.sink.close().await;
+                        })
+                        .await;
+                        return Ok(());
+                    }
+                    Err(None) => return Ok(()),
+                    Ok(Some(m)) => self.send_encoded(m).await?,
+                    Ok(None) => {
+                        if let Some(e) = ended.take() {
+                            let _ = e.send(());
+                        }
+                    }
+                }
+            }
+        }
+        .await;
+        match result {
+            Ok(()) => WriterEnd::Done,
+            Err(e) => e,
+        }
+    }
+}
+
 /// The reading side of a connection: what every incoming message costs and where it goes.
-struct Inflow<'a> {
-    client: &'a crate::session::ClientEnd,
+struct Inflow {
     id: u64,
     limits: super::config::Limits,
     /// Every message, pings included, is paid from this.
@@ -492,21 +751,26 @@ struct Inflow<'a> {
     last_heard: Instant,
     warned: std::collections::HashSet<&'static str>,
     bytes_in: metrics::Counter,
+    replies: tokio::sync::mpsc::Sender<Reply>,
     /// The close code and reason when the client broke a rule.
     close: Option<(u16, &'static str)>,
 }
 
-impl<'a> Inflow<'a> {
-    fn new(client: &'a crate::session::ClientEnd, id: u64, limits: super::config::Limits) -> Self {
+impl Inflow {
+    fn new(
+        id: u64,
+        limits: super::config::Limits,
+        replies: tokio::sync::mpsc::Sender<Reply>,
+    ) -> Self {
         let per_s = limits.max_messages_per_s;
         Inflow {
-            client,
             id,
             limits,
             rate: crate::audio::pace::TokenBucket::new(per_s, 2.0 * per_s),
             last_heard: Instant::now(),
             warned: Default::default(),
             bytes_in: metrics::counter!(names::SESSION_BYTES, "direction" => "in"),
+            replies,
             close: None,
         }
     }
@@ -515,8 +779,21 @@ impl<'a> Inflow<'a> {
         metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).increment(1);
     }
 
+    /// Queues replies for the client; when its queue is full (it does not read), they are
+    /// dropped: the writer closes a stalled client.
+    fn reply(&self, messages: Vec<Message>) {
+        for m in messages {
+            let _ = self.replies.try_send(Reply::Send(m));
+        }
+    }
+
     /// Takes one message (or the end of the stream); returns how the session ends when it does.
-    fn take(&mut self, m: Option<Result<Message, axum::Error>>) -> Option<Outcome> {
+    fn take(
+        &mut self,
+        m: Option<Result<Message, axum::Error>>,
+        proto: &mut dyn Protocol,
+        client: &crate::session::ClientEnd,
+    ) -> Option<Outcome> {
         let id = self.id;
         let m = match m {
             None | Some(Ok(Message::Close(_))) => return Some(Outcome::ClientClosed),
@@ -533,6 +810,7 @@ impl<'a> Inflow<'a> {
                         "closed: a message over limits.max_message_bytes ({})",
                         self.limits.max_message_bytes
                     );
+                    self.reply(proto.too_large(self.limits.max_message_bytes));
                     self.close = Some((1009, "message too large"));
                     return Some(Outcome::Failed);
                 }
@@ -551,243 +829,316 @@ impl<'a> Inflow<'a> {
             self.close = Some((1008, "too many messages"));
             return Some(Outcome::Failed);
         }
-        match m {
-            Message::Binary(b) => {
-                self.bytes_in.increment(b.len() as u64);
-                match b.first() {
-                    Some(&AUDIO) => {
-                        self.last_heard = Instant::now();
-                        if self.client.offer(b[1..].to_vec()).is_err()
-                            && self.warned.insert("flood")
-                        {
-                            tracing::warn!(session = id, "the client sends faster than the session takes its audio: chunks dropped (counted)");
-                        }
-                    }
-                    Some(&CONTROL) => {}
-                    k => {
-                        self.protocol_error("unknown_kind");
-                        if self.warned.insert("kind") {
-                            tracing::info!(
-                                session = id,
-                                "ignored a message of unknown kind {k:?} (logged once per session)"
-                            );
-                        }
-                    }
-                }
-            }
-            Message::Text(_) => {
-                self.protocol_error("not_binary");
-                if self.warned.insert("text") {
-                    tracing::info!(
-                        session = id,
-                        "ignored a text message: the protocol is binary (logged once per session)"
-                    );
-                }
-            }
+        let n = match &m {
+            Message::Binary(b) => b.len(),
+            Message::Text(t) => t.len(),
             // Pings are answered by the WebSocket layer (one pong pending at most); they count
             // against the message rate above.
-            _ => {}
+            _ => return None,
+        };
+        self.bytes_in.increment(n as u64);
+        let mut cx = Taken {
+            client,
+            id,
+            replies: Vec::new(),
+            close: None,
+            heard: false,
+            end: false,
+            warned: &mut self.warned,
+        };
+        proto.take(m, &mut cx);
+        let Taken {
+            replies,
+            close,
+            heard,
+            end,
+            ..
+        } = cx;
+        if heard {
+            self.last_heard = Instant::now();
         }
-        None
+        self.reply(replies);
+        if close.is_some() {
+            self.close = close;
+            return Some(Outcome::Failed);
+        }
+        end.then_some(Outcome::ClientClosed)
     }
 }
 
-/// Bridges the socket and a started pipeline until one side ends.
-async fn bridge(
-    server: &Arc<Server>,
+/// Runs one connection to its end, in the protocol `proto`.
+pub(super) async fn run<P: Protocol>(
+    server: Arc<Server>,
     socket: WebSocket,
-    mut client: crate::session::ClientEnd,
-    started: Started,
-    id: u64,
-    meta: serde_json::Value,
-) -> Outcome {
+    peer: SocketAddr,
+    mut proto: P,
+    admission: Admission,
+) {
+    let id = server.next_id.fetch_add(1, Ordering::Relaxed);
+    let t0 = Instant::now();
+    metrics::counter!(names::SESSIONS_ADMITTED).increment(1);
     let limits = server.cfg.limits;
-    let Started {
-        running,
-        handle,
-        monitor: _monitor,
-    } = started;
+    let (mut client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
+    let (sink, mut stream) = socket.split();
+    let (reply_tx, reply_rx) = tokio::sync::mpsc::channel(REPLY_QUEUE);
+    let (ended_tx, mut ended) = tokio::sync::oneshot::channel();
+    let outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
+    let writer = Writer {
+        sink,
+        encoder: proto.encoder(),
+        stall: limits.stall_timeout,
+        bytes_out: metrics::counter!(names::SESSION_BYTES, "direction" => "out"),
+    };
+    let mut writer = Some(tokio::spawn(writer.run(reply_rx, outbound, ended_tx)));
+    server
+        .sessions
+        .lock()
+        .map(|mut m| {
+            m.insert(
+                id,
+                Live {
+                    peer,
+                    key: admission.key.as_ref().map(|k| k.name().to_string()),
+                    started: t0,
+                    handle: None,
+                    monitor: None,
+                    stats: client.stats.clone(),
+                },
+            )
+        })
+        .ok();
     let mut close_all = server.close_all.subscribe();
-    let waited = tokio::task::spawn_blocking(move || running.wait());
-    let (mut sink, mut stream) = socket.split();
-    let mut outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
-    let mut inflow = Inflow::new(&client, id, limits);
+    let mut inflow = Inflow::new(id, limits, reply_tx.clone());
+    inflow.reply(proto.hello());
+    // Until the client has said what it wants: its messages are taken (its audio is queued for
+    // the session to come), within the idle limit.
     let mut outcome = None;
-    // Primed (warm-up, persona, voice) before the handshake. The socket is read meanwhile: a
-    // client that leaves (or floods) stops the priming.
-    let ready_since = Instant::now();
-    while outcome.is_none() && !handle.is_ready() {
-        if ready_since.elapsed() > READY_TIMEOUT || waited.is_finished() || *close_all.borrow() {
-            break;
-        }
+    while outcome.is_none() && !proto.may_start() {
         tokio::select! {
-            m = stream.next() => outcome = inflow.take(m),
-            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
-        }
-    }
-    let mut waited = Some(waited);
-    if outcome.is_none() {
-        if handle.is_ready() {
-            // The 9-byte handshake (kind 0, protocol version 0, model version 0) first, always;
-            // then the metadata.
-            let meta = meta.to_string();
-            if sink.send(message(HANDSHAKE, &[0; 8])).await.is_err()
-                || sink.send(message(METADATA, meta.as_bytes())).await.is_err()
-            {
-                outcome = Some(Outcome::ClientClosed);
-            }
-            inflow.client.open();
-        } else {
-            outcome = Some(Outcome::Failed);
-        }
-    } else {
-        tracing::info!(
-            session = id,
-            "the client left while its session was starting: priming stopped"
-        );
-    }
-    // Writer: outgoing messages, each sent within `stall_timeout`.
-    let stall = limits.stall_timeout;
-    let writer = tokio::spawn(async move {
-        let bytes_out = metrics::counter!(names::SESSION_BYTES, "direction" => "out");
-        let end = loop {
-            let Some(m) = outbound.recv().await else {
-                break WriterEnd::Done;
-            };
-            let (msg, n) = match m {
-                Outbound::Audio(b) => (message(AUDIO, &b), b.len() + 1),
-                Outbound::Text(t) => (message(TEXT, t.as_bytes()), t.len() + 1),
-            };
-            let n = n as u64;
-            match tokio::time::timeout(stall, sink.send(msg)).await {
-                Ok(Ok(())) => bytes_out.increment(n),
-                Ok(Err(_)) => break WriterEnd::Gone,
-                Err(_) => break WriterEnd::Stalled,
-            }
-        };
-        (sink, end)
-    });
-    let mut writer = Some(writer);
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    let mut published = Published::default();
-    let began = Instant::now();
-    let mut writer_end = None;
-    while outcome.is_none() {
-        tokio::select! {
-            m = stream.next() => outcome = inflow.take(m),
-            w = async { writer.as_mut().expect("writer runs").await }, if writer.is_some() => {
-                writer = None;
-                match w {
-                    Ok((s, end)) => {
-                        outcome = Some(match end {
-                            WriterEnd::Done => {
-                                // The pipeline ended: how is for its outcome to say.
-                                Outcome::Ended
-                            }
-                            WriterEnd::Stalled => {
-                                metrics::counter!(names::SESSION_STALLS).increment(1);
-                                tracing::warn!(session = id, "closed: the client read nothing for {:.0} s (limits.stall_timeout_s)", stall.as_secs_f64());
-                                Outcome::Stalled
-                            }
-                            WriterEnd::Gone => Outcome::ClientClosed,
-                        });
-                        writer_end = Some(s);
-                    }
-                    Err(_) => outcome = Some(Outcome::Failed),
-                }
-            }
-            _ = tick.tick() => {
-                published.update(&inflow.client.stats);
+            m = stream.next() => outcome = inflow.take(m, &mut proto, &client),
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {
                 if inflow.last_heard.elapsed() > limits.idle_timeout {
                     tracing::info!(session = id, "closed: the client sent nothing for {:.0} s (limits.idle_timeout_s)", limits.idle_timeout.as_secs_f64());
                     outcome = Some(Outcome::Idle);
-                } else if limits.max_session.is_some_and(|m| began.elapsed() > m) {
-                    tracing::info!(session = id, "closed: the session reached limits.max_session_s");
-                    outcome = Some(Outcome::Closed);
                 }
             }
             _ = close_all.changed() => outcome = Some(Outcome::Closed),
         }
     }
-    let mut close = inflow.close;
-    drop(inflow);
-    let mut outcome = outcome.unwrap_or(Outcome::Failed);
-    // The client's input ends: the pipeline drains what it has and stops.
-    client.close_input();
-    if outcome != Outcome::Ended {
-        handle.stop();
+    // The session's pipeline, built and started (or why not, in the client's words).
+    let mut started = None;
+    let mut refused = None;
+    if outcome.is_none() {
+        match proto.params(&server.cfg) {
+            Err(m) => {
+                tracing::info!(session = id, client = %peer, "refused: {m}");
+                refused = Some(m);
+                outcome = Some(Outcome::Refused);
+            }
+            Ok(params) => {
+                let meta = metadata(&server, &params, id);
+                let s = server.clone();
+                let pcm = proto.pcm();
+                let built = tokio::task::spawn_blocking(move || {
+                    let r = start(&s, &params, id, &end, pcm);
+                    drop(end);
+                    r
+                })
+                .await;
+                match built {
+                    Ok(Ok(s)) => {
+                        if let Ok(mut m) = server.sessions.lock() {
+                            if let Some(l) = m.get_mut(&id) {
+                                l.handle = Some(s.handle.clone());
+                                l.monitor = Some(s.monitor.clone());
+                            }
+                        }
+                        tracing::info!(session = id, client = %peer, "session started");
+                        started = Some((s, meta));
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(session = id, client = %peer, "the session could not start: {e:#}");
+                        refused = Some(for_client(&e, id));
+                        outcome = Some(Outcome::Failed);
+                    }
+                    Err(e) => {
+                        tracing::error!(session = id, "building the session panicked: {e}");
+                        refused = Some("the session could not start: internal error".into());
+                        outcome = Some(Outcome::Failed);
+                    }
+                }
+            }
+        }
     }
-    let result = match waited.take() {
-        Some(w) => w.await.ok(),
-        None => None,
-    };
-    // What the pipeline still had for the client goes out (within the stall limit); a client
-    // that closed gets its close answered.
+    let mut close = inflow.close;
+    let mut told = refused.map(|t| {
+        let c = close_reason(&t);
+        close = close.or(Some((1008, "")));
+        (proto.refusal(&t), c)
+    });
+    let mut opened = false;
+    if let Some((
+        Started {
+            running,
+            handle,
+            monitor: _monitor,
+        },
+        meta,
+    )) = started
+    {
+        let waited = tokio::task::spawn_blocking(move || running.wait());
+        // Primed (warm-up, persona, voice) before the client is told it is ready. The socket is
+        // read meanwhile: a client that leaves (or floods) stops the priming.
+        let ready_since = Instant::now();
+        while outcome.is_none() && !handle.is_ready() {
+            if ready_since.elapsed() > READY_TIMEOUT || waited.is_finished() || *close_all.borrow()
+            {
+                break;
+            }
+            tokio::select! {
+                m = stream.next() => outcome = inflow.take(m, &mut proto, &client),
+                _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+        }
+        if outcome.is_none() {
+            if handle.is_ready() {
+                inflow.reply(proto.ready(&meta));
+                let _ = reply_tx.try_send(Reply::Open);
+                client.open();
+                opened = true;
+            } else {
+                outcome = Some(Outcome::Failed);
+            }
+        } else {
+            tracing::info!(
+                session = id,
+                "the client left while its session was starting: priming stopped"
+            );
+        }
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        let mut published = Published::default();
+        let began = Instant::now();
+        while outcome.is_none() {
+            tokio::select! {
+                m = stream.next() => outcome = inflow.take(m, &mut proto, &client),
+                w = async { writer.as_mut().expect("writer runs").await }, if writer.is_some() => {
+                    writer = None;
+                    outcome = Some(match w {
+                        Ok(WriterEnd::Stalled) => {
+                            metrics::counter!(names::SESSION_STALLS).increment(1);
+                            tracing::warn!(session = id, "closed: the client read nothing for {:.0} s (limits.stall_timeout_s)", limits.stall_timeout.as_secs_f64());
+                            Outcome::Stalled
+                        }
+                        Ok(_) => Outcome::ClientClosed,
+                        Err(_) => Outcome::Failed,
+                    });
+                }
+                // The pipeline ended: how is for its outcome to say.
+                _ = &mut ended => outcome = Some(Outcome::Ended),
+                _ = tick.tick() => {
+                    published.update(&client.stats);
+                    if inflow.last_heard.elapsed() > limits.idle_timeout {
+                        tracing::info!(session = id, "closed: the client sent nothing for {:.0} s (limits.idle_timeout_s)", limits.idle_timeout.as_secs_f64());
+                        outcome = Some(Outcome::Idle);
+                    } else if limits.max_session.is_some_and(|m| began.elapsed() > m) {
+                        tracing::info!(session = id, "closed: the session reached limits.max_session_s");
+                        outcome = Some(Outcome::Closed);
+                    }
+                }
+                _ = close_all.changed() => outcome = Some(Outcome::Closed),
+            }
+        }
+        close = inflow.close;
+        // The client's input ends: the pipeline drains what it has and stops.
+        client.close_input();
+        if outcome != Some(Outcome::Ended) {
+            handle.stop();
+        }
+        let result = waited.await.ok();
+        published.update(&client.stats);
+        // What the client is told: its own fault (its audio) in full, the server's by reference.
+        if let Some(e) = result.and_then(|r| r.error) {
+            let bad_input = matches!(
+                e,
+                crate::runtime::RunError::StageFailed {
+                    bad_input: true,
+                    ..
+                }
+            );
+            let text = if bad_input {
+                metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_audio")
+                    .increment(1);
+                tracing::info!(session = id, "the client's input was refused: {e}");
+                close = close.or(Some(proto.bad_audio()));
+                e.to_string()
+            } else {
+                tracing::warn!(session = id, "the session's pipeline failed: {e}");
+                format!("the session failed: a server error (logged as session {id})")
+            };
+            let messages = if opened {
+                proto.failure(&text)
+            } else {
+                proto.refusal(&text)
+            };
+            told = Some((messages, String::new()));
+            outcome = Some(Outcome::Failed);
+        }
+    }
+    drop(inflow);
+    let outcome = outcome.unwrap_or(Outcome::Failed);
+    // What the pipeline still had for the client goes out (within the stall limit), then what
+    // it is told and the close; a client that closed gets its close answered.
     if let Some(w) = writer.take() {
+        let (messages, reason) = told.unwrap_or_default();
+        let frame = (outcome != Outcome::ClientClosed).then(|| {
+            let (code, default) = close.unwrap_or(match outcome {
+                Outcome::Idle => (1000, "idle timeout"),
+                Outcome::Closed => (1001, "the server closed the session"),
+                Outcome::Failed => (1011, "the session failed"),
+                Outcome::Stalled => (1008, "the client stopped reading"),
+                Outcome::Ended => (
+                    1000,
+                    "the conversation ended (max_steps, or the long-session policy)",
+                ),
+                _ => (1000, "session ended"),
+            });
+            let reason = if reason.is_empty() {
+                default.to_string()
+            } else {
+                reason
+            };
+            (code, reason)
+        });
+        let messages = if outcome == Outcome::ClientClosed {
+            Vec::new()
+        } else {
+            messages
+        };
+        let _ = reply_tx.try_send(Reply::Finish(messages, frame));
+        drop(reply_tx);
         let wait = match outcome {
             Outcome::Stalled => Duration::ZERO,
             Outcome::ClientClosed => Duration::from_secs(1),
-            _ => stall + Duration::from_secs(1),
+            _ => limits.stall_timeout + Duration::from_secs(3),
         };
-        match tokio::time::timeout(wait, w).await {
-            Ok(Ok((s, _))) => writer_end = Some(s),
-            _ => tracing::debug!(session = id, "the writer was cut short"),
+        if tokio::time::timeout(wait, w).await.is_err() {
+            tracing::debug!(session = id, "the writer was cut short");
         }
     }
-    published.update(&client.stats);
-    let error = result.and_then(|r| r.error);
-    // What the client is told: its own fault (its audio) in full, the server's by reference.
-    let mut told = None;
-    if let Some(e) = &error {
-        let bad_input = matches!(
-            e,
-            crate::runtime::RunError::StageFailed {
-                bad_input: true,
-                ..
-            }
-        );
-        if bad_input {
-            metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_audio").increment(1);
-            tracing::info!(session = id, "the client's input was refused: {e}");
-            told = Some(e.to_string());
-            close = close.or(Some((1007, "the audio is not a usable Ogg/Opus stream")));
-        } else {
-            tracing::warn!(session = id, "the session's pipeline failed: {e}");
-            told = Some(format!(
-                "the session failed: a server error (logged as session {id})"
-            ));
-        }
-        outcome = Outcome::Failed;
+    drop(client);
+    if let Ok(mut m) = server.sessions.lock() {
+        m.remove(&id);
     }
-    if let Some(mut s) = writer_end {
-        let _ = tokio::time::timeout(Duration::from_secs(2), async {
-            if outcome != Outcome::ClientClosed {
-                if let Some(t) = &told {
-                    let _ = s.send(message(ERROR, t.as_bytes())).await;
-                }
-                let (code, reason) = close.unwrap_or(match outcome {
-                    Outcome::Idle => (1000, "idle timeout"),
-                    Outcome::Closed => (1001, "the server closed the session"),
-                    Outcome::Failed => (1011, "the session failed"),
-                    Outcome::Stalled => (1008, "the client stopped reading"),
-                    Outcome::Ended => (
-                        1000,
-                        "the conversation ended (max_steps, or the long-session policy)",
-                    ),
-                    _ => (1000, "session ended"),
-                });
-                let _ = s
-                    .send(Message::Close(Some(CloseFrame {
-                        code,
-                        reason: reason.into(),
-                    })))
-                    .await;
-            }
-            let _ = s.close().await;
-        })
-        .await;
-    }
-    outcome
+    let took = t0.elapsed().as_secs_f64();
+    metrics::counter!(names::SESSIONS_ENDED, "outcome" => outcome.name()).increment(1);
+    metrics::histogram!(names::SESSION_DURATION).record(took);
+    tracing::info!(
+        session = id,
+        client = %peer,
+        outcome = outcome.name(),
+        "session ended after {took:.1} s"
+    );
+    drop(admission);
 }
 
 /// A close frame's reason: at most 123 bytes, cut at a character boundary.

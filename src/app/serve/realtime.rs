@@ -1,0 +1,847 @@
+//! `GET /v1/realtime`: the OpenAI Realtime API's WebSocket protocol in its full-duplex
+//! profile, for the clients voice agents are built with (the `openai` SDK, Pipecat, LiveKit).
+//! One session per connection, from the same session template, admission, limits and keys as
+//! `/api/chat`; only the two ends differ ([`Protocol`]): JSON events carrying base64 audio in,
+//! and the template with PCM ends ([`pcm_ends`](super::session::pcm_ends)).
+//!
+//! The conversation is one response that stays open for the whole call: the model listens and
+//! speaks at once, so nothing waits for a commit. The session starts at the client's first
+//! `input_audio_buffer.append` or `response.create`; `session.update` before it sets the persona
+//! (`instructions`), the voice prompt (`voice`, a name of the voices folder) and the sampling
+//! (the `duplex` extension object, the query parameters of `/api/chat`); after it, only the
+//! audio formats may change. Audio is `pcm16` (24 kHz, 16-bit little-endian) or G.711 μ-law /
+//! A-law at 8 kHz, in the beta (`input_audio_format: "g711_ulaw"`) and the GA spelling
+//! (`audio.input.format: {"type": "audio/pcmu"}`), converted here (G.711 tables, resampled to
+//! and from 24 kHz). Server events use the GA names, or the beta ones (`response.audio.delta`)
+//! when the client spoke beta or asked with `?event_names=beta` (`both` sends both). Every bad
+//! event gets an `error` event with a `code`, the offending `param` and the client's
+//! `event_id`; none ends the session. `docs/realtime.md` maps every event.
+//!
+//! Knows nothing of the pipeline beyond the session's link; nothing of HTTP beyond the socket's
+//! messages.
+
+use std::sync::{Arc, Mutex};
+
+use axum::extract::ws::Message;
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use super::session::{Encoder, Protocol, Taken};
+use super::{ServeConfig, Server};
+use crate::audio::g711::{self, Law};
+use crate::audio::{StreamResampler, MODEL_RATE};
+use crate::session::Outbound;
+
+/// G.711's sample rate.
+pub(super) const PHONE_RATE: u32 = 8_000;
+
+/// An audio format of the API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// 16-bit little-endian PCM, 24 kHz, mono.
+    Pcm16,
+    /// G.711 at 8 kHz.
+    G711(Law),
+}
+
+impl Format {
+    /// The beta name.
+    fn beta(self) -> &'static str {
+        match self {
+            Format::Pcm16 => "pcm16",
+            Format::G711(Law::Mu) => "g711_ulaw",
+            Format::G711(Law::A) => "g711_alaw",
+        }
+    }
+
+    /// The GA object.
+    fn ga(self) -> Value {
+        match self {
+            Format::Pcm16 => json!({"type": "audio/pcm", "rate": MODEL_RATE}),
+            Format::G711(Law::Mu) => json!({"type": "audio/pcmu"}),
+            Format::G711(Law::A) => json!({"type": "audio/pcma"}),
+        }
+    }
+
+    /// A format in either spelling.
+    fn parse(v: &Value) -> Result<Format, String> {
+        let name = match v {
+            Value::String(s) => s.as_str(),
+            Value::Object(o) => {
+                let t = o.get("type").and_then(Value::as_str).unwrap_or_default();
+                if t == "audio/pcm" {
+                    match o.get("rate") {
+                        None => {}
+                        Some(r) if r.as_u64() == Some(MODEL_RATE as u64) => {}
+                        Some(r) => {
+                            return Err(format!("audio/pcm is served at {MODEL_RATE} Hz, not {r}"))
+                        }
+                    }
+                }
+                t
+            }
+            _ => "",
+        };
+        match name {
+            "pcm16" | "audio/pcm" => Ok(Format::Pcm16),
+            "g711_ulaw" | "audio/pcmu" => Ok(Format::G711(Law::Mu)),
+            "g711_alaw" | "audio/pcma" => Ok(Format::G711(Law::A)),
+            _ => Err(format!(
+                "{v} is not a format of this server: pcm16, g711_ulaw, g711_alaw (or \
+                 {{\"type\": \"audio/pcm\" | \"audio/pcmu\" | \"audio/pcma\"}})"
+            )),
+        }
+    }
+}
+
+/// Which names the server's events use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Names {
+    /// `response.output_audio.delta`, `response.output_audio_transcript.delta`.
+    Ga,
+    /// `response.audio.delta`, `response.audio_transcript.delta`.
+    Beta,
+    /// Both, each delta twice.
+    Both,
+}
+
+impl Names {
+    /// From the `event_names` query parameter.
+    pub(super) fn parse(s: &str) -> Result<Names, String> {
+        match s {
+            "ga" => Ok(Names::Ga),
+            "beta" => Ok(Names::Beta),
+            "both" => Ok(Names::Both),
+            _ => Err(format!(
+                "query parameter event_names={s}: one of ga, beta, both"
+            )),
+        }
+    }
+}
+
+/// What the encoder shares with the protocol.
+struct Shared {
+    output: Format,
+    names: Names,
+    response: String,
+    item: String,
+}
+
+/// The sampling options of the `duplex` extension object: the query parameters of `/api/chat`.
+const SAMPLING: [&str; 10] = [
+    "text_temperature",
+    "text_topk",
+    "audio_temperature",
+    "audio_topk",
+    "pad_mult",
+    "repetition_penalty",
+    "repetition_penalty_context",
+    "text_seed",
+    "audio_seed",
+    "max_steps",
+];
+
+/// The realtime API's side of one connection.
+pub(super) struct Realtime {
+    server: Arc<Server>,
+    /// The session's params so far, as `/api/chat`'s query pairs.
+    pairs: Vec<(String, String)>,
+    /// Whether the names were set by the query (the client's spelling does not change them).
+    names_fixed: bool,
+    input: Format,
+    /// G.711 input's decoder.
+    phone: Option<PhoneIn>,
+    shared: Arc<Mutex<Shared>>,
+    /// The client asked for the session to start.
+    start: bool,
+    /// The session's pipeline has been built: its persona, voice and sampling are fixed.
+    started: bool,
+    instructions: String,
+    voice: Option<String>,
+    next_event: u64,
+}
+
+impl Realtime {
+    /// A connection, with the `event_names` of its query (if any).
+    pub(super) fn new(server: Arc<Server>, names: Option<Names>) -> Self {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        Realtime {
+            server,
+            pairs: Vec::new(),
+            names_fixed: names.is_some(),
+            input: Format::Pcm16,
+            phone: None,
+            shared: Arc::new(Mutex::new(Shared {
+                output: Format::Pcm16,
+                names: names.unwrap_or(Names::Ga),
+                response: format!("resp_{stamp:x}"),
+                item: format!("item_{stamp:x}"),
+            })),
+            start: false,
+            started: false,
+            instructions: String::new(),
+            voice: None,
+            next_event: 0,
+        }
+    }
+
+    fn event_id(&mut self) -> String {
+        self.next_event += 1;
+        format!("event_duplex_{}", self.next_event)
+    }
+
+    fn event(&mut self, mut v: Value) -> Message {
+        if let Value::Object(o) = &mut v {
+            o.insert("event_id".into(), Value::String(self.event_id()));
+        }
+        Message::Text(v.to_string().into())
+    }
+
+    /// An `error` event: what was wrong with the client's event `client_event`.
+    fn error(
+        &mut self,
+        code: &str,
+        message: &str,
+        param: Option<&str>,
+        client_event: Option<&str>,
+    ) -> Message {
+        self.event(json!({
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "code": code,
+                "message": message,
+                "param": param,
+                "event_id": client_event,
+            }
+        }))
+    }
+
+    /// The session object of `session.created` / `session.updated`.
+    fn session(&self) -> Value {
+        let (output, names) = self
+            .shared
+            .lock()
+            .map(|s| (s.output, s.names))
+            .unwrap_or((Format::Pcm16, Names::Ga));
+        let mut s = json!({
+            "type": "realtime",
+            "object": "realtime.session",
+            "model": "duplex",
+            "output_modalities": ["audio"],
+            "instructions": self.instructions,
+            "audio": {
+                "input": {"format": self.input.ga(), "turn_detection": null},
+                "output": {"format": output.ga(), "voice": self.voice},
+            },
+            "duplex": self.pairs.iter().filter(|(k, _)| SAMPLING.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.parse::<f64>().map_or(Value::Null, Value::from))).collect::<serde_json::Map<_, _>>(),
+        });
+        if names != Names::Ga {
+            s["input_audio_format"] = json!(self.input.beta());
+            s["output_audio_format"] = json!(output.beta());
+            s["voice"] = json!(self.voice);
+            s["modalities"] = json!(["audio", "text"]);
+        }
+        s
+    }
+
+    fn set_input(&mut self, f: Format) {
+        if f != self.input {
+            self.input = f;
+            self.phone = match f {
+                Format::G711(law) => PhoneIn::new(law).ok(),
+                Format::Pcm16 => None,
+            };
+        }
+    }
+
+    /// Applies a `session.update`: all of it, or nothing and an error naming the field.
+    fn apply(&mut self, u: SessionUpdate, client_event: Option<&str>) -> Message {
+        let mut pairs = self.pairs.clone();
+        let mut set = |k: &str, v: String| {
+            pairs.retain(|(key, _)| key != k);
+            pairs.push((k.to_string(), v));
+        };
+        let mut fixed = Vec::new();
+        if let Some(t) = &u.instructions {
+            set("text_prompt", t.clone());
+            fixed.push("session.instructions");
+        }
+        if let Some((param, name)) = &u.voice {
+            set("voice_prompt", name.clone());
+            fixed.push(*param);
+        }
+        for (k, v) in &u.sampling {
+            set(k, v.clone());
+        }
+        if !u.sampling.is_empty() {
+            fixed.push("session.duplex");
+        }
+        if self.started && pairs != self.pairs {
+            let m = "the conversation has started: its persona, voice and sampling are fixed \
+                     (only the audio formats may change)";
+            return self.error("session_started", m, fixed.first().copied(), client_event);
+        }
+        if let Err(m) = self.server.cfg.session_params(&pairs) {
+            // Which field: the one whose value alone makes the difference.
+            let without = |key: &str| {
+                let rest: Vec<(String, String)> =
+                    pairs.iter().filter(|(k, _)| k != key).cloned().collect();
+                self.server.cfg.session_params(&rest).is_ok()
+            };
+            let (param, shown) = match &u.voice {
+                Some((param, name)) if without("voice_prompt") => (
+                    Some(*param),
+                    format!(
+                        "voice `{name}` is not a voice of this server (GET /api/voices lists \
+                         them): {}",
+                        m.replace("query parameter ", "")
+                    ),
+                ),
+                _ if without("text_prompt") => (
+                    Some("session.instructions"),
+                    m.replace("query parameter text_prompt", "instructions"),
+                ),
+                _ => (
+                    SAMPLING
+                        .iter()
+                        .find(|k| m.contains(*k))
+                        .map(|_| "session.duplex"),
+                    m.replace("query parameter ", ""),
+                ),
+            };
+            return self.error("invalid_value", &shown, param, client_event);
+        }
+        self.pairs = pairs;
+        if let Some(t) = u.instructions {
+            self.instructions = t;
+        }
+        if let Some((_, name)) = u.voice {
+            self.voice = Some(name);
+        }
+        if let Some(f) = u.input {
+            self.set_input(f);
+        }
+        if let Ok(mut s) = self.shared.lock() {
+            if let Some(f) = u.output {
+                s.output = f;
+            }
+            if u.beta && !self.names_fixed {
+                s.names = Names::Beta;
+            }
+        }
+        let session = self.session();
+        self.event(json!({"type": "session.updated", "session": session}))
+    }
+
+    /// The client's audio in its format, as 16-bit 24 kHz PCM for the session.
+    fn audio(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+        match self.input {
+            Format::Pcm16 => {
+                if !bytes.len().is_multiple_of(2) {
+                    return Err(format!(
+                        "pcm16 audio is 2 bytes a sample: {} bytes is not whole samples",
+                        bytes.len()
+                    ));
+                }
+                Ok(bytes.to_vec())
+            }
+            Format::G711(_) => match self.phone.as_mut() {
+                Some(p) => p.pcm16(bytes),
+                None => Err("the G.711 decoder could not be made".into()),
+            },
+        }
+    }
+}
+
+/// Telephone audio in: G.711 bytes at 8 kHz → 16-bit little-endian PCM at 24 kHz, a stream.
+pub(super) struct PhoneIn {
+    law: Law,
+    up: StreamResampler,
+}
+
+impl PhoneIn {
+    pub(super) fn new(law: Law) -> Result<Self, String> {
+        let up = StreamResampler::new(PHONE_RATE, MODEL_RATE, 160).map_err(|e| e.to_string())?;
+        Ok(PhoneIn { law, up })
+    }
+
+    /// The PCM16 bytes of the next G.711 bytes of the stream.
+    pub(super) fn pcm16(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+        let pcm: Vec<f32> = bytes
+            .iter()
+            .map(|b| g711::decode(self.law, *b) as f32 / 32768.0)
+            .collect();
+        let mut up = Vec::with_capacity(pcm.len() * 3 + 512);
+        self.up.process(&pcm, &mut up).map_err(|e| e.to_string())?;
+        Ok(to_pcm16(&up))
+    }
+}
+
+/// Telephone audio out: the agent's 24 kHz samples → G.711 bytes at 8 kHz, a stream. Clipped
+/// first, as the PCM16 stream is, so both carry the same signal.
+pub(super) struct PhoneOut {
+    law: Law,
+    down: StreamResampler,
+}
+
+impl PhoneOut {
+    pub(super) fn new(law: Law) -> Result<Self, String> {
+        let down = StreamResampler::new(MODEL_RATE, PHONE_RATE, 1920).map_err(|e| e.to_string())?;
+        Ok(PhoneOut { law, down })
+    }
+
+    /// The G.711 bytes of the next samples (none while the resampler fills).
+    pub(super) fn encode(&mut self, samples: &[f32]) -> Vec<u8> {
+        let clipped: Vec<f32> = samples.iter().map(|s| s.clamp(-1.0, 1.0)).collect();
+        let mut down = Vec::with_capacity(samples.len() / 3 + 1024);
+        if self.down.process(&clipped, &mut down).is_err() {
+            return Vec::new();
+        }
+        down.iter()
+            .map(|s| {
+                g711::encode(
+                    self.law,
+                    (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16,
+                )
+            })
+            .collect()
+    }
+}
+
+/// Samples as 16-bit little-endian PCM, clipped.
+pub(super) fn to_pcm16(samples: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(samples.len() * 2);
+    for s in samples {
+        let v = (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// The writer's side: the agent's audio and transcript as delta events.
+struct Deltas {
+    shared: Arc<Mutex<Shared>>,
+    /// G.711 output's encoder, and the format it was made for.
+    phone: Option<(Format, PhoneOut)>,
+    next_event: u64,
+}
+
+impl Deltas {
+    fn events(&mut self, kind: &str, delta: String) -> Vec<Message> {
+        let (names, response, item) = match self.shared.lock() {
+            Ok(s) => (s.names, s.response.clone(), s.item.clone()),
+            Err(_) => return Vec::new(),
+        };
+        let (ga, beta) = match kind {
+            "audio" => ("response.output_audio.delta", "response.audio.delta"),
+            _ => (
+                "response.output_audio_transcript.delta",
+                "response.audio_transcript.delta",
+            ),
+        };
+        let types: &[&str] = match names {
+            Names::Ga => &[ga],
+            Names::Beta => &[beta],
+            Names::Both => &[ga, beta],
+        };
+        types
+            .iter()
+            .map(|t| {
+                self.next_event += 1;
+                let v = json!({
+                    "type": t,
+                    "event_id": format!("event_duplex_out_{}", self.next_event),
+                    "response_id": response,
+                    "item_id": item,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "delta": delta,
+                });
+                Message::Text(v.to_string().into())
+            })
+            .collect()
+    }
+}
+
+impl Encoder for Deltas {
+    fn encode(&mut self, m: Outbound) -> Vec<Message> {
+        match m {
+            Outbound::Pcm(samples) => {
+                let format = self.shared.lock().map_or(Format::Pcm16, |s| s.output);
+                let bytes = match format {
+                    Format::Pcm16 => to_pcm16(&samples),
+                    Format::G711(law) => {
+                        if self.phone.as_ref().map(|(f, _)| *f) != Some(format) {
+                            self.phone = PhoneOut::new(law).ok().map(|p| (format, p));
+                        }
+                        match self.phone.as_mut() {
+                            Some((_, p)) => p.encode(&samples),
+                            None => return Vec::new(),
+                        }
+                    }
+                };
+                if bytes.is_empty() {
+                    return Vec::new();
+                }
+                let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+                self.events("audio", b64)
+            }
+            Outbound::Text(t) => self.events("text", t),
+            // Not made by a template with PCM ends.
+            Outbound::Audio(_) => Vec::new(),
+        }
+    }
+}
+
+/// A client event, parsed; nothing of it applied yet.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClientEvent {
+    /// `session.update`.
+    Update(SessionUpdate),
+    /// `input_audio_buffer.append`: the audio, decoded from base64.
+    Append(Vec<u8>),
+    /// `input_audio_buffer.commit`.
+    Commit,
+    /// `input_audio_buffer.clear`.
+    Clear,
+    /// `response.create`.
+    CreateResponse,
+    /// `response.cancel`.
+    CancelResponse,
+}
+
+/// What a `session.update` asks for, in either spelling.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SessionUpdate {
+    /// The persona.
+    pub instructions: Option<String>,
+    /// The voice prompt's name, and the field that named it.
+    pub voice: Option<(&'static str, String)>,
+    /// The client's audio format.
+    pub input: Option<Format>,
+    /// The agent's audio format.
+    pub output: Option<Format>,
+    /// The `duplex` sampling options, as `/api/chat`'s query pairs.
+    pub sampling: Vec<(String, String)>,
+    /// Spelled the beta way (`input_audio_format`, `output_audio_format`, `modalities`).
+    pub beta: bool,
+}
+
+/// Why a client's event was refused: the fields of the `error` event that answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventError {
+    /// The `kind` of `duplex_session_protocol_errors_total`.
+    pub kind: &'static str,
+    /// `error.code`.
+    pub code: &'static str,
+    /// `error.message`.
+    pub message: String,
+    /// `error.param`: the offending field.
+    pub param: Option<String>,
+    /// `error.event_id`: the client's event's, when it had one.
+    pub event_id: Option<String>,
+}
+
+/// Parses one text message of a client's: its `event_id` (when it has one) and the event, or
+/// the error that answers it. Never panics, whatever the text.
+///
+/// # Errors
+///
+/// An [`EventError`] naming the field at fault.
+pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventError> {
+    let fail = |kind, code, message: String, param: Option<&str>, id: &Option<String>| EventError {
+        kind,
+        code,
+        message,
+        param: param.map(str::to_string),
+        event_id: id.clone(),
+    };
+    let v: Value = serde_json::from_str(text).map_err(|e| {
+        fail(
+            "not_json",
+            "invalid_json",
+            format!("not a JSON event: {e}"),
+            None,
+            &None,
+        )
+    })?;
+    let id = v
+        .get("event_id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let Some(kind) = v.get("type").and_then(Value::as_str) else {
+        let m = "an event needs a string `type`".to_string();
+        return Err(fail("unknown_kind", "missing_type", m, Some("type"), &id));
+    };
+    let event =
+        match kind {
+            "session.update" => {
+                let session = v.get("session").unwrap_or(&Value::Null);
+                ClientEvent::Update(parse_update(session).map_err(|(param, m)| {
+                    fail("bad_event", "invalid_value", m, Some(&param), &id)
+                })?)
+            }
+            "input_audio_buffer.append" => {
+                let Some(b64) = v.get("audio").and_then(Value::as_str) else {
+                    let m = "`audio` must be a base64 string".to_string();
+                    return Err(fail("bad_audio", "invalid_value", m, Some("audio"), &id));
+                };
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| {
+                        let m = format!("`audio` is not base64: {e}");
+                        fail("bad_audio", "invalid_base64", m, Some("audio"), &id)
+                    })?;
+                ClientEvent::Append(bytes)
+            }
+            "input_audio_buffer.commit" => ClientEvent::Commit,
+            "input_audio_buffer.clear" => ClientEvent::Clear,
+            "response.create" => ClientEvent::CreateResponse,
+            "response.cancel" => ClientEvent::CancelResponse,
+            k if UNSUPPORTED.iter().any(|u| k.starts_with(u)) => {
+                let m = format!(
+                    "`{k}` is not supported: the conversation is one full-duplex response \
+                 (docs/realtime.md)"
+                );
+                return Err(fail(
+                    "unknown_kind",
+                    "unsupported_event",
+                    m,
+                    Some("type"),
+                    &id,
+                ));
+            }
+            k => {
+                let shown: String = k.chars().take(64).collect();
+                let m = format!("unknown event type `{shown}`");
+                return Err(fail("unknown_kind", "unknown_event", m, Some("type"), &id));
+            }
+        };
+    Ok((id, event))
+}
+
+/// A `session.update`'s `session`, in either spelling; a refusal names the field.
+fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
+    let Some(obj) = session.as_object() else {
+        return Err(("session".into(), "`session` must be an object".into()));
+    };
+    let pick = |path: &[&str]| -> Option<&Value> {
+        let mut v = session;
+        for p in path {
+            v = v.get(p)?;
+        }
+        (!v.is_null()).then_some(v)
+    };
+    let mut u = SessionUpdate {
+        beta: ["input_audio_format", "output_audio_format", "modalities"]
+            .iter()
+            .any(|k| obj.contains_key(*k)),
+        ..Default::default()
+    };
+    let format =
+        |beta: &'static str, ga: [&'static str; 3]| -> Result<Option<Format>, (String, String)> {
+            let (param, v) = match (pick(&[beta]), pick(&ga)) {
+                (Some(v), _) => (format!("session.{beta}"), v),
+                (None, Some(v)) => (format!("session.{}", ga.join(".")), v),
+                (None, None) => return Ok(None),
+            };
+            Format::parse(v).map(Some).map_err(|m| (param, m))
+        };
+    u.input = format("input_audio_format", ["audio", "input", "format"])?;
+    u.output = format("output_audio_format", ["audio", "output", "format"])?;
+    if let Some(v) = pick(&["instructions"]) {
+        let t = v.as_str().ok_or_else(|| {
+            (
+                "session.instructions".to_string(),
+                "`instructions` must be a string".to_string(),
+            )
+        })?;
+        u.instructions = Some(t.to_string());
+    }
+    let voice = pick(&["voice"])
+        .map(|v| ("session.voice", v))
+        .or_else(|| pick(&["audio", "output", "voice"]).map(|v| ("session.audio.output.voice", v)));
+    if let Some((param, v)) = voice {
+        let name = v.as_str().ok_or_else(|| {
+            (
+                param.to_string(),
+                "`voice` must be a string: a voice prompt's name (GET /api/voices)".to_string(),
+            )
+        })?;
+        u.voice = Some((param, name.to_string()));
+    }
+    if let Some(d) = pick(&["duplex"]) {
+        let d = d.as_object().ok_or_else(|| {
+            (
+                "session.duplex".to_string(),
+                "`duplex` must be an object of sampling options".to_string(),
+            )
+        })?;
+        for (k, v) in d {
+            let param = || format!("session.duplex.{}", k.chars().take(64).collect::<String>());
+            if !SAMPLING.contains(&k.as_str()) {
+                let m = format!("unknown option: one of {}", SAMPLING.join(", "));
+                return Err((param(), m));
+            }
+            let x = v
+                .as_f64()
+                .ok_or_else(|| (param(), "a number".to_string()))?;
+            u.sampling.push((k.clone(), x.to_string()));
+        }
+    }
+    Ok(u)
+}
+
+/// Client events answered with `unsupported_event`: the conversation is one full-duplex
+/// response, with no items to add, no tools, no separate transcription.
+const UNSUPPORTED: [&str; 8] = [
+    "conversation.item.create",
+    "conversation.item.delete",
+    "conversation.item.truncate",
+    "conversation.item.retrieve",
+    "output_audio_buffer.clear",
+    "transcription_session.update",
+    "session.tools",
+    "response.function_call_arguments",
+];
+
+impl Protocol for Realtime {
+    fn hello(&mut self) -> Vec<Message> {
+        let session = self.session();
+        vec![self.event(json!({"type": "session.created", "session": session}))]
+    }
+
+    fn may_start(&self) -> bool {
+        self.start
+    }
+
+    fn params(&mut self, cfg: &ServeConfig) -> Result<super::config::SessionParams, String> {
+        self.started = true;
+        cfg.session_params(&self.pairs)
+    }
+
+    fn ready(&mut self, meta: &Value) -> Vec<Message> {
+        let (response, item) = self
+            .shared
+            .lock()
+            .map(|s| (s.response.clone(), s.item.clone()))
+            .unwrap_or_default();
+        let session = meta.get("session").cloned().unwrap_or(Value::Null);
+        vec![self.event(json!({
+            "type": "response.created",
+            "response": {
+                "id": response,
+                "object": "realtime.response",
+                "status": "in_progress",
+                "output": [{"id": item, "type": "message", "role": "assistant", "content": []}],
+                "output_modalities": ["audio"],
+                "metadata": {"duplex_session": session.to_string()},
+            }
+        }))]
+    }
+
+    fn take(&mut self, m: Message, cx: &mut Taken<'_>) {
+        let parsed = match &m {
+            Message::Text(t) => parse_event(t.as_str()),
+            Message::Binary(_) => Err(EventError {
+                kind: "not_json",
+                code: "invalid_json",
+                message: "events are JSON text messages; audio goes in \
+                          input_audio_buffer.append as base64"
+                    .into(),
+                param: None,
+                event_id: None,
+            }),
+            _ => return,
+        };
+        let (id, event) = match parsed {
+            Ok(p) => p,
+            Err(e) => {
+                cx.protocol_error(e.kind);
+                let r = self.error(
+                    e.code,
+                    &e.message,
+                    e.param.as_deref(),
+                    e.event_id.as_deref(),
+                );
+                cx.replies.push(r);
+                return;
+            }
+        };
+        let ce = id.as_deref();
+        let reply = match event {
+            ClientEvent::Update(u) => Some(self.apply(u, ce)),
+            ClientEvent::Append(bytes) => match self.audio(&bytes) {
+                Ok(pcm) => {
+                    self.start = true;
+                    if !pcm.is_empty() {
+                        cx.offer(pcm);
+                    }
+                    None
+                }
+                Err(m) => {
+                    cx.protocol_error("bad_audio");
+                    Some(self.error("invalid_audio", &m, Some("audio"), ce))
+                }
+            },
+            // Full duplex: the model has heard the audio as it came; there is nothing to commit
+            // or clear, and the one response is under way.
+            ClientEvent::Commit => Some(self.event(json!({
+                "type": "input_audio_buffer.committed",
+                "previous_item_id": null,
+                "item_id": null,
+            }))),
+            ClientEvent::Clear => Some(self.event(json!({"type": "input_audio_buffer.cleared"}))),
+            ClientEvent::CreateResponse => {
+                self.start = true;
+                None
+            }
+            ClientEvent::CancelResponse => None,
+        };
+        cx.replies.extend(reply);
+    }
+
+    fn encoder(&self) -> Box<dyn Encoder> {
+        Box::new(Deltas {
+            shared: self.shared.clone(),
+            phone: None,
+            next_event: 0,
+        })
+    }
+
+    fn refusal(&self, text: &str) -> Vec<Message> {
+        let v = json!({
+            "type": "error",
+            "event_id": "event_duplex_refused",
+            "error": {"type": "invalid_request_error", "code": "session_refused", "message": text, "param": null, "event_id": null},
+        });
+        vec![Message::Text(v.to_string().into())]
+    }
+
+    fn failure(&self, text: &str) -> Vec<Message> {
+        let v = json!({
+            "type": "error",
+            "event_id": "event_duplex_failed",
+            "error": {"type": "server_error", "code": "session_failed", "message": text, "param": null, "event_id": null},
+        });
+        vec![Message::Text(v.to_string().into())]
+    }
+
+    fn bad_audio(&self) -> (u16, &'static str) {
+        (1007, "the audio could not be used")
+    }
+
+    fn too_large(&mut self, limit: usize) -> Vec<Message> {
+        let m = format!(
+            "an event over limits.max_message_bytes ({limit} bytes): send audio in smaller appends"
+        );
+        vec![self.error("event_too_large", &m, None, None)]
+    }
+
+    fn pcm(&self) -> bool {
+        true
+    }
+}
