@@ -12,8 +12,12 @@
 //!    (`engine: shared`: weights once, every session stepped in one batched call per tick), side
 //!    by side; then with the full-size Mimi (`tiny-gqa-mimi-full`: the tiny LM, the real codec's
 //!    shapes), the codec per session against the shared codec.
+//! 4. The transports side by side on one server (the default template, tiny pack): the same
+//!    sessions over `/api/chat` (Ogg/Opus), `/v1/realtime` in PCM16 and in μ-law (JSON events,
+//!    base64), and `/twilio/media` (μ-law): server latency and the CPU outside the models.
 //!
-//! Run with `cargo bench --bench serve` (`-- full` for the full-size codec's sections only).
+//! Run with `cargo bench --bench serve` (`-- full` for the full-size codec's sections only,
+//! `-- transports` for the transports only).
 
 #[path = "support/mod.rs"]
 mod support;
@@ -299,9 +303,11 @@ fn main() {
         "duplex serve, {} cores, {SECONDS} s per level",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let only_transports = std::env::args().any(|a| a == "transports");
     let mut caps = Vec::new();
     for setup in SETUPS
         .iter()
+        .filter(|_| !only_transports)
         .filter(|s| !only_full || s.pack != "tiny-gqa")
         .filter(|s| !only_shared || s.codec_shared)
     {
@@ -310,9 +316,14 @@ fn main() {
         caps.push((setup.label, levels(&server, &rt, setup.levels)));
         quiet(&server, &rt);
     }
-    println!("\nreal-time sessions per process:");
-    for (label, cap) in caps {
-        println!("  {cap:>3}  {label}");
+    if !caps.is_empty() {
+        println!("\nreal-time sessions per process:");
+        for (label, cap) in caps {
+            println!("  {cap:>3}  {label}");
+        }
+    }
+    if !only_full && !only_shared {
+        transports(&rt);
     }
 }
 
@@ -420,5 +431,178 @@ fn quiet(server: &support::Server, rt: &tokio::runtime::Runtime) {
         "{n} quiet sessions: {:.1} ms CPU per session per second, {:.1} MiB resident per session",
         cpu / (n as f64 * SECONDS) * 1e3,
         (rss - rss_before) / n as f64
+    );
+}
+
+/// How a bench client speaks to the server.
+#[derive(Clone, Copy, Debug)]
+enum Transport {
+    /// `/api/chat`: Ogg/Opus in Kyutai's binary messages.
+    Kyutai,
+    /// `/v1/realtime` with this input and output format (`pcm16`, `g711_ulaw`).
+    Realtime(&'static str),
+    /// `/twilio/media`: μ-law, 20 ms media messages.
+    Twilio,
+}
+
+/// The tone of [`support::tone_message`] for frame `k`, as 24 kHz samples.
+fn tone(k: usize) -> Vec<f32> {
+    (0..1920)
+        .map(|i| 0.3 * (((k * 1920 + i) as f32) * 0.06).sin())
+        .collect()
+}
+
+/// μ-law at 8 kHz of 24 kHz samples (every third: the tone is far below 4 kHz).
+fn mu_law(pcm: &[f32]) -> Vec<u8> {
+    use duplex::audio::g711::{encode, Law};
+    pcm.iter()
+        .step_by(3)
+        .map(|s| encode(Law::Mu, (s * 32767.0) as i16))
+        .collect()
+}
+
+/// One client of `transport`: streams `seconds` of a tone in real time (80 ms messages; 20 ms
+/// for Twilio, as it sends them), reads everything; returns the agent audio messages received.
+async fn transport_client(port: u16, seconds: f64, transport: Transport) -> usize {
+    use base64::Engine as _;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    if let Transport::Kyutai = transport {
+        return client(port, seconds, false).await;
+    }
+    let path = match transport {
+        Transport::Twilio => "twilio/media",
+        _ => "v1/realtime",
+    };
+    let (ws, _) = tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{port}/{path}"))
+        .await
+        .unwrap();
+    let (mut tx, mut rx) = ws.split();
+    let reader = tokio::spawn(async move {
+        let mut audio = 0;
+        while let Some(Ok(m)) = rx.next().await {
+            if let Message::Text(t) = m {
+                // GA or beta names (the session.update below is spelled beta), or Twilio's.
+                let deltas = [
+                    "\"response.output_audio.delta\"",
+                    "\"response.audio.delta\"",
+                    "\"event\":\"media\"",
+                ];
+                if deltas.iter().any(|d| t.contains(d)) {
+                    audio += 1;
+                }
+            }
+        }
+        audio
+    });
+    let first = match transport {
+        Transport::Realtime(format) => serde_json::json!({
+            "type": "session.update",
+            "session": {"input_audio_format": format, "output_audio_format": format},
+        }),
+        _ => serde_json::json!({
+            "event": "start",
+            "streamSid": "MZbench",
+            "start": {"streamSid": "MZbench", "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000}},
+        }),
+    };
+    let _ = tx.send(Message::Text(first.to_string().into())).await;
+    let frames = (seconds / 0.08) as usize;
+    let t0 = tokio::time::Instant::now();
+    for k in 0..frames {
+        let pcm = tone(k);
+        let messages: Vec<String> = match transport {
+            Transport::Realtime("pcm16") => {
+                let bytes: Vec<u8> = pcm
+                    .iter()
+                    .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
+                    .collect();
+                vec![serde_json::json!({"type": "input_audio_buffer.append", "audio": b64(&bytes)}).to_string()]
+            }
+            Transport::Realtime(_) => {
+                vec![serde_json::json!({"type": "input_audio_buffer.append", "audio": b64(&mu_law(&pcm))}).to_string()]
+            }
+            _ => mu_law(&pcm)
+                .chunks(160)
+                .map(|c| {
+                    serde_json::json!({"event": "media", "streamSid": "MZbench", "media": {"payload": b64(c)}})
+                        .to_string()
+                })
+                .collect(),
+        };
+        for m in messages {
+            if tx.send(Message::Text(m.into())).await.is_err() {
+                break;
+            }
+        }
+        tokio::time::sleep_until(t0 + Duration::from_secs_f64((k + 1) as f64 * 0.08)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = tx.send(Message::Close(None)).await;
+    tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or(0)
+}
+
+/// The transports side by side: the same number of sessions over each, on one server of the
+/// default template (tiny pack, shared engines), each run twice in turn.
+fn transports(rt: &tokio::runtime::Runtime) {
+    let server = start(&SETUPS[1]);
+    let pid = server.child.id();
+    let n = 6;
+    println!(
+        "\ntransports: {n} sessions each, {SECONDS} s, tiny pack on the shared engines (the default template)\n"
+    );
+    println!(
+        "{:<24} {:>10} {:>10} {:>8} {:>14} {:>10}",
+        "transport", "lat p50 ms", "lat p90 ms", "late", "outside models", "audio msgs"
+    );
+    let all = [
+        ("/api/chat (Ogg/Opus)", Transport::Kyutai),
+        ("/v1/realtime (pcm16)", Transport::Realtime("pcm16")),
+        ("/v1/realtime (g711_ulaw)", Transport::Realtime("g711_ulaw")),
+        ("/twilio/media (μ-law)", Transport::Twilio),
+    ];
+    std::thread::sleep(Duration::from_secs(1));
+    for round in 0..2 {
+        for (label, t) in all {
+            let m0 = http_get(server.port, "/metrics");
+            let cpu0 = cpu_seconds(pid);
+            let model0 = model_thread_seconds(pid);
+            let sampler = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
+                (cpu_seconds(pid), model_thread_seconds(pid))
+            });
+            let port = server.port;
+            let got: Vec<usize> = rt.block_on(async {
+                let tasks: Vec<_> = (0..n)
+                    .map(|_| tokio::spawn(transport_client(port, SECONDS, t)))
+                    .collect();
+                let mut v = Vec::new();
+                for t in tasks {
+                    v.push(t.await.unwrap_or(0));
+                }
+                v
+            });
+            let (cpu_at, model) = sampler.join().unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+            let m1 = http_get(server.port, "/metrics");
+            let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
+            let sess_s = n as f64 * (SECONDS - 0.3);
+            println!(
+                "{:<24} {:>10.1} {:>10.1} {:>8} {:>11.1} ms {:>10}{}",
+                label,
+                quantile(&h0, &h1, 0.5) * 1e3,
+                quantile(&h0, &h1, 0.9) * 1e3,
+                over(&h0, &h1, 0.16),
+                ((cpu_at - cpu0) - (model - model0)) / sess_s * 1e3,
+                got.iter().sum::<usize>() / n,
+                if round == 0 { "" } else { "  (second round)" }
+            );
+        }
+    }
+    println!(
+        "(outside models: the server's CPU per session-second less the model stages' threads)"
     );
 }

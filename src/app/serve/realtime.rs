@@ -151,6 +151,8 @@ pub(super) struct Realtime {
     input: Format,
     /// G.711 input's decoder.
     phone: Option<PhoneIn>,
+    /// The PCM16 sent so far ended mid-sample.
+    odd: bool,
     shared: Arc<Mutex<Shared>>,
     /// The client asked for the session to start.
     start: bool,
@@ -173,6 +175,7 @@ impl Realtime {
             names_fixed: names.is_some(),
             input: Format::Pcm16,
             phone: None,
+            odd: false,
             shared: Arc::new(Mutex::new(Shared {
                 output: Format::Pcm16,
                 names: names.unwrap_or(Names::Ga),
@@ -337,21 +340,24 @@ impl Realtime {
     }
 
     /// The client's audio in its format, as 16-bit 24 kHz PCM for the session.
+    /// PCM16 may come split anywhere, mid-sample too (the session's input joins the halves).
     fn audio(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
         match self.input {
             Format::Pcm16 => {
-                if !bytes.len().is_multiple_of(2) {
-                    return Err(format!(
-                        "pcm16 audio is 2 bytes a sample: {} bytes is not whole samples",
-                        bytes.len()
-                    ));
-                }
+                self.odd ^= !bytes.len().is_multiple_of(2);
                 Ok(bytes.to_vec())
             }
-            Format::G711(_) => match self.phone.as_mut() {
-                Some(p) => p.pcm16(bytes),
-                None => Err("the G.711 decoder could not be made".into()),
-            },
+            Format::G711(_) => {
+                let mut out = match self.phone.as_mut() {
+                    Some(p) => p.pcm16(bytes)?,
+                    None => return Err("the G.711 decoder could not be made".into()),
+                };
+                // PCM16 that ended mid-sample before the format changed: the sample is closed.
+                if std::mem::take(&mut self.odd) {
+                    out.insert(0, 0);
+                }
+                Ok(out)
+            }
         }
     }
 }

@@ -1,22 +1,28 @@
 //! One client's connection: its session pipeline built from the template with the client's
-//! choices, the handshake once the pipeline is primed, and the bridge between the WebSocket and
-//! the pipeline's session stages until one side ends; then the outcome, counted.
+//! choices, the client told once the pipeline is primed, and the bridge between the WebSocket
+//! and the pipeline's session stages until one side ends; then the outcome, counted. The same
+//! for every protocol: what differs ([`Protocol`]) is what the client's messages mean, what is
+//! said to it, and which ends the template gets (Ogg/Opus, or PCM for a protocol that converts
+//! its own wire format: [`pcm_ends`]). Kyutai's protocol is here ([`Kyutai`]); the realtime API
+//! and Twilio's in their modules.
 //!
-//! Message kinds (PROTOCOL.md): 0 handshake (always the first message, as soon as the session
-//! is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo` fields
-//! and duplex's own, the session id among them), 1 audio, 2 text, 5 error are sent; 1 is read, 3
-//! (control) and unknown kinds are ignored (counted, logged once). The socket is read from the
-//! upgrade on, also while the session primes: a client that leaves stops the priming at its next
-//! step, and what it sends meanwhile goes to the session's bounded input queue (dropped and
-//! counted when full). Every message, pings included, is paid from a token bucket
-//! (`limits.max_messages_per_s`): a flood closes the session (1008, counted). Writing has its own
-//! task: a client that stops reading stalls only that task, whose queue is bounded (the
-//! pipeline's audio is then dropped and counted), whose socket buffer is capped, and which closes
-//! the session after `stall_timeout`.
+//! Kyutai's message kinds (PROTOCOL.md): 0 handshake (always the first message, as soon as the
+//! session is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo`
+//! fields and duplex's own, the session id among them), 1 audio, 2 text, 5 error are sent; 1 is
+//! read, 3 (control) and unknown kinds are ignored (counted, logged once).
+//!
+//! The socket is read from the upgrade on, also while the session primes: a client that leaves
+//! stops the priming at its next step, and the audio it sends meanwhile goes to the session's
+//! bounded input queue (dropped and counted when full). Every message, pings included, is paid
+//! from a token bucket (`limits.max_messages_per_s`): a flood closes the session (1008,
+//! counted). Writing has its own task, which sends the protocol's replies first and the
+//! pipeline's messages once the session is open: a client that stops reading stalls only that
+//! task, whose queues are bounded (the pipeline's audio is then dropped and counted), whose
+//! socket buffer is capped, and which closes the session after `stall_timeout`.
 //!
 //! What a client is told of a failure names its own mistake (a parameter, its audio) and nothing
 //! of the server's files: the details go to the log, under the session's id. Close codes: 1000
-//! normal, 1001 closed by the server, 1007 the client's audio is not Ogg/Opus, 1008 a policy (a
+//! normal, 1001 closed by the server, 1007 the client's audio is not usable, 1008 a policy (a
 //! refused parameter, a flood, a client that stopped reading), 1009 a message too large, 1011 a
 //! failure of the server's.
 

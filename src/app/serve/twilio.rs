@@ -99,7 +99,8 @@ impl Encoder for Media {
         };
         let sid = call.stream_sid.clone();
         let mut out = Vec::with_capacity(3);
-        if call.sent.saturating_sub(call.played) > CLEAR_AFTER {
+        // Only for a client that echoes marks (Twilio does): another would be cleared for ever.
+        if call.echoed > 0 && call.sent.saturating_sub(call.played) > CLEAR_AFTER {
             tracing::debug!(
                 "{} frames sent and not played: Twilio's buffer cleared",
                 call.sent - call.played
