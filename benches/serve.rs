@@ -241,45 +241,6 @@ fn rss_mib(pid: u32) -> f64 {
         / 1024.0
 }
 
-/// One client: streams `seconds` of a tone in real time (or sends nothing when `quiet`), reads
-/// everything; returns the agent audio messages received.
-async fn client(port: u16, seconds: f64, quiet: bool) -> usize {
-    let (ws, _) = tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{port}/api/chat"))
-        .await
-        .unwrap();
-    let (mut tx, mut rx) = ws.split();
-    let reader = tokio::spawn(async move {
-        let mut audio = 0;
-        while let Some(Ok(m)) = rx.next().await {
-            if let Message::Binary(b) = m {
-                if b.first() == Some(&1) {
-                    audio += 1;
-                }
-            }
-        }
-        audio
-    });
-    let mut w = OggOpusWriter::new(1, None).unwrap();
-    let frames = (seconds / 0.08) as usize;
-    let t0 = tokio::time::Instant::now();
-    for k in 0..frames {
-        if !quiet {
-            let m = support::tone_message(&mut w, k);
-            if tx.send(Message::Binary(m.into())).await.is_err() {
-                break;
-            }
-        }
-        tokio::time::sleep_until(t0 + Duration::from_secs_f64((k + 1) as f64 * 0.08)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let _ = tx.send(Message::Close(None)).await;
-    tokio::time::timeout(Duration::from_secs(5), reader)
-        .await
-        .ok()
-        .and_then(|r| r.ok())
-        .unwrap_or(0)
-}
-
 const MODEL_STAGES: &[&str] = &[
     "encode",
     "temporal",
@@ -328,6 +289,68 @@ fn main() {
 }
 
 /// Raises the number of sessions until one falls behind; returns the last level that kept up.
+/// What one run of `n` real-time clients cost the server.
+struct Measured {
+    /// Server latency, seconds.
+    p50: f64,
+    p90: f64,
+    /// Frames later than 160 ms.
+    late: f64,
+    /// Frames dropped on the pipelines' links.
+    dropped: f64,
+    /// CPU seconds of the process, and of its model stages' threads, while the clients ran.
+    cpu: f64,
+    model: f64,
+    /// Resident memory with every session live, MiB.
+    rss: f64,
+    /// Agent audio messages each client received.
+    got: Vec<usize>,
+}
+
+/// Runs `n` clients of `transport` for [`SECONDS`] against `server` at once.
+fn measure(
+    server: &support::Server,
+    rt: &tokio::runtime::Runtime,
+    n: usize,
+    transport: Transport,
+) -> Measured {
+    let pid = server.child.id();
+    let m0 = http_get(server.port, "/metrics");
+    let cpu0 = cpu_seconds(pid);
+    let model0 = model_thread_seconds(pid);
+    let port = server.port;
+    // Just before the clients stop: resident memory with every session live, and the CPU of the
+    // process and of the model stages' threads (which end with their sessions).
+    let sampler = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
+        (rss_mib(pid), cpu_seconds(pid), model_thread_seconds(pid))
+    });
+    let got: Vec<usize> = rt.block_on(async {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(client(port, SECONDS, transport, false)))
+            .collect();
+        let mut v = Vec::new();
+        for t in tasks {
+            v.push(t.await.unwrap_or(0));
+        }
+        v
+    });
+    let (rss, cpu_at, model) = sampler.join().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let m1 = http_get(server.port, "/metrics");
+    let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
+    Measured {
+        p50: quantile(&h0, &h1, 0.5),
+        p90: quantile(&h0, &h1, 0.9),
+        late: over(&h0, &h1, 0.16),
+        dropped: sum(&m1, "duplex_edge_dropped_total") - sum(&m0, "duplex_edge_dropped_total"),
+        cpu: cpu_at - cpu0,
+        model: model - model0,
+        rss,
+        got,
+    }
+}
+
 fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usize]) -> usize {
     let pid = server.child.id();
     std::thread::sleep(Duration::from_secs(1));
@@ -347,42 +370,24 @@ fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usiz
     );
     let mut capacity = 0;
     for &n in levels {
-        let m0 = http_get(server.port, "/metrics");
-        let cpu0 = cpu_seconds(pid);
-        let model0 = model_thread_seconds(pid);
-        let port = server.port;
-        // Just before the clients stop: resident memory with every session live, and the CPU
-        // of the process and of the model stages' threads (which end with their sessions).
-        let sampler = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
-            (rss_mib(pid), cpu_seconds(pid), model_thread_seconds(pid))
-        });
-        let got: Vec<usize> = rt.block_on(async {
-            let tasks: Vec<_> = (0..n)
-                .map(|_| tokio::spawn(client(port, SECONDS, false)))
-                .collect();
-            let mut v = Vec::new();
-            for t in tasks {
-                v.push(t.await.unwrap_or(0));
-            }
-            v
-        });
-        let (rss, cpu_at, model) = sampler.join().unwrap();
-        std::thread::sleep(Duration::from_millis(500));
-        let m1 = http_get(server.port, "/metrics");
-        let cpu = cpu_at - cpu0;
-        let model = model - model0;
-        let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
-        let late = over(&h0, &h1, 0.16);
-        let dropped = sum(&m1, "duplex_edge_dropped_total") - sum(&m0, "duplex_edge_dropped_total");
+        let Measured {
+            p50,
+            p90,
+            late,
+            dropped,
+            cpu,
+            model,
+            rss,
+            got,
+        } = measure(server, rt, n, Transport::Kyutai);
         let sess_s = n as f64 * (SECONDS - 0.3);
         let expected = (SECONDS / 0.04) as usize;
         let short = got.iter().filter(|&&g| g + 10 < expected).count();
         println!(
             "{:>8} {:>10.1} {:>10.1} {:>8} {:>8} {:>11.1} ms {:>11.1} ms {:>9.0} {:>10.1}{}",
             n,
-            quantile(&h0, &h1, 0.5) * 1e3,
-            quantile(&h0, &h1, 0.9) * 1e3,
+            p50 * 1e3,
+            p90 * 1e3,
             late,
             dropped,
             cpu / sess_s * 1e3,
@@ -419,7 +424,7 @@ fn quiet(server: &support::Server, rt: &tokio::runtime::Runtime) {
     });
     rt.block_on(async {
         let tasks: Vec<_> = (0..n)
-            .map(|_| tokio::spawn(client(port, SECONDS, true)))
+            .map(|_| tokio::spawn(client(port, SECONDS, Transport::Kyutai, true)))
             .collect();
         for t in tasks {
             let _ = t.await;
@@ -462,16 +467,15 @@ fn mu_law(pcm: &[f32]) -> Vec<u8> {
 }
 
 /// One client of `transport`: streams `seconds` of a tone in real time (80 ms messages; 20 ms
-/// for Twilio, as it sends them), reads everything; returns the agent audio messages received.
-async fn transport_client(port: u16, seconds: f64, transport: Transport) -> usize {
+/// for Twilio, as it sends them; nothing when `quiet`), reads everything; returns the agent
+/// audio messages received.
+async fn client(port: u16, seconds: f64, transport: Transport, quiet: bool) -> usize {
     use base64::Engine as _;
     let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
-    if let Transport::Kyutai = transport {
-        return client(port, seconds, false).await;
-    }
     let path = match transport {
+        Transport::Kyutai => "api/chat",
         Transport::Twilio => "twilio/media",
-        _ => "v1/realtime",
+        Transport::Realtime(_) => "v1/realtime",
     };
     let (ws, _) = tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{port}/{path}"))
         .await
@@ -480,57 +484,73 @@ async fn transport_client(port: u16, seconds: f64, transport: Transport) -> usiz
     let reader = tokio::spawn(async move {
         let mut audio = 0;
         while let Some(Ok(m)) = rx.next().await {
-            if let Message::Text(t) = m {
+            let delta = match m {
+                Message::Binary(b) => b.first() == Some(&1),
                 // GA or beta names (the session.update below is spelled beta), or Twilio's.
-                let deltas = [
+                Message::Text(t) => [
                     "\"response.output_audio.delta\"",
                     "\"response.audio.delta\"",
                     "\"event\":\"media\"",
-                ];
-                if deltas.iter().any(|d| t.contains(d)) {
-                    audio += 1;
-                }
-            }
+                ]
+                .iter()
+                .any(|d| t.contains(d)),
+                _ => false,
+            };
+            audio += usize::from(delta);
         }
         audio
     });
     let first = match transport {
-        Transport::Realtime(format) => serde_json::json!({
+        Transport::Kyutai => None,
+        Transport::Realtime(format) => Some(serde_json::json!({
             "type": "session.update",
             "session": {"input_audio_format": format, "output_audio_format": format},
-        }),
-        _ => serde_json::json!({
+        })),
+        Transport::Twilio => Some(serde_json::json!({
             "event": "start",
             "streamSid": "MZbench",
-            "start": {"streamSid": "MZbench", "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000}},
-        }),
+            "start": {
+                "streamSid": "MZbench",
+                "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000},
+            },
+        })),
     };
-    let _ = tx.send(Message::Text(first.to_string().into())).await;
+    if let Some(m) = first {
+        let _ = tx.send(Message::Text(m.to_string().into())).await;
+    }
+    let mut w = OggOpusWriter::new(1, None).unwrap();
     let frames = (seconds / 0.08) as usize;
     let t0 = tokio::time::Instant::now();
     for k in 0..frames {
-        let pcm = tone(k);
-        let messages: Vec<String> = match transport {
+        let append = |audio: &[u8]| {
+            let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": b64(audio)});
+            vec![Message::Text(e.to_string().into())]
+        };
+        let messages: Vec<Message> = match transport {
+            _ if quiet => Vec::new(),
+            Transport::Kyutai => vec![Message::Binary(support::tone_message(&mut w, k).into())],
             Transport::Realtime("pcm16") => {
-                let bytes: Vec<u8> = pcm
+                let bytes: Vec<u8> = tone(k)
                     .iter()
                     .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
                     .collect();
-                vec![serde_json::json!({"type": "input_audio_buffer.append", "audio": b64(&bytes)}).to_string()]
+                append(&bytes)
             }
-            Transport::Realtime(_) => {
-                vec![serde_json::json!({"type": "input_audio_buffer.append", "audio": b64(&mu_law(&pcm))}).to_string()]
-            }
-            _ => mu_law(&pcm)
+            Transport::Realtime(_) => append(&mu_law(&tone(k))),
+            Transport::Twilio => mu_law(&tone(k))
                 .chunks(160)
                 .map(|c| {
-                    serde_json::json!({"event": "media", "streamSid": "MZbench", "media": {"payload": b64(c)}})
-                        .to_string()
+                    let e = serde_json::json!({
+                        "event": "media",
+                        "streamSid": "MZbench",
+                        "media": {"payload": b64(c)},
+                    });
+                    Message::Text(e.to_string().into())
                 })
                 .collect(),
         };
         for m in messages {
-            if tx.send(Message::Text(m.into())).await.is_err() {
+            if tx.send(m).await.is_err() {
                 break;
             }
         }
@@ -549,7 +569,6 @@ async fn transport_client(port: u16, seconds: f64, transport: Transport) -> usiz
 /// default template (tiny pack, shared engines), each run twice in turn.
 fn transports(rt: &tokio::runtime::Runtime) {
     let server = start(&SETUPS[1]);
-    let pid = server.child.id();
     let n = 6;
     println!(
         "\ntransports: {n} sessions each, {SECONDS} s, tiny pack on the shared engines (the default template)\n"
@@ -567,37 +586,16 @@ fn transports(rt: &tokio::runtime::Runtime) {
     std::thread::sleep(Duration::from_secs(1));
     for round in 0..2 {
         for (label, t) in all {
-            let m0 = http_get(server.port, "/metrics");
-            let cpu0 = cpu_seconds(pid);
-            let model0 = model_thread_seconds(pid);
-            let sampler = std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
-                (cpu_seconds(pid), model_thread_seconds(pid))
-            });
-            let port = server.port;
-            let got: Vec<usize> = rt.block_on(async {
-                let tasks: Vec<_> = (0..n)
-                    .map(|_| tokio::spawn(transport_client(port, SECONDS, t)))
-                    .collect();
-                let mut v = Vec::new();
-                for t in tasks {
-                    v.push(t.await.unwrap_or(0));
-                }
-                v
-            });
-            let (cpu_at, model) = sampler.join().unwrap();
-            std::thread::sleep(Duration::from_millis(500));
-            let m1 = http_get(server.port, "/metrics");
-            let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
+            let m = measure(&server, rt, n, t);
             let sess_s = n as f64 * (SECONDS - 0.3);
             println!(
                 "{:<24} {:>10.1} {:>10.1} {:>8} {:>11.1} ms {:>10}{}",
                 label,
-                quantile(&h0, &h1, 0.5) * 1e3,
-                quantile(&h0, &h1, 0.9) * 1e3,
-                over(&h0, &h1, 0.16),
-                ((cpu_at - cpu0) - (model - model0)) / sess_s * 1e3,
-                got.iter().sum::<usize>() / n,
+                m.p50 * 1e3,
+                m.p90 * 1e3,
+                m.late,
+                (m.cpu - m.model) / sess_s * 1e3,
+                m.got.iter().sum::<usize>() / n,
                 if round == 0 { "" } else { "  (second round)" }
             );
         }
