@@ -70,9 +70,13 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
-    /// Serve conversations over the network (WebSocket, the Moshi protocol): one session
-    /// pipeline per client, built from a session template.
+    /// Serve conversations over the network (WebSocket: the Moshi protocol, the OpenAI realtime
+    /// API, Twilio's media streams): one session pipeline per client, built from a session
+    /// template.
     Serve(app::serve::ServeArgs),
+    /// Measure how many real-time conversations a running server keeps up with: N clients
+    /// streaming audio at once, levels raised until one falls behind.
+    Loadtest(app::loadtest::LoadtestArgs),
     /// Prime a session of the server's template with its default voice and persona and write
     /// the primed state to a file, for `duplex serve`'s `prime_cache_file` (a server that
     /// loads it starts warm).
@@ -192,6 +196,19 @@ fn main() -> ExitCode {
             app::daemon::run(config.as_deref())
         }
         Cmd::Serve(args) => app::serve::run(&args),
+        Cmd::Loadtest(args) => {
+            let report = app::loadtest::run(&args)?;
+            if args.json {
+                out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+            } else {
+                out(&report.to_string())?;
+            }
+            // For scripts: a server that kept up with no level tried fails the command.
+            if report.keeps_up_with == 0 {
+                anyhow::bail!("the server kept up with none of the levels tried");
+            }
+            Ok(())
+        }
         Cmd::Prime(args) => out(&app::serve::prime(&args)?),
         Cmd::Ctl { socket, command } => {
             // Only the socket is looked up: `ctl` works from any directory.

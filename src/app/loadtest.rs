@@ -1,0 +1,632 @@
+//! `duplex loadtest URL`: how many real-time conversations a running `duplex serve` keeps up
+//! with, measured as its clients see it. N clients at once (a fixed level, or levels raised
+//! until one falls behind), each streaming audio in real time (a WAV, or a speech-like tone)
+//! over Kyutai's protocol (`/api/chat`, Ogg/Opus) or the realtime API (`/v1/realtime`, PCM16),
+//! from the moment its session is ready.
+//!
+//! Per level: sessions admitted and refused; the latency of each agent frame as the client sees
+//! it (its k-th 80 ms frame sent → the agent's k-th frame received: the model steps once per
+//! frame); frames later than `late_ms`, and missing at the end; underruns of a simulated
+//! client jitter buffer (playback starts `buffer_ms` after the first agent frame, one frame per
+//! 80 ms). A level keeps up when every session was admitted and none had a late or missing
+//! frame or an underrun. A session's first frame is reported on its own (`first_frame_ms`), and
+//! neither it nor the last is counted as late: over Ogg/Opus the codec's look-ahead makes the
+//! first wait for the session's start and the last for the server's silence fill after the
+//! client stops, which says nothing of the server's load. Knows nothing of the server's
+//! insides: only the wire.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use futures_util::{SinkExt, StreamExt};
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::audio::opus::OggOpusWriter;
+use crate::audio::FRAME_SAMPLES;
+use crate::config::{ConfigError, ConfigErrorKind};
+
+/// One model frame.
+const FRAME: Duration = Duration::from_millis(80);
+
+/// The protocol the clients speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Protocol {
+    /// Kyutai's (`/api/chat`): Ogg/Opus in binary messages.
+    Kyutai,
+    /// The OpenAI realtime API (`/v1/realtime`): PCM16 in base64 JSON events.
+    Realtime,
+}
+
+/// `duplex loadtest`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadtestArgs {
+    /// The server: `ws://host:port` or `http://host:port` (the endpoint follows `--protocol`).
+    pub url: String,
+    /// The protocol the clients speak.
+    #[arg(long, value_enum, default_value = "kyutai")]
+    pub protocol: Protocol,
+    /// One level of this many sessions (instead of raising the level).
+    #[arg(long, conflicts_with = "levels")]
+    pub sessions: Option<usize>,
+    /// The levels tried, in order, until one falls behind.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,6,8,12,16,24,32")]
+    pub levels: Vec<usize>,
+    /// Seconds each client streams.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// A WAV (24 kHz mono 16-bit) each client streams, looped (default: a speech-like tone).
+    #[arg(long)]
+    pub wav: Option<PathBuf>,
+    /// The API key (sent as `Authorization: Bearer`).
+    #[arg(long)]
+    pub key: Option<String>,
+    /// An agent frame later than this (after its user frame was sent) counts as late.
+    #[arg(long, default_value_t = 160)]
+    pub late_ms: u64,
+    /// The simulated client's jitter buffer.
+    #[arg(long, default_value_t = 160)]
+    pub buffer_ms: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What one client saw.
+#[derive(Debug, Clone, Default)]
+struct Seen {
+    /// The session was refused (or the connection failed), and why.
+    refused: Option<String>,
+    /// Per agent frame, its latency.
+    latencies: Vec<Duration>,
+    /// Frames expected and not received.
+    missing: usize,
+    /// Frames that came after the simulated player needed them.
+    underruns: usize,
+}
+
+/// One level's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Level {
+    /// Sessions started at once.
+    pub sessions: usize,
+    /// Sessions the server admitted and served.
+    pub admitted: usize,
+    /// Sessions refused (or whose connection failed), with the first reason.
+    pub refused: usize,
+    /// Why the first refused one was.
+    pub refusal: Option<String>,
+    /// Latency of the agent frames as the clients saw them, milliseconds.
+    pub latency_ms: Quantiles,
+    /// Latency of the sessions' first agent frames, milliseconds.
+    pub first_frame_ms: Quantiles,
+    /// Frames later than `late_ms`.
+    pub late: usize,
+    /// Frames that never came.
+    pub missing: usize,
+    /// Underruns of the simulated jitter buffers.
+    pub underruns: usize,
+    /// Whether the server kept up at this level.
+    pub keeps_up: bool,
+}
+
+/// Quantiles of a set of durations, milliseconds.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Quantiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// The largest.
+    pub max: f64,
+}
+
+impl Quantiles {
+    fn of(mut v: Vec<Duration>) -> Self {
+        if v.is_empty() {
+            return Quantiles::default();
+        }
+        v.sort();
+        let at = |q: f64| {
+            let i = ((v.len() - 1) as f64 * q).round() as usize;
+            v[i].as_secs_f64() * 1e3
+        };
+        Quantiles {
+            p50: at(0.5),
+            p90: at(0.9),
+            p99: at(0.99),
+            max: at(1.0),
+        }
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// The endpoint.
+    pub url: String,
+    /// `kyutai` or `realtime`.
+    pub protocol: &'static str,
+    /// Seconds per client.
+    pub seconds: f64,
+    /// The levels run, in order.
+    pub levels: Vec<Level>,
+    /// The highest level that kept up (0: none).
+    pub keeps_up_with: usize,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} ({}), {} s per client\n",
+            self.url, self.protocol, self.seconds
+        )?;
+        writeln!(
+            f,
+            "{:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>6} {:>8} {:>9}",
+            "sessions",
+            "admitted",
+            "refused",
+            "p50 ms",
+            "p90 ms",
+            "max ms",
+            "late",
+            "missing",
+            "underruns"
+        )?;
+        for l in &self.levels {
+            writeln!(
+                f,
+                "{:>8} {:>8} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>12.1} {:>6} {:>8} {:>9}{}",
+                l.sessions,
+                l.admitted,
+                l.refused,
+                l.latency_ms.p50,
+                l.latency_ms.p90,
+                l.latency_ms.max,
+                l.first_frame_ms.max,
+                l.late,
+                l.missing,
+                l.underruns,
+                l.refusal
+                    .as_ref()
+                    .map(|r| format!("  (refused: {r})"))
+                    .unwrap_or_default()
+            )?;
+        }
+        writeln!(
+            f,
+            "\nthis server keeps up with {} concurrent real-time sessions",
+            self.keeps_up_with
+        )
+    }
+}
+
+/// A refusal of the arguments, before anything is sent (exit code 2).
+fn bad(what: &str, kind: ConfigErrorKind, message: String) -> anyhow::Error {
+    ConfigError::new(what, kind, message).into()
+}
+
+/// The audio the clients stream: 24 kHz samples, looped.
+fn audio(args: &LoadtestArgs) -> anyhow::Result<Vec<f32>> {
+    if let Some(path) = &args.wav {
+        let file = path.display().to_string();
+        let mut r = crate::audio::WavReader::open(path)
+            .map_err(|e| bad(&file, ConfigErrorKind::Read, e.to_string()))?;
+        let (rate, channels) = (r.rate(), r.channels());
+        if rate != crate::audio::MODEL_RATE || channels != 1 {
+            let m = format!(
+                "{rate} Hz, {channels} channel(s); loadtest streams 24 kHz mono (convert it first)"
+            );
+            return Err(bad(&file, ConfigErrorKind::WrongType, m));
+        }
+        let pcm = r
+            .read_all()
+            .map_err(|e| bad(&file, ConfigErrorKind::Read, e.to_string()))?;
+        if pcm.is_empty() {
+            return Err(bad(&file, ConfigErrorKind::Missing, "no samples".into()));
+        }
+        return Ok(pcm);
+    }
+    // A tone with a syllable-rate envelope.
+    Ok((0..crate::audio::MODEL_RATE as usize * 4)
+        .map(|i| {
+            let t = i as f32 / crate::audio::MODEL_RATE as f32;
+            let env = 0.5 + 0.5 * (std::f32::consts::TAU * 3.0 * t).sin();
+            0.3 * env * (std::f32::consts::TAU * 180.0 * t).sin()
+        })
+        .collect())
+}
+
+/// The endpoint's URL for `protocol`.
+fn endpoint(url: &str, protocol: Protocol) -> anyhow::Result<String> {
+    let base = url.trim_end_matches('/');
+    let base = if let Some(rest) = base.strip_prefix("http://") {
+        format!("ws://{rest}")
+    } else if let Some(rest) = base.strip_prefix("https://") {
+        format!("wss://{rest}")
+    } else if base.starts_with("ws://") || base.starts_with("wss://") {
+        base.to_string()
+    } else {
+        let m = format!("{url}: not a ws://, wss://, http:// or https:// address");
+        return Err(bad("URL", ConfigErrorKind::WrongType, m));
+    };
+    // A full endpoint is taken as given.
+    if base.ends_with("/api/chat") || base.ends_with("/v1/realtime") {
+        return Ok(base);
+    }
+    Ok(match protocol {
+        Protocol::Kyutai => format!("{base}/api/chat"),
+        Protocol::Realtime => format!("{base}/v1/realtime"),
+    })
+}
+
+/// Runs the load test.
+///
+/// # Errors
+///
+/// A bad address or WAV (before anything is sent).
+pub fn run(args: &LoadtestArgs) -> anyhow::Result<Report> {
+    let url = endpoint(&args.url, args.protocol)?;
+    if !(1.0..=3600.0).contains(&args.seconds) {
+        let m = format!("{}: from 1 to 3600", args.seconds);
+        return Err(bad("--seconds", ConfigErrorKind::OutOfRange, m));
+    }
+    let pcm = std::sync::Arc::new(audio(args)?);
+    let levels = match args.sessions {
+        Some(n) => vec![n],
+        None => args.levels.clone(),
+    };
+    if !levels.iter().all(|&n| (1..=10_000).contains(&n)) {
+        let m = "from 1 to 10000 sessions".to_string();
+        return Err(bad("--sessions/--levels", ConfigErrorKind::OutOfRange, m));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut report = Report {
+        url: url.clone(),
+        protocol: match args.protocol {
+            Protocol::Kyutai => "kyutai",
+            Protocol::Realtime => "realtime",
+        },
+        seconds: args.seconds,
+        levels: Vec::new(),
+        keeps_up_with: 0,
+    };
+    for n in levels {
+        let seen: Vec<Seen> = rt.block_on(async {
+            let tasks: Vec<_> = (0..n)
+                .map(|_| {
+                    let (url, pcm, args) = (url.clone(), pcm.clone(), args.clone());
+                    tokio::spawn(async move { client(&url, &pcm, &args).await })
+                })
+                .collect();
+            let mut v = Vec::new();
+            for t in tasks {
+                v.push(t.await.unwrap_or_else(|e| Seen {
+                    refused: Some(format!("the client failed: {e}")),
+                    ..Seen::default()
+                }));
+            }
+            v
+        });
+        let late_after = Duration::from_millis(args.late_ms);
+        let served: Vec<&Seen> = seen.iter().filter(|s| s.refused.is_none()).collect();
+        let level = Level {
+            sessions: n,
+            admitted: served.len(),
+            refused: n - served.len(),
+            refusal: seen.iter().find_map(|s| s.refused.clone()),
+            latency_ms: Quantiles::of(
+                served
+                    .iter()
+                    .flat_map(|s| s.latencies.iter().copied())
+                    .collect(),
+            ),
+            first_frame_ms: Quantiles::of(
+                served
+                    .iter()
+                    .filter_map(|s| s.latencies.first().copied())
+                    .collect(),
+            ),
+            late: served
+                .iter()
+                .map(|s| {
+                    let inner = s.latencies.len().saturating_sub(1);
+                    s.latencies[..inner]
+                        .iter()
+                        .skip(1)
+                        .filter(|l| **l > late_after)
+                        .count()
+                })
+                .sum(),
+            missing: served.iter().map(|s| s.missing).sum(),
+            underruns: served.iter().map(|s| s.underruns).sum(),
+            keeps_up: false,
+        };
+        let keeps_up =
+            level.refused == 0 && level.late == 0 && level.missing == 0 && level.underruns == 0;
+        let level = Level { keeps_up, ..level };
+        if !args.json {
+            tracing::info!(
+                sessions = n,
+                keeps_up,
+                p50_ms = level.latency_ms.p50,
+                late = level.late,
+                "level done"
+            );
+        }
+        report.levels.push(level);
+        if !keeps_up {
+            break;
+        }
+        report.keeps_up_with = n;
+        // The server's sessions end (and free their slots) before the next level.
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    Ok(report)
+}
+
+/// One client: connects, waits for its session to be ready, streams `seconds` of `pcm` in real
+/// time, and times the agent's frames as they come.
+async fn client(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Seen {
+    match talk(url, pcm, args).await {
+        Ok(s) => s,
+        Err(e) => Seen {
+            refused: Some(e),
+            ..Seen::default()
+        },
+    }
+}
+
+async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = url
+        .into_client_request()
+        .map_err(|e| format!("{url}: {e}"))?;
+    if let Some(k) = &args.key {
+        let v = format!("Bearer {k}")
+            .parse()
+            .map_err(|_| "the key is not a header value".to_string())?;
+        req.headers_mut().insert("authorization", v);
+    }
+    let (ws, _) = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio_tungstenite::connect_async(req),
+    )
+    .await
+    .map_err(|_| "no answer within 30 s".to_string())?
+    .map_err(|e| match e {
+        tokio_tungstenite::tungstenite::Error::Http(r) => {
+            let body = r
+                .body()
+                .as_ref()
+                .map(|b| String::from_utf8_lossy(b).trim().to_string())
+                .unwrap_or_default();
+            format!("HTTP {}: {body}", r.status())
+        }
+        e => e.to_string(),
+    })?;
+    let (mut tx, mut rx) = ws.split();
+    let protocol = args.protocol;
+    if protocol == Protocol::Realtime {
+        let update = serde_json::json!({
+            "type": "session.update",
+            "session": {"type": "realtime"},
+        });
+        tx.send(Message::Text(update.to_string().into()))
+            .await
+            .map_err(|e| e.to_string())?;
+        // The session starts at the first audio: one frame of silence asks for it.
+        let silence =
+            base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * FRAME_SAMPLES]);
+        let append = serde_json::json!({"type": "input_audio_buffer.append", "audio": silence});
+        tx.send(Message::Text(append.to_string().into()))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    // Until the session is ready: Kyutai's handshake, the realtime API's response.created.
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(m) = rx.next().await {
+            match m.map_err(|e| e.to_string())? {
+                Message::Binary(b) if protocol == Protocol::Kyutai => match b.first() {
+                    Some(0) => return Ok(()),
+                    Some(5) => return Err(String::from_utf8_lossy(&b[1..]).into_owned()),
+                    _ => {}
+                },
+                Message::Text(t) if protocol == Protocol::Realtime => {
+                    let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
+                    match v["type"].as_str() {
+                        Some("response.created") => return Ok(()),
+                        Some("error") => {
+                            return Err(v["error"]["message"].as_str().unwrap_or("error").into())
+                        }
+                        _ => {}
+                    }
+                }
+                Message::Close(c) => {
+                    return Err(c.map_or("closed".into(), |c| c.reason.to_string()));
+                }
+                _ => {}
+            }
+        }
+        Err("closed before the session was ready".to_string())
+    })
+    .await
+    .map_err(|_| "not ready within 120 s".to_string())??;
+    let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+    let t0 = Instant::now();
+    // The agent's frames as they come: samples received, at 24 kHz, in arrival order.
+    let reader = tokio::spawn(async move {
+        let mut arrivals: Vec<Instant> = Vec::new();
+        let mut samples = 0usize;
+        let mut ogg = OggClock::default();
+        while let Some(Ok(m)) = rx.next().await {
+            let got = match (protocol, m) {
+                // Ogg pages: the last granule position is the stream's length at 48 kHz.
+                (Protocol::Kyutai, Message::Binary(b)) if b.first() == Some(&1) => {
+                    ogg.samples(&b[1..])
+                }
+                (Protocol::Realtime, Message::Text(t)) => {
+                    let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
+                    let kind = v["type"].as_str().unwrap_or_default();
+                    if kind == "response.output_audio.delta" || kind == "response.audio.delta" {
+                        let bytes = base64::engine::general_purpose::STANDARD
+                            .decode(v["delta"].as_str().unwrap_or_default())
+                            .unwrap_or_default();
+                        Some(samples + bytes.len() / 2)
+                    } else {
+                        None
+                    }
+                }
+                (_, Message::Close(_)) => break,
+                _ => None,
+            };
+            if let Some(total) = got {
+                samples = samples.max(total);
+                let now = Instant::now();
+                while arrivals.len() < samples / FRAME_SAMPLES {
+                    arrivals.push(now);
+                }
+            }
+        }
+        arrivals
+    });
+    let mut w = OggOpusWriter::new(1, None).map_err(|e| e.to_string())?;
+    for k in 0..frames {
+        let at = (k * FRAME_SAMPLES) % pcm.len();
+        let mut frame: Vec<f32> = pcm[at..].iter().take(FRAME_SAMPLES).copied().collect();
+        frame.resize(FRAME_SAMPLES, 0.0);
+        let m = match protocol {
+            Protocol::Kyutai => {
+                let mut b = vec![1u8];
+                for p in w.push(&frame).map_err(|e| e.to_string())? {
+                    b.extend_from_slice(&p);
+                }
+                Message::Binary(b.into())
+            }
+            Protocol::Realtime => {
+                let bytes: Vec<u8> = frame
+                    .iter()
+                    .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
+                    .collect();
+                let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
+                let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
+                Message::Text(e.to_string().into())
+            }
+        };
+        if tx.send(m).await.is_err() {
+            break;
+        }
+        tokio::time::sleep_until((t0 + FRAME * (k as u32 + 1)).into()).await;
+    }
+    // The last frames' answers, then the end.
+    tokio::time::sleep(Duration::from_millis(args.late_ms.max(500))).await;
+    let _ = tx.send(Message::Close(None)).await;
+    let arrivals = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .map_err(|_| "the server did not close".to_string())?
+        .map_err(|e| e.to_string())?;
+    // Frame k was sent at t0 + k · 80 ms; the agent's k-th frame answers it (after the frame
+    // of silence that started a realtime session).
+    let skip = usize::from(protocol == Protocol::Realtime);
+    let arrivals: Vec<Instant> = arrivals.into_iter().skip(skip).collect();
+    let latencies: Vec<Duration> = arrivals
+        .iter()
+        .take(frames)
+        .enumerate()
+        .map(|(k, at)| at.saturating_duration_since(t0 + FRAME * k as u32))
+        .collect();
+    // Playback from the first agent frame plus the buffer, one frame per 80 ms.
+    let underruns = match arrivals.first() {
+        Some(first) => {
+            let start = *first + Duration::from_millis(args.buffer_ms);
+            // The last frame waits for the server's silence fill (see the module's doc).
+            arrivals
+                .iter()
+                .take(frames.saturating_sub(1))
+                .enumerate()
+                .filter(|(k, at)| **at > start + FRAME * *k as u32)
+                .count()
+        }
+        None => 0,
+    };
+    Ok(Seen {
+        refused: None,
+        missing: frames.saturating_sub(latencies.len()),
+        latencies,
+        underruns,
+    })
+}
+
+/// How much of an Ogg/Opus stream has come, from its pages' headers alone (nothing decoded):
+/// the granule position of the last page, less the stream's pre-skip (from `OpusHead`).
+#[derive(Default)]
+struct OggClock {
+    pre_skip: u64,
+}
+
+impl OggClock {
+    /// Samples at 24 kHz the stream holds once `bytes` (whole pages, as the server sends them)
+    /// have come; `None` when no page of them ends audio.
+    fn samples(&mut self, bytes: &[u8]) -> Option<usize> {
+        let mut at = 0;
+        let mut last = None;
+        while at + 27 <= bytes.len() && &bytes[at..at + 4] == b"OggS" {
+            let granule = u64::from_le_bytes(bytes[at + 6..at + 14].try_into().ok()?);
+            let segments = bytes[at + 26] as usize;
+            let table = bytes.get(at + 27..at + 27 + segments)?;
+            let len: usize = table.iter().map(|&s| s as usize).sum();
+            let body = bytes.get(at + 27 + segments..at + 27 + segments + len)?;
+            if body.starts_with(b"OpusHead") && body.len() >= 12 {
+                self.pre_skip = u16::from_le_bytes([body[10], body[11]]) as u64;
+            } else if granule != u64::MAX && granule > 0 {
+                last = Some(granule);
+            }
+            at += 27 + segments + len;
+        }
+        // Opus granules count at 48 kHz.
+        last.map(|g| (g.saturating_sub(self.pre_skip) / 2) as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_follow_the_protocol_and_refuse_other_schemes() {
+        assert_eq!(
+            endpoint("http://h:1", Protocol::Kyutai).unwrap(),
+            "ws://h:1/api/chat"
+        );
+        assert_eq!(
+            endpoint("ws://h:1/", Protocol::Realtime).unwrap(),
+            "ws://h:1/v1/realtime"
+        );
+        assert_eq!(
+            endpoint("https://h/api/chat", Protocol::Realtime).unwrap(),
+            "wss://h/api/chat"
+        );
+        assert!(endpoint("h:1", Protocol::Kyutai).is_err());
+    }
+
+    #[test]
+    fn the_ogg_clock_counts_the_samples_sent_without_decoding() {
+        let mut w = OggOpusWriter::new(3, None).unwrap();
+        let mut clock = OggClock::default();
+        assert_eq!(clock.samples(&w.headers().unwrap().concat()), None);
+        let mut last = None;
+        for _ in 0..3 {
+            last = clock
+                .samples(&w.push(&vec![0.0; FRAME_SAMPLES]).unwrap().concat())
+                .or(last);
+        }
+        // 3 frames of 80 ms in 40 ms pages: 5760 samples at 24 kHz, the pre-skip taken off.
+        assert_eq!(last, Some(3 * FRAME_SAMPLES));
+    }
+}
