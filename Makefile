@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DUPLEX := target/release/duplex
 
-.PHONY: setup demo test bench lint build clean fuzz export-deps setup-gpu
+.PHONY: setup demo test test-image bench lint build clean fuzz export-deps setup-gpu
 
 setup:
 	@tools/setup.sh
@@ -26,6 +26,11 @@ lint: setup
 	$(CARGO) clippy --all-targets --release -- -D warnings
 	# The CUDA path must compile (it runs only where a GPU build of ONNX Runtime is loaded).
 	$(CARGO) check --release --features cuda
+
+# The server image (Containerfile's `host` target) built on a Debian base made here, served from
+# and talked to. Needs podman, runc and mmdebstrap (Debian packages).
+test-image: build
+	tools/test-image.sh
 
 # The bad-input suite with many more generated cases per parser than `make test` runs.
 fuzz: setup
