@@ -1024,6 +1024,7 @@ pub(super) async fn run<P: Protocol>(
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         let mut published = Published::default();
         let began = Instant::now();
+        let mut ended_seen = false;
         while outcome.is_none() {
             tokio::select! {
                 m = stream.next() => outcome = inflow.take(m, &mut proto, &client),
@@ -1039,8 +1040,14 @@ pub(super) async fn run<P: Protocol>(
                         Err(_) => Outcome::Failed,
                     });
                 }
-                // The pipeline ended: how is for its outcome to say.
-                _ = &mut ended => outcome = Some(Outcome::Ended),
+                // The pipeline ended: how is for its outcome to say. (A writer that stopped drops
+                // the sender unsent: its own branch says why.)
+                r = &mut ended, if !ended_seen => {
+                    ended_seen = true;
+                    if r.is_ok() {
+                        outcome = Some(Outcome::Ended);
+                    }
+                }
                 _ = tick.tick() => {
                     published.update(&client.stats);
                     if inflow.last_heard.elapsed() > limits.idle_timeout {
