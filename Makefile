@@ -17,9 +17,10 @@ demo: build
 	$(DUPLEX) run pipelines/duplex-file.yaml
 	@echo "demo: wrote out/agent-48k.wav and out/agent-tokens.jsonl"
 
-# Lints, then every test (unit, integration, doc).
+# Lints, then every test (unit, integration, doc), then the server's image built and served from.
 test: setup lint
 	$(CARGO) test --release
+	tools/test-image.sh
 
 lint: setup
 	$(CARGO) fmt --check
@@ -27,8 +28,8 @@ lint: setup
 	# The CUDA path must compile (it runs only where a GPU build of ONNX Runtime is loaded).
 	$(CARGO) check --release --features cuda
 
-# The server image (Containerfile's `host` target) built on a Debian base made here, served from
-# and talked to. Needs podman, runc and mmdebstrap (Debian packages).
+# The server image alone (the last step of `make test`): Containerfile's `host` target built on a
+# Debian base made here, served from and talked to. podman, runc and mmdebstrap come with setup.
 test-image: build
 	tools/test-image.sh
 

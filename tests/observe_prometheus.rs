@@ -2,7 +2,9 @@
 //! `duplex run` with contention or growth injected; every PromQL expression of the Grafana
 //! dashboard and of the rules evaluates without error (and with data where the pipeline has
 //! it), and the verdict series shows the injected pattern. `promtool` checks the deployment
-//! files and runs their unit tests.
+//! files and runs their unit tests; the Kubernetes manifests pass their schema, and
+//! deploy/compose.yaml mounts files that exist and its Prometheus scrapes a real server with its
+//! key.
 
 #[path = "support/daemon.rs"]
 mod daemon;
@@ -470,4 +472,141 @@ fn the_kubernetes_manifests_pass_the_schema_and_a_broken_one_does_not() {
     let broken = scratch.path().join("deployment.yaml");
     std::fs::write(&broken, deployment.replace("replicas: 1", "replica: 1")).unwrap();
     assert!(!run(&[broken]).status.success(), "a misspelt field passed");
+}
+
+/// The source of a volume of deploy/compose.yaml (`SOURCE:TARGET[:MODE]`), with
+/// `${VAR:-default}` read as its default.
+fn compose_source(volume: &str) -> String {
+    match volume
+        .strip_prefix("${")
+        .and_then(|r| r.split_once('}'))
+        .and_then(|(var, _)| var.split_once(":-"))
+    {
+        Some((_, default)) => default.to_string(),
+        None => volume.split(':').next().unwrap().to_string(),
+    }
+}
+
+#[test]
+fn the_compose_file_mounts_files_that_exist_and_its_prometheus_scrapes_the_server_with_its_key() {
+    use yaml_rust2::{Yaml, YamlLoader};
+    let deploy = root().join("deploy");
+    let text = std::fs::read_to_string(deploy.join("compose.yaml")).unwrap();
+    let doc = YamlLoader::load_from_str(&text).unwrap().remove(0);
+    let services = &doc["services"];
+    for name in ["duplex", "prometheus", "grafana"] {
+        assert!(!services[name].is_badvalue(), "no service {name}");
+    }
+    // The server is built from the repository's Containerfile, as the image the manifests run.
+    let duplex = &services["duplex"];
+    let context = deploy.join(duplex["build"]["context"].as_str().unwrap());
+    assert!(context
+        .join(duplex["build"]["dockerfile"].as_str().unwrap())
+        .is_file());
+    let image = format!("duplex:{}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(duplex["image"].as_str(), Some(image.as_str()));
+    let deployment = std::fs::read_to_string(deploy.join("kubernetes/deployment.yaml")).unwrap();
+    assert!(
+        deployment.contains(&format!("image: {image}")),
+        "the Deployment runs another image than {image}"
+    );
+    // Every file or folder a service mounts from the repository exists.
+    let named: Vec<&str> = doc["volumes"]
+        .as_hash()
+        .unwrap()
+        .keys()
+        .filter_map(Yaml::as_str)
+        .collect();
+    let mut mounts = 0;
+    for (_, service) in services.as_hash().unwrap() {
+        for v in service["volumes"].as_vec().into_iter().flatten() {
+            let source = compose_source(v.as_str().unwrap());
+            if named.contains(&source.as_str()) {
+                continue;
+            }
+            mounts += 1;
+            let path = deploy.join(&source);
+            // (models/ is what `make setup` builds.)
+            assert!(path.exists(), "{v:?}: {} does not exist", path.display());
+        }
+    }
+    assert!(mounts >= 5, "{mounts} mounts");
+    let secret = doc["secrets"]["metrics_key"]["file"].as_str().unwrap();
+    let ignored = std::fs::read_to_string(root().join(".gitignore")).unwrap();
+    assert!(
+        ignored
+            .lines()
+            .any(|l| deploy.join(secret).ends_with(l.trim_start_matches('/'))),
+        "the key file {secret} is not ignored by git"
+    );
+    let datasource =
+        std::fs::read_to_string(deploy.join("compose/grafana-datasource.yml")).unwrap();
+    assert!(datasource.contains("url: http://prometheus:9090"));
+    // (The dashboard picks any data source of type prometheus: this one is the default.)
+    assert!(datasource.contains("type: prometheus") && datasource.contains("isDefault: true"));
+
+    // Its Prometheus configuration, pointed at a real server whose keys file holds Prometheus's
+    // key: the scrape succeeds with the key, and /metrics refuses a request without it.
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("metrics-key");
+    std::fs::write(
+        &key_file,
+        "5f0c1d9e8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b\n",
+    )
+    .unwrap();
+    let server = serve::Server::start(&format!("keys_file: {}\n", key_file.display()), 240);
+    let (status, _) = server.get("/metrics");
+    assert_eq!(status, 401, "/metrics answered without a key");
+    let config = std::fs::read_to_string(deploy.join("prometheus/compose.yml"))
+        .unwrap()
+        .replace("/run/secrets/metrics_key", &key_file.display().to_string())
+        .replace("duplex:8998", &format!("127.0.0.1:{}", server.port))
+        .replace("scrape_interval: 5s", "scrape_interval: 1s")
+        .replace(
+            "- rules.yml",
+            &format!("- {}", deploy.join("prometheus/rules.yml").display()),
+        );
+    assert!(config.contains(&key_file.display().to_string()) && config.contains("127.0.0.1:"));
+    let pdir = keys.path().join("prometheus");
+    std::fs::create_dir(&pdir).unwrap();
+    std::fs::write(pdir.join("compose.yml"), &config).unwrap();
+    let pport = free_port();
+    let _prom = Kill(
+        Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                pdir.join("compose.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                pdir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (run `make setup`)"),
+    );
+    let t0 = Instant::now();
+    loop {
+        let v = get(
+            pport,
+            &format!(
+                "/api/v1/query?query={}",
+                encode("up{job=\"duplex\"} == 1 and on() duplex_sessions_capacity > 0")
+            ),
+        )
+        .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok());
+        if v.as_ref()
+            .and_then(|v| v["data"]["result"].as_array())
+            .is_some_and(|a| !a.is_empty())
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "Prometheus never scraped the server with the key: {v:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }

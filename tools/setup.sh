@@ -9,7 +9,10 @@
 #     real, paced sound device without a sound card; espeak-ng speaks into the echo tests' room
 #   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
 #   - sphn, opuslib and aiohttp in .venv: independent clients of `duplex serve` in the tests, and
-#     Chromium (headless) for the browser client's tests
+#     Chromium (headless) for the browser client's tests; the official openai SDK for the
+#     realtime endpoint's tests
+#   - podman, runc and mmdebstrap: the image test builds the Containerfile on a Debian base it
+#     makes (no registry needed) and serves from it
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16;
 #     safetensors, with which tools/export_pack.py reads real checkpoints
@@ -17,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium espeak-ng)
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium espeak-ng
+  podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
