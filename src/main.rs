@@ -43,7 +43,11 @@ enum Cmd {
         sets: Vec<String>,
     },
     /// List the stage kinds with their ports and params.
-    Stages,
+    Stages {
+        /// As Markdown (the reference in docs/stages.md).
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out; or re-run a
     /// recording's LM headless (`--recording DIR --out NEW_DIR`) and compare it with the live run.
     Replay(Box<app::ReplayArgs>),
@@ -272,7 +276,11 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Cmd::Stages => out(&Registry::builtin().describe()),
+        Cmd::Stages { markdown } => out(&if markdown {
+            Registry::builtin().describe_markdown()
+        } else {
+            Registry::builtin().describe()
+        }),
         Cmd::Doctor {
             ort_lib,
             pack,

@@ -35,7 +35,7 @@ pub use overrides::ParamOverride;
 pub use params::{ParamDefault, ParamSpec, ParamType, ParamValue, Params};
 pub use pipeline::{
     load, KindCatalog, LinkSpec, LoadOptions, MetricsSettings, PipelineSpec, RecordSettings,
-    RuntimeSettings, StageSpec, INJECT_KEY,
+    RuntimeSettings, StageSpec, INJECT_KEY, TOP_KEYS as PIPELINE_KEYS,
 };
 
 /// The built-in defaults every pipeline file is layered over (the text of `configs/default.yaml`).

@@ -114,7 +114,8 @@ pub struct LoadOptions {
     pub env: Option<HashMap<String, String>>,
 }
 
-const TOP_KEYS: &[&str] = &[
+/// The top-level keys of a pipeline file.
+pub const TOP_KEYS: &[&str] = &[
     "description",
     "stages",
     "links",

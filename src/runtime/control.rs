@@ -30,6 +30,16 @@ pub struct CommandSpec {
     pub doc: &'static str,
 }
 
+impl CommandSpec {
+    /// How it is written: `name`, or `name <arg>`.
+    pub fn usage(&self) -> String {
+        match self.arg {
+            Some(a) => format!("{} <{a}>", self.name),
+            None => self.name.to_string(),
+        }
+    }
+}
+
 /// A status key a stage kind reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatusSpec {
