@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DUPLEX := target/release/duplex
 
-.PHONY: setup demo test test-image bench lint build clean fuzz export-deps setup-gpu
+.PHONY: setup demo test test-fast test-image bench lint build clean fuzz export-deps setup-gpu
 
 setup:
 	@tools/setup.sh
@@ -21,6 +21,16 @@ demo: build
 test: setup lint
 	$(CARGO) test --release
 	tools/test-image.sh
+
+# For iterating: the unit and doc tests and the suites that wait on no real-time audio, sound
+# server, browser or served conversation (78 s here after a build). `make test`
+# still runs everything, and is what CI runs.
+FAST_SUITES := audio_no_alloc cli_doctor config_validation docs engine error_kinds export \
+  fuzz_inputs gpu_check metrics_recorded mimi_step model_conformance model_contract \
+  model_pipeline model_placement model_temporal model_tokenizer runtime_edges runtime_shutdown
+test-fast: setup
+	$(CARGO) test --release --lib --bins $(addprefix --test ,$(FAST_SUITES))
+	$(CARGO) test --release --doc
 
 lint: setup
 	$(CARGO) fmt --check

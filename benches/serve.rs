@@ -1,11 +1,15 @@
 //! `duplex serve` on the tiny pack, on this machine, measured from outside the process: a
-//! server binary and N clients streaming in real time (our own Ogg/Opus writer and
-//! tokio-tungstenite; the protocol tests use independent clients, this measures the server).
+//! server binary and N clients streaming in real time (`duplex loadtest`'s, and for the
+//! transports our own Ogg/Opus writer and tokio-tungstenite; the protocol tests use independent
+//! clients, this measures the server).
 //!
-//! 1. Capacity: sessions at once, raised until one of them falls behind: per level, server
-//!    latency (a client's audio arriving -> the agent audio it produced leaving) p50/p90, frames
-//!    later than 2 frame budgets (160 ms), frames dropped, and the server's CPU per session per
-//!    second, split into the model stages and everything else (network, Opus, framing).
+//! 1. Capacity: sessions at once, raised until one of them falls behind, with `duplex
+//!    loadtest`'s clients (`duplex::app::loadtest`): per level, server latency (a client's audio
+//!    arriving -> the agent audio it produced leaving) p50/p90, frames later than 2 frame budgets
+//!    (160 ms), frames dropped, the server's CPU per session per second, split into the model
+//!    stages and everything else (network, Opus, framing), and what the clients saw (latency,
+//!    missing frames, underruns of a 160 ms jitter buffer). A level keeps up when the clients say
+//!    so (loadtest's verdict) and nothing was late or dropped inside the server.
 //! 2. Memory per additional session (resident), and what a quiet session costs (the model's clock
 //!    keeps running on silence).
 //! 3. Both again with the session template's LM and codec on the process's shared engines
@@ -16,8 +20,8 @@
 //!    sessions over `/api/chat` (Ogg/Opus), `/v1/realtime` in PCM16 and in μ-law (JSON events,
 //!    base64), and `/twilio/media` (μ-law): server latency and the CPU outside the models.
 //!
-//! Run with `cargo bench --bench serve` (`-- full` for the full-size codec's sections only,
-//! `-- transports` for the transports only).
+//! Run with `cargo bench --bench serve` (`-- tiny` for the tiny pack's sections only, `-- full`
+//! for the full-size codec's, `-- transports` for the transports only).
 
 #[path = "support/mod.rs"]
 mod support;
@@ -40,7 +44,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa",
         lm_shared: false,
         codec_shared: false,
-        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16],
+        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32],
     },
     Setup {
         label:
@@ -48,7 +52,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa",
         lm_shared: true,
         codec_shared: true,
-        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16],
+        levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32],
     },
     Setup {
         label: "full-size codec (tiny-gqa-mimi-full), LM shared, codec of each session's own",
@@ -260,6 +264,8 @@ fn main() {
     let only_full = std::env::args().any(|a| a == "full");
     // `-- shared` runs the sections with the shared codec only.
     let only_shared = std::env::args().any(|a| a == "shared");
+    // `-- tiny` runs the tiny pack's sections only.
+    let only_tiny = std::env::args().any(|a| a == "tiny");
     println!(
         "duplex serve, {} cores, {SECONDS} s per level",
         std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -271,10 +277,11 @@ fn main() {
         .filter(|_| !only_transports)
         .filter(|s| !only_full || s.pack != "tiny-gqa")
         .filter(|s| !only_shared || s.codec_shared)
+        .filter(|s| !only_tiny || s.pack == "tiny-gqa")
     {
         let server = start(setup);
         println!("\n{}", setup.label);
-        caps.push((setup.label, levels(&server, &rt, setup.levels)));
+        caps.push((setup.label, levels(&server, setup.levels)));
         quiet(&server, &rt);
     }
     if !caps.is_empty() {
@@ -283,7 +290,7 @@ fn main() {
             println!("  {cap:>3}  {label}");
         }
     }
-    if !only_full && !only_shared {
+    if !only_full && !only_shared && !only_tiny {
         transports(&rt);
     }
 }
@@ -303,43 +310,49 @@ struct Measured {
     model: f64,
     /// Resident memory with every session live, MiB.
     rss: f64,
-    /// Agent audio messages each client received.
-    got: Vec<usize>,
 }
 
-/// Runs `n` clients of `transport` for [`SECONDS`] against `server` at once.
+/// Runs `n` clients of `transport` for [`SECONDS`] against `server` at once; what each client
+/// got (agent audio messages).
 fn measure(
     server: &support::Server,
     rt: &tokio::runtime::Runtime,
     n: usize,
     transport: Transport,
-) -> Measured {
+) -> (Measured, Vec<usize>) {
+    let port = server.port;
+    measured(server, || {
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..n)
+                .map(|_| tokio::spawn(client(port, SECONDS, transport, false)))
+                .collect();
+            let mut v = Vec::new();
+            for t in tasks {
+                v.push(t.await.unwrap_or(0));
+            }
+            v
+        })
+    })
+}
+
+/// What the server spent while `clients` ran (for [`SECONDS`]), and what they said.
+fn measured<R>(server: &support::Server, clients: impl FnOnce() -> R) -> (Measured, R) {
     let pid = server.child.id();
     let m0 = http_get(server.port, "/metrics");
     let cpu0 = cpu_seconds(pid);
     let model0 = model_thread_seconds(pid);
-    let port = server.port;
     // Just before the clients stop: resident memory with every session live, and the CPU of the
     // process and of the model stages' threads (which end with their sessions).
     let sampler = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs_f64(SECONDS - 0.3));
         (rss_mib(pid), cpu_seconds(pid), model_thread_seconds(pid))
     });
-    let got: Vec<usize> = rt.block_on(async {
-        let tasks: Vec<_> = (0..n)
-            .map(|_| tokio::spawn(client(port, SECONDS, transport, false)))
-            .collect();
-        let mut v = Vec::new();
-        for t in tasks {
-            v.push(t.await.unwrap_or(0));
-        }
-        v
-    });
+    let said = clients();
     let (rss, cpu_at, model) = sampler.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let m1 = http_get(server.port, "/metrics");
     let (h0, h1) = (latency_buckets(&m0), latency_buckets(&m1));
-    Measured {
+    let m = Measured {
         p50: quantile(&h0, &h1, 0.5),
         p90: quantile(&h0, &h1, 0.9),
         late: over(&h0, &h1, 0.16),
@@ -347,17 +360,17 @@ fn measure(
         cpu: cpu_at - cpu0,
         model: model - model0,
         rss,
-        got,
-    }
+    };
+    (m, said)
 }
 
-fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usize]) -> usize {
+fn levels(server: &support::Server, levels: &[usize]) -> usize {
     let pid = server.child.id();
     std::thread::sleep(Duration::from_secs(1));
     let rss0 = rss_mib(pid);
     println!("server at rest: {rss0:.0} MiB resident\n");
     println!(
-        "{:>8} {:>10} {:>10} {:>8} {:>8} {:>13} {:>14} {:>9} {:>10}",
+        "{:>8} {:>10} {:>10} {:>8} {:>8} {:>13} {:>14} {:>9} {:>10} {:>16} {:>11} {:>8} {:>8}",
         "sessions",
         "lat p50 ms",
         "lat p90 ms",
@@ -366,25 +379,46 @@ fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usiz
         "cpu/sess/s",
         "outside models",
         "RSS MiB",
-        "MiB/sess"
+        "MiB/sess",
+        "client p50/p90",
+        "client late",
+        "missing",
+        "underrun"
     );
     let mut capacity = 0;
     for &n in levels {
-        let Measured {
-            p50,
-            p90,
-            late,
-            dropped,
-            cpu,
-            model,
-            rss,
-            got,
-        } = measure(server, rt, n, Transport::Kyutai);
+        // The clients are `duplex loadtest`'s: one level of `n`, each streaming a speech-like
+        // tone in real time over Kyutai's protocol, timing the agent's frames as it gets them.
+        let args = duplex::app::loadtest::LoadtestArgs {
+            url: format!("http://127.0.0.1:{}", server.port),
+            protocol: duplex::app::loadtest::Protocol::Kyutai,
+            sessions: Some(n),
+            levels: Vec::new(),
+            seconds: SECONDS,
+            wav: None,
+            key: None,
+            late_ms: 160,
+            buffer_ms: 160,
+            json: true,
+        };
+        let (
+            Measured {
+                p50,
+                p90,
+                late,
+                dropped,
+                cpu,
+                model,
+                rss,
+            },
+            report,
+        ) = measured(server, || {
+            duplex::app::loadtest::run(&args).expect("loadtest")
+        });
+        let seen = &report.levels[0];
         let sess_s = n as f64 * (SECONDS - 0.3);
-        let expected = (SECONDS / 0.04) as usize;
-        let short = got.iter().filter(|&&g| g + 10 < expected).count();
         println!(
-            "{:>8} {:>10.1} {:>10.1} {:>8} {:>8} {:>11.1} ms {:>11.1} ms {:>9.0} {:>10.1}{}",
+            "{:>8} {:>10.1} {:>10.1} {:>8} {:>8} {:>11.1} ms {:>11.1} ms {:>9.0} {:>10.1} {:>7.1}/{:<8.1} {:>11} {:>8} {:>8}{}",
             n,
             p50 * 1e3,
             p90 * 1e3,
@@ -394,19 +428,26 @@ fn levels(server: &support::Server, rt: &tokio::runtime::Runtime, levels: &[usiz
             (cpu - model) / sess_s * 1e3,
             rss,
             (rss - rss0) / n as f64,
-            if short > 0 {
-                format!("  ({short} clients got less audio than sent)")
-            } else {
-                String::new()
+            seen.latency_ms.p50,
+            seen.latency_ms.p90,
+            seen.late,
+            seen.missing,
+            seen.underruns,
+            match &seen.refusal {
+                Some(why) => format!("  ({} refused: {why})", seen.refused),
+                None => String::new(),
             }
         );
-        if late == 0.0 && dropped == 0.0 && short == 0 {
+        // Kept up: by the clients (`duplex loadtest`'s verdict) and inside the server.
+        if seen.keeps_up && late == 0.0 && dropped == 0.0 {
             capacity = n;
         } else {
             break;
         }
+        // The sessions end and free their slots before the next level.
+        std::thread::sleep(Duration::from_secs(1));
     }
-    println!("keeps up with {capacity} concurrent real-time sessions (no frame later than 160 ms, none dropped)");
+    println!("keeps up with {capacity} concurrent real-time sessions (duplex loadtest's verdict, and no frame later than 160 ms in the server, none dropped)");
     capacity
 }
 
@@ -586,7 +627,7 @@ fn transports(rt: &tokio::runtime::Runtime) {
     std::thread::sleep(Duration::from_secs(1));
     for round in 0..2 {
         for (label, t) in all {
-            let m = measure(&server, rt, n, t);
+            let (m, got) = measure(&server, rt, n, t);
             let sess_s = n as f64 * (SECONDS - 0.3);
             println!(
                 "{:<24} {:>10.1} {:>10.1} {:>8} {:>11.1} ms {:>10}{}",
@@ -595,7 +636,7 @@ fn transports(rt: &tokio::runtime::Runtime) {
                 m.p90 * 1e3,
                 m.late,
                 (m.cpu - m.model) / sess_s * 1e3,
-                m.got.iter().sum::<usize>() / n,
+                got.iter().sum::<usize>() / n,
                 if round == 0 { "" } else { "  (second round)" }
             );
         }

@@ -7,6 +7,10 @@ use std::time::Duration;
 
 use duplex::app;
 use duplex::audio::WavReader;
+use wait::{free_port, stage_frames, wait_until};
+
+#[path = "support/wait.rs"]
+mod wait;
 
 fn read(p: &Path) -> (u32, Vec<f32>) {
     let mut r = WavReader::open(p).unwrap();
@@ -241,13 +245,20 @@ fn a_killed_run_leaves_a_readable_wav() {
         ),
     );
     let mut child = duplex().args(["run", p.to_str().unwrap()]).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let samples = || {
+        let mut r = WavReader::open(&d.join("live.wav")).ok()?;
+        r.read_all().ok().map(|s| s.len())
+    };
+    // Killed once half a second is on disk (flushed every 100 ms, a valid file each time).
+    wait_until(Duration::from_secs(30), "half a second written", || {
+        samples().is_some_and(|n| n >= 12_000)
+    });
     child.kill().unwrap(); // SIGKILL: no destructor runs
     child.wait().unwrap();
     let mut r = WavReader::open(&d.join("live.wav")).expect("readable after kill -9");
     let n = r.read_all().unwrap().len();
-    // About a second of audio made it to disk (flushed every 100 ms).
-    assert!((12_000..=40_000).contains(&n), "{n} samples");
+    // What was flushed before the kill is there, and no more than was made by then.
+    assert!((12_000..24_000 * 60).contains(&n), "{n} samples");
 }
 
 #[test]
@@ -376,11 +387,12 @@ fn realtime_sources_are_paced_and_their_sleep_is_not_service_time() {
 fn sigint_drains_the_pipeline_and_finishes_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
+    let port = free_port();
     let p = write_pipeline(
         d,
         "p.yaml",
         &format!(
-            "stages:\n  tone: {{ kind: synth_source, rate: 24000, duration: 600, realtime: true }}\n  framer: {{ kind: framer }}\n  out: {{ kind: wav_sink, path: {}/live.wav, flush_ms: 100000 }}\nlinks: [tone -> framer, framer -> out]\n",
+            "stages:\n  tone: {{ kind: synth_source, rate: 24000, duration: 600, realtime: true }}\n  framer: {{ kind: framer }}\n  out: {{ kind: wav_sink, path: {}/live.wav, flush_ms: 100000 }}\nlinks: [tone -> framer, framer -> out]\nmetrics: {{ address: \"127.0.0.1:{port}\" }}\n",
             d.display()
         ),
     );
@@ -390,7 +402,10 @@ fn sigint_drains_the_pipeline_and_finishes_the_file() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
+    // Interrupted once the sink has taken 7 frames (over half a second).
+    wait_until(Duration::from_secs(30), "7 frames at the sink", || {
+        stage_frames(port, "out").is_some_and(|n| n >= 7)
+    });
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()

@@ -7,10 +7,14 @@
 mod packs;
 #[path = "support/pulse.rs"]
 mod pulse;
+#[path = "support/wait.rs"]
+mod wait;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use wait::{free_port, stage_frames, wait_until};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -674,10 +678,11 @@ fn a_truncated_wav_passes_on_every_sample_then_fails() {
 #[test]
 fn an_abort_says_what_it_discarded_and_fails() {
     let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
     let p = write(
         dir.path(),
         "p.yaml",
-        "metrics: { address: \"\" }\ndefaults: { capacity: 64 }\nstages:\n  tone: { kind: synth_source, duration: 60 }\n  slow: { kind: inject_delay, mode: ramp, base_ms: 50, ramp_to_ms: 50, ramp_frames: 1 }\n  sink: { kind: null_sink }\nlinks: [tone -> slow, slow -> sink]\n",
+        &format!("metrics: {{ address: \"127.0.0.1:{port}\" }}\ndefaults: {{ capacity: 64 }}\nstages:\n  tone: {{ kind: synth_source, duration: 60 }}\n  slow: {{ kind: inject_delay, mode: ramp, base_ms: 50, ramp_to_ms: 50, ramp_frames: 1 }}\n  sink: {{ kind: null_sink }}\nlinks: [tone -> slow, slow -> sink]\n"),
     );
     let mut child = duplex()
         .args(["run", p.to_str().unwrap()])
@@ -685,22 +690,41 @@ fn an_abort_says_what_it_discarded_and_fails() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // The run's log, read as it comes.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let reader = {
+        let (mut from, log) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = std::io::Read::read(&mut from, &mut buf) {
+                log.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    let said = |what: &str| String::from_utf8_lossy(&log.lock().unwrap()).contains(what);
+    // Frames queue before the slow stage (it has taken two; the source is far ahead).
+    wait_until(Duration::from_secs(30), "the slow stage at work", || {
+        stage_frames(port, "slow").is_some_and(|n| n >= 2)
+    });
     let pid = child.id().to_string();
-    for _ in 0..2 {
+    let interrupt = || {
         assert!(Command::new("kill")
             .args(["-INT", &pid])
             .status()
             .unwrap()
-            .success());
-        std::thread::sleep(Duration::from_millis(300));
-    }
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let o = child.wait_with_output().unwrap();
+            .success())
+    };
+    interrupt();
+    wait_until(Duration::from_secs(20), "the drain to begin", || {
+        said("stop requested: draining")
+    });
+    interrupt();
+    wait_until(Duration::from_secs(20), "the run to stop", || {
+        child.try_wait().unwrap().is_some()
+    });
+    let mut o = child.wait_with_output().unwrap();
+    reader.join().unwrap();
+    o.stderr = log.lock().unwrap().clone();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let line = error_line(&o);
     let n: u64 = line

@@ -6,13 +6,16 @@
 mod packs;
 #[path = "support/pulse.rs"]
 mod pulse;
+#[path = "support/wait.rs"]
+mod wait;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use duplex::config::{LoadOptions, Override};
 use duplex::runtime::{Handle, Value};
 use duplex::stages::Registry;
+use wait::wait_until;
 
 fn start(name: &str) -> (duplex::runtime::Running, Handle) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -47,14 +50,6 @@ fn int(h: &Handle, stage: &str, key: &str) -> i64 {
     }
 }
 
-fn wait_until(what: &str, secs: u64, ok: impl Fn() -> bool) {
-    let t0 = Instant::now();
-    while !ok() {
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 const WAIT: Duration = Duration::from_secs(5);
 
 #[test]
@@ -66,8 +61,10 @@ fn two_pipelines_in_one_process_are_independent() {
     }
     let (ra, a) = start("a");
     let (rb, b) = start("b");
-    wait_until("both ready", 60, || a.is_ready() && b.is_ready());
-    wait_until("frames flow in both", 20, || {
+    wait_until(Duration::from_secs(60), "both ready", || {
+        a.is_ready() && b.is_ready()
+    });
+    wait_until(Duration::from_secs(20), "frames flow in both", || {
         int(&a, "temporal", "agent_frames") > 5 && int(&b, "temporal", "agent_frames") > 5
     });
 
@@ -122,15 +119,21 @@ fn two_pipelines_in_one_process_are_independent() {
         assert_eq!(a.control().get(stage, key), Some(Value::Bool(true)));
         assert_eq!(b.control().get(stage, key), Some(Value::Bool(false)));
     }
-    std::thread::sleep(Duration::from_millis(300));
+    // b's frames are the clock: a step of a's already under way when it paused may still end
+    // while b does four; after that, a does none while b does eight.
+    let f0 = int(&b, "temporal", "agent_frames");
+    wait_until(Duration::from_secs(20), "b goes on", || {
+        int(&b, "temporal", "agent_frames") >= f0 + 4
+    });
     let (fa, fb, cb) = (
         int(&a, "temporal", "agent_frames"),
         int(&b, "temporal", "agent_frames"),
         int(&b, "temporal", "context"),
     );
-    std::thread::sleep(Duration::from_secs(1));
+    wait_until(Duration::from_secs(20), "b goes on", || {
+        int(&b, "temporal", "agent_frames") >= fb + 8
+    });
     assert_eq!(int(&a, "temporal", "agent_frames"), fa, "a is paused");
-    assert!(int(&b, "temporal", "agent_frames") >= fb + 8, "b goes on");
     assert!(
         int(&b, "temporal", "context") > cb,
         "b's conversation was not reset by a's persona"
@@ -145,7 +148,7 @@ fn two_pipelines_in_one_process_are_independent() {
         .send("temporal", "resume", "")
         .unwrap()
         .wait(WAIT);
-    wait_until("a resumes", 10, || {
+    wait_until(Duration::from_secs(10), "a resumes", || {
         int(&a, "temporal", "agent_frames") > fa + 3
     });
 
@@ -153,7 +156,7 @@ fn two_pipelines_in_one_process_are_independent() {
     a.stop();
     assert!(ra.wait().error.is_none());
     let f = int(&b, "temporal", "agent_frames");
-    wait_until("b still runs", 10, || {
+    wait_until(Duration::from_secs(10), "b still runs", || {
         int(&b, "temporal", "agent_frames") > f + 5
     });
     b.stop();

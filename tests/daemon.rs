@@ -885,6 +885,22 @@ fn daemon_runs_two_minutes_in_real_time_with_flat_memory_and_no_underruns() {
     }
 }
 
+/// The Theil-Sen slope of `points` (x, y): the median of the slopes of every pair, which one
+/// outlier (a late sample, an allocator's step) does not move and a steady trend does.
+fn theil_sen(points: &[(f64, f64)]) -> f64 {
+    let mut pairs: Vec<f64> = (0..points.len())
+        .flat_map(|i| (i + 1..points.len()).map(move |j| (i, j)))
+        .map(|(i, j)| (points[j].1 - points[i].1) / (points[j].0 - points[i].0))
+        .collect();
+    pairs.sort_by(f64::total_cmp);
+    let n = pairs.len();
+    if n % 2 == 1 {
+        pairs[n / 2]
+    } else {
+        (pairs[n / 2 - 1] + pairs[n / 2]) / 2.0
+    }
+}
+
 /// One run of the two-minute test; `Err` when the sound server failed the devices too often
 /// to judge the heap.
 fn two_minutes_in_real_time() -> Result<(), String> {
@@ -918,10 +934,14 @@ fn two_minutes_in_real_time() -> Result<(), String> {
                 .sum::<u64>()
         })
     };
+    // The daemon's clock against the machine's: (seconds since the first sample, frames).
+    let t0 = Instant::now();
+    let mut clock = vec![(0.0, f0 as f64)];
     let mut mem = vec![memory_kb(pid)];
     let mut reopened = vec![reconnects(&d)];
     for _ in 0..12 {
         std::thread::sleep(Duration::from_secs(10));
+        clock.push((t0.elapsed().as_secs_f64(), d.frames() as f64));
         mem.push(memory_kb(pid));
         reopened.push(reconnects(&d));
     }
@@ -938,20 +958,13 @@ fn two_minutes_in_real_time() -> Result<(), String> {
     // step of the allocator (an arena taking a new chunk) does not move it, and a steady leak
     // does. The slope over both minutes is printed too.
     let slope = |xs: &[(u64, u64)]| {
-        let heap: Vec<f64> = xs.iter().map(|m| mb(m.1)).collect();
-        let mut pairs: Vec<f64> = (0..heap.len())
-            .flat_map(|i| (i + 1..heap.len()).map(move |j| (i, j)))
-            .map(|(i, j)| (heap[j] - heap[i]) / (j - i) as f64)
+        let heap: Vec<(f64, f64)> = xs
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (i as f64, mb(m.1)))
             .collect();
-        pairs.sort_by(f64::total_cmp);
-        let n = pairs.len();
-        let median = if n % 2 == 1 {
-            pairs[n / 2]
-        } else {
-            (pairs[n / 2 - 1] + pairs[n / 2]) / 2.0
-        };
         // Samples are 10 s apart: MB per sample, as MB per 120 s.
-        median * 12.0
+        theil_sen(&heap) * 12.0
     };
     // The latest 7 samples (a minute) without a reopen among them; failing that, the longest
     // stretch of at least 5.
@@ -987,8 +1000,14 @@ fn two_minutes_in_real_time() -> Result<(), String> {
         s["realtime_factor"]
     );
     assert!(first.0 > 0 && first.1 > 0, "memory readable: {mem:?}");
-    // 120 s at 12.5 frames/s.
-    assert!((1480..=1520).contains(&(f1 - f0)), "{} frames", f1 - f0);
+    // 12.5 frames a second by the machine's clock (the private sound server's devices run on
+    // it): the rate over the two minutes, robust to a late read or a burst of capture (a
+    // loaded machine delays both; neither is drift). A real device drifts by well under 0.1 %.
+    let fps = theil_sen(&clock);
+    assert!(
+        (fps / 12.5 - 1.0).abs() < 0.005,
+        "{fps:.3} frames a second, not 12.5: (s, frames) {clock:?}"
+    );
     assert_eq!(u1, u0, "no underruns after start-up");
     assert!(
         anon_trend.abs() < 1.0,

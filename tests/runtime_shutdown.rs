@@ -3,10 +3,12 @@
 
 mod support;
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use duplex::runtime::*;
+use support::wait::wait_until;
 use support::*;
 
 fn fast_options() -> RunOptions {
@@ -117,9 +119,11 @@ fn failure_stops_an_endless_paced_source() {
 /// Blocks in `process` until released (a stage stuck in its own code).
 struct Stuck {
     release: mpsc::Receiver<()>,
+    entered: Arc<AtomicBool>,
 }
 impl Stage for Stuck {
     fn process(&mut self, _input: Input, _cx: &mut Context<'_>) -> StageResult {
+        self.entered.store(true, Ordering::SeqCst);
         let _ = self.release.recv();
         Ok(())
     }
@@ -128,6 +132,7 @@ impl Stage for Stuck {
 #[test]
 fn producer_blocked_on_a_full_edge_is_woken_by_stop_and_stuck_stage_is_reported() {
     let (tx, rx) = mpsc::channel();
+    let entered = Arc::new(AtomicBool::new(false));
     let running = PipelineBuilder::new()
         .options(fast_options())
         .source("src", "count", vec![num("out")], Count::forever(None))
@@ -136,14 +141,21 @@ fn producer_blocked_on_a_full_edge_is_woken_by_stop_and_stuck_stage_is_reported(
             "stuck",
             vec![num("in")],
             vec![],
-            Stuck { release: rx },
+            Stuck {
+                release: rx,
+                entered: entered.clone(),
+            },
         )
         .link(Link::new("src", "stuck").capacity(1))
         .build()
         .unwrap()
         .start();
-    std::thread::sleep(Duration::from_millis(200));
-    // The source is now blocked on the full edge, the consumer inside `process`.
+    wait_until(
+        Duration::from_secs(20),
+        "the stuck stage to take a frame",
+        || entered.load(Ordering::SeqCst),
+    );
+    // The consumer is inside `process`; the source fills the edge and blocks on it.
     let stop = running.stop_handle();
     let t0 = Instant::now();
     stop.stop();
@@ -172,7 +184,11 @@ fn stop_drains_a_slow_pipeline_and_joins_every_thread() {
         .build()
         .unwrap()
         .start();
-    std::thread::sleep(Duration::from_millis(150));
+    wait_until(
+        Duration::from_secs(20),
+        "frames to reach the slow sink",
+        || seen.values().len() >= 3,
+    );
     running.stop_handle().stop();
     let report = running
         .wait()

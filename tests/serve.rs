@@ -13,6 +13,7 @@ mod serve;
 
 use std::time::{Duration, Instant};
 
+use serve::wait::{wait_for, wait_until};
 use serve::{assert_replay_matches, client, client_command, speech_wav, token_log, Server};
 
 /// The session id the server gave the client that connected from `port`, from its log.
@@ -155,20 +156,14 @@ fn greedy_sessions_give_the_tokens_replay_gives_on_the_same_user_codes() {
         let (url, w) = (server.url(), wav2.to_str().unwrap().to_string());
         std::thread::spawn(move || client(&url, &["--mode", "kyutai", "--wav", &w]))
     };
-    let t0 = std::time::Instant::now();
-    let shown = loop {
-        let (_, body) = server.get("/api/sessions");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let p = v["sessions"]
-            .as_array()
-            .and_then(|l| l.first())
-            .map(|s| s["priming"].clone());
-        if let Some(p) = p.filter(|p| p["how"].is_string()) {
-            break p;
-        }
-        assert!(t0.elapsed().as_secs() < 30, "no priming in {body}");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let shown = wait_for(
+        Duration::from_secs(30),
+        "the session's priming listed",
+        || {
+            let first = server.sessions().first().cloned()?;
+            Some(first["priming"].clone()).filter(|p| p["how"].is_string())
+        },
+    );
     assert_eq!(shown["how"], "cached", "{shown}");
     assert!(shown["ms"].as_i64().is_some(), "{shown}");
     let r2 = second.join().unwrap();
@@ -495,14 +490,10 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
     // Two sessions and this request are the address's limit: a request right after another
     // may still find the previous connection counted for a moment, so wait that out.
     let settled = |path: &str| {
-        let t0 = Instant::now();
-        loop {
-            let r = server.get(path);
-            if r.0 != 429 || t0.elapsed() > Duration::from_secs(5) {
-                return r;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let what = format!("{path} answered within the address's limit");
+        wait_for(Duration::from_secs(20), &what, || {
+            Some(server.get(path)).filter(|r| r.0 != 429)
+        })
     };
     let (code, body) = settled("/readyz");
     assert_eq!(code, 503, "{body}");
@@ -528,28 +519,26 @@ fn admission_refuses_beyond_max_sessions_with_503_and_readyz_follows() {
     }
     // Beyond the per-address limit (two sessions and a quiet connection make three), 429 for
     // any request, a session's or not.
-    // No request of ours may still be counted when the quiet connection arrives.
-    std::thread::sleep(Duration::from_millis(300));
+    // No request of ours may still be counted when the quiet connection arrives: the server
+    // counts the two sessions and the scrape that asks.
+    wait_until(Duration::from_secs(20), "only the sessions counted", || {
+        let m = settled("/metrics").1;
+        serve::metric_value_of(&m, "duplex_connections_open") == 3.0
+    });
     let quiet = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
-    let t0 = Instant::now();
-    while server.get("/healthz").0 != 429 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the quiet connection is not counted"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        Duration::from_secs(20),
+        "the quiet connection counted",
+        || server.get("/healthz").0 == 429,
+    );
     let over = client(&server.url(), &["--silent", "0.2"]);
     assert_eq!(over["refused"]["status"], 429, "{over}");
     drop(quiet);
-    let t0 = Instant::now();
-    while server.get("/healthz").0 != 200 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the closed connection is still counted"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        Duration::from_secs(20),
+        "the closed connection no longer counted",
+        || server.get("/healthz").0 == 200,
+    );
     // The last /healthz may still be counted for a moment: wait that out too.
     let m = settled("/metrics").1;
     assert!(
@@ -664,10 +653,23 @@ fn bad_clients_are_refused_alone_and_the_healthy_session_never_notices() {
         "a client that never reads was kept: {nr}"
     );
     // Killed mid-session.
+    let admitted = || serve::metric_value_of(&server.metrics(), "duplex_sessions_admitted_total");
+    let before = admitted();
     let mut doomed = client_command(&url, &["--mode", "kyutai", "--wav", &w, "--seconds", "5"])
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Mid-session: admitted, and a second into its conversation.
+    wait_until(
+        Duration::from_secs(30),
+        "the doomed session a second in",
+        || {
+            admitted() > before
+                && server
+                    .sessions()
+                    .iter()
+                    .any(|s| s["age_s"].as_f64().is_some_and(|a| a >= 1.0))
+        },
+    );
     let _ = doomed.kill();
     let _ = doomed.wait();
 
@@ -725,12 +727,12 @@ fn sigterm_drains_live_sessions_then_exits_0() {
             })
         })
         .collect();
-    server.wait_sessions(2, 20);
-    std::thread::sleep(Duration::from_millis(500));
+    server.wait_sessions_aged(2, 0.5, 20);
     let t0 = Instant::now();
     server.signal("TERM");
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(server.get("/readyz").0, 503, "still ready while draining");
+    wait_until(Duration::from_secs(10), "not ready while draining", || {
+        server.get("/readyz").0 == 503
+    });
     let refused = client(&server.url(), &["--silent", "1"]);
     assert_eq!(refused["refused"]["status"], 503, "{refused}");
     let status = server

@@ -166,13 +166,14 @@ impl std::fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "{:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>6} {:>8} {:>9}",
+            "{:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>12} {:>6} {:>8} {:>9}",
             "sessions",
             "admitted",
             "refused",
             "p50 ms",
             "p90 ms",
             "max ms",
+            "1st max ms",
             "late",
             "missing",
             "underruns"
@@ -628,5 +629,51 @@ mod tests {
         }
         // 3 frames of 80 ms in 40 ms pages: 5760 samples at 24 kHz, the pre-skip taken off.
         assert_eq!(last, Some(3 * FRAME_SAMPLES));
+    }
+
+    #[test]
+    fn the_table_has_a_heading_over_every_column() {
+        let q = Quantiles {
+            p50: 90.0,
+            p90: 100.0,
+            p99: 110.0,
+            max: 120.0,
+        };
+        let level = Level {
+            sessions: 4,
+            admitted: 4,
+            refused: 0,
+            refusal: None,
+            latency_ms: q.clone(),
+            first_frame_ms: q,
+            late: 1,
+            missing: 2,
+            underruns: 3,
+            keeps_up: false,
+        };
+        let r = Report {
+            url: "ws://h:1/api/chat".into(),
+            protocol: "kyutai",
+            seconds: 8.0,
+            levels: vec![level],
+            keeps_up_with: 2,
+        };
+        let text = r.to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        let (head, row) = (lines[2], lines[3]);
+        // Right-aligned columns: each column's figures end where a heading ends, and the last
+        // heading is over the last column.
+        let ends = |l: &str| -> Vec<usize> {
+            let b = l.as_bytes();
+            (0..b.len())
+                .filter(|&i| b[i] != b' ' && (i + 1 == b.len() || b[i + 1] == b' '))
+                .collect()
+        };
+        let heads = ends(head);
+        assert!(
+            ends(row).iter().all(|e| heads.contains(e)) && head.len() == row.len(),
+            "\n{head}\n{row}"
+        );
+        assert!(text.ends_with("keeps up with 2 concurrent real-time sessions\n"));
     }
 }

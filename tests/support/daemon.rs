@@ -13,13 +13,9 @@ pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+#[path = "wait.rs"]
+pub mod wait;
+pub use wait::free_port;
 
 /// `GET path` on 127.0.0.1:port: (status code, body).
 pub fn http_get(port: u16, path: &str) -> (u16, String) {

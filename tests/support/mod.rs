@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use duplex::runtime::*;
 
+pub mod wait;
+
 /// A number frame.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Num(pub u64);

@@ -6,9 +6,12 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::daemon::{http_get, root, wait_exit};
+
+pub use super::daemon::wait;
+use wait::wait_until;
 
 /// The session template of the tests: the default one, with the user's codes and the agent's
 /// tokens logged per session, and silence fed only after `fill_after_ms`.
@@ -159,23 +162,32 @@ impl Server {
         self.dir.path().join("sessions").join(id.to_string())
     }
 
+    /// The sessions `/api/sessions` lists (none while it does not answer).
+    pub fn sessions(&self) -> Vec<serde_json::Value> {
+        let (_, body) = self.get("/api/sessions");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["sessions"].as_array().cloned().unwrap_or_default()
+    }
+
     /// Waits until `/api/sessions` lists `n` sessions.
     pub fn wait_sessions(&self, n: usize, secs: u64) {
-        let t0 = Instant::now();
-        loop {
-            let (_, body) = self.get("/api/sessions");
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            let have = v["sessions"].as_array().map_or(0, |a| a.len());
-            if have == n {
-                return;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(secs),
-                "{have} sessions, not {n}, after {secs} s: {body}\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let what = format!("{n} sessions listed");
+        wait_until(Duration::from_secs(secs), &what, || {
+            self.sessions().len() == n
+        });
+    }
+
+    /// Waits until `/api/sessions` lists `n` sessions, each at least `age_s` seconds old (each
+    /// mid-conversation).
+    pub fn wait_sessions_aged(&self, n: usize, age_s: f64, secs: u64) {
+        let what = format!("{n} sessions listed, each {age_s} s old");
+        wait_until(Duration::from_secs(secs), &what, || {
+            let listed = self.sessions();
+            listed.len() == n
+                && listed
+                    .iter()
+                    .all(|s| s["age_s"].as_f64().is_some_and(|a| a >= age_s))
+        });
     }
 
     pub fn signal(&self, sig: &str) {
