@@ -914,7 +914,7 @@ fn a_voice_prompt_names_a_file_of_the_voices_folder_and_nothing_else() {
         );
         let errors = r["errors"].to_string();
         assert!(errors.contains("voice prompt"), "{bad}: {r}");
-        // The handshake comes first in every session (PROTOCOL.md), then the error: no audio.
+        // The handshake comes first in every session (docs/PROTOCOL.md), then the error: no audio.
         assert_eq!(r["first_kind"], 0, "{bad}: {r}");
         assert_eq!(r["samples"], 0, "{bad}: a session started: {r}");
     }

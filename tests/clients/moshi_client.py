@@ -1,7 +1,7 @@
 """A test client of the Moshi WebSocket protocol, independent of duplex: Ogg/Opus by Kyutai's
 `sphn`, WebSocket by `aiohttp`.
 
-Two behaviours (PROTOCOL.md):
+Two behaviours (docs/PROTOCOL.md):
   --mode kyutai  as Kyutai's Python client: no query string, does not wait for the handshake,
                  sends what `sphn.OpusStreamWriter.append_pcm` returns for each 1920-sample block.
   --mode web     as the web client: a query string, waits for the handshake, records 20 ms Opus

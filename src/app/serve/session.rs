@@ -6,8 +6,8 @@
 //! its own wire format: [`pcm_ends`]). Kyutai's protocol is here ([`Kyutai`]); the realtime API
 //! and Twilio's in their modules.
 //!
-//! Kyutai's message kinds (PROTOCOL.md): 0 handshake (always the first message, as soon as the
-//! session is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo`
+//! Kyutai's message kinds (docs/PROTOCOL.md): 0 handshake (always the first message, as soon as
+//! the session is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo`
 //! fields and duplex's own, the session id among them), 1 audio, 2 text, 5 error are sent; 1 is
 //! read, 3 (control) and unknown kinds are ignored (counted, logged once).
 //!
@@ -541,7 +541,7 @@ impl Taken<'_> {
     }
 }
 
-/// Kyutai's protocol (PROTOCOL.md): binary messages whose first byte is their kind.
+/// Kyutai's protocol (docs/PROTOCOL.md): binary messages whose first byte is their kind.
 pub(super) struct Kyutai {
     query: Vec<(String, String)>,
 }
