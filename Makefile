@@ -27,7 +27,8 @@ test: setup lint
 # still runs everything, and is what CI runs.
 FAST_SUITES := audio_no_alloc cli_doctor config_validation docs engine error_kinds export \
   fuzz_inputs gpu_check metrics_recorded mimi_step model_conformance model_contract \
-  model_pipeline model_placement model_temporal model_tokenizer runtime_edges runtime_shutdown
+  model_pipeline model_placement model_temporal model_tokenizer quantize runtime_edges \
+  runtime_shutdown
 test-fast: setup
 	$(CARGO) test --release --lib --bins $(addprefix --test ,$(FAST_SUITES))
 	$(CARGO) test --release --doc

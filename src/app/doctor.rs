@@ -96,8 +96,19 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
         m.max_positions
     ));
     for g in Graph::ALL {
+        let weights = match pack.quantized(g.dir()) {
+            Some(q) => format!(
+                "  weights {} (blocks of {}{})",
+                q.name(),
+                q.block_size,
+                q.matmuls
+                    .map(|n| format!(", {n} MatMuls"))
+                    .unwrap_or_default()
+            ),
+            None => String::new(),
+        };
         text.push_str(&format!(
-            "  {:<13} {:>9.1} MiB\n",
+            "  {:<13} {:>9.1} MiB{weights}\n",
             g.dir(),
             size_of(&dir.join(g.dir())) as f64 / (1u64 << 20) as f64
         ));

@@ -103,6 +103,16 @@ pub struct Initializer {
     pub external: Option<(String, u64, Option<u64>)>,
 }
 
+/// A weight-only quantized MatMul (ONNX Runtime's `MatMulNBits`): the bits of its weights and
+/// the rows that share a scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NBits {
+    /// Bits per weight (4 or 8).
+    pub bits: i64,
+    /// Rows per scale.
+    pub block_size: i64,
+}
+
 /// What a `model.onnx` declares.
 #[derive(Debug, Clone, Default)]
 pub struct GraphFile {
@@ -114,6 +124,8 @@ pub struct GraphFile {
     pub outputs: Vec<ValueInfo>,
     /// Weights.
     pub initializers: Vec<Initializer>,
+    /// Its `MatMulNBits` nodes, in graph order.
+    pub nbits: Vec<NBits>,
 }
 
 /// Why a graph file could not be read.
@@ -214,6 +226,23 @@ impl GraphFile {
                 .collect(),
             outputs: graph.output.iter().map(info).collect(),
             initializers,
+            nbits: graph
+                .node
+                .iter()
+                .filter(|n| n.op_type == "MatMulNBits")
+                .map(|n| {
+                    let int = |name: &str| {
+                        n.attribute
+                            .iter()
+                            .find(|a| a.name == name)
+                            .map_or(0, |a| a.i)
+                    };
+                    NBits {
+                        bits: int("bits"),
+                        block_size: int("block_size"),
+                    }
+                })
+                .collect(),
         }))
     }
 
@@ -286,11 +315,21 @@ mod proto {
         pub output: Vec<ValueInfo>,
     }
 
-    /// Only counted: a graph without nodes is not a model.
+    /// Its operator and integer attributes (a graph without nodes is not a model).
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Node {
         #[prost(string, tag = "4")]
         pub op_type: String,
+        #[prost(message, repeated, tag = "5")]
+        pub attribute: Vec<Attribute>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Attribute {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(int64, tag = "3")]
+        pub i: i64,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]

@@ -130,6 +130,30 @@ pub struct PackManifest {
     /// The codec strategies the pack has. Checked against the folders; when absent, step
     /// graphs present in the folders are used all the same.
     pub mimi_streaming: Option<Vec<MimiStreaming>>,
+    /// The graphs whose weights are quantized, and how (`tools/quantize_pack.py` writes it;
+    /// checked against the graphs' `MatMulNBits` nodes).
+    pub quantization: Option<std::collections::BTreeMap<String, Quantized>>,
+}
+
+/// A graph's weight-only quantization as the manifest states it (`quantization.<graph>`).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct Quantized {
+    /// Bits per weight: 8 or 4.
+    pub bits: i64,
+    /// Rows per scale.
+    pub block_size: i64,
+    /// How the scales were chosen (`symmetric`; informational).
+    pub scheme: Option<String>,
+    /// How many MatMuls were rewritten.
+    pub matmuls: Option<usize>,
+}
+
+impl Quantized {
+    /// `int8` or `int4`.
+    pub fn name(&self) -> String {
+        format!("int{}", self.bits)
+    }
 }
 
 /// A transformer's shape as the manifest states it.
@@ -145,6 +169,9 @@ pub struct LmShape {
     /// Head size.
     pub head_dim: Option<usize>,
 }
+
+/// The keys of one graph's `quantization` entry.
+const QUANTIZED_KEYS: &[&str] = &["bits", "block_size", "scheme", "matmuls"];
 
 /// Every key `pack.yaml` may hold, with the keys of its maps.
 const MANIFEST_KEYS: &[(&str, &[&str])] = &[
@@ -169,6 +196,7 @@ const MANIFEST_KEYS: &[(&str, &[&str])] = &[
     ("depformer", &["dim", "layers", "heads", "head_dim"]),
     ("tokenizer", &[]),
     ("mimi_streaming", &[]),
+    ("quantization", &["temporal", "depformer"]),
 ];
 
 impl Default for PackManifest {
@@ -196,6 +224,7 @@ impl Default for PackManifest {
             temporal: None,
             depformer: None,
             mimi_streaming: None,
+            quantization: None,
         }
     }
 }
@@ -286,6 +315,16 @@ pub(super) fn read_manifest(mf: &Path) -> Result<PackManifest, ModelError> {
             if let Some(sk) = t.keys().find(|sk| !sub.contains(&sk.as_str())) {
                 return Err(unknown(format!("{k}.{sk}"), sub));
             }
+            if k == "quantization" {
+                for (g, q) in t {
+                    let config::ValueKind::Table(q) = &q.kind else {
+                        continue;
+                    };
+                    if let Some(qk) = q.keys().find(|qk| !QUANTIZED_KEYS.contains(&qk.as_str())) {
+                        return Err(unknown(format!("{k}.{g}.{qk}"), QUANTIZED_KEYS));
+                    }
+                }
+            }
         }
     }
     // The keys whose values are names: an unknown name is named with the key.
@@ -338,6 +377,73 @@ pub(super) fn read_manifest(mf: &Path) -> Result<PackManifest, ModelError> {
                 detail: other.to_string(),
             },
         })
+}
+
+/// The quantization the manifest states for `graph` against the graph's `MatMulNBits` nodes:
+/// both say none, or both say the same bits and block size (and count, when stated).
+pub(super) fn check_quantization(
+    mf: &Path,
+    graph: &str,
+    said: Option<&Quantized>,
+    nodes: &[crate::model::onnx::NBits],
+) -> Result<(), ModelError> {
+    let key = format!("quantization.{graph}");
+    match (said, nodes.first()) {
+        (None, None) => Ok(()),
+        (None, Some(n)) => Err(manifest_error(
+            mf,
+            "quantization",
+            format!(
+                "says nothing of the {graph} graph, which has {} MatMulNBits nodes ({} bits, \
+                 blocks of {}): a quantized graph in a float pack's folder?",
+                nodes.len(),
+                n.bits,
+                n.block_size
+            ),
+        )),
+        (Some(q), None) => Err(manifest_error(
+            mf,
+            &key,
+            format!(
+                "says {}, but the {graph} graph has no MatMulNBits node (its weights are float)",
+                q.name()
+            ),
+        )),
+        (Some(q), Some(_)) => {
+            if ![4, 8].contains(&q.bits) {
+                return Err(manifest_error(
+                    mf,
+                    &format!("{key}.bits"),
+                    format!("{}: 8 or 4", q.bits),
+                ));
+            }
+            if let Some(n) = nodes
+                .iter()
+                .find(|n| n.bits != q.bits || n.block_size != q.block_size)
+            {
+                return Err(manifest_error(
+                    mf,
+                    &key,
+                    format!(
+                        "says {} bits in blocks of {}, but the {graph} graph has a MatMulNBits \
+                         of {} bits in blocks of {}",
+                        q.bits, q.block_size, n.bits, n.block_size
+                    ),
+                ));
+            }
+            match q.matmuls {
+                Some(m) if m != nodes.len() => Err(manifest_error(
+                    mf,
+                    &format!("{key}.matmuls"),
+                    format!(
+                        "{m}, but the {graph} graph has {} MatMulNBits nodes",
+                        nodes.len()
+                    ),
+                )),
+                _ => Ok(()),
+            }
+        }
+    }
 }
 
 /// A shape the manifest states against the one the graph has.

@@ -30,8 +30,10 @@ pub use self::contract::{
     check_depformer, check_mimi, check_temporal, FloatType, LmGraphInfo, Variant,
 };
 use self::contract::{check_depformer_io, check_mimi_io, check_temporal_io, Io};
-use self::manifest::{check_shape, manifest_error, read_manifest};
-pub use self::manifest::{ExportVariant, InitialTokens, LmShape, MimiStreaming, PackManifest};
+use self::manifest::{check_quantization, check_shape, manifest_error, read_manifest};
+pub use self::manifest::{
+    ExportVariant, InitialTokens, LmShape, MimiStreaming, PackManifest, Quantized,
+};
 use super::error::ModelError;
 use super::onnx::{GraphFile, Initializer};
 
@@ -112,6 +114,12 @@ impl Pack {
         pack.check_graphs(&mf)?;
         pack.check_relations(&mf)?;
         Ok(pack)
+    }
+
+    /// How `graph`'s weights are quantized (`pack.yaml`'s `quantization`, checked against the
+    /// graph when the pack was opened); `None` for float weights.
+    pub fn quantized(&self, graph: &str) -> Option<&manifest::Quantized> {
+        self.manifest.quantization.as_ref()?.get(graph)
     }
 
     /// The manifest's values on their own.
@@ -351,6 +359,7 @@ impl Pack {
                 ));
             }
             check_shape(mf, "temporal", m.temporal.as_ref(), &info)?;
+            check_quantization(mf, "temporal", self.quantized("temporal"), &f.nbits)?;
         }
         if let Some(f) = read(Graph::Depformer)? {
             let info = check_depformer_io(&Io::from_file(&f, "depformer"))?;
@@ -386,6 +395,7 @@ impl Pack {
                 }
             }
             check_shape(mf, "depformer", m.depformer.as_ref(), &info)?;
+            check_quantization(mf, "depformer", self.quantized("depformer"), &f.nbits)?;
         }
         for (g, encoder) in [(Graph::MimiEncoder, true), (Graph::MimiDecoder, false)] {
             let Some(f) = read(g)? else { continue };

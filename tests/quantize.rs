@@ -1,0 +1,332 @@
+//! Weight-only quantized packs (`tools/quantize_pack.py`: ONNX Runtime's own quantizer writes
+//! the temporal transformer's MatMuls as `MatMulNBits`): int8 and int4 copies of the tiny packs
+//! open, say what they are, and step exactly as the independent reference steps them; one
+//! quantized layer is numpy's dequantize-then-multiply; a `pack.yaml` that disagrees with its
+//! graphs is refused, naming the key.
+
+#[path = "support/packs.rs"]
+mod packs;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python(script: &str, args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tools").join(script))
+        .args(args)
+        .output()
+        .expect(".venv/bin/python (run `make setup`)")
+}
+
+/// A quantized copy of `pack` in `dir`.
+fn quantized(dir: &Path, pack: &str, q: &str) -> PathBuf {
+    let out = dir.join(format!("{pack}-{q}"));
+    let o = python(
+        "quantize_pack.py",
+        &[
+            packs::pack(pack).as_os_str(),
+            out.as_os_str(),
+            "--quantize".as_ref(),
+            q.as_ref(),
+            "-q".as_ref(),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+fn duplex(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// 40 frames of user codes.
+fn codes(dir: &Path) -> PathBuf {
+    let frames: Vec<Vec<i64>> = (0..40)
+        .map(|t| (0..8).map(|k| (t * 131 + k * 977) % 2048).collect())
+        .collect();
+    let p = dir.join("codes.json");
+    std::fs::write(&p, serde_json::to_string(&frames).unwrap()).unwrap();
+    p
+}
+
+fn replay(pack: &Path, codes: &Path, out: &Path) -> Vec<serde_json::Value> {
+    let o = duplex(&[
+        "replay".as_ref(),
+        "--pack".as_ref(),
+        pack.as_os_str(),
+        "--codes".as_ref(),
+        codes.as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+        "--greedy".as_ref(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    lines(out)
+}
+
+fn lines(p: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let codes = codes(dir.path());
+    for (pack, q, bits) in [
+        ("tiny-gqa", "int8", 8),
+        ("tiny-gqa", "int4", 4),
+        ("tiny-gqa-fp16", "int8", 8),
+    ] {
+        let qp = quantized(dir.path(), pack, q);
+        // The manifest says it; doctor reports it and runs every graph.
+        let manifest = std::fs::read_to_string(qp.join("pack.yaml")).unwrap();
+        assert!(
+            manifest.contains(&format!(
+                "temporal: {{bits: {bits}, block_size: 32, scheme: symmetric, matmuls: 9}}"
+            )),
+            "{manifest}"
+        );
+        let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), qp.as_os_str()]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            out.lines().any(|l| l.trim_start().starts_with("temporal")
+                && l.contains(&format!("weights {q} (blocks of 32, 9 MatMuls)"))),
+            "{out}"
+        );
+        // Smaller on disk than the float graph it came from.
+        let size = |p: &Path| {
+            std::fs::metadata(p.join("temporal/model.onnx.data"))
+                .unwrap()
+                .len()
+        };
+        assert!(size(&qp) < size(&packs::pack(pack)), "{pack} {q}");
+        // Greedy, step by step, exactly what the independent reference (numpy and ONNX
+        // Runtime, no duplex code) computes on the same quantized graphs.
+        let ours = replay(&qp, &codes, &dir.path().join("ours.jsonl"));
+        let theirs = dir.path().join("ref.jsonl");
+        let o = python(
+            "reference_lm.py",
+            &[qp.as_os_str(), codes.as_os_str(), theirs.as_os_str()],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let theirs = lines(&theirs);
+        assert_eq!(ours.len(), 40, "{pack} {q}");
+        assert_eq!(
+            ours, theirs,
+            "{pack} {q}: our steps against the reference's"
+        );
+        // Against the float pack: the quantized weights are not the float ones, and not noise.
+        let float = replay(&packs::pack(pack), &codes, &dir.path().join("float.jsonl"));
+        let same = ours
+            .iter()
+            .zip(&float)
+            .filter(|(a, b)| a["text"] == b["text"])
+            .count();
+        eprintln!("{pack} {q}: {same} of 40 text tokens as the float pack's");
+    }
+}
+
+#[test]
+fn a_quantized_layer_is_numpys_dequantize_then_multiply() {
+    let dir = tempfile::tempdir().unwrap();
+    for (q, bits) in [("int8", 8), ("int4", 4)] {
+        let qp = quantized(dir.path(), "tiny-gqa", q);
+        let o = python(
+            "check_quantized.py",
+            &[qp.as_os_str(), packs::pack("tiny-gqa").as_os_str()],
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{q}: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(r["bits"], bits, "{r}");
+        assert!(
+            r["ort_vs_numpy_relative_error"].as_f64().unwrap() < 1e-4,
+            "{r}"
+        );
+        assert!(
+            r["weight_error_beyond_one_step"].as_f64().unwrap() <= 0.0,
+            "{r}"
+        );
+        // Rounded to the nearest step: only a weight clipped at its block's largest magnitude
+        // is more than half a step off (one in a block at most).
+        assert!(
+            r["weights_beyond_half_a_step"].as_f64().unwrap() <= 1.0 / 32.0,
+            "{r}"
+        );
+        // An int8 weight is closer to the float one than an int4 weight.
+        let rms = r["weight_relative_rms_error"].as_f64().unwrap();
+        assert!(rms > 0.0 && rms < if bits == 8 { 0.01 } else { 0.2 }, "{r}");
+    }
+}
+
+#[test]
+fn a_manifest_that_disagrees_with_its_graphs_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let q8 = quantized(dir.path(), "tiny-gqa", "int8");
+    let manifest = std::fs::read_to_string(q8.join("pack.yaml")).unwrap();
+    let doctor = |pack: &Path| {
+        let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), pack.as_os_str()]);
+        (
+            o.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        )
+    };
+    let line = "  temporal: {bits: 8, block_size: 32, scheme: symmetric, matmuls: 9}";
+    assert!(manifest.contains(line), "{manifest}");
+    for (edit, key, says) in [
+        (String::new(), "quantization", "MatMulNBits nodes"),
+        (
+            line.replace("bits: 8", "bits: 4"),
+            "quantization.temporal",
+            "of 8 bits",
+        ),
+        (
+            line.replace("block_size: 32", "block_size: 64"),
+            "quantization.temporal",
+            "in blocks of 32",
+        ),
+        (
+            line.replace("matmuls: 9", "matmuls: 8"),
+            "quantization.temporal.matmuls",
+            "9 MatMulNBits",
+        ),
+        (
+            line.replace("bits: 8", "bitz: 8"),
+            "quantization.temporal.bitz",
+            "unknown key",
+        ),
+        (
+            format!("{line}\n{}", line.replace("temporal", "depformer")),
+            "quantization.depformer",
+            "no MatMulNBits node",
+        ),
+    ] {
+        let text = if edit.is_empty() {
+            manifest.replace(&format!("quantization:\n{line}\n"), "")
+        } else {
+            manifest.replace(line, &edit)
+        };
+        assert_ne!(text, manifest);
+        std::fs::write(q8.join("pack.yaml"), text).unwrap();
+        let (code, out) = doctor(&q8);
+        assert_ne!(code, Some(0), "{edit:?} was taken:\n{out}");
+        assert!(
+            out.contains("pack.yaml") && out.contains(key) && out.contains(says),
+            "{edit:?}: {out}"
+        );
+    }
+    std::fs::write(q8.join("pack.yaml"), &manifest).unwrap();
+    assert_eq!(doctor(&q8).0, Some(0));
+}
+
+/// `tools/quality_gate.py QUANTIZED FLOAT --json`: (exit code, report).
+fn gate(quantized: &Path, float: &Path) -> (Option<i32>, serde_json::Value) {
+    let o = python(
+        "quality_gate.py",
+        &[quantized.as_os_str(), float.as_os_str(), "--json".as_ref()],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    let report = serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("{e}: {out}{}", String::from_utf8_lossy(&o.stderr)));
+    (o.status.code(), report)
+}
+
+#[test]
+fn the_quality_gate_passes_int8_measures_int4_worse_and_fails_a_damaged_pack() {
+    let dir = tempfile::tempdir().unwrap();
+    let float = packs::pack("tiny-gqa");
+    let q8 = quantized(dir.path(), "tiny-gqa", "int8");
+    let q4 = quantized(dir.path(), "tiny-gqa", "int4");
+    let (code8, r8) = gate(&q8, &float);
+    eprintln!("int8: {r8}");
+    assert_eq!(code8, Some(0), "{r8}");
+    assert_eq!(r8["passed"], true);
+    // Deterministic: the same figures again.
+    assert_eq!(gate(&q8, &float).1, r8);
+    // The float pack against itself: everything agrees.
+    let (code, same) = gate(&float, &float);
+    assert_eq!(code, Some(0), "{same}");
+    assert_eq!(same["text_agreement"], 1.0);
+    assert_eq!(same["audio_agreement"], 1.0);
+    assert!(same["text_kl"].as_f64().unwrap().abs() < 1e-9, "{same}");
+    // Four bits lose more than eight; the exit code is the verdict.
+    let (code4, r4) = gate(&q4, &float);
+    eprintln!("int4: {r4}");
+    let kl = |r: &serde_json::Value| r["text_kl"].as_f64().unwrap();
+    assert!(kl(&r4) > kl(&r8), "int4 {r4}\nint8 {r8}");
+    assert_eq!(code4, Some(if r4["passed"] == true { 0 } else { 1 }));
+    // A damaged pack (the int8 pack's scales zeroed) fails, naming what.
+    let damaged = dir.path().join("damaged");
+    std::fs::create_dir(&damaged).unwrap();
+    for entry in std::fs::read_dir(&q8).unwrap() {
+        let p = entry.unwrap().path();
+        let to = damaged.join(p.file_name().unwrap());
+        if p.is_dir() {
+            std::fs::create_dir(&to).unwrap();
+            for f in std::fs::read_dir(&p).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+            }
+        } else {
+            std::fs::copy(&p, &to).unwrap();
+        }
+    }
+    let graph = damaged.join("temporal/model.onnx");
+    let o = Command::new(root().join(".venv/bin/python"))
+        .args([
+            "-c",
+            "import sys, onnx, numpy as np\n\
+             from onnx import numpy_helper\n\
+             m = onnx.load(sys.argv[1])\n\
+             scales = {n.input[2] for n in m.graph.node if n.op_type == 'MatMulNBits'}\n\
+             for t in m.graph.initializer:\n\
+             \x20   if t.name in scales:\n\
+             \x20       t.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(t)), t.name))\n\
+             onnx.save_model(m, sys.argv[1], save_as_external_data=True, all_tensors_to_one_file=True, location='model.onnx.data', size_threshold=1024)\n",
+        ])
+        .arg(&graph)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (code, bad) = gate(&damaged, &float);
+    assert_eq!(code, Some(1), "{bad}");
+    assert_eq!(bad["passed"], false);
+    assert!(
+        bad["failed"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("text_kl")),
+        "{bad}"
+    );
+    // Bad arguments: exit 2 before anything runs.
+    let o = python(
+        "quality_gate.py",
+        &[dir.path().as_os_str(), float.as_os_str()],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a pack"));
+}
