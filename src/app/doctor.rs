@@ -3,7 +3,8 @@
 //! offers, whether CUDA initialises ([`runtime`]).
 //!
 //! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
-//! it: the pack's files and manifest against the graph contract, then a session for each graph
+//! it: the pack's files and manifest against the graph contract (and each graph's size and
+//! weight quantization), then a session for each graph
 //! on the chosen provider, one codec frame through the encoder and decoder (and through Mimi's
 //! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few

@@ -1,6 +1,7 @@
 //! What a `model.onnx` file says about itself, read without ONNX Runtime: its inputs and
-//! outputs (names, element types, shapes, symbolic dimensions) and its initializers (names,
-//! shapes, where external data lives).
+//! outputs (names, element types, shapes, symbolic dimensions), its initializers (names,
+//! shapes, where external data lives) and its weight-only quantized MatMuls (`MatMulNBits`:
+//! bits and block size).
 //!
 //! This is what lets a pack be checked when it is opened, before any session is built: the
 //! graph contract, `pack.yaml` against the embedding tables and the RoPE tables, and the
@@ -231,15 +232,16 @@ impl GraphFile {
                 .iter()
                 .filter(|n| n.op_type == "MatMulNBits")
                 .map(|n| {
-                    let int = |name: &str| {
+                    let int = |name: &str, default: i64| {
                         n.attribute
                             .iter()
                             .find(|a| a.name == name)
-                            .map_or(0, |a| a.i)
+                            .map_or(default, |a| a.i)
                     };
+                    // (`bits` is 4 when not given, as the operator's specification says.)
                     NBits {
-                        bits: int("bits"),
-                        block_size: int("block_size"),
+                        bits: int("bits", 4),
+                        block_size: int("block_size", 0),
                     }
                 })
                 .collect(),

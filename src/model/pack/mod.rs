@@ -76,7 +76,8 @@ impl Pack {
     /// match the contract (read from the files, not from ONNX Runtime), their external weight
     /// files are complete, and `pack.yaml` (when present) holds only known keys with values
     /// that agree with the graphs: vocabularies with the logits and the embedding tables, the
-    /// codebook count and frame size with the codec, `max_positions` with the RoPE table.
+    /// codebook count and frame size with the codec, `max_positions` with the RoPE table, the
+    /// stated quantization with the graphs' `MatMulNBits` nodes.
     ///
     /// # Errors
     ///
