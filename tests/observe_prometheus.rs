@@ -311,11 +311,17 @@ fn prometheus_sees_growth() {
 
 /// Starts a Prometheus that scrapes `target` every second with the deployment's rules.
 fn prometheus(dir: &Path, target: u16) -> (Kill, u16) {
-    let pport = free_port();
     let config = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: duplex\n    static_configs:\n      - targets: [\"127.0.0.1:{target}\"]\n",
         root().join("deploy/prometheus/rules.yml").display()
     );
+    start_prometheus(dir, &config)
+}
+
+/// Starts a Prometheus on a free port with `config` (written to `dir/prometheus.yml`, its data
+/// in `dir/data`).
+fn start_prometheus(dir: &Path, config: &str) -> (Kill, u16) {
+    let pport = free_port();
     std::fs::write(dir.join("prometheus.yml"), config).unwrap();
     let child = Command::new("prometheus")
         .arg(format!(
@@ -569,44 +575,16 @@ fn the_compose_file_mounts_files_that_exist_and_its_prometheus_scrapes_the_serve
     assert!(config.contains(&key_file.display().to_string()) && config.contains("127.0.0.1:"));
     let pdir = keys.path().join("prometheus");
     std::fs::create_dir(&pdir).unwrap();
-    std::fs::write(pdir.join("compose.yml"), &config).unwrap();
-    let pport = free_port();
-    let _prom = Kill(
-        Command::new("prometheus")
-            .arg(format!(
-                "--config.file={}",
-                pdir.join("compose.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                pdir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{pport}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus (run `make setup`)"),
+    let (_prom, pport) = start_prometheus(&pdir, &config);
+    let scraped = "up{job=\"duplex\"} == 1 and on() duplex_sessions_capacity > 0";
+    serve::wait::wait_until(
+        Duration::from_secs(40),
+        "Prometheus to scrape the server with the key",
+        || {
+            get(pport, &format!("/api/v1/query?query={}", encode(scraped)))
+                .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["data"]["result"].as_array().map(|a| !a.is_empty()))
+                .unwrap_or(false)
+        },
     );
-    let t0 = Instant::now();
-    loop {
-        let v = get(
-            pport,
-            &format!(
-                "/api/v1/query?query={}",
-                encode("up{job=\"duplex\"} == 1 and on() duplex_sessions_capacity > 0")
-            ),
-        )
-        .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok());
-        if v.as_ref()
-            .and_then(|v| v["data"]["result"].as_array())
-            .is_some_and(|a| !a.is_empty())
-        {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(40),
-            "Prometheus never scraped the server with the key: {v:?}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
 }
