@@ -23,7 +23,15 @@
 //!    spacers: 237 steps) through the pipeline, `priming: stepped` against `chunked`, the
 //!    conversation's tokens checked equal (greedy).
 //!
-//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill]`. Packs that are missing are built with `tools/make_pack.py`.
+//! 8. The full-size Mimi, B streams per tick: one call of B rows against B calls of one row.
+//! 9. Quantized packs (`tools/quantize_pack.py`): the temporal step at KV length 50 and 1000 on
+//!    the `small` LM, fp32 against int8 and int4, with the resident memory of each pack's LM
+//!    (measured in a child process per pack) and its depformer frame; the full-size Mimi's
+//!    step graphs fp32 against `--quantize-codec int8`, encode and decode, with the decoder's
+//!    SNR; and the whole full-duplex loop (150 frames of silence, as fast as possible, full-size
+//!    codec + tiny LM) with the int8 codec against the fp32 one.
+//!
+//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill|codec-batch|quantized]`. Packs that are missing are built with `tools/make_pack.py`.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -38,7 +46,7 @@ use duplex::model::pack::Pack;
 use duplex::model::session::SessionOptions;
 use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
 
-use support::{pack, root, with_step_graphs};
+use support::{pack, quantized, root, with_step_graphs};
 
 fn tokens(t: usize) -> Vec<i64> {
     let mut v = vec![((t * 7919) % 32_000) as i64];
@@ -212,9 +220,8 @@ fn e2e_bench() {
         let p = with_step_graphs(pack(name, &args));
         let file = file_pipeline(&dir, &p, &input);
         let report = duplex::app::run_file(&file, &sets).expect("pipeline runs");
-        let frames = report.stage("temporal").unwrap().frames;
-        assert_eq!(frames, 150, "12 s = 150 frames");
-        let fps = frames as f64 / report.wall.as_secs_f64();
+        let (frames, fps, interval, per_stage) =
+            loop_figures(&report, &["encode", "temporal", "depformer", "decode"]);
         let sum: f64 = ["encode", "temporal", "depformer", "decode"]
             .iter()
             .map(|s| {
@@ -222,22 +229,6 @@ fn e2e_bench() {
                 st.service.sum().as_secs_f64() / frames as f64
             })
             .sum();
-        let interval = report
-            .stage("sink")
-            .unwrap()
-            .completion
-            .quantile(0.5)
-            .as_secs_f64();
-        let per_stage: Vec<String> = ["encode", "temporal", "depformer", "decode"]
-            .iter()
-            .map(|s| {
-                let st = report.stage(s).unwrap();
-                format!(
-                    "{s} {:.2}",
-                    st.service.sum().as_secs_f64() * 1e3 / frames as f64
-                )
-            })
-            .collect();
         println!(
             "   {label:<44} {fps:6.1} frames/s ({:.2}x real time); per frame ms: {}; completion interval p50 {:.2} ms vs sum of stage times {:.2} ms -> {:.2}",
             fps * 0.08,
@@ -254,6 +245,34 @@ fn e2e_bench() {
         intervals[1] * 1e3,
         intervals[2] / intervals[1]
     );
+}
+
+/// Of a 12 s file pipeline's report: its frames (150, checked), frames per second, the sink's
+/// completion interval p50 (s), and `stages`' service time per frame (`"name ms"`).
+fn loop_figures(
+    report: &duplex::runtime::RunReport,
+    stages: &[&str],
+) -> (usize, f64, f64, Vec<String>) {
+    let frames = report.stage("temporal").unwrap().frames;
+    assert_eq!(frames, 150, "12 s = 150 frames");
+    let fps = frames as f64 / report.wall.as_secs_f64();
+    let interval = report
+        .stage("sink")
+        .unwrap()
+        .completion
+        .quantile(0.5)
+        .as_secs_f64();
+    let per = stages
+        .iter()
+        .map(|s| {
+            let st = report.stage(s).unwrap();
+            format!(
+                "{s} {:.2}",
+                st.service.sum().as_secs_f64() * 1e3 / frames as f64
+            )
+        })
+        .collect();
+    (frames as usize, fps, interval, per)
 }
 
 /// The pack, with Mimi's step graphs added (`tools/make_mimi_step.py`) if it was built without.
@@ -453,6 +472,282 @@ fn main() {
     if all || which == "codec-batch" {
         codec_batch_bench();
     }
+    if all || which == "quantized" {
+        quantized_bench();
+    }
+    if which == "lm-rss" {
+        // (A child of `quantized_bench`: the LM of one pack, opened and stepped alone.)
+        lm_rss(Path::new(&std::env::args().nth(2).expect("lm-rss PACK")));
+    }
+}
+
+/// Opens pack `dir`'s temporal transformer (with a cache of 100 positions, so that what is
+/// measured is the weights and the runtime, not a cache that is the same in every pack) and
+/// depformer, steps them 20 frames, and prints the resident memory they added (MB), as
+/// `rss <MB>`.
+fn lm_rss(dir: &Path) {
+    use duplex::model::depformer::DepformerInput;
+    use duplex::model::sampling::{Sampler, SamplingParams};
+    let before = rss_mb();
+    let p = Pack::open(dir).unwrap();
+    let mut t = Temporal::open(
+        &p,
+        &TemporalOptions {
+            max_positions: 100,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    t.step(&tokens(0)).unwrap();
+    let temporal = rss_mb() - before;
+    let mut dep = Depformer::open(&p, &SessionOptions::default()).unwrap();
+    let steps = dep.steps();
+    let target = vec![1i64; steps];
+    let provided = vec![false; steps];
+    let mut sampler = Sampler::new(1);
+    let mut out = Vec::new();
+    let mut hidden = Vec::new();
+    for s in 0..20 {
+        t.step(&tokens(s)).unwrap();
+        t.read_hidden(&mut hidden);
+        let frame = DepformerInput {
+            hidden: &hidden,
+            text: 3,
+            target: &target,
+            provided: &provided,
+        };
+        dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
+            .unwrap();
+    }
+    println!("rss {temporal:.1} {:.1}", rss_mb() - before);
+}
+
+/// The resident memory of pack `dir`'s temporal transformer, and of its whole LM, from a child
+/// process of this benchmark (MB).
+fn child_rss(dir: &Path) -> (f64, f64) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg("lm-rss")
+        .arg(dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("rss "))
+        .and_then(|v| {
+            let mut it = v.split_whitespace().map(|x| x.parse().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "lm-rss {}: {text}{}",
+                dir.display(),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+}
+
+fn quantized_bench() {
+    use duplex::model::depformer::DepformerInput;
+    use duplex::model::mimi_step::StepCodec;
+    use duplex::model::pack::{FloatType, StepRole};
+    use duplex::model::sampling::{Sampler, SamplingParams};
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "\n9. quantized packs (tools/quantize_pack.py, blocks of 32, accuracy level 4), 1 thread"
+    );
+    let float = with_step_graphs(pack(
+        "small-gqa-fullmimi",
+        &["--size", "small", "--variant", "gqa", "--mimi", "full"],
+    ));
+    let packs = [
+        ("fp32", float.clone()),
+        (
+            "int8",
+            quantized(&float, "small-gqa-fullmimi-int8", &["--quantize", "int8"]),
+        ),
+        (
+            "int4",
+            quantized(&float, "small-gqa-fullmimi-int4", &["--quantize", "int4"]),
+        ),
+    ];
+    println!("   small LM (dim 512, 4 layers, 8 heads x 64, text vocab 32000): temporal step median of 25 at each KV length; depformer frame (every substep, sampled); LM resident memory (weights and runtime: a 100-position cache), the median of three child processes");
+    let lengths = [50, 1000];
+    let mut rows = Vec::new();
+    for (name, dir) in &packs {
+        let p = Pack::open(dir).unwrap();
+        let (times, _) = step_times(&p, KvMode::Resident, &lengths);
+        let mut dep = Depformer::open(&p, &SessionOptions::default()).unwrap();
+        let steps = dep.steps();
+        let hidden: Vec<f32> = (0..dep.info.hidden_dim)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let target = vec![1i64; steps];
+        let provided = vec![false; steps];
+        let frame = DepformerInput {
+            hidden: &hidden,
+            text: 3,
+            target: &target,
+            provided: &provided,
+        };
+        let mut sampler = Sampler::new(5);
+        let mut out = Vec::new();
+        let dep_time = median(
+            (0..60)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
+                        .unwrap();
+                    t0.elapsed()
+                })
+                .collect(),
+        );
+        // (The median of three children: a process's resident memory varies from run to run.)
+        let mut runs: Vec<(f64, f64)> = (0..3).map(|_| child_rss(dir)).collect();
+        runs.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let rss = runs[1];
+        let weights = p
+            .quantized("temporal")
+            .map(|q| format!("temporal {}", q.name()))
+            .unwrap_or_else(|| "float".into());
+        rows.push((name, times, dep_time, rss));
+        let (_, t, d, r) = rows.last().unwrap();
+        println!(
+            "   {name:<4} ({weights:<13}) temporal kv 50 {:6.3} ms, kv 1000 {:6.3} ms; depformer frame {:6.3} ms (float in every pack); resident: temporal {:6.1} MB, LM {:6.1} MB",
+            ms(t[0]),
+            ms(t[1]),
+            ms(*d),
+            r.0,
+            r.1
+        );
+    }
+    let f = &rows[0];
+    for r in &rows[1..] {
+        println!(
+            "   {} / fp32: temporal step kv 50 {:.2}, kv 1000 {:.2}; resident: temporal {:.2}, LM (with the float depformer) {:.2}{}",
+            r.0,
+            r.1[0].as_secs_f64() / f.1[0].as_secs_f64(),
+            r.1[1].as_secs_f64() / f.1[1].as_secs_f64(),
+            r.3 .0 / f.3 .0,
+            r.3 .1 / f.3 .1,
+            if *r.0 == "int4" {
+                " (targets: step <= 0.5, resident <= 0.3)"
+            } else {
+                ""
+            }
+        );
+    }
+
+    // The full-size codec, fp32 against int8 step graphs.
+    let codec8 = quantized(
+        &float,
+        "small-gqa-fullmimi-codec8",
+        &["--quantize-codec", "int8"],
+    );
+    let so = SessionOptions::default();
+    let mut noise = duplex::audio::Synth::new(
+        duplex::audio::Waveform::Noise {
+            amplitude: 0.2,
+            seed: 3,
+        },
+        24_000,
+    );
+    let frames: Vec<Vec<f32>> = (0..50)
+        .map(|_| {
+            let mut f = vec![0.0; 1920];
+            noise.fill(&mut f);
+            f
+        })
+        .collect();
+    let mut codes = Vec::new();
+    let mut results = Vec::new();
+    for dir in [&float, &codec8] {
+        let p = Pack::open(dir).unwrap();
+        let mut enc = StepCodec::open(&p, StepRole::Encoder, FloatType::F32, &so).unwrap();
+        let mut dec = StepCodec::open(&p, StepRole::Decoder, FloatType::F32, &so).unwrap();
+        let mut enc_t = Vec::new();
+        let mut got = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            let t0 = Instant::now();
+            let c = enc.encode(f).unwrap();
+            if i >= 10 {
+                enc_t.push(t0.elapsed());
+            }
+            got.push(c);
+        }
+        if codes.is_empty() {
+            codes = got.clone();
+        }
+        // Both decoders decode the float encoder's codes.
+        let mut dec_t = Vec::new();
+        let mut pcm = Vec::new();
+        for (i, c) in codes.iter().enumerate() {
+            let t0 = Instant::now();
+            let x = dec.decode(c, 2048).unwrap();
+            if i >= 10 {
+                dec_t.push(t0.elapsed());
+            }
+            pcm.extend(x);
+        }
+        results.push((median(enc_t), median(dec_t), got, pcm));
+    }
+    let (f, q) = (&results[0], &results[1]);
+    let signal: f64 = f.3.iter().map(|&x| (x as f64).powi(2)).sum();
+    let noise_e: f64 =
+        f.3.iter()
+            .zip(&q.3)
+            .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+            .sum();
+    let snr = 10.0 * (signal / noise_e.max(1e-30)).log10();
+    let same =
+        f.2.iter()
+            .flatten()
+            .zip(q.2.iter().flatten())
+            .filter(|(a, b)| a == b)
+            .count();
+    let total = f.2.iter().flatten().count();
+    println!(
+        "   full-size Mimi step graphs, median of 40 frames: encode fp32 {:6.2} ms, int8 {:6.2} ms -> {:.2}; decode fp32 {:6.2} ms, int8 {:6.2} ms -> {:.2} (target <= 0.5) at {snr:.1} dB SNR (target >= 30); encoder codes equal {:.3}",
+        ms(f.0),
+        ms(q.0),
+        q.0.as_secs_f64() / f.0.as_secs_f64(),
+        ms(f.1),
+        ms(q.1),
+        q.1.as_secs_f64() / f.1.as_secs_f64(),
+        same as f64 / total as f64
+    );
+
+    // The whole loop: 150 frames of silence, full-size codec + tiny LM, as fast as possible.
+    let tiny_full = with_step_graphs(pack(
+        "tiny-gqa-mimi-full",
+        &["--size", "tiny", "--variant", "gqa", "--mimi", "full"],
+    ));
+    let tiny_codec8 = quantized(
+        &tiny_full,
+        "tiny-gqa-mimi-full-codec8",
+        &["--quantize-codec", "int8"],
+    );
+    let dir = tempfile_dir();
+    let input = dir.join("silence.wav");
+    let mut w =
+        duplex::audio::WavWriter::create(&input, 48_000, duplex::audio::WavFormat::I16).unwrap();
+    w.write(&vec![0.0; 48_000 * 12]).unwrap();
+    w.finalize().unwrap();
+    let mut loops = Vec::new();
+    for (label, p) in [("fp32 codec", &tiny_full), ("int8 codec", &tiny_codec8)] {
+        let file = file_pipeline(&dir, p, &input);
+        let report = duplex::app::run_file(&file, &[]).expect("pipeline runs");
+        let (_, fps, interval, per) = loop_figures(&report, &["encode", "decode"]);
+        println!(
+            "   whole loop, tiny LM + full-size Mimi, {label}: {fps:6.1} frames/s, completion interval p50 {:.2} ms; per frame ms: {}",
+            interval * 1e3,
+            per.join(", ")
+        );
+        loops.push(interval);
+    }
+    println!(
+        "   whole loop, int8 codec / fp32 codec: completion interval {:.2}",
+        loops[1] / loops[0]
+    );
 }
 
 /// One batched step call of B streams against B calls of one stream, full-size codec.

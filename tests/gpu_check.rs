@@ -19,6 +19,16 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
     let report = std::fs::read_to_string(out.path().join("gpu-check.txt")).unwrap();
     assert!(report.starts_with("# duplex gpu-check, 20"), "{report}");
     assert!(report.contains("mode cpu"), "{report}");
+    // The quantized packs' rows: their doctor ran, and timed the step from every context.
+    assert_eq!(
+        report.matches("\n  ok: the pack loads and runs").count(),
+        3,
+        "{report}"
+    );
+    assert!(
+        report.matches("resident (cpu f16) context 50: ").count() >= 3,
+        "{report}"
+    );
     for want in [
         "providers: ",
         "temporal: on cpu f16",
@@ -30,6 +40,10 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "sink sink: completion interval mean ",
         "tiny-gqa: 60/60 frames identical",
         "tiny-gqa-fp16: 60/60 frames identical",
+        "## the same pack quantized, int8: temporal step times",
+        "## the same pack quantized, int4: temporal step times",
+        "weights int8 (blocks of 32, 9 MatMuls",
+        "weights int4 (blocks of 32, 9 MatMuls, 17 tables",
     ] {
         assert!(report.contains(want), "missing {want:?} in\n{report}");
     }

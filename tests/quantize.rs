@@ -1,8 +1,10 @@
 //! Weight-only quantized packs (`tools/quantize_pack.py`: ONNX Runtime's own quantizer writes
-//! the temporal transformer's MatMuls as `MatMulNBits`): int8 and int4 copies of the tiny packs
-//! open, say what they are, and step exactly as the independent reference steps them; one
-//! quantized layer is numpy's dequantize-then-multiply; a `pack.yaml` that disagrees with its
-//! graphs is refused, naming the key.
+//! the temporal transformer's MatMuls as `MatMulNBits`, its embedding tables in int4 as
+//! `GatherBlockQuantized`, and Mimi's step graphs' MatMuls in int8): int8 and int4 copies of the
+//! tiny packs open, say what they are, and step exactly as the independent reference steps
+//! them; one quantized layer is numpy's dequantize-then-multiply; a pack with an int8 codec
+//! runs the full-duplex pipeline and passes the codec's quality gate; a `pack.yaml` that
+//! disagrees with its graphs is refused, naming the key; the gate fails a damaged pack.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -22,19 +24,22 @@ fn python(script: &str, args: &[&std::ffi::OsStr]) -> Output {
         .expect(".venv/bin/python (run `make setup`)")
 }
 
-/// A quantized copy of `pack` in `dir`.
+/// A quantized copy of `pack` in `dir`, its LM in `q` (`int8`, `int4`).
 fn quantized(dir: &Path, pack: &str, q: &str) -> PathBuf {
-    let out = dir.join(format!("{pack}-{q}"));
-    let o = python(
-        "quantize_pack.py",
-        &[
-            packs::pack(pack).as_os_str(),
-            out.as_os_str(),
-            "--quantize".as_ref(),
-            q.as_ref(),
-            "-q".as_ref(),
-        ],
-    );
+    quantized_with(dir, pack, &format!("{pack}-{q}"), &["--quantize", q])
+}
+
+/// A copy of `pack` in `dir/name`, quantized by `tools/quantize_pack.py ARGS`.
+fn quantized_with(dir: &Path, pack: &str, name: &str, args: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    let mut all = vec![
+        packs::pack(pack).into_os_string(),
+        out.clone().into_os_string(),
+    ];
+    all.extend(args.iter().map(Into::into));
+    all.push("-q".into());
+    let all: Vec<&std::ffi::OsStr> = all.iter().map(|a| a.as_os_str()).collect();
+    let o = python("quantize_pack.py", &all);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     out
 }
@@ -83,17 +88,19 @@ fn lines(p: &Path) -> Vec<serde_json::Value> {
 fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
     let dir = tempfile::tempdir().unwrap();
     let codes = codes(dir.path());
-    for (pack, q, bits) in [
-        ("tiny-gqa", "int8", 8),
-        ("tiny-gqa", "int4", 4),
-        ("tiny-gqa-fp16", "int8", 8),
+    for (pack, q, bits, tables) in [
+        ("tiny-gqa", "int8", 8, ""),
+        ("tiny-gqa", "int4", 4, ", gathers: 17"),
+        ("tiny-gqa-fp16", "int8", 8, ""),
     ] {
         let qp = quantized(dir.path(), pack, q);
-        // The manifest says it; doctor reports it and runs every graph.
+        // The manifest says it (int4 takes the 17 embedding tables too); doctor reports it and
+        // runs every graph.
         let manifest = std::fs::read_to_string(qp.join("pack.yaml")).unwrap();
         assert!(
             manifest.contains(&format!(
-                "temporal: {{bits: {bits}, block_size: 32, scheme: symmetric, matmuls: 9}}"
+                "temporal: {{bits: {bits}, block_size: 32, scheme: symmetric, matmuls: 9{tables}, \
+                 accuracy_level: 4}}"
             )),
             "{manifest}"
         );
@@ -106,7 +113,10 @@ fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
         );
         assert!(
             out.lines().any(|l| l.trim_start().starts_with("temporal")
-                && l.contains(&format!("weights {q} (blocks of 32, 9 MatMuls)"))),
+                && l.contains(&format!(
+                    "weights {q} (blocks of 32, 9 MatMuls{}, int8 arithmetic on a CPU)",
+                    if tables.is_empty() { "" } else { ", 17 tables" }
+                ))),
             "{out}"
         );
         // Smaller on disk than the float graph it came from.
@@ -159,8 +169,23 @@ fn a_quantized_layer_is_numpys_dequantize_then_multiply() {
         );
         let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         assert_eq!(r["bits"], bits, "{r}");
+        // In float arithmetic, numpy's dequantized weights times the input; at the pack's
+        // accuracy level 4, the same with the input rounded to 8 bits per block, and that
+        // rounding is visible against the float input.
         assert!(
             r["ort_vs_numpy_relative_error"].as_f64().unwrap() < 1e-4,
+            "{r}"
+        );
+        assert_eq!(r["accuracy_level"], 4, "{r}");
+        assert!(
+            r["ort_at_level_vs_numpy_relative_error"].as_f64().unwrap() < 1e-4,
+            "{r}"
+        );
+        assert!(
+            r["ort_at_level_vs_float_input_relative_error"]
+                .as_f64()
+                .unwrap()
+                > 1e-4,
             "{r}"
         );
         assert!(
@@ -195,7 +220,8 @@ fn a_manifest_that_disagrees_with_its_graphs_is_refused_naming_the_key() {
             ),
         )
     };
-    let line = "  temporal: {bits: 8, block_size: 32, scheme: symmetric, matmuls: 9}";
+    let line =
+        "  temporal: {bits: 8, block_size: 32, scheme: symmetric, matmuls: 9, accuracy_level: 4}";
     assert!(manifest.contains(line), "{manifest}");
     for (edit, key, says) in [
         (String::new(), "quantization", "MatMulNBits nodes"),
@@ -222,6 +248,21 @@ fn a_manifest_that_disagrees_with_its_graphs_is_refused_naming_the_key() {
         (
             format!("{line}\n{}", line.replace("temporal", "depformer")),
             "quantization.depformer",
+            "no MatMulNBits node",
+        ),
+        (
+            line.replace("accuracy_level: 4", "accuracy_level: 0"),
+            "quantization.temporal.accuracy_level",
+            "accuracy_level 4",
+        ),
+        (
+            line.replace("matmuls: 9", "matmuls: 9, gathers: 17"),
+            "quantization.temporal.gathers",
+            "0 GatherBlockQuantized",
+        ),
+        (
+            format!("{line}\n{}", line.replace("temporal", "mimi_decoder_step")),
+            "quantization.mimi_decoder_step",
             "no MatMulNBits node",
         ),
     ] {
@@ -280,38 +321,7 @@ fn the_quality_gate_passes_int8_measures_int4_worse_and_fails_a_damaged_pack() {
     assert!(kl(&r4) > kl(&r8), "int4 {r4}\nint8 {r8}");
     assert_eq!(code4, Some(if r4["passed"] == true { 0 } else { 1 }));
     // A damaged pack (the int8 pack's scales zeroed) fails, naming what.
-    let damaged = dir.path().join("damaged");
-    std::fs::create_dir(&damaged).unwrap();
-    for entry in std::fs::read_dir(&q8).unwrap() {
-        let p = entry.unwrap().path();
-        let to = damaged.join(p.file_name().unwrap());
-        if p.is_dir() {
-            std::fs::create_dir(&to).unwrap();
-            for f in std::fs::read_dir(&p).unwrap() {
-                let f = f.unwrap().path();
-                std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
-            }
-        } else {
-            std::fs::copy(&p, &to).unwrap();
-        }
-    }
-    let graph = damaged.join("temporal/model.onnx");
-    let o = Command::new(root().join(".venv/bin/python"))
-        .args([
-            "-c",
-            "import sys, onnx, numpy as np\n\
-             from onnx import numpy_helper\n\
-             m = onnx.load(sys.argv[1])\n\
-             scales = {n.input[2] for n in m.graph.node if n.op_type == 'MatMulNBits'}\n\
-             for t in m.graph.initializer:\n\
-             \x20   if t.name in scales:\n\
-             \x20       t.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(t)), t.name))\n\
-             onnx.save_model(m, sys.argv[1], save_as_external_data=True, all_tensors_to_one_file=True, location='model.onnx.data', size_threshold=1024)\n",
-        ])
-        .arg(&graph)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let damaged = damaged_copy(&q8, &dir.path().join("damaged"), "temporal");
     let (code, bad) = gate(&damaged, &float);
     assert_eq!(code, Some(1), "{bad}");
     assert_eq!(bad["passed"], false);
@@ -329,4 +339,140 @@ fn the_quality_gate_passes_int8_measures_int4_worse_and_fails_a_damaged_pack() {
     );
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a pack"));
+}
+
+/// A copy of pack `src` at `dst` whose `graph` has every `MatMulNBits` scale zeroed.
+fn damaged_copy(src: &Path, dst: &Path, graph: &str) -> PathBuf {
+    std::fs::create_dir(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        let to = dst.join(p.file_name().unwrap());
+        if p.is_dir() {
+            std::fs::create_dir(&to).unwrap();
+            for f in std::fs::read_dir(&p).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+            }
+        } else {
+            std::fs::copy(&p, &to).unwrap();
+        }
+    }
+    let o = Command::new(root().join(".venv/bin/python"))
+        .args([
+            "-c",
+            "import sys, onnx, numpy as np\n\
+             from onnx import numpy_helper\n\
+             m = onnx.load(sys.argv[1])\n\
+             scales = {n.input[2] for n in m.graph.node if n.op_type == 'MatMulNBits'}\n\
+             for t in m.graph.initializer:\n\
+             \x20   if t.name in scales:\n\
+             \x20       t.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(t)), t.name))\n\
+             onnx.save_model(m, sys.argv[1], save_as_external_data=True, all_tensors_to_one_file=True, location='model.onnx.data', size_threshold=1024)\n",
+        ])
+        .arg(dst.join(graph).join("model.onnx"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dst.to_path_buf()
+}
+
+#[test]
+fn an_int8_codec_runs_the_pipeline_passes_its_gate_and_a_damaged_one_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = "tiny-gqa-mimi-full";
+    let float = packs::pack(name);
+    let q = quantized_with(dir.path(), name, "codec8", &["--quantize-codec", "int8"]);
+    // The manifest says which step graphs, and doctor reports them and runs them.
+    let manifest = std::fs::read_to_string(q.join("pack.yaml")).unwrap();
+    for (graph, n) in [("mimi_encoder_step", 54), ("mimi_decoder_step", 55)] {
+        assert!(
+            manifest.contains(&format!(
+                "  {graph}: {{bits: 8, block_size: 64, scheme: symmetric, matmuls: {n}, \
+                 accuracy_level: 4}}"
+            )),
+            "{manifest}"
+        );
+    }
+    assert!(
+        manifest.contains("name: tiny-gqa-mimi-full-codec8"),
+        "{manifest}"
+    );
+    let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), q.as_os_str()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.trim_start().starts_with("mimi_decoder_step ")
+                && l.contains("weights int8 (blocks of 64, 55 MatMuls")),
+        "{out}"
+    );
+    // Smaller on disk than the float step graph it came from.
+    let size = |p: &Path| {
+        std::fs::metadata(p.join("mimi_decoder_step/model.onnx.data"))
+            .unwrap()
+            .len()
+    };
+    assert!(
+        size(&q) * 2 < size(&float),
+        "{} vs {}",
+        size(&q),
+        size(&float)
+    );
+
+    // The full-duplex pipeline runs on it, on the stateful strategy, and its output is sound.
+    let input = dir.path().join("in.wav");
+    let mut w =
+        duplex::audio::WavWriter::create(&input, 24_000, duplex::audio::WavFormat::I16).unwrap();
+    let tone: Vec<f32> = (0..24_000 * 3)
+        .map(|i| 0.3 * (i as f32 * 0.05).sin())
+        .collect();
+    w.write(&tone).unwrap();
+    w.finalize().unwrap();
+    let agent = dir.path().join("agent.wav");
+    let set = |k: &str, v: &Path| ["--set".to_string(), format!("{k}={}", v.display())];
+    let mut args: Vec<String> = vec!["run".into(), "pipelines/duplex-file.yaml".into()];
+    for stage in ["encode", "temporal", "depformer", "decode"] {
+        args.extend(set(&format!("stages.{stage}.pack"), &q));
+    }
+    args.extend(set("stages.source.path", &input));
+    args.extend(set("stages.sink.path", &agent));
+    args.extend(set("stages.tokens.path", &dir.path().join("tokens.jsonl")));
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .current_dir(root())
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains(r#"strategy="stateful" dtype="f32""#), "{err}");
+    let mut r = hound::WavReader::open(&agent).unwrap();
+    let samples: Vec<i16> = r.samples::<i16>().map(Result::unwrap).collect();
+    // 3 s in, 3 s out (at the sink's 48 kHz), not silent.
+    assert!(samples.len() >= 48_000 * 3 - 3840, "{}", samples.len());
+    assert!(samples.iter().any(|&v| v != 0));
+
+    // The gate measures the codec alone (only the codec is quantized) and passes it.
+    let (code, r) = gate(&q, &float);
+    eprintln!("codec int8: {r}");
+    assert_eq!(code, Some(0), "{r}");
+    assert!(r.get("text_agreement").is_none(), "{r}");
+    let snr = r["decoder_snr_db"].as_f64().unwrap();
+    assert!((30.0..100.0).contains(&snr), "{r}");
+    assert!(r["first_code_agreement"].as_f64().unwrap() >= 0.9, "{r}");
+    assert!(r["code_agreement"].as_f64().unwrap() < 1.0, "{r}");
+    // The decoder's scales zeroed: the gate fails it on the SNR.
+    let damaged = damaged_copy(&q, &dir.path().join("damaged"), "mimi_decoder_step");
+    let (code, bad) = gate(&damaged, &float);
+    assert_eq!(code, Some(1), "{bad}");
+    assert!(
+        bad["failed"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("decoder_snr")),
+        "{bad}"
+    );
 }

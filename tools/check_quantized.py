@@ -8,8 +8,11 @@ unpacks its weights as ONNX Runtime's contrib operator specifies them (B: [N, bl
 block], 8-bit values, or two 4-bit values per byte with the low nibble first; one scale per
 block; the zero point 2^(bits-1) when the graph gives none), and checks:
 
-- that the node, run alone by ONNX Runtime on random inputs, gives A @ W (W dequantized by
-  numpy) to float rounding;
+- that the node, run alone by ONNX Runtime on random inputs in float arithmetic (accuracy level
+  0), gives A @ W (W dequantized by numpy) to float rounding;
+- that at the node's own accuracy level 4 (a CPU multiplies in int8) it gives A' @ W, A' being
+  A rounded by numpy to 8 bits per block of the node's block size (symmetric, the block's
+  largest magnitude at 127): the only other rounding is the input's;
 - that W is the float pack's weight rounded to its block's steps (within one step; within half
   a step but for the few clipped at the block's largest magnitude).
 
@@ -117,10 +120,30 @@ def main(argv=None) -> int:
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
     model.ir_version = 8
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    y = sess.run(None, {"A": x})[0]
-    want = x @ w
-    err = float(np.max(np.abs(y - want)) / (np.max(np.abs(want)) + 1e-12))
+    def run(level):
+        node_in_model = model.graph.node[0]
+        node_in_model.ClearField("attribute")
+        node_in_model.attribute.extend(
+            helper.make_attribute(key, value)
+            for key, value in {**attrs, "accuracy_level": level}.items()
+        )
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run(None, {"A": x})[0]
+
+    rel = lambda y, want: float(np.max(np.abs(y - want)) / (np.max(np.abs(want)) + 1e-12))  # noqa: E731
+    # In float arithmetic (accuracy level 0): exactly the dequantized weights times the input.
+    err = rel(run(0), x @ w)
+    # As the pack runs it: at level 4 a CPU multiplies in int8, the input rounded to 8 bits per
+    # block of the node's block size (symmetric, scale = largest magnitude / 127).
+    level = int(attrs.get("accuracy_level", 0))
+    xq = x.copy()
+    if level == 4:
+        for b in range(0, k, block):
+            part = x[:, b:b + block]
+            scale = np.max(np.abs(part), axis=1, keepdims=True) / 127.0
+            xq[:, b:b + block] = np.round(part / np.where(scale == 0, 1, scale)) * scale
+    err_level = rel(run(level), xq @ w)
+    err_level_float = rel(run(level), x @ w)
 
     # Against the float weight: rounded to the nearest step of its block (a weight at the
     # block's largest magnitude may be clipped to the last level: within one step).
@@ -137,6 +160,9 @@ def main(argv=None) -> int:
         "K": int(k),
         "N": int(n),
         "ort_vs_numpy_relative_error": err,
+        "accuracy_level": level,
+        "ort_at_level_vs_numpy_relative_error": err_level,
+        "ort_at_level_vs_float_input_relative_error": err_level_float,
         "weight_error_beyond_one_step": excess,
         "weights_beyond_half_a_step": beyond_half,
         "weight_relative_rms_error": float(
@@ -144,7 +170,7 @@ def main(argv=None) -> int:
         ),
     }
     print(json.dumps(report))
-    return 0 if err < 1e-4 and excess <= 0 else 1
+    return 0 if err < 1e-4 and err_level < 1e-4 and excess <= 0 else 1
 
 
 if __name__ == "__main__":

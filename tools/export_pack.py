@@ -576,11 +576,9 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="the pack's name (default: the output folder's)")
     parser.add_argument("--duplex", help="duplex binary for the load check (default: target/release/duplex, then PATH)")
     parser.add_argument("--no-check", action="store_true", help="skip the load check")
-    parser.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
-                        help="weight-only quantization of the temporal transformer's MatMuls "
-                             "(tools/quantize_pack.py; default none)")
-    parser.add_argument("--block-size", type=int, default=32,
-                        help="with --quantize: weight rows per scale (default 32)")
+    import quantize_pack
+
+    quantize_pack.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the exporter's log")
     args = parser.parse_args(argv)
 
@@ -649,13 +647,10 @@ def main(argv=None) -> int:
     import make_mimi_step
 
     steps = make_mimi_step.add_step_graphs(out, say=lambda _m: None)
-    if args.quantize != "none":
-        import quantize_pack
-
+    if args.quantize != "none" or args.quantize_codec != "none":
         t0 = time.monotonic()
-        for g, r in quantize_pack.quantize_pack(out, out, args.quantize, args.block_size).items():
-            say(f"{g}: {r['matmuls']} MatMuls in {r['bits']} bits, blocks of {r['block_size']} "
-                f"({time.monotonic() - t0:.1f} s)")
+        for g, r in quantize_pack.from_arguments(out, out, args).items():
+            say(f"{quantize_pack.describe(g, r)} ({time.monotonic() - t0:.1f} s)")
     for g in ("temporal", "depformer", "mimi_encoder", "mimi_decoder", *steps):
         say(f"  {g:<21} {folder_size(os.path.join(out, g)) / 2**20:9.1f} MiB")
     say(f"wrote {out} ({PROVIDERS[args.provider][0]}, {PROVIDERS[args.provider][1]}) in {time.monotonic() - start:.1f} s")

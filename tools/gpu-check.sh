@@ -22,6 +22,8 @@
 #   - the codec's step graphs as the shared codec runs them: one call of B = 1/16/32/48 rows
 #     against B calls of one row, encoder and decoder (`duplex doctor --time`, the same pack's
 #     codec),
+#   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at
+#     the same contexts, and its codec's batched steps (`duplex doctor --time`),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -63,6 +65,10 @@ PY
   say "building the small GQA fp16 pack"
   .venv/bin/python tools/make_pack.py --size small --variant gqa-fp16 --out "$stage/bundle/packs/small-gqa-fp16" -q \
     || die "make_pack failed"
+  for q in int8 int4; do
+    .venv/bin/python tools/quantize_pack.py "$stage/bundle/packs/small-gqa-fp16" \
+      "$stage/bundle/packs/small-gqa-fp16-$q" --quantize "$q" -q || die "quantize_pack $q failed"
+  done
   cp -r models/tiny-gqa models/tiny-gqa-fp16 "$stage/bundle/packs/"
   reference_tokens "$stage/bundle/ref" target/release/duplex cpu
   cp tools/gpu-check.sh "$stage/bundle/"
@@ -101,7 +107,7 @@ PY
 }
 
 run_checks() {
-  local out=$1 mode=$2 duplex provider small tiny ref
+  local out=$1 mode=$2 duplex provider small tiny ref QPACKS
   mkdir -p "$out"
   if [[ $mode == cpu ]]; then
     duplex=$ROOT/target/release/duplex provider=cpu
@@ -109,13 +115,19 @@ run_checks() {
     PACKS=$ROOT/models
     small=$PACKS/tiny-gqa-fp16 # the dry run times the tiny pack: the small one is built by --prepare
     ref=$out/ref && reference_tokens "$ref" "$duplex" cpu || die "the CPU replay failed"
+    # (and its quantized copies, which --prepare makes of the small pack)
+    for q in int8 int4; do
+      "$ROOT/.venv/bin/python" "$ROOT/tools/quantize_pack.py" "$small" "$out/packs/$(basename "$small")-$q" \
+        --quantize "$q" -q || die "quantize_pack $q failed"
+    done
+    QPACKS=$out/packs
   else
     local work=/tmp/duplex-gpu
     [[ -f $work/SHA256SUMS ]] || die "$work/SHA256SUMS missing: carry the parts first (tools/gpu-check.sh --prepare)"
     (cd "$work" && sha256sum -c --quiet SHA256SUMS) || die "a part is missing or damaged in $work"
     rm -rf "$work/bundle" && cat "$work"/part.* | tar -C "$work" -xz || die "cannot unpack the parts"
     duplex=$work/bundle/bin/duplex provider=cuda PACKS=$work/bundle/packs
-    small=$PACKS/small-gqa-fp16 ref=$work/bundle/ref
+    small=$PACKS/small-gqa-fp16 ref=$work/bundle/ref QPACKS=$PACKS
     export ORT_DYLIB_PATH
     ORT_DYLIB_PATH=$(ls "$work"/bundle/ort/libonnxruntime.so.* | head -n1)
     # The CUDA 13 / cuDNN libraries PyTorch brought (its nvidia-* wheels), and the system's.
@@ -140,6 +152,11 @@ PY
     timeout 60 "$duplex" doctor 2>&1 | sed 's/^/  /'
     echo "## which provider each graph runs on; temporal step times ($(basename "$small") pack)"
     timeout 240 "$duplex" doctor --pack "$small" --provider "$provider" --time 2>&1 | grep -v ' INFO ' | sed 's/^/  /'
+    for q in int8 int4; do
+      echo "## the same pack quantized, $q: temporal step times"
+      timeout 120 "$duplex" doctor --pack "$QPACKS/$(basename "$small")-$q" --provider "$provider" --time 2>&1 \
+        | grep -E "^ok|^error|weights int|context 50|^  resident /" | sed 's/^/  /'
+    done
     echo "## full-duplex pipeline, tiny GQA fp16 pack, file to file"
     local pipe=$out/pipeline
     mkdir -p "$pipe"

@@ -440,15 +440,9 @@ def main(argv=None) -> int:
         help="leave out Mimi's step graphs (tools/make_mimi_step.py): the pack streams its codec "
         "with the rolling window only",
     )
-    parser.add_argument(
-        "--quantize",
-        choices=["none", "int8", "int4"],
-        default="none",
-        help="weight-only quantization of the temporal transformer (tools/quantize_pack.py)",
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=32, help="with --quantize: rows per scale (default 32)"
-    )
+    import quantize_pack
+
+    quantize_pack.add_arguments(parser)
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the exporter's log")
     args = parser.parse_args(argv)
@@ -488,10 +482,8 @@ def main(argv=None) -> int:
             import make_mimi_step
 
             make_mimi_step.add_step_graphs(out_dir, say=lambda _m: None)
-        if args.quantize != "none":
-            import quantize_pack
-
-            quantize_pack.quantize_pack(out_dir, out_dir, args.quantize, args.block_size)
+        if args.quantize != "none" or args.quantize_codec != "none":
+            quantize_pack.from_arguments(out_dir, out_dir, args)
         say(f"wrote {out_dir} ({size}, {variant}, mimi {mimi_size}"
             + (")" if args.no_step_graphs else ", with step graphs)"))
     say(f"done in {time.monotonic() - start:.1f} s")

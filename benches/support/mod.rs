@@ -53,6 +53,29 @@ pub fn with_step_graphs(dir: PathBuf) -> PathBuf {
     dir
 }
 
+/// `models/NAME`: pack `src` quantized by `tools/quantize_pack.py ARGS`, when it is not there.
+pub fn quantized(src: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let dir = root().join("models").join(name);
+    if !dir.join("pack.yaml").is_file() {
+        eprintln!(
+            "quantizing {} into {name} ({})",
+            src.display(),
+            args.join(" ")
+        );
+        let ok = Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("tools/quantize_pack.py"))
+            .arg(src)
+            .arg(&dir)
+            .args(args)
+            .arg("-q")
+            .status()
+            .expect("run tools/quantize_pack.py (make setup first)")
+            .success();
+        assert!(ok, "quantizing {} failed", src.display());
+    }
+    dir
+}
+
 /// Writes a 10 s voice prompt at 24 kHz to `path` (a gliding tone with a little noise).
 pub fn voice_wav(path: &Path) {
     let spec = hound::WavSpec {

@@ -4,7 +4,7 @@
 //!
 //! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
 //! it: the pack's files and manifest against the graph contract (and each graph's size and
-//! weight quantization), then a session for each graph
+//! weight quantization, step graphs included), then a session for each graph
 //! on the chosen provider, one codec frame through the encoder and decoder (and through Mimi's
 //! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
@@ -96,22 +96,45 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
         m.context,
         m.max_positions
     ));
-    for g in Graph::ALL {
-        let weights = match pack.quantized(g.dir()) {
+    // The four graphs, then the step graphs the pack has, each with its size and how its
+    // weights are quantized.
+    let pack_ref = &pack;
+    let steps = [FloatType::F32, FloatType::F16]
+        .into_iter()
+        .flat_map(|dtype| {
+            [StepRole::Encoder, StepRole::Decoder]
+                .into_iter()
+                .filter_map(move |role| pack_step_dir(pack_ref, role, dtype))
+        });
+    let folders: Vec<String> = Graph::ALL
+        .iter()
+        .map(|g| g.dir().to_string())
+        .chain(steps)
+        .collect();
+    for folder in folders {
+        let weights = match pack.quantized(&folder) {
             Some(q) => format!(
-                "  weights {} (blocks of {}{})",
+                "  weights {} (blocks of {}{}{}{})",
                 q.name(),
                 q.block_size,
                 q.matmuls
                     .map(|n| format!(", {n} MatMuls"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                q.gathers
+                    .filter(|&n| n > 0)
+                    .map(|n| format!(", {n} tables"))
+                    .unwrap_or_default(),
+                match q.accuracy_level {
+                    Some(4) => ", int8 arithmetic on a CPU",
+                    _ => "",
+                }
             ),
             None => String::new(),
         };
         text.push_str(&format!(
-            "  {:<13} {:>9.1} MiB{weights}\n",
-            g.dir(),
-            size_of(&dir.join(g.dir())) as f64 / (1u64 << 20) as f64
+            "  {:<21} {:>9.1} MiB{weights}\n",
+            folder,
+            size_of(&dir.join(&folder)) as f64 / (1u64 << 20) as f64
         ));
     }
     let session = SessionOptions {
@@ -413,4 +436,10 @@ pub fn codec_batch_times(
         ));
     }
     Ok(text)
+}
+
+/// The folder name of the pack's `role` step graph of precision `dtype`, when it has one.
+fn pack_step_dir(pack: &Pack, role: StepRole, dtype: FloatType) -> Option<String> {
+    let dir = pack.step_graph(role, dtype)?;
+    Some(dir.file_name()?.to_string_lossy().into_owned())
 }

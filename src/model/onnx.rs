@@ -1,7 +1,7 @@
 //! What a `model.onnx` file says about itself, read without ONNX Runtime: its inputs and
 //! outputs (names, element types, shapes, symbolic dimensions), its initializers (names,
-//! shapes, where external data lives) and its weight-only quantized MatMuls (`MatMulNBits`:
-//! bits and block size).
+//! shapes, where external data lives) and its weight-only quantized nodes (`MatMulNBits` and
+//! `GatherBlockQuantized`: bits, block size, accuracy level).
 //!
 //! This is what lets a pack be checked when it is opened, before any session is built: the
 //! graph contract, `pack.yaml` against the embedding tables and the RoPE tables, and the
@@ -104,14 +104,18 @@ pub struct Initializer {
     pub external: Option<(String, u64, Option<u64>)>,
 }
 
-/// A weight-only quantized MatMul (ONNX Runtime's `MatMulNBits`): the bits of its weights and
-/// the rows that share a scale.
+/// A weight-only quantized node (ONNX Runtime's `MatMulNBits`, or `GatherBlockQuantized` for an
+/// embedding table): the bits of its weights and the weights that share a scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NBits {
     /// Bits per weight (4 or 8).
     pub bits: i64,
-    /// Rows per scale.
+    /// Weights per scale.
     pub block_size: i64,
+    /// A MatMul's `accuracy_level` (4: its CPU kernel multiplies in int8); 0 for a table.
+    pub accuracy_level: i64,
+    /// `GatherBlockQuantized` (a table) rather than `MatMulNBits`.
+    pub gather: bool,
 }
 
 /// What a `model.onnx` declares.
@@ -125,7 +129,7 @@ pub struct GraphFile {
     pub outputs: Vec<ValueInfo>,
     /// Weights.
     pub initializers: Vec<Initializer>,
-    /// Its `MatMulNBits` nodes, in graph order.
+    /// Its `MatMulNBits` and `GatherBlockQuantized` nodes, in graph order.
     pub nbits: Vec<NBits>,
 }
 
@@ -230,7 +234,7 @@ impl GraphFile {
             nbits: graph
                 .node
                 .iter()
-                .filter(|n| n.op_type == "MatMulNBits")
+                .filter(|n| n.op_type == "MatMulNBits" || n.op_type == "GatherBlockQuantized")
                 .map(|n| {
                     let int = |name: &str, default: i64| {
                         n.attribute
@@ -238,10 +242,14 @@ impl GraphFile {
                             .find(|a| a.name == name)
                             .map_or(default, |a| a.i)
                     };
-                    // (`bits` is 4 when not given, as the operator's specification says.)
+                    // (The defaults when an attribute is not given are the operators'
+                    // specification's: 4 bits, and a table's blocks of 128.)
+                    let gather = n.op_type == "GatherBlockQuantized";
                     NBits {
                         bits: int("bits", 4),
-                        block_size: int("block_size", 0),
+                        block_size: int("block_size", if gather { 128 } else { 0 }),
+                        accuracy_level: int("accuracy_level", 0),
+                        gather,
                     }
                 })
                 .collect(),

@@ -9,6 +9,7 @@ use serde::Deserialize;
 use super::contract::{FloatType, LmGraphInfo, Variant};
 use crate::model::error::ModelError;
 use crate::model::lmgen::StreamLayout;
+use crate::model::onnx::NBits;
 
 /// The temporal graph an exporter says it built: `pack.yaml`'s `variant` (the exporter's names:
 /// attention kind, then dtype).
@@ -131,7 +132,7 @@ pub struct PackManifest {
     /// graphs present in the folders are used all the same.
     pub mimi_streaming: Option<Vec<MimiStreaming>>,
     /// The graphs whose weights are quantized, and how (`tools/quantize_pack.py` writes it;
-    /// checked against the graphs' `MatMulNBits` nodes).
+    /// checked against the graphs' `MatMulNBits` and `GatherBlockQuantized` nodes).
     pub quantization: Option<std::collections::BTreeMap<String, Quantized>>,
 }
 
@@ -145,8 +146,12 @@ pub struct Quantized {
     pub block_size: i64,
     /// How the scales were chosen (`symmetric`; informational).
     pub scheme: Option<String>,
-    /// How many MatMuls were rewritten.
+    /// How many MatMuls were rewritten (`MatMulNBits`).
     pub matmuls: Option<usize>,
+    /// How many embedding tables were rewritten (`GatherBlockQuantized`); none when absent.
+    pub gathers: Option<usize>,
+    /// The MatMuls' `accuracy_level` (4: a CPU multiplies in int8; 0: in float).
+    pub accuracy_level: Option<i64>,
 }
 
 impl Quantized {
@@ -171,7 +176,14 @@ pub struct LmShape {
 }
 
 /// The keys of one graph's `quantization` entry.
-const QUANTIZED_KEYS: &[&str] = &["bits", "block_size", "scheme", "matmuls"];
+const QUANTIZED_KEYS: &[&str] = &[
+    "bits",
+    "block_size",
+    "scheme",
+    "matmuls",
+    "gathers",
+    "accuracy_level",
+];
 
 /// Every key `pack.yaml` may hold, with the keys of its maps.
 const MANIFEST_KEYS: &[(&str, &[&str])] = &[
@@ -196,7 +208,17 @@ const MANIFEST_KEYS: &[(&str, &[&str])] = &[
     ("depformer", &["dim", "layers", "heads", "head_dim"]),
     ("tokenizer", &[]),
     ("mimi_streaming", &[]),
-    ("quantization", &["temporal", "depformer"]),
+    (
+        "quantization",
+        &[
+            "temporal",
+            "depformer",
+            "mimi_encoder_step",
+            "mimi_decoder_step",
+            "mimi_encoder_step_f16",
+            "mimi_decoder_step_f16",
+        ],
+    ),
 ];
 
 impl Default for PackManifest {
@@ -379,71 +401,102 @@ pub(super) fn read_manifest(mf: &Path) -> Result<PackManifest, ModelError> {
         })
 }
 
-/// The quantization the manifest states for `graph` against the graph's `MatMulNBits` nodes:
-/// both say none, or both say the same bits and block size (and count, when stated).
+/// The quantization the manifest states for `graph` against the graph's quantized nodes
+/// (`MatMulNBits`, and `GatherBlockQuantized` for tables): both say none, or both say the same
+/// bits and block size, the same counts (MatMuls when stated; tables, none when not stated) and
+/// the same `accuracy_level` (when stated).
 pub(super) fn check_quantization(
     mf: &Path,
     graph: &str,
     said: Option<&Quantized>,
-    nodes: &[crate::model::onnx::NBits],
+    nodes: &[NBits],
 ) -> Result<(), ModelError> {
     let key = format!("quantization.{graph}");
-    match (said, nodes.first()) {
-        (None, None) => Ok(()),
-        (None, Some(n)) => Err(manifest_error(
-            mf,
-            "quantization",
-            format!(
-                "says nothing of the {graph} graph, which has {} MatMulNBits nodes ({} bits, \
-                 blocks of {}): a quantized graph in a float pack's folder?",
-                nodes.len(),
-                n.bits,
-                n.block_size
-            ),
-        )),
-        (Some(q), None) => Err(manifest_error(
+    let op = |gather: bool| {
+        if gather {
+            "GatherBlockQuantized"
+        } else {
+            "MatMulNBits"
+        }
+    };
+    let (tables, matmuls): (Vec<&NBits>, Vec<&NBits>) = nodes.iter().partition(|n| n.gather);
+    let Some(q) = said else {
+        return match nodes.first() {
+            None => Ok(()),
+            Some(n) => Err(manifest_error(
+                mf,
+                "quantization",
+                format!(
+                    "says nothing of the {graph} graph, which has {} {} nodes ({} bits, blocks \
+                     of {}): a quantized graph in a float pack's folder?",
+                    nodes.iter().filter(|m| m.gather == n.gather).count(),
+                    op(n.gather),
+                    n.bits,
+                    n.block_size
+                ),
+            )),
+        };
+    };
+    if nodes.is_empty() {
+        return Err(manifest_error(
             mf,
             &key,
             format!(
                 "says {}, but the {graph} graph has no MatMulNBits node (its weights are float)",
                 q.name()
             ),
-        )),
-        (Some(q), Some(_)) => {
-            if ![4, 8].contains(&q.bits) {
-                return Err(manifest_error(
-                    mf,
-                    &format!("{key}.bits"),
-                    format!("{}: 8 or 4", q.bits),
-                ));
-            }
-            if let Some(n) = nodes
-                .iter()
-                .find(|n| n.bits != q.bits || n.block_size != q.block_size)
-            {
-                return Err(manifest_error(
-                    mf,
-                    &key,
-                    format!(
-                        "says {} bits in blocks of {}, but the {graph} graph has a MatMulNBits \
-                         of {} bits in blocks of {}",
-                        q.bits, q.block_size, n.bits, n.block_size
-                    ),
-                ));
-            }
-            match q.matmuls {
-                Some(m) if m != nodes.len() => Err(manifest_error(
-                    mf,
-                    &format!("{key}.matmuls"),
-                    format!(
-                        "{m}, but the {graph} graph has {} MatMulNBits nodes",
-                        nodes.len()
-                    ),
-                )),
-                _ => Ok(()),
-            }
+        ));
+    }
+    if ![4, 8].contains(&q.bits) {
+        return Err(manifest_error(
+            mf,
+            &format!("{key}.bits"),
+            format!("{}: 8 or 4", q.bits),
+        ));
+    }
+    if let Some(n) = nodes
+        .iter()
+        .find(|n| n.bits != q.bits || n.block_size != q.block_size)
+    {
+        return Err(manifest_error(
+            mf,
+            &key,
+            format!(
+                "says {} bits in blocks of {}, but the {graph} graph has a {} of {} bits in \
+                 blocks of {}",
+                q.bits,
+                q.block_size,
+                op(n.gather),
+                n.bits,
+                n.block_size
+            ),
+        ));
+    }
+    for (name, said, has, gather) in [
+        ("matmuls", q.matmuls, matmuls.len(), false),
+        ("gathers", Some(q.gathers.unwrap_or(0)), tables.len(), true),
+    ] {
+        if let Some(m) = said.filter(|&m| m != has) {
+            return Err(manifest_error(
+                mf,
+                &format!("{key}.{name}"),
+                format!("{m}, but the {graph} graph has {has} {} nodes", op(gather)),
+            ));
         }
     }
+    if let Some(level) = q.accuracy_level {
+        if let Some(n) = matmuls.iter().find(|n| n.accuracy_level != level) {
+            return Err(manifest_error(
+                mf,
+                &format!("{key}.accuracy_level"),
+                format!(
+                    "{level}, but the {graph} graph has a MatMulNBits of accuracy_level {}",
+                    n.accuracy_level
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A shape the manifest states against the one the graph has.

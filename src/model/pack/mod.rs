@@ -77,7 +77,7 @@ impl Pack {
     /// files are complete, and `pack.yaml` (when present) holds only known keys with values
     /// that agree with the graphs: vocabularies with the logits and the embedding tables, the
     /// codebook count and frame size with the codec, `max_positions` with the RoPE table, the
-    /// stated quantization with the graphs' `MatMulNBits` nodes.
+    /// stated quantization with the graphs' quantized nodes (the step graphs' too).
     ///
     /// # Errors
     ///
@@ -490,9 +490,33 @@ impl Pack {
     /// and every step graph's `state.json` must read (what it says of its batch rows is
     /// [`step_graph_batches`](Self::step_graph_batches)).
     fn check_step_graphs(&self) -> Result<(), ModelError> {
+        let mf = self.dir.join("pack.yaml");
         for dtype in [FloatType::F32, FloatType::F16] {
             for role in [StepRole::Encoder, StepRole::Decoder] {
                 self.step_graph_batches(role, dtype)?;
+                let name = step_dir(role, dtype);
+                let said = self.quantized(&name);
+                match self.step_graph(role, dtype) {
+                    Some(dir) => {
+                        let path = dir.join("model.onnx");
+                        let nodes = GraphFile::read(&path)
+                            .map_err(|e| ModelError::Pack {
+                                path: path.clone(),
+                                detail: e.detail,
+                            })?
+                            .map(|f| f.nbits)
+                            .unwrap_or_default();
+                        check_quantization(&mf, &name, said, &nodes)?;
+                    }
+                    None if said.is_some() => {
+                        return Err(manifest_error(
+                            &mf,
+                            &format!("quantization.{name}"),
+                            format!("names a graph this pack does not have ({name}/)"),
+                        ));
+                    }
+                    None => {}
+                }
             }
         }
         let Some(listed) = &self.manifest.mimi_streaming else {
