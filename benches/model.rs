@@ -569,6 +569,14 @@ fn quantized_bench() {
             "int4",
             quantized(&float, "small-gqa-fullmimi-int4", &["--quantize", "int4"]),
         ),
+        (
+            "int4, depformer int4",
+            quantized(
+                &float,
+                "small-gqa-fullmimi-int4-dep4",
+                &["--quantize", "int4", "--quantize-depformer", "int4"],
+            ),
+        ),
     ];
     println!("   small LM (dim 512, 4 layers, 8 heads x 64, text vocab 32000): temporal step median of 25 at each KV length; depformer frame (every substep, sampled); LM resident memory (weights and runtime: a 100-position cache), the median of three child processes");
     let lengths = [50, 1000];
@@ -605,14 +613,18 @@ fn quantized_bench() {
         let mut runs: Vec<(f64, f64)> = (0..3).map(|_| child_rss(dir)).collect();
         runs.sort_by(|a, b| a.1.total_cmp(&b.1));
         let rss = runs[1];
-        let weights = p
-            .quantized("temporal")
-            .map(|q| format!("temporal {}", q.name()))
-            .unwrap_or_else(|| "float".into());
+        let weights = match (p.quantized("temporal"), p.quantized("depformer")) {
+            (None, None) => "float".to_string(),
+            (t, d) => [("temporal", t), ("depformer", d)]
+                .iter()
+                .filter_map(|(g, q)| q.map(|q| format!("{g} {}", q.name())))
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
         rows.push((name, times, dep_time, rss));
         let (_, t, d, r) = rows.last().unwrap();
         println!(
-            "   {name:<4} ({weights:<13}) temporal kv 50 {:6.3} ms, kv 1000 {:6.3} ms; depformer frame {:6.3} ms (float in every pack); resident: temporal {:6.1} MB, LM {:6.1} MB",
+            "   {name:<20} ({weights:<29}) temporal kv 50 {:6.3} ms, kv 1000 {:6.3} ms; depformer frame {:6.3} ms; resident: temporal {:6.1} MB, LM {:6.1} MB",
             ms(t[0]),
             ms(t[1]),
             ms(*d),
@@ -623,13 +635,14 @@ fn quantized_bench() {
     let f = &rows[0];
     for r in &rows[1..] {
         println!(
-            "   {} / fp32: temporal step kv 50 {:.2}, kv 1000 {:.2}; resident: temporal {:.2}, LM (with the float depformer) {:.2}{}",
+            "   {} / fp32: temporal step kv 50 {:.2}, kv 1000 {:.2}; depformer frame {:.2}; resident: temporal {:.2}, LM {:.2}{}",
             r.0,
             r.1[0].as_secs_f64() / f.1[0].as_secs_f64(),
             r.1[1].as_secs_f64() / f.1[1].as_secs_f64(),
+            r.2.as_secs_f64() / f.2.as_secs_f64(),
             r.3 .0 / f.3 .0,
             r.3 .1 / f.3 .1,
-            if *r.0 == "int4" {
+            if r.0.starts_with("int4") {
                 " (targets: step <= 0.5, resident <= 0.3)"
             } else {
                 ""

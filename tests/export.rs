@@ -46,18 +46,21 @@ fn checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
 }
 
 fn export(ck: &Path, out: &Path, provider: &str) -> Output {
-    python(
-        "export_pack.py",
-        &[
-            ck.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--provider",
-            provider,
-            "--duplex",
-            env!("CARGO_BIN_EXE_duplex"),
-        ],
-    )
+    export_with(ck, out, provider, &[])
+}
+
+fn export_with(ck: &Path, out: &Path, provider: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        ck.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--provider",
+        provider,
+        "--duplex",
+        env!("CARGO_BIN_EXE_duplex"),
+    ];
+    args.extend(extra);
+    python("export_pack.py", &args)
 }
 
 /// 2 s of a 440 Hz tone at 24 kHz.
@@ -145,6 +148,36 @@ fn a_kyutai_checkpoint_exports_to_a_pack_equal_to_the_reference_that_runs_a_pipe
     assert_eq!(tokens.lines().count(), made_tokens.lines().count());
     assert_eq!(samples, made_samples, "agent audio at 48 kHz");
     assert_ne!(tokens, made_tokens, "different weights, different tokens");
+
+    // Exported quantized (every option at once): it says what it did, passes duplex's own load
+    // check, and runs the same pipeline frame for frame.
+    let q = dir.path().join("pack-quantized");
+    let o = export_with(
+        &ck,
+        &q,
+        "cpu",
+        &[
+            "--quantize",
+            "int4",
+            "--quantize-depformer",
+            "int4",
+            "--quantize-codec",
+            "int8",
+        ],
+    );
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+    for said in [
+        "temporal: 9 MatMuls and 17 gathered weights in 4 bits",
+        "depformer: 8 gathered weights in 4 bits",
+        "mimi_decoder_step: ",
+        "ok: the pack loads and runs",
+    ] {
+        assert!(log.contains(said), "missing {said:?} in {log}");
+    }
+    let (q_tokens, q_samples) = run(&q, "quantized");
+    assert_eq!(q_tokens.lines().count(), tokens.lines().count());
+    assert_eq!(q_samples, samples, "agent audio at 48 kHz");
 }
 
 #[test]

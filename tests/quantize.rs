@@ -76,6 +76,40 @@ fn replay(pack: &Path, codes: &Path, out: &Path) -> Vec<serde_json::Value> {
     lines(out)
 }
 
+/// `duplex doctor --pack PACK` (which must pass): its line for graph folder `graph`.
+fn doctor_line(pack: &Path, graph: &str) -> String {
+    let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), pack.as_os_str()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out.lines()
+        .find(|l| l.trim_start().starts_with(&format!("{graph} ")))
+        .unwrap_or_else(|| panic!("no {graph} line in {out}"))
+        .to_string()
+}
+
+/// Greedy, step by step, `duplex replay` on `pack` against what the independent reference
+/// (numpy and ONNX Runtime, no duplex code) computes on the same graphs: equal; ours.
+fn steps_as_the_reference(pack: &Path, codes: &Path, dir: &Path) -> Vec<serde_json::Value> {
+    let ours = replay(pack, codes, &dir.join("ours.jsonl"));
+    let theirs = dir.join("ref.jsonl");
+    let o = python(
+        "reference_lm.py",
+        &[pack.as_os_str(), codes.as_os_str(), theirs.as_os_str()],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        ours,
+        lines(&theirs),
+        "{}: our steps against the reference's",
+        pack.display()
+    );
+    ours
+}
+
 fn lines(p: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(p)
         .unwrap()
@@ -104,20 +138,13 @@ fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
             )),
             "{manifest}"
         );
-        let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), qp.as_os_str()]);
-        let out = String::from_utf8_lossy(&o.stdout);
+        let line = doctor_line(&qp, "temporal");
         assert!(
-            o.status.success(),
-            "{out}{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        assert!(
-            out.lines().any(|l| l.trim_start().starts_with("temporal")
-                && l.contains(&format!(
-                    "weights {q} (blocks of 32, 9 MatMuls{}, int8 arithmetic on a CPU)",
-                    if tables.is_empty() { "" } else { ", 17 tables" }
-                ))),
-            "{out}"
+            line.contains(&format!(
+                "weights {q} (blocks of 32, 9 MatMuls{}, int8 arithmetic on a CPU)",
+                if tables.is_empty() { "" } else { ", 17 tables" }
+            )),
+            "{line}"
         );
         // Smaller on disk than the float graph it came from.
         let size = |p: &Path| {
@@ -126,21 +153,12 @@ fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
                 .len()
         };
         assert!(size(&qp) < size(&packs::pack(pack)), "{pack} {q}");
-        // Greedy, step by step, exactly what the independent reference (numpy and ONNX
-        // Runtime, no duplex code) computes on the same quantized graphs.
-        let ours = replay(&qp, &codes, &dir.path().join("ours.jsonl"));
-        let theirs = dir.path().join("ref.jsonl");
-        let o = python(
-            "reference_lm.py",
-            &[qp.as_os_str(), codes.as_os_str(), theirs.as_os_str()],
-        );
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let theirs = lines(&theirs);
+        // Greedy, step by step, exactly what the independent reference computes on the same
+        // quantized graphs.
+        let steps = dir.path().join(format!("{pack}-{q}-steps"));
+        std::fs::create_dir(&steps).unwrap();
+        let ours = steps_as_the_reference(&qp, &codes, &steps);
         assert_eq!(ours.len(), 40, "{pack} {q}");
-        assert_eq!(
-            ours, theirs,
-            "{pack} {q}: our steps against the reference's"
-        );
         // Against the float pack: the quantized weights are not the float ones, and not noise.
         let float = replay(&packs::pack(pack), &codes, &dir.path().join("float.jsonl"));
         let same = ours
@@ -150,6 +168,39 @@ fn int8_and_int4_packs_open_say_what_they_are_and_step_as_the_reference_does() {
             .count();
         eprintln!("{pack} {q}: {same} of 40 text tokens as the float pack's");
     }
+}
+
+#[test]
+fn an_int4_depformer_says_so_steps_as_the_reference_does_and_is_gated() {
+    let dir = tempfile::tempdir().unwrap();
+    let codes = codes(dir.path());
+    let float = packs::pack("tiny-gqa");
+    let q = quantized_with(
+        dir.path(),
+        "tiny-gqa",
+        "dep4",
+        &["--quantize-depformer", "int4"],
+    );
+    let manifest = std::fs::read_to_string(q.join("pack.yaml")).unwrap();
+    assert!(
+        manifest.contains(
+            "  depformer: {bits: 4, block_size: 32, scheme: symmetric, matmuls: 0, gathers: 8}"
+        ),
+        "{manifest}"
+    );
+    let line = doctor_line(&q, "depformer");
+    assert!(
+        line.contains("weights int4 (blocks of 32, 8 tables)"),
+        "{line}"
+    );
+    steps_as_the_reference(&q, &codes, dir.path());
+    // The gate sees the depformer's loss and nothing else: the temporal is the float one.
+    let (code, r) = gate(&q, &float);
+    eprintln!("depformer int4: {r}");
+    assert_eq!(r["text_agreement"], 1.0, "{r}");
+    let audio = r["audio_agreement"].as_f64().unwrap();
+    assert!(audio > 0.5 && audio < 1.0, "{r}");
+    assert_eq!(code, Some(if r["passed"] == true { 0 } else { 1 }));
 }
 
 #[test]
@@ -397,18 +448,10 @@ fn an_int8_codec_runs_the_pipeline_passes_its_gate_and_a_damaged_one_fails() {
         manifest.contains("name: tiny-gqa-mimi-full-codec8"),
         "{manifest}"
     );
-    let o = duplex(&["doctor".as_ref(), "--pack".as_ref(), q.as_os_str()]);
-    let out = String::from_utf8_lossy(&o.stdout);
+    let line = doctor_line(&q, "mimi_decoder_step");
     assert!(
-        o.status.success(),
-        "{out}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(
-        out.lines()
-            .any(|l| l.trim_start().starts_with("mimi_decoder_step ")
-                && l.contains("weights int8 (blocks of 64, 55 MatMuls")),
-        "{out}"
+        line.contains("weights int8 (blocks of 64, 55 MatMuls"),
+        "{line}"
     );
     // Smaller on disk than the float step graph it came from.
     let size = |p: &Path| {

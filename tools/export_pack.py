@@ -647,7 +647,7 @@ def main(argv=None) -> int:
     import make_mimi_step
 
     steps = make_mimi_step.add_step_graphs(out, say=lambda _m: None)
-    if args.quantize != "none" or args.quantize_codec != "none":
+    if "int" in args.quantize + args.quantize_codec + args.quantize_depformer:
         t0 = time.monotonic()
         for g, r in quantize_pack.from_arguments(out, out, args).items():
             say(f"{quantize_pack.describe(g, r)} ({time.monotonic() - t0:.1f} s)")

@@ -482,7 +482,7 @@ def main(argv=None) -> int:
             import make_mimi_step
 
             make_mimi_step.add_step_graphs(out_dir, say=lambda _m: None)
-        if args.quantize != "none" or args.quantize_codec != "none":
+        if "int" in args.quantize + args.quantize_codec + args.quantize_depformer:
             quantize_pack.from_arguments(out_dir, out_dir, args)
         say(f"wrote {out_dir} ({size}, {variant}, mimi {mimi_size}"
             + (")" if args.no_step_graphs else ", with step graphs)"))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Weight-only quantization of a model pack, with ONNX Runtime's own quantizer.
 
-    tools/quantize_pack.py SRC DST [--quantize int8|int4] [--quantize-codec int8]
-                           [--block-size 32] [--codec-block-size 64] [--accuracy-level 4]
+    tools/quantize_pack.py SRC DST [--quantize int8|int4] [--quantize-depformer int4]
+                           [--quantize-codec int8] [--block-size 32] [--codec-block-size 64]
+                           [--accuracy-level 4]
 
 Writes pack DST: SRC's graphs, with weights rewritten by
 `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer` (symmetric, one scale per
@@ -14,9 +15,14 @@ dtype.
   int4, its embedding tables become `GatherBlockQuantized` too (ONNX Runtime quantizes a
   `Gather` in 4 bits only; `--float-embeddings` keeps them float), which is what brings the
   pack's size down, since a Moshi LM's 17 embedding tables and its text head are a large share
-  of its weights. The depformer stays float: its weights are chosen per codebook by a `Gather`
-  before each MatMul, a form `MatMulNBits` does not take, and `GatherBlockQuantized` in that
-  place measured 20 times slower than the float depformer on the small pack.
+  of its weights. The depformer stays float.
+* `--quantize-depformer int4` (opt-in): the depformer's weights are chosen per codebook by a
+  `Gather` before each MatMul, a form `MatMulNBits` does not take; this rewrites those Gathers
+  of its layers' weights as `GatherBlockQuantized` (4 bits, `--block-size`), so that a
+  substep dequantizes its codebook's matrices as it takes them. It saves memory (the 7B's
+  depformer is 2.8 GB in fp16), not time: on a CPU the `small` pack's depformer frame took 4
+  times as long. Its embedding tables and output heads stay float (quantized too, the frame
+  took 21 times as long).
 * `--quantize-codec int8` (Mimi's stateful step graphs, `mimi_{encoder,decoder}_step`): their
   weights are first folded into the `[K, N]` constants a MatMul reads (the step graphs reshape
   and transpose the exporter's weights as they go; the folding is exact), then every MatMul
@@ -110,6 +116,20 @@ def quantize_graph(src: str, dst: str, bits: int, block_size: int, accuracy_leve
     return _count(out)
 
 
+def quantize_depformer_graph(src: str, dst: str, block_size: int) -> dict:
+    """The depformer's per-codebook layer weights (the Gathers under `layers.`) in 4 bits."""
+    import onnx
+
+    model = onnx.load(src)
+    exclude = [
+        n.name for n in model.graph.node
+        if n.op_type == "MatMul" or (n.op_type == "Gather" and "layers." not in n.name)
+    ]
+    out = _quantize(model, 4, block_size, 0, True, exclude)
+    _save(out, dst)
+    return _count(out)
+
+
 def quantize_codec_graph(src: str, dst: str, block_size: int, accuracy_level: int = 4) -> dict:
     """A Mimi step graph with its MatMul weights folded into constants and quantized to 8 bits,
     all but the encoder's RVQ distances."""
@@ -134,9 +154,10 @@ def quantize_codec_graph(src: str, dst: str, block_size: int, accuracy_level: in
 
 def record_line(graph: str, r: dict) -> str:
     extra = f", gathers: {r['gathers']}" if r.get("gathers") else ""
+    level = f", accuracy_level: {r['accuracy_level']}" if r["matmuls"] else ""
     return (
         f"  {graph}: {{bits: {r['bits']}, block_size: {r['block_size']}, scheme: symmetric, "
-        f"matmuls: {r['matmuls']}{extra}, accuracy_level: {r['accuracy_level']}}}"
+        f"matmuls: {r['matmuls']}{extra}{level}}}"
     )
 
 
@@ -170,17 +191,22 @@ def manifest_with(text: str, records: dict, suffix: str) -> str:
 
 def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: int = 32,
                   quantize_codec: str | None = None, codec_block_size: int = 64,
-                  accuracy_level: int = 4, float_embeddings: bool = False) -> dict:
+                  accuracy_level: int = 4, float_embeddings: bool = False,
+                  quantize_depformer: str | None = None) -> dict:
     """Writes the quantized copy of pack `src` to `dst` (through a sibling temporary folder;
     `dst` may be `src`); returns what was quantized, per graph."""
     quantize = None if quantize in (None, "none") else quantize
     quantize_codec = None if quantize_codec in (None, "none") else quantize_codec
+    quantize_depformer = None if quantize_depformer in (None, "none") else quantize_depformer
+    if quantize_depformer not in (None, "int4"):
+        raise SystemExit(f"quantize_pack: --quantize-depformer {quantize_depformer}: expected int4")
     if quantize is not None and quantize not in BITS:
         raise SystemExit(f"quantize_pack: --quantize {quantize}: expected one of int8, int4")
     if quantize_codec not in (None, "int8"):
         raise SystemExit(f"quantize_pack: --quantize-codec {quantize_codec}: expected int8")
-    if quantize is None and quantize_codec is None:
-        raise SystemExit("quantize_pack: nothing to do: give --quantize, --quantize-codec or both")
+    if quantize is None and quantize_codec is None and quantize_depformer is None:
+        raise SystemExit("quantize_pack: nothing to do: give --quantize, --quantize-depformer "
+                         "or --quantize-codec")
     for flag, b in (("--block-size", block_size), ("--codec-block-size", codec_block_size)):
         if b < 16 or b & (b - 1):
             raise SystemExit(f"quantize_pack: {flag} {b}: a power of two, 16 or more")
@@ -218,6 +244,11 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
                 raise SystemExit(f"quantize_pack: {path}: no MatMul with its weights to quantize")
             records[entry] = {"bits": bits, "block_size": block_size,
                               "accuracy_level": accuracy_level, **n}
+        elif entry == "depformer" and quantize_depformer:
+            n = quantize_depformer_graph(graph, os.path.join(tmp, entry, "model.onnx"), block_size)
+            if n["gathers"] == 0:
+                raise SystemExit(f"quantize_pack: {path}: no per-codebook weights to quantize")
+            records[entry] = {"bits": 4, "block_size": block_size, "accuracy_level": 0, **n}
         elif entry in CODEC_GRAPHS and quantize_codec:
             n = quantize_codec_graph(graph, os.path.join(tmp, entry, "model.onnx"),
                                      codec_block_size, accuracy_level)
@@ -230,7 +261,8 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
             shutil.copytree(path, os.path.join(tmp, entry))
         else:
             shutil.copy2(path, os.path.join(tmp, entry))
-    suffix = (f"-{quantize}" if quantize else "") + ("-codec8" if quantize_codec else "")
+    suffix = ((f"-{quantize}" if quantize else "") + ("-dep4" if quantize_depformer else "")
+              + ("-codec8" if quantize_codec else ""))
     with open(os.path.join(tmp, "pack.yaml"), "w", encoding="utf-8") as f:
         f.write(manifest_with(text, records, suffix))
     shutil.rmtree(dst, ignore_errors=True)
@@ -240,9 +272,11 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
 
 def describe(graph: str, r: dict) -> str:
     """One line for a person: what was done to `graph`."""
-    extra = f" and {r['gathers']} embedding tables" if r.get("gathers") else ""
-    return (f"{graph}: {r['matmuls']} MatMuls{extra} in {r['bits']} bits, blocks of "
-            f"{r['block_size']}, accuracy level {r['accuracy_level']}")
+    parts = [f"{r['matmuls']} MatMuls"] if r["matmuls"] else []
+    parts += [f"{r['gathers']} gathered weights"] if r.get("gathers") else []
+    level = f", accuracy level {r['accuracy_level']}" if r["matmuls"] else ""
+    return (f"{graph}: {' and '.join(parts)} in {r['bits']} bits, blocks of "
+            f"{r['block_size']}{level}")
 
 
 def add_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -250,6 +284,9 @@ def add_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--quantize", choices=["none", *sorted(BITS)], default="none",
                    help="the LM's weights: the temporal transformer's MatMuls, and with int4 "
                         "its embedding tables (default none)")
+    p.add_argument("--quantize-depformer", choices=["none", "int4"], default="none",
+                   help="the depformer's per-codebook layer weights, for memory, not speed "
+                        "(default none)")
     p.add_argument("--quantize-codec", choices=["none", "int8"], default="none",
                    help="Mimi's step graphs' MatMul weights (default none)")
     p.add_argument("--block-size", type=int, default=32,
@@ -265,7 +302,8 @@ def add_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def from_arguments(src: str, dst: str, a) -> dict:
     return quantize_pack(src, dst, a.quantize, a.block_size, a.quantize_codec,
-                         a.codec_block_size, a.accuracy_level, a.float_embeddings)
+                         a.codec_block_size, a.accuracy_level, a.float_embeddings,
+                         a.quantize_depformer)
 
 
 def main(argv=None) -> int:

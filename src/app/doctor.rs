@@ -118,6 +118,7 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
                 q.name(),
                 q.block_size,
                 q.matmuls
+                    .filter(|&n| n > 0)
                     .map(|n| format!(", {n} MatMuls"))
                     .unwrap_or_default(),
                 q.gathers
