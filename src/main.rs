@@ -312,6 +312,9 @@ fn main() -> ExitCode {
                         &app::doctor::CODEC_BATCHES,
                     )?;
                     out(&codec)?;
+                    let engine =
+                        app::doctor::engine_ticks(&pack, provider, &app::doctor::ENGINE_BATCHES)?;
+                    out(&engine)?;
                 }
                 return Ok(());
             }

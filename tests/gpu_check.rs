@@ -29,6 +29,15 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         report.matches("resident (cpu f16) context 50: ").count() >= 3,
         "{report}"
     );
+    // The shared engine's frame at B = 1/16/48, on the float pack and on both quantized ones.
+    assert_eq!(
+        report
+            .matches("shared LM engine on cpu, B conversations stepped together")
+            .count(),
+        3,
+        "{report}"
+    );
+    assert!(report.matches(", B=48: ").count() >= 3, "{report}");
     for want in [
         "providers: ",
         "temporal: on cpu f16",

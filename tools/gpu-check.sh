@@ -22,8 +22,9 @@
 #   - the codec's step graphs as the shared codec runs them: one call of B = 1/16/32/48 rows
 #     against B calls of one row, encoder and decoder (`duplex doctor --time`, the same pack's
 #     codec),
+#   - the shared LM engine's frame for B = 1/16/48 conversations stepped together,
 #   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at
-#     the same contexts, and its codec's batched steps (`duplex doctor --time`),
+#     the same contexts, and its engine's frame at B = 1/16/48 (`duplex doctor --time`),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -155,7 +156,7 @@ PY
     for q in int8 int4; do
       echo "## the same pack quantized, $q: temporal step times"
       timeout 120 "$duplex" doctor --pack "$QPACKS/$(basename "$small")-$q" --provider "$provider" --time 2>&1 \
-        | grep -E "^ok|^error|weights int|context 50|^  resident /" | sed 's/^/  /'
+        | grep -E "^ok|^error|weights int|context 50|^  resident /|^shared LM engine|^  B=1:" | sed 's/^/  /'
     done
     echo "## full-duplex pipeline, tiny GQA fp16 pack, file to file"
     local pipe=$out/pipeline
@@ -191,7 +192,7 @@ PY
 
 case ${1:-} in
   --prepare) prepare "${2:-gpu-check}" ;;
-  "" | -h | --help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   *)
     out=$1
     mode=gpu

@@ -9,8 +9,9 @@
 //! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
 //! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
-//! graph under CUDA), and the codec's step graphs batched as a shared codec runs them (one call
-//! of B rows against B calls of one row). Prints what it found; knows no stages or pipelines.
+//! graph under CUDA), the codec's step graphs batched as a shared codec runs them (one call
+//! of B rows against B calls of one row), and the shared LM engine's frame time for B
+//! conversations stepped together. Prints what it found; knows no stages or pipelines.
 
 use std::path::Path;
 use std::time::Instant;
@@ -437,6 +438,110 @@ pub fn codec_batch_times(
         ));
     }
     Ok(text)
+}
+
+/// Batch sizes at which [`engine_ticks`] reports.
+pub const ENGINE_BATCHES: [usize; 3] = [1, 16, 48];
+
+/// The shared LM engine on `provider`: for each B of `batches`, B conversations (a thread each,
+/// the user's substeps skipped as a server runs them) stepped together through one engine for
+/// 20 frames after 5 of warm-up, and the time of one frame of all of them (the slowest
+/// conversation's), with how many rows a temporal tick took on average.
+///
+/// # Errors
+///
+/// A [`ModelError`] from opening the engine or stepping a conversation.
+pub fn engine_ticks(
+    pack: &Pack,
+    provider: Provider,
+    batches: &[usize],
+) -> Result<String, ModelError> {
+    use crate::model::engine::{EngineOptions, SharedLm};
+    use crate::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
+    use crate::model::lmgen::LmGen;
+    use std::sync::atomic::Ordering;
+    const WARM: usize = 5;
+    const FRAMES: usize = 20;
+    let engine = std::sync::Arc::new(SharedLm::open(
+        pack,
+        &EngineOptions {
+            session: SessionOptions {
+                provider,
+                ..SessionOptions::default()
+            },
+            slots: batches.iter().copied().max().unwrap_or(1),
+            max_positions: WARM + FRAMES + 8,
+            ..EngineOptions::default()
+        },
+    )?);
+    let codebooks = pack.manifest.codebooks as i64;
+    let mut cells = Vec::new();
+    for &b in batches {
+        let ticks0 = engine.stats.temporal_ticks.load(Ordering::Relaxed);
+        let barrier = std::sync::Barrier::new(b);
+        let times: Vec<Result<f64, ModelError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..b)
+                .map(|c| {
+                    let (engine, barrier) = (&engine, &barrier);
+                    s.spawn(move || -> Result<f64, ModelError> {
+                        let mut depformer = engine.depformer_client();
+                        depformer.unused = crate::model::depformer::UnusedSubsteps::Skip;
+                        let mut lm = LmLoop {
+                            temporal: TemporalHalf::new(
+                                LmGen::new(pack.manifest.layout()),
+                                engine.temporal_slot(WARM + FRAMES + 8)?,
+                            ),
+                            sampling: SamplingHalf::new(
+                                depformer,
+                                SamplingConfig {
+                                    seed: c as u64,
+                                    ..Default::default()
+                                },
+                            ),
+                        };
+                        let mut t0 = Instant::now();
+                        for t in 0..WARM + FRAMES {
+                            if t == WARM {
+                                barrier.wait();
+                                t0 = Instant::now();
+                            }
+                            let user: Vec<i64> = (0..codebooks)
+                                .map(|k| ((c * 131 + t * 31) as i64 + k * 97) % 2048)
+                                .collect();
+                            lm.step(&user, None, None)?;
+                        }
+                        Ok(t0.elapsed().as_secs_f64() * 1e3 / FRAMES as f64)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(ModelError::contract(
+                            "engine",
+                            "a conversation's thread panicked",
+                        ))
+                    })
+                })
+                .collect()
+        });
+        let mut worst = 0.0f64;
+        for t in times {
+            worst = worst.max(t?);
+        }
+        let ticks = engine.stats.temporal_ticks.load(Ordering::Relaxed) - ticks0;
+        cells.push(format!(
+            "B={b}: {worst:.2} ms per frame of all ({:.1} rows per tick)",
+            (b * (WARM + FRAMES)) as f64 / ticks.max(1) as f64
+        ));
+    }
+    Ok(format!(
+        "shared LM engine on {}, B conversations stepped together (20 frames, user substeps \
+         skipped):\n  {}\n",
+        provider.name(),
+        cells.join(", ")
+    ))
 }
 
 /// The folder name of the pack's `role` step graph of precision `dtype`, when it has one.
