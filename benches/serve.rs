@@ -15,7 +15,8 @@
 //! 3. Both again with the session template's LM and codec on the process's shared engines
 //!    (`engine: shared`: weights once, every session stepped in one batched call per tick), side
 //!    by side; then with the full-size Mimi (`tiny-gqa-mimi-full`: the tiny LM, the real codec's
-//!    shapes), the codec per session against the shared codec.
+//!    shapes), the codec per session against the shared codec, and the shared codec with its
+//!    step graphs in int8 (`tools/quantize_pack.py --quantize-codec int8`).
 //! 4. The transports side by side on one server (the default template, tiny pack): the same
 //!    sessions over `/api/chat` (Ogg/Opus), `/v1/realtime` in PCM16 and in μ-law (JSON events,
 //!    base64), and `/twilio/media` (μ-law): server latency and the CPU outside the models.
@@ -68,6 +69,13 @@ const SETUPS: &[Setup] = &[
         codec_shared: true,
         levels: &[1, 2, 4, 6, 8, 10, 12],
     },
+    Setup {
+        label: "full-size codec in int8 (tiny-gqa-mimi-full-codec8), LM and codec shared",
+        pack: "tiny-gqa-mimi-full-codec8",
+        lm_shared: true,
+        codec_shared: true,
+        levels: &[1, 2, 4, 6, 8, 10, 12],
+    },
 ];
 
 /// How a run's template is set up.
@@ -86,6 +94,14 @@ struct Setup {
 
 fn start(setup: &Setup) -> support::Server {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if let Some(float) = setup.pack.strip_suffix("-codec8") {
+        // (made from the float pack by tools/quantize_pack.py when it is not there)
+        support::quantized(
+            &root.join("models").join(float),
+            setup.pack,
+            &["--quantize-codec", "int8"],
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let tpl = dir.path().join("session.yaml");
     let mut text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
