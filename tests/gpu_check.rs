@@ -1,6 +1,9 @@
 //! `tools/gpu-check.sh OUT --cpu`: the GPU check's dry run on this machine, with this build,
 //! library and packs. Every section runs and reports (a GPU run prints the same, measured
-//! there); the token streams it compares agree with themselves on the CPU.
+//! there); the token streams it compares agree with themselves on the CPU. And the 7B-shaped
+//! pack it carries: built here with its weights declared, not written
+//! (`tools/make_pack.py --shapes-only`), refused until `tools/fill_weights.py` writes them,
+//! written the same on every run, and refused again when a data file is cut short.
 
 use std::path::Path;
 use std::process::Command;
@@ -22,7 +25,7 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
     // The quantized packs' rows: their doctor ran, and timed the step from every context.
     assert_eq!(
         report.matches("\n  ok: the pack loads and runs").count(),
-        3,
+        4,
         "{report}"
     );
     assert!(
@@ -39,6 +42,10 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
     );
     assert!(report.matches(", B=48: ").count() >= 3, "{report}");
     for want in [
+        "## PersonaPlex 7B shapes (7b-gqa-fp16-1l, generated weights)",
+        "fill_weights: ",
+        "temporal: on cpu f16, 1 layers, 32 heads x 128, hidden 4096, text vocab 32000",
+        "depformer: on cpu f16, 1 layers, 16 substeps",
         "providers: ",
         "temporal: on cpu f16",
         "depformer: on cpu f16",
@@ -66,4 +73,119 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         assert_eq!(o.status.code(), Some(1), "{e}");
         assert!(e.contains("carry the parts first"), "{e}");
     }
+}
+
+fn python(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Command::new(root.join(".venv/bin/python"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn doctor(pack: &Path) -> (Option<i32>, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["doctor", "--pack"])
+        .arg(pack)
+        .output()
+        .unwrap();
+    (
+        o.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
+}
+
+#[test]
+fn a_7b_shaped_pack_is_declared_here_and_its_weights_are_written_there() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let pack = dir.path().join("7b");
+    let fill = root.join("tools/fill_weights.py");
+    let o = python(&[
+        root.join("tools/make_pack.py").as_os_str(),
+        "--size".as_ref(),
+        "7b".as_ref(),
+        "--variant".as_ref(),
+        "gqa-fp16".as_ref(),
+        "--layers".as_ref(),
+        "1".as_ref(),
+        "--shapes-only".as_ref(),
+        "--no-step-graphs".as_ref(),
+        "--out".as_ref(),
+        pack.as_os_str(),
+        "-q".as_ref(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A few MB to carry: the graphs and the list of their weights, no weights.
+    let graph = std::fs::metadata(pack.join("temporal/model.onnx"))
+        .unwrap()
+        .len();
+    assert!(graph < 4 << 20, "{graph} bytes");
+    assert!(!pack.join("temporal/model.onnx.data").exists());
+    let listing: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(pack.join("temporal/weights.json")).unwrap())
+            .unwrap();
+    let text_emb = listing["weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == "embed.text_emb.weight")
+        .unwrap();
+    assert_eq!(text_emb["shape"], serde_json::json!([32001, 4096]));
+    assert_eq!(text_emb["dtype"], "float16");
+    // Before the weights are written: refused, naming the file.
+    let (code, out) = doctor(&pack);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("temporal/model.onnx.data: missing"), "{out}");
+    let o = python(&[fill.as_os_str(), pack.as_os_str(), "--check".as_ref()]);
+    assert_eq!(o.status.code(), Some(1));
+    // Written: the pack loads and runs at the real width, and a second fill writes the same.
+    let o = python(&[fill.as_os_str(), pack.as_os_str()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let sample = |p: &Path| {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open(p).unwrap();
+        let mut out = Vec::new();
+        for at in [0u64, 300 << 20, 900 << 20] {
+            let mut b = vec![0u8; 1 << 16];
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.read_exact(&mut b).unwrap();
+            out.extend(b);
+        }
+        out
+    };
+    let data = pack.join("temporal/model.onnx.data");
+    let first = sample(&data);
+    assert!(first.iter().any(|&b| b != 0));
+    let o = python(&[fill.as_os_str(), pack.as_os_str()]);
+    assert!(o.status.success());
+    assert!(first == sample(&data), "a second fill wrote other bytes");
+    let (code, out) = doctor(&pack);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("1 layers, 32 heads x 128, hidden 4096, text vocab 32000; one step finite"),
+        "{out}"
+    );
+    // A data file cut short: the check and the pack both say which.
+    let dep = pack.join("depformer/model.onnx.data");
+    let len = std::fs::metadata(&dep).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&dep)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let o = python(&[fill.as_os_str(), pack.as_os_str(), "--check".as_ref()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("depformer/model.onnx.data"));
+    let (code, out) = doctor(&pack);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("depformer/model.onnx.data"), "{out}");
+    // Not a pack: exit 2.
+    let o = python(&[fill.as_os_str(), dir.path().as_os_str()]);
+    assert_eq!(o.status.code(), Some(2));
 }

@@ -25,6 +25,10 @@
 #   - the shared LM engine's frame for B = 1/16/48 conversations stepped together,
 #   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at
 #     the same contexts, and its engine's frame at B = 1/16/48 (`duplex doctor --time`),
+#   - PersonaPlex's 7B shapes: the graphs built here with their weights declared, not written
+#     (`make_pack.py --size 7b --shapes-only`), the weights generated there
+#     (`fill_weights.py`, numpy only), then the temporal step at the same contexts and the
+#     engine's frame at B = 1/16/48 (`duplex doctor --time`),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -47,11 +51,18 @@ prepare() {
   cargo build --release --features cuda --target-dir target/cuda --bin duplex >&2 || die "the cuda build failed"
   mkdir -p "$stage/bundle/bin" "$stage/bundle/ort" "$stage/bundle/packs" "$stage/bundle/ref"
   strip -o "$stage/bundle/bin/duplex" target/cuda/release/duplex
-  say "fetching onnxruntime-gpu==$ORT_VERSION from PyPI (its shared libraries only)"
-  .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
-    --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-    -d "$stage/wheel" "onnxruntime-gpu==$ORT_VERSION" || die "pip download onnxruntime-gpu failed"
-  .venv/bin/python - "$stage/wheel" "$stage/bundle/ort" <<'PY' || die "no libraries in the wheel"
+  # The wheel is kept in DIR/cache/ and fetched once.
+  local wheel=$dir/cache/wheel
+  if ! ls "$wheel"/onnxruntime_gpu-"$ORT_VERSION"-*.whl >/dev/null 2>&1; then
+    say "fetching onnxruntime-gpu==$ORT_VERSION from PyPI (kept in $wheel)"
+    mkdir -p "$wheel"
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+      -d "$wheel" "onnxruntime-gpu==$ORT_VERSION" || die "pip download onnxruntime-gpu failed"
+  else
+    say "onnxruntime-gpu==$ORT_VERSION: the wheel fetched before ($wheel)"
+  fi
+  .venv/bin/python - "$wheel" "$stage/bundle/ort" <<'PY' || die "no libraries in the wheel"
 import glob, os, sys, zipfile
 wheel = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
 with zipfile.ZipFile(wheel) as z:
@@ -70,6 +81,10 @@ PY
     .venv/bin/python tools/quantize_pack.py "$stage/bundle/packs/small-gqa-fp16" \
       "$stage/bundle/packs/small-gqa-fp16-$q" --quantize "$q" -q || die "quantize_pack $q failed"
   done
+  say "building the 7B-shaped pack's graphs (weights declared, written there by tools/fill_weights.py)"
+  .venv/bin/python tools/make_pack.py --size 7b --variant gqa-fp16 --shapes-only \
+    --out "$stage/bundle/packs/7b-gqa-fp16" -q || die "make_pack --size 7b failed"
+  cp tools/fill_weights.py "$stage/bundle/"
   cp -r models/tiny-gqa models/tiny-gqa-fp16 "$stage/bundle/packs/"
   reference_tokens "$stage/bundle/ref" target/release/duplex cpu
   cp tools/gpu-check.sh "$stage/bundle/"
@@ -158,6 +173,23 @@ PY
       timeout 120 "$duplex" doctor --pack "$QPACKS/$(basename "$small")-$q" --provider "$provider" --time 2>&1 \
         | grep -E "^ok|^error|weights int|context 50|^  resident /|^shared LM engine|^  B=1:" | sed 's/^/  /'
     done
+    # PersonaPlex's shapes, the weights generated here (the dry run: one layer, no timing).
+    local big fill=$ROOT/tools/fill_weights.py py=$ROOT/.venv/bin/python
+    if [[ $mode == cpu ]]; then
+      big=$out/packs/7b-gqa-fp16-1l
+      "$ROOT/.venv/bin/python" "$ROOT/tools/make_pack.py" --size 7b --variant gqa-fp16 --layers 1 \
+        --shapes-only --out "$big" -q || die "make_pack --size 7b failed"
+    else
+      big=$PACKS/7b-gqa-fp16 fill=$work/bundle/fill_weights.py py=python3
+    fi
+    echo "## PersonaPlex 7B shapes ($(basename "$big"), generated weights)"
+    if "$py" "$fill" "$big" 2>&1 | sed 's/^/  /'; then
+      local timing=()
+      [[ $mode == cpu ]] || timing=(--time)
+      timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
+        | grep -E "^ok|^error|^(temporal|depformer):|context 50|^  resident /|^shared LM engine|^  B=1:" | sed 's/^/  /'
+    fi
+    rm -f "$big"/temporal/model.onnx.data "$big"/depformer/model.onnx.data
     echo "## full-duplex pipeline, tiny GQA fp16 pack, file to file"
     local pipe=$out/pipeline
     mkdir -p "$pipe"
@@ -192,7 +224,7 @@ PY
 
 case ${1:-} in
   --prepare) prepare "${2:-gpu-check}" ;;
-  "" | -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   *)
     out=$1
     mode=gpu

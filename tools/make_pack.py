@@ -20,6 +20,18 @@ A pack is `<out>/{mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx` (wei
 
 Mimi is always fp32 and exported for provider "default".
 
+Real shapes without real weights (for the GPU check, where a 7B pack cannot be carried):
+
+    python tools/make_pack.py --size 7b --variant gqa-fp16 --shapes-only --out gpu/7b
+    python tools/fill_weights.py gpu/7b        # there: writes the weights (numpy only)
+
+`--size 7b` is PersonaPlex's shapes (temporal 4096 wide, 32 layers of 32 heads × 128; depformer
+1024 wide, 6 layers of 16 heads × 64); `--layers N` keeps the structure with fewer layers.
+`--shapes-only` writes the LM's graphs with their weights declared in `model.onnx.data` but not
+written: beside each `model.onnx`, `weights.json` lists every such weight (name, dtype, shape,
+offset, length, how to fill it), and `tools/fill_weights.py` writes them later (a few MB to
+carry instead of 17 GB). The codec is built with its weights as usual.
+
 The exporter imports torch, safetensors, tqdm, huggingface_hub and transformers at import time
 but needs them only to read real checkpoints; placeholder modules stand in for them here, so
 neither torch nor a checkpoint is needed. Requires mobius-onnx==0.1.0 (installed --no-deps),
@@ -35,6 +47,7 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import logging
+import math
 import os
 import shutil
 import sys
@@ -146,9 +159,22 @@ class LmSize:
 TEMPORAL_SIZES = {
     "tiny": LmSize(dim=64, layers=2, heads=4, head_dim=16),
     "small": LmSize(dim=512, layers=4, heads=8, head_dim=64),
+    "7b": LmSize(dim=4096, layers=32, heads=32, head_dim=128),
 }
-# The depformer stays tiny in every size: it is not what the size is meant to stress.
+# The depformer stays tiny in the test sizes (it is not what they are meant to stress), and is
+# PersonaPlex's own in the 7B's.
 DEPFORMER_SIZE = LmSize(dim=32, layers=2, heads=2, head_dim=16)
+DEPFORMER_SIZES = {"7b": LmSize(dim=1024, layers=6, heads=16, head_dim=64)}
+
+
+def lm_sizes(size: str, layers: int | None = None) -> tuple[LmSize, LmSize]:
+    """The temporal transformer's and the depformer's sizes; `layers` caps both."""
+    temporal = TEMPORAL_SIZES[size]
+    depformer = DEPFORMER_SIZES.get(size, DEPFORMER_SIZE)
+    if layers:
+        temporal = dataclasses.replace(temporal, layers=layers)
+        depformer = dataclasses.replace(depformer, layers=min(layers, depformer.layers))
+    return temporal, depformer
 
 # Mimi overrides (module constants of mobius.models.mimi). "full" keeps the real architecture.
 # The SEANet output, the transformer and the quantizer projections share one width, so all three
@@ -260,12 +286,24 @@ def _random_weight(value, seed: int):
     return ir.Tensor(data.astype(value.dtype.numpy()), name=name)
 
 
-def _assign_random_weights(model, seed: int) -> None:
+def _unwritten(value):
+    """A weight that is declared, not computed: `--shapes-only` writes its place, not its data."""
+    import onnx_ir as ir
+
+    name = value.name
+
+    def fail():
+        raise RuntimeError(f"{name}: a --shapes-only weight has no data")
+
+    return ir.LazyTensor(fail, dtype=value.dtype, shape=ir.Shape(value.shape), name=name)
+
+
+def _assign_random_weights(model, seed: int, shapes_only: bool = False) -> None:
     from mobius._optimizations import fold_initializers_after_weights
 
     for value in model.graph.initializers.values():
         if value.const_value is None:
-            value.const_value = _random_weight(value, seed)
+            value.const_value = _unwritten(value) if shapes_only else _random_weight(value, seed)
     # As after loading a real checkpoint: folds weight Transposes and packed-QKV Concats.
     fold_initializers_after_weights(model)
 
@@ -309,7 +347,8 @@ def build_mimi(size: str, seed: int) -> dict:
     return out
 
 
-def build_lm(size: str, variant: str, seed: int) -> dict:
+def build_lm(size: str, variant: str, seed: int, layers: int | None = None,
+             shapes_only: bool = False) -> dict:
     """Returns {"temporal": ir.Model, "depformer": ir.Model}."""
     import onnx_ir as ir
     from mobius._builder import build_from_module
@@ -317,12 +356,12 @@ def build_lm(size: str, variant: str, seed: int) -> dict:
     from mobius.tasks import MoshiDepformerTask, MoshiTemporalTask
 
     provider, dtype = VARIANTS[variant]
-    temporal = TEMPORAL_SIZES[size]
+    temporal, dep = lm_sizes(size, layers)
     ir_dtype = ir.DataType.FLOAT16 if dtype == "f16" else ir.DataType.FLOAT
     out = {}
     # The depformer's `hidden` input is declared with the task's own copy of the temporal dim.
     with (
-        _patched(moshi, _lm_overrides(temporal, DEPFORMER_SIZE)),
+        _patched(moshi, _lm_overrides(temporal, dep)),
         _patched(MoshiDepformerTask, {"_TEMPORAL_DIM": temporal.dim}),
     ):
         for name, make_config, model_cls, task in (
@@ -339,14 +378,14 @@ def build_lm(size: str, variant: str, seed: int) -> dict:
             _cast_parameters(module, ir_dtype)
             pkg = build_from_module(module, config, task(), execution_provider=provider)
             model = pkg["model"]
-            _assign_random_weights(model, seed)
+            _assign_random_weights(model, seed, shapes_only)
             out[name] = model
     return out
 
 
-def pack_yaml(name: str, size: str, variant: str, mimi_size: str) -> str:
-    temporal = TEMPORAL_SIZES[size]
-    dep = DEPFORMER_SIZE
+def pack_yaml(name: str, size: str, variant: str, mimi_size: str,
+              layers: int | None = None) -> str:
+    temporal, dep = lm_sizes(size, layers)
     dtype = VARIANTS[variant][1]
     lines = [
         "# Model pack: <pack>/{mimi_encoder,mimi_decoder,temporal,depformer}/model.onnx",
@@ -388,7 +427,7 @@ def pack_yaml(name: str, size: str, variant: str, mimi_size: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_pack(out_dir: str, graphs: dict, manifest: str) -> None:
+def save_pack(out_dir: str, graphs: dict, manifest: str, shapes_only: tuple = ()) -> None:
     """Writes the pack into a sibling temporary folder, then swaps it into place."""
     import onnx_ir as ir
 
@@ -405,7 +444,10 @@ def save_pack(out_dir: str, graphs: dict, manifest: str) -> None:
         if unset:
             raise RuntimeError(f"{name}: initializers without weights: {unset[:5]}")
         os.makedirs(os.path.join(tmp, name))
-        ir.save(model, os.path.join(tmp, name, "model.onnx"), external_data="model.onnx.data")
+        if name in shapes_only:
+            save_shapes_only(model, os.path.join(tmp, name))
+        else:
+            ir.save(model, os.path.join(tmp, name, "model.onnx"), external_data="model.onnx.data")
     with open(os.path.join(tmp, "pack.yaml"), "w", encoding="utf-8") as f:
         f.write(manifest)
     if os.path.islink(out_dir):
@@ -413,6 +455,62 @@ def save_pack(out_dir: str, graphs: dict, manifest: str) -> None:
     else:
         shutil.rmtree(out_dir, ignore_errors=True)
     os.rename(tmp, out_dir)
+
+
+# Where a weight starts in `model.onnx.data` (ONNX Runtime maps aligned external data).
+ALIGN = 4096
+
+
+def _is_unwritten(tensor) -> bool:
+    """In a graph built with `--shapes-only`: whether a weight is, or is computed from, one
+    whose data was not made (every weight of such a graph is; what the exporter's passes
+    computed from them is lazy too, and the real tables it precomputes, RoPE's, are not)."""
+    import onnx_ir as ir
+
+    return isinstance(tensor, ir.LazyTensor)
+
+
+def _fill_rule(name: str, shape: tuple) -> str:
+    """How tools/fill_weights.py fills a weight: as _random_weight does, at a real scale."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return "zeros"
+    if len(shape) == 1:
+        return "ones"
+    return "normal"
+
+
+def save_shapes_only(model, folder: str) -> None:
+    """Writes `model.onnx` with its unwritten weights declared in `model.onnx.data` (aligned,
+    in order) and `weights.json` listing them; real tensors (RoPE tables, constants) stay in
+    `model.onnx` itself."""
+    import json
+
+    import onnx_ir as ir
+
+    offset, listed = 0, []
+    for name, value in model.graph.initializers.items():
+        if not _is_unwritten(value.const_value):
+            continue
+        shape = tuple(int(d) for d in value.shape)
+        length = int(value.dtype.itemsize * math.prod(shape))
+        offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+        value.const_value = ir.ExternalTensor(
+            "model.onnx.data", offset=offset, length=length, dtype=value.dtype,
+            shape=ir.Shape(shape), name=name, base_dir=folder,
+        )
+        listed.append({
+            "name": name, "dtype": value.dtype.name.lower(), "shape": list(shape),
+            "offset": offset, "length": length, "fill": _fill_rule(name, shape),
+        })
+        offset += length
+    proto = ir.serde.serialize_model(model)
+    with open(os.path.join(folder, "model.onnx"), "wb") as f:
+        f.write(proto.SerializeToString())
+    with open(os.path.join(folder, "weights.json"), "w", encoding="utf-8") as f:
+        json.dump({"format": 1, "data": "model.onnx.data", "bytes": offset, "align": ALIGN,
+                   "weights": listed}, f, indent=None, separators=(",", ":"))
+        f.write("\n")
 
 
 def pack_name(size: str, variant: str, mimi_size: str) -> str:
@@ -443,11 +541,22 @@ def main(argv=None) -> int:
     import quantize_pack
 
     quantize_pack.add_arguments(parser)
+    parser.add_argument("--layers", type=int,
+                        help="fewer layers than the size has (the temporal's; the depformer's "
+                             "at most as many)")
+    parser.add_argument("--shapes-only", action="store_true",
+                        help="the LM's weights declared, not written (weights.json lists them; "
+                             "tools/fill_weights.py writes them)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the exporter's log")
     args = parser.parse_args(argv)
-    if args.all_tiny and (args.size or args.variant or args.mimi):
-        parser.error("--all-tiny builds fixed packs: drop --size, --variant and --mimi")
+    if args.all_tiny and (args.size or args.variant or args.mimi or args.layers):
+        parser.error("--all-tiny builds fixed packs: drop --size, --variant, --mimi and --layers")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: 1 or more")
+    if args.shapes_only and "int" in args.quantize + args.quantize_depformer:
+        parser.error("--shapes-only writes no weights to quantize: quantize after "
+                     "tools/fill_weights.py")
     args.size = args.size or "tiny"
     args.variant = args.variant or "standard"
     args.mimi = args.mimi or "tiny"
@@ -475,9 +584,11 @@ def main(argv=None) -> int:
     mimi = build_mimi(mimi_size, args.seed)
     for out_dir, size, variant in jobs:
         graphs = dict(mimi)
-        graphs.update(build_lm(size, variant, args.seed))
-        manifest = pack_yaml(pack_name(size, variant, mimi_size), size, variant, mimi_size)
-        save_pack(out_dir, graphs, manifest)
+        graphs.update(build_lm(size, variant, args.seed, args.layers, args.shapes_only))
+        name = pack_name(size, variant, mimi_size) + (f"-{args.layers}l" if args.layers else "")
+        manifest = pack_yaml(name, size, variant, mimi_size, args.layers)
+        save_pack(out_dir, graphs, manifest,
+                  ("temporal", "depformer") if args.shapes_only else ())
         if not args.no_step_graphs:
             import make_mimi_step
 
