@@ -46,6 +46,7 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "fill_weights: ",
         "temporal: on cpu f16, 1 layers, 32 heads x 128, hidden 4096, text vocab 32000",
         "depformer: on cpu f16, 1 layers, 16 substeps",
+        "mimi step graphs (f32): encoder on cpu f32 stateful, 29 states",
         "providers: ",
         "temporal: on cpu f16",
         "depformer: on cpu f16",

@@ -25,10 +25,11 @@
 #   - the shared LM engine's frame for B = 1/16/48 conversations stepped together,
 #   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at
 #     the same contexts, and its engine's frame at B = 1/16/48 (`duplex doctor --time`),
-#   - PersonaPlex's 7B shapes: the graphs built here with their weights declared, not written
-#     (`make_pack.py --size 7b --shapes-only`), the weights generated there
-#     (`fill_weights.py`, numpy only), then the temporal step at the same contexts and the
-#     engine's frame at B = 1/16/48 (`duplex doctor --time`),
+#   - PersonaPlex's 7B shapes with the full-size codec: the graphs built here with their
+#     weights declared, not written (`make_pack.py --size 7b --mimi full --shapes-only`), the
+#     weights generated there (`fill_weights.py`, numpy only), then the temporal step at the
+#     same contexts, the codec's batched steps at B = 1/16/32/48 and the engine's frame at
+#     B = 1/16/48 (`duplex doctor --time`),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -82,7 +83,7 @@ PY
       "$stage/bundle/packs/small-gqa-fp16-$q" --quantize "$q" -q || die "quantize_pack $q failed"
   done
   say "building the 7B-shaped pack's graphs (weights declared, written there by tools/fill_weights.py)"
-  .venv/bin/python tools/make_pack.py --size 7b --variant gqa-fp16 --shapes-only \
+  .venv/bin/python tools/make_pack.py --size 7b --variant gqa-fp16 --mimi full --shapes-only \
     --out "$stage/bundle/packs/7b-gqa-fp16" -q || die "make_pack --size 7b failed"
   cp tools/fill_weights.py "$stage/bundle/"
   cp -r models/tiny-gqa models/tiny-gqa-fp16 "$stage/bundle/packs/"
@@ -178,7 +179,7 @@ PY
     if [[ $mode == cpu ]]; then
       big=$out/packs/7b-gqa-fp16-1l
       "$ROOT/.venv/bin/python" "$ROOT/tools/make_pack.py" --size 7b --variant gqa-fp16 --layers 1 \
-        --shapes-only --out "$big" -q || die "make_pack --size 7b failed"
+        --mimi full --shapes-only --out "$big" -q || die "make_pack --size 7b failed"
     else
       big=$PACKS/7b-gqa-fp16 fill=$work/bundle/fill_weights.py py=python3
     fi
@@ -187,9 +188,10 @@ PY
       local timing=()
       [[ $mode == cpu ]] || timing=(--time)
       timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
-        | grep -E "^ok|^error|^(temporal|depformer):|context 50|^  resident /|^shared LM engine|^  B=1:" | sed 's/^/  /'
+        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:" \
+        | sed 's/^/  /'
     fi
-    rm -f "$big"/temporal/model.onnx.data "$big"/depformer/model.onnx.data
+    rm -f "$big"/*/model.onnx.data
     echo "## full-duplex pipeline, tiny GQA fp16 pack, file to file"
     local pipe=$out/pipeline
     mkdir -p "$pipe"
@@ -224,7 +226,7 @@ PY
 
 case ${1:-} in
   --prepare) prepare "${2:-gpu-check}" ;;
-  "" | -h | --help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   *)
     out=$1
     mode=gpu

@@ -700,23 +700,36 @@ def copy_weights(step_model, offline_model, role: str) -> None:
 
 
 def add_step_graphs(pack: str, dtypes=("f32", "f16"), gemm: bool = True, say=print) -> list[str]:
-    """Builds the step graphs of `pack` beside its offline graphs; returns the folders written."""
+    """Builds the step graphs of `pack` beside its offline graphs; returns the folders written.
+
+    Of a pack built with `make_pack.py --shapes-only` (its offline graphs' weights declared in
+    `weights.json`, not written), the step graphs are built the same way: their weights
+    declared and listed, for `tools/fill_weights.py`."""
     import onnx_ir as ir
 
     enc = ir.load(os.path.join(pack, "mimi_encoder", "model.onnx"))
     dec = ir.load(os.path.join(pack, "mimi_decoder", "model.onnx"))
+    shapes_only = os.path.isfile(os.path.join(pack, "mimi_encoder", "weights.json"))
     sizes = infer_sizes(enc, dec)
     written = []
     for dtype in dtypes:
         built = build(sizes, dtype, gemm)
         for role, offline in (("encoder", enc), ("decoder", dec)):
             model, states = built[role]
-            copy_weights(model, offline, role)
             folder = f"mimi_{role}_step" + ("" if dtype == "f32" else "_f16")
             tmp = os.path.join(pack, folder + ".partial")
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            ir.save(model, os.path.join(tmp, "model.onnx"), external_data="model.onnx.data")
+            if shapes_only:
+                import make_pack
+
+                for value in model.graph.initializers.values():
+                    if value.const_value is None:
+                        value.const_value = make_pack._unwritten(value)
+                make_pack.save_shapes_only(model, tmp)
+            else:
+                copy_weights(model, offline, role)
+                ir.save(model, os.path.join(tmp, "model.onnx"), external_data="model.onnx.data")
             manifest = {
                 "format": 1,
                 "role": role,

@@ -27,10 +27,10 @@ Real shapes without real weights (for the GPU check, where a 7B pack cannot be c
 
 `--size 7b` is PersonaPlex's shapes (temporal 4096 wide, 32 layers of 32 heads × 128; depformer
 1024 wide, 6 layers of 16 heads × 64); `--layers N` keeps the structure with fewer layers.
-`--shapes-only` writes the LM's graphs with their weights declared in `model.onnx.data` but not
-written: beside each `model.onnx`, `weights.json` lists every such weight (name, dtype, shape,
-offset, length, how to fill it), and `tools/fill_weights.py` writes them later (a few MB to
-carry instead of 17 GB). The codec is built with its weights as usual.
+`--shapes-only` writes every graph (the codec's step graphs too) with its weights declared in
+`model.onnx.data` but not written: beside each `model.onnx`, `weights.json` lists every such
+weight (name, dtype, shape, offset, length, how to fill it), and `tools/fill_weights.py` writes
+them later (a few MB to carry instead of 17 GB).
 
 The exporter imports torch, safetensors, tqdm, huggingface_hub and transformers at import time
 but needs them only to read real checkpoints; placeholder modules stand in for them here, so
@@ -330,7 +330,7 @@ def _cast_parameters(module, dtype) -> None:
             param.const_value = ir.Tensor(param.const_value.numpy().astype(dtype.numpy()))
 
 
-def build_mimi(size: str, seed: int) -> dict:
+def build_mimi(size: str, seed: int, shapes_only: bool = False) -> dict:
     """Returns {"mimi_encoder": ir.Model, "mimi_decoder": ir.Model}."""
     from mobius._builder import build_from_module
     from mobius.models import mimi
@@ -342,7 +342,7 @@ def build_mimi(size: str, seed: int) -> dict:
         pkg = build_from_module(module, config, CodecTask(), execution_provider="default")
     out = {}
     for role in ("encoder", "decoder"):
-        _assign_random_weights(pkg[role], seed)
+        _assign_random_weights(pkg[role], seed, shapes_only)
         out[f"mimi_{role}"] = pkg[role]
     return out
 
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
                         help="fewer layers than the size has (the temporal's; the depformer's "
                              "at most as many)")
     parser.add_argument("--shapes-only", action="store_true",
-                        help="the LM's weights declared, not written (weights.json lists them; "
+                        help="the weights declared, not written (weights.json lists them; "
                              "tools/fill_weights.py writes them)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the exporter's log")
@@ -581,14 +581,13 @@ def main(argv=None) -> int:
         mimi_size = args.mimi
 
     # Mimi does not depend on the variant: build it once, save it into every pack.
-    mimi = build_mimi(mimi_size, args.seed)
+    mimi = build_mimi(mimi_size, args.seed, args.shapes_only)
     for out_dir, size, variant in jobs:
         graphs = dict(mimi)
         graphs.update(build_lm(size, variant, args.seed, args.layers, args.shapes_only))
         name = pack_name(size, variant, mimi_size) + (f"-{args.layers}l" if args.layers else "")
         manifest = pack_yaml(name, size, variant, mimi_size, args.layers)
-        save_pack(out_dir, graphs, manifest,
-                  ("temporal", "depformer") if args.shapes_only else ())
+        save_pack(out_dir, graphs, manifest, tuple(graphs) if args.shapes_only else ())
         if not args.no_step_graphs:
             import make_mimi_step
 
