@@ -475,6 +475,7 @@ pub fn engine_ticks(
         },
     )?);
     let codebooks = pack.manifest.codebooks as i64;
+    let vocab = pack.manifest.audio_vocab.max(1);
     let mut cells = Vec::new();
     for &b in batches {
         let ticks0 = engine.stats.temporal_ticks.load(Ordering::Relaxed);
@@ -484,31 +485,39 @@ pub fn engine_ticks(
                 .map(|c| {
                     let (engine, barrier) = (&engine, &barrier);
                     s.spawn(move || -> Result<f64, ModelError> {
-                        let mut depformer = engine.depformer_client();
-                        depformer.unused = crate::model::depformer::UnusedSubsteps::Skip;
-                        let mut lm = LmLoop {
-                            temporal: TemporalHalf::new(
-                                LmGen::new(pack.manifest.layout()),
-                                engine.temporal_slot(WARM + FRAMES + 8)?,
-                            ),
-                            sampling: SamplingHalf::new(
-                                depformer,
-                                SamplingConfig {
-                                    seed: c as u64,
-                                    ..Default::default()
-                                },
-                            ),
+                        let user = |t: usize| -> Vec<i64> {
+                            (0..codebooks)
+                                .map(|k| ((c * 131 + t * 31) as i64 + k * 97) % vocab)
+                                .collect()
                         };
-                        let mut t0 = Instant::now();
-                        for t in 0..WARM + FRAMES {
-                            if t == WARM {
-                                barrier.wait();
-                                t0 = Instant::now();
+                        // Warmed up apart; every thread reaches the barrier, even one that
+                        // failed (it then leaves, and the engine forgets it).
+                        let warmed = (|| -> Result<LmLoop, ModelError> {
+                            let mut depformer = engine.depformer_client();
+                            depformer.unused = crate::model::depformer::UnusedSubsteps::Skip;
+                            let mut lm = LmLoop {
+                                temporal: TemporalHalf::new(
+                                    LmGen::new(pack.manifest.layout()),
+                                    engine.temporal_slot(WARM + FRAMES + 8)?,
+                                ),
+                                sampling: SamplingHalf::new(
+                                    depformer,
+                                    SamplingConfig {
+                                        seed: c as u64,
+                                        ..Default::default()
+                                    },
+                                ),
+                            };
+                            for t in 0..WARM {
+                                lm.step(&user(t), None, None)?;
                             }
-                            let user: Vec<i64> = (0..codebooks)
-                                .map(|k| ((c * 131 + t * 31) as i64 + k * 97) % 2048)
-                                .collect();
-                            lm.step(&user, None, None)?;
+                            Ok(lm)
+                        })();
+                        barrier.wait();
+                        let mut lm = warmed?;
+                        let t0 = Instant::now();
+                        for t in WARM..WARM + FRAMES {
+                            lm.step(&user(t), None, None)?;
                         }
                         Ok(t0.elapsed().as_secs_f64() * 1e3 / FRAMES as f64)
                     })
