@@ -32,6 +32,14 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         report.matches("resident (cpu f16) context 50: ").count() >= 3,
         "{report}"
     );
+    // The whole loop ran at the 7B's shapes too (and the tiny pack's).
+    assert_eq!(
+        report
+            .matches("sink sink: completion interval mean ")
+            .count(),
+        2,
+        "{report}"
+    );
     // The shared engine's frame at B = 1/16/48, on the float pack and on both quantized ones.
     assert_eq!(
         report
@@ -47,6 +55,7 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "temporal: on cpu f16, 1 layers, 32 heads x 128, hidden 4096, text vocab 32000",
         "depformer: on cpu f16, 1 layers, 16 substeps",
         "mimi step graphs (f32): encoder on cpu f32 stateful, 29 states",
+        "## full-duplex pipeline at the 7B's shapes, 25 frames, file to file",
         "providers: ",
         "temporal: on cpu f16",
         "depformer: on cpu f16",

@@ -29,7 +29,7 @@
 #     weights declared, not written (`make_pack.py --size 7b --mimi full --shapes-only`), the
 #     weights generated there (`fill_weights.py`, numpy only), then the temporal step at the
 #     same contexts, the codec's batched steps at B = 1/16/32/48 and the engine's frame at
-#     B = 1/16/48 (`duplex doctor --time`),
+#     B = 1/16/48 (`duplex doctor --time`), and the full-duplex loop over 600 frames,
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -123,6 +123,21 @@ PY
   done
 }
 
+# The full-duplex pipeline on pack $2, a $3 s tone file to file, as fast as possible, within
+# $4 s, in folder $1: its stages' times and completion interval (uses $duplex and $provider).
+whole_loop() {
+  local dir=$1 pack=$2 secs=$3 limit=$4
+  mkdir -p "$dir"
+  timeout 60 "$duplex" run "$ROOT/pipelines/make-tone.yaml" --set "stages.out.path=$dir/tone-48k.wav" \
+    --set "stages.tone.duration=$secs" >/dev/null 2>&1
+  timeout "$limit" "$duplex" run "$ROOT/pipelines/duplex-file.yaml" \
+    --set "stages.source.path=$dir/tone-48k.wav" --set "stages.sink.path=$dir/agent.wav" \
+    --set "stages.tokens.path=$dir/tokens.jsonl" --set metrics.address= \
+    $(for s in encode temporal depformer decode; do printf -- '--set stages.%s.pack=%s --set stages.%s.execution_provider=%s ' "$s" "$pack" "$s" "$provider"; done) \
+    >"$dir/run.txt" 2>"$dir/run.err" || echo "  the pipeline failed: $(grep -v ' INFO ' "$dir/run.err" | tail -n 3)"
+  grep -E "completion interval|^(encode|temporal|depformer|decode) " "$dir/run.txt" | sed 's/^/  /'
+}
+
 run_checks() {
   local out=$1 mode=$2 duplex provider small tiny ref QPACKS
   mkdir -p "$out"
@@ -190,18 +205,16 @@ PY
       timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
         | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:" \
         | sed 's/^/  /'
+      # The whole full-duplex loop at these shapes, file to file, as fast as possible: 600
+      # frames there, 25 in the dry run.
+      local secs=48
+      [[ $mode == cpu ]] && secs=2
+      echo "## full-duplex pipeline at the 7B's shapes, $((secs * 25 / 2)) frames, file to file"
+      whole_loop "$out/pipeline-7b" "$big" "$secs" 240
     fi
     rm -f "$big"/*/model.onnx.data
     echo "## full-duplex pipeline, tiny GQA fp16 pack, file to file"
-    local pipe=$out/pipeline
-    mkdir -p "$pipe"
-    timeout 60 "$duplex" run "$ROOT/pipelines/make-tone.yaml" --set "stages.out.path=$pipe/tone-48k.wav" >/dev/null 2>&1
-    timeout 120 "$duplex" run "$ROOT/pipelines/duplex-file.yaml" \
-      --set "stages.source.path=$pipe/tone-48k.wav" --set "stages.sink.path=$pipe/agent.wav" \
-      --set "stages.tokens.path=$pipe/tokens.jsonl" --set metrics.address= \
-      $(for s in encode temporal depformer decode; do printf -- '--set stages.%s.pack=%s --set stages.%s.execution_provider=%s ' "$s" "$PACKS/tiny-gqa-fp16" "$s" "$provider"; done) \
-      >"$pipe/run.txt" 2>"$pipe/run.err" || echo "  the pipeline failed: $(grep -v ' INFO ' "$pipe/run.err" | tail -n 3)"
-    grep -E "completion interval|^(encode|temporal|depformer|decode) " "$pipe/run.txt" | sed 's/^/  /'
+    whole_loop "$out/pipeline" "$PACKS/tiny-gqa-fp16" 3 120
     echo "## greedy token streams on $provider against the CPU run (60 user frames)"
     local here=$out/tokens
     mkdir -p "$here" && cp "$ref/codes.json" "$here/"
