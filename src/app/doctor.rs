@@ -99,14 +99,11 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
     ));
     // The four graphs, then the step graphs the pack has, each with its size and how its
     // weights are quantized.
-    let pack_ref = &pack;
     let steps = [FloatType::F32, FloatType::F16]
         .into_iter()
-        .flat_map(|dtype| {
-            [StepRole::Encoder, StepRole::Decoder]
-                .into_iter()
-                .filter_map(move |role| pack_step_dir(pack_ref, role, dtype))
-        });
+        .flat_map(|dtype| [StepRole::Encoder, StepRole::Decoder].map(|role| (role, dtype)))
+        .filter(|&(role, dtype)| pack.step_graph(role, dtype).is_some())
+        .map(|(role, dtype)| role.dir(dtype));
     let folders: Vec<String> = Graph::ALL
         .iter()
         .map(|g| g.dir().to_string())
@@ -551,10 +548,4 @@ pub fn engine_ticks(
         provider.name(),
         cells.join(", ")
     ))
-}
-
-/// The folder name of the pack's `role` step graph of precision `dtype`, when it has one.
-fn pack_step_dir(pack: &Pack, role: StepRole, dtype: FloatType) -> Option<String> {
-    let dir = pack.step_graph(role, dtype)?;
-    Some(dir.file_name()?.to_string_lossy().into_owned())
 }

@@ -103,3 +103,14 @@ impl ModelError {
         }
     }
 }
+
+impl From<super::onnx::GraphFileError> for ModelError {
+    /// A graph file that cannot be read, or whose weights are not all there: the pack's fault,
+    /// naming the file.
+    fn from(e: super::onnx::GraphFileError) -> Self {
+        ModelError::Pack {
+            path: e.path,
+            detail: e.detail,
+        }
+    }
+}

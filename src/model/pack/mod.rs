@@ -244,15 +244,9 @@ impl Pack {
         let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
         let read = |g: Graph| -> Result<Option<GraphFile>, ModelError> {
             let path = self.graph_path(g);
-            let file = GraphFile::read(&path).map_err(|e| ModelError::Pack {
-                path: e.path,
-                detail: e.detail,
-            })?;
+            let file = GraphFile::read(&path)?;
             if let Some(f) = &file {
-                f.check_external_data().map_err(|e| ModelError::Pack {
-                    path: e.path,
-                    detail: e.detail,
-                })?;
+                f.check_external_data()?;
             }
             Ok(file)
         };
@@ -468,7 +462,7 @@ impl Pack {
     /// has it: `mimi_encoder_step/`, `mimi_decoder_step_f16/`, … (with `model.onnx` and
     /// `state.json`).
     pub fn step_graph(&self, role: StepRole, dtype: FloatType) -> Option<PathBuf> {
-        let dir = self.dir.join(step_dir(role, dtype));
+        let dir = self.dir.join(role.dir(dtype));
         (dir.join("model.onnx").is_file() && dir.join("state.json").is_file()).then_some(dir)
     }
 
@@ -494,16 +488,11 @@ impl Pack {
         for dtype in [FloatType::F32, FloatType::F16] {
             for role in [StepRole::Encoder, StepRole::Decoder] {
                 self.step_graph_batches(role, dtype)?;
-                let name = step_dir(role, dtype);
+                let name = role.dir(dtype);
                 let said = self.quantized(&name);
                 match self.step_graph(role, dtype) {
                     Some(dir) => {
-                        let path = dir.join("model.onnx");
-                        let nodes = GraphFile::read(&path)
-                            .map_err(|e| ModelError::Pack {
-                                path: path.clone(),
-                                detail: e.detail,
-                            })?
+                        let nodes = GraphFile::read(&dir.join("model.onnx"))?
                             .map(|f| f.nbits)
                             .unwrap_or_default();
                         check_quantization(&mf, &name, said, &nodes)?;
@@ -528,7 +517,7 @@ impl Pack {
             };
             for role in [StepRole::Encoder, StepRole::Decoder] {
                 if self.step_graph(role, dtype).is_none() {
-                    let dir = self.dir.join(step_dir(role, dtype));
+                    let dir = self.dir.join(role.dir(dtype));
                     return Err(ModelError::Pack {
                         path: dir,
                         detail: format!(
@@ -566,12 +555,14 @@ impl StepRole {
             StepRole::Decoder => "mimi_decoder_step",
         }
     }
-}
 
-fn step_dir(role: StepRole, dtype: FloatType) -> String {
-    match dtype {
-        FloatType::F32 => role.graph().to_string(),
-        FloatType::F16 => format!("{}_f16", role.graph()),
+    /// The folder of its step graph of precision `dtype` in a pack: `mimi_encoder_step`,
+    /// `mimi_decoder_step_f16`, … (also its key under `pack.yaml`'s `quantization`).
+    pub fn dir(&self, dtype: FloatType) -> String {
+        match dtype {
+            FloatType::F32 => self.graph().to_string(),
+            FloatType::F16 => format!("{}_f16", self.graph()),
+        }
     }
 }
 
