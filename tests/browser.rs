@@ -268,3 +268,26 @@ fn the_pages_ogg_opus_is_read_by_sphn_and_the_page_plays_what_sphn_writes() {
         "sphn read silence from the page's stream ({rms})"
     );
 }
+
+#[test]
+fn a_conversation_over_webrtc_carries_audio_both_ways_and_its_hang_up_frees_the_slot() {
+    let server = Server::start("max_sessions: 1\nsampling:\n  text_temperature: 4\n", 240);
+    let wav = server.dir.path().join("mic.wav");
+    speech_wav(&wav, 8.0, 200.0);
+    let shot = artifacts().join("browser-webrtc.png");
+    let r = browser(&[
+        "--url",
+        &page(&server),
+        "--wav",
+        wav.to_str().unwrap(),
+        "--talk",
+        "6",
+        "--transport",
+        "webrtc",
+        "--screenshot",
+        shot.to_str().unwrap(),
+    ]);
+    eprintln!("{r:#}");
+    eprintln!("{}", server.log());
+    assert_eq!(r["live"], true, "the call never became live: {r}");
+}

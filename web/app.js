@@ -1,7 +1,11 @@
-// The browser voice chat of `duplex serve`, on the Moshi protocol (kinds 0 handshake, 1 Ogg/Opus
-// audio, 2 text, 4 metadata, 5 error). Microphone -> capture worklet (24 kHz) -> WebCodecs Opus
-// encoder (20 ms) -> Ogg pages (two packets each) -> WebSocket; WebSocket -> Ogg reader ->
-// WebCodecs Opus decoder -> player worklet (jitter buffer) -> speakers. Plain modules, no build.
+// The browser voice chat of `duplex serve`. Over WebRTC when the server offers it (POST
+// /api/webrtc with the offer, WHIP-style): the microphone as an Opus track through the
+// browser's own echo cancellation and jitter buffer, the transcript and the session's status on
+// a data channel, loss and jitter from getStats(). Otherwise on the Moshi protocol over a
+// WebSocket (kinds 0 handshake, 1 Ogg/Opus audio, 2 text, 4 metadata, 5 error): microphone ->
+// capture worklet (24 kHz) -> WebCodecs Opus encoder (20 ms) -> Ogg pages (two packets each) ->
+// WebSocket; WebSocket -> Ogg reader -> WebCodecs Opus decoder -> player worklet (jitter
+// buffer) -> speakers. Plain modules, no build.
 
 import { OggReader, OggWriter } from "./ogg.js";
 
@@ -24,12 +28,15 @@ const stats = {
   realtime_factor: null,
   verdicts: null,
   stats_updates: 0,
+  transport: null,
+  rtc: null,
   errors: [],
 };
 window.duplexStats = stats;
 
 let call = null; // the live call's resources
 let retryTimer = null;
+let serverDefaults = {}; // what /api/defaults said (WebRTC offered: its ICE servers)
 
 function setState(s, message = "") {
   stats.state = s;
@@ -59,7 +66,7 @@ function apiKey() {
 }
 function api(path, init = {}) {
   const key = apiKey();
-  const headers = key ? { "kyutai-api-key": key } : {};
+  const headers = { ...(init.headers || {}), ...(key ? { "kyutai-api-key": key } : {}) };
   return fetch(path, { ...init, headers });
 }
 
@@ -76,6 +83,7 @@ async function loadDefaults() {
       return;
     }
     const d = await r.json();
+    serverDefaults = d;
     for (const k of SAMPLING) {
       if (d[k] !== undefined) $(k).value = d[k];
     }
@@ -91,6 +99,7 @@ async function loadDefaults() {
   } catch (e) {
     // The page still works with the server's defaults.
   }
+  stats.defaults_loaded = true;
 }
 
 function query() {
@@ -147,6 +156,137 @@ function fail(msg) {
   hangup("error", msg);
 }
 
+// Which transport a call uses: the page's choice (or ?transport= in its URL), WebRTC when the
+// server offers it and the browser has it.
+function transport() {
+  const choice = $("transport").value;
+  const rtc = !!window.RTCPeerConnection && !!serverDefaults.webrtc;
+  if (choice === "websocket") return "websocket";
+  if (choice === "webrtc" && !rtc) return null;
+  return rtc ? "webrtc" : "websocket";
+}
+
+// Why a session was not opened (no WebSocket upgrade, or the offer refused): a key, the server
+// full (retried), or what the server said.
+async function refused(status, text, retryAfter) {
+  if (status === 401) {
+    hangup("error", "This server needs an API key: enter it under Settings.");
+    return;
+  }
+  if (status === 503) {
+    try {
+      const r = await fetch("/readyz");
+      const j = await r.json();
+      if (j.models_loaded && !j.draining) {
+        const wait = Number(retryAfter || r.headers.get("Retry-After") || 5);
+        hangup("full", `The server is full (${j.sessions} of ${j.capacity} sessions): retrying in ${wait} s.`);
+        retryTimer = setTimeout(connect, wait * 1000);
+        return;
+      }
+    } catch (_) {}
+  }
+  hangup("error", text || "The server refused the session.");
+}
+
+// Resolves once the browser has gathered its ICE candidates (they go in the one offer), or
+// after two seconds with what it has.
+function gathered(pc) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => { if (pc.iceGatheringState === "complete") resolve(); };
+    pc.addEventListener("icegatheringstatechange", done);
+    setTimeout(resolve, 2000);
+  });
+}
+
+async function connectWebRtc(mic) {
+  const pc = new RTCPeerConnection({ iceServers: serverDefaults.webrtc.ice_servers || [] });
+  const dc = pc.createDataChannel("duplex");
+  for (const t of mic.getAudioTracks()) pc.addTrack(t, mic);
+  const audio = new Audio();
+  audio.autoplay = true;
+  pc.ontrack = (e) => {
+    audio.srcObject = e.streams[0] ?? new MediaStream([e.track]);
+    audio.play().catch(() => {});
+  };
+  call = { mic, pc, dc, audio, timer: null, closing: false, resource: null };
+  call.timer = setInterval(() => updateStats(), 1000);
+  await pc.setLocalDescription(await pc.createOffer());
+  await gathered(pc);
+  if (!call || call.pc !== pc) return;
+  let r;
+  try {
+    r = await api(`/api/webrtc?${query()}`, { method: "POST", headers: { "content-type": "application/sdp" }, body: pc.localDescription.sdp });
+  } catch (e) {
+    hangup("error", `The server cannot be reached: ${e.message}`);
+    return;
+  }
+  if (r.status !== 201) {
+    await refused(r.status, (await r.text()).trim(), r.headers.get("Retry-After"));
+    return;
+  }
+  call.resource = r.headers.get("Location");
+  await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  setState("priming");
+  dc.onmessage = (e) => {
+    let m;
+    try { m = JSON.parse(e.data); } catch (_) { return; }
+    switch (m.type) {
+      case "ready":
+        stats.handshake = true;
+        stats.session = m.session?.session ?? null;
+        setState("live");
+        break;
+      case "text":
+        stats.text_pieces++;
+        $("transcript").textContent += m.text;
+        break;
+      case "error":
+        stats.errors.push(m.message);
+        $("message").textContent = m.message;
+        break;
+      case "end":
+        if (!stats.handshake) hangup("error", $("message").textContent || m.reason || "The server refused the session.");
+        else hangup("ended", m.code === 1001 ? "The server closed the session." : "The session ended.");
+        break;
+      default:
+        break;
+    }
+  };
+  pc.onconnectionstatechange = () => {
+    if (!call || call.pc !== pc || call.closing) return;
+    if (pc.connectionState === "failed" || pc.connectionState === "closed") {
+      hangup("lost", "The connection was lost: reconnect when the server is back.");
+    }
+  };
+}
+
+// The browser's own view of the WebRTC call: what it received, lost, concealed and buffered.
+async function rtcStats(pc) {
+  const report = await pc.getStats();
+  const out = { packets_sent: 0 };
+  report.forEach((s) => {
+    if (s.type === "inbound-rtp" && s.kind === "audio") {
+      out.packets_received = s.packetsReceived;
+      out.packets_lost = s.packetsLost;
+      out.jitter_ms = (s.jitter || 0) * 1000;
+      out.samples_received = s.totalSamplesReceived;
+      out.concealed_ms = (s.concealedSamples || 0) / 48;
+      out.concealment_events = s.concealmentEvents || 0;
+      out.audio_energy = s.totalAudioEnergy || 0;
+      out.buffer_ms = s.jitterBufferEmittedCount ? (s.jitterBufferDelay / s.jitterBufferEmittedCount) * 1000 : 0;
+      out.target_ms = s.jitterBufferEmittedCount && s.jitterBufferTargetDelay ? (s.jitterBufferTargetDelay / s.jitterBufferEmittedCount) * 1000 : null;
+    } else if (s.type === "outbound-rtp" && s.kind === "audio") {
+      out.packets_sent = s.packetsSent;
+    } else if (s.type === "candidate-pair" && s.nominated && s.state === "succeeded") {
+      out.rtt_ms = (s.currentRoundTripTime || 0) * 1000;
+    } else if (s.type === "media-playout" && s.totalSamplesCount) {
+      out.playout_ms = (s.totalPlayoutDelay / s.totalSamplesCount) * 1000;
+    }
+  });
+  return out;
+}
+
 async function connect() {
   clearTimeout(retryTimer);
   const missing = missingFeature();
@@ -154,21 +294,31 @@ async function connect() {
     setState("error", `This browser lacks ${missing}: use a recent Chrome, Edge or Firefox.`);
     return;
   }
+  const via = transport();
+  if (!via) {
+    setState("error", "WebRTC was chosen, but this server does not offer it (or this browser lacks it).");
+    return;
+  }
   setState("connecting");
+  stats.transport = via;
+  $("s_transport").textContent = via === "webrtc" ? "WebRTC (UDP)" : "WebSocket (TCP)";
   $("transcript").textContent = "";
-  const ctx = new AudioContext({ sampleRate: 24000, latencyHint: "interactive" });
   let mic;
   try {
     mic = await navigator.mediaDevices.getUserMedia({
       audio: { echoCancellation: true, noiseSuppression: false, autoGainControl: false, channelCount: 1 },
     });
   } catch (e) {
-    ctx.close();
     setState("error", e.name === "NotAllowedError"
       ? "The microphone was refused: allow it in the browser's site settings, then connect again."
       : `No microphone: ${e.message}`);
     return;
   }
+  if (via === "webrtc") {
+    await connectWebRtc(mic);
+    return;
+  }
+  const ctx = new AudioContext({ sampleRate: 24000, latencyHint: "interactive" });
   await ctx.audioWorklet.addModule("/worklets.js");
   const capture = new AudioWorkletNode(ctx, "capture");
   const player = new AudioWorkletNode(ctx, "player", { outputChannelCount: [1] });
@@ -246,21 +396,12 @@ async function connect() {
     if (!call || call.closing) return;
     if (!stats.handshake) {
       // The upgrade was refused, or the server closed before the session started: ask why.
+      let status = 0;
       try {
-        if ((await api("/api/defaults")).status === 401) {
-          hangup("error", "This server needs an API key: enter it under Settings.");
-          return;
-        }
-        const r = await fetch("/readyz");
-        const j = await r.json();
-        if (r.status === 503 && j.models_loaded && !j.draining) {
-          const wait = Number(r.headers.get("Retry-After") || 5);
-          hangup("full", `The server is full (${j.sessions} of ${j.capacity} sessions): retrying in ${wait} s.`);
-          retryTimer = setTimeout(connect, wait * 1000);
-          return;
-        }
+        if ((await api("/api/defaults")).status === 401) status = 401;
+        else if ((await fetch("/readyz")).status === 503) status = 503;
       } catch (_) {}
-      hangup("error", $("message").textContent || "The server refused the session.");
+      await refused(status, $("message").textContent);
     } else if (e.code === 1000 || e.code === 1001) {
       hangup("ended", e.code === 1001 ? "The server closed the session." : "The session ended.");
     } else {
@@ -275,20 +416,36 @@ async function updateStats() {
     $("s_buffer").textContent = `${p.depth_ms.toFixed(0)} / ${p.target_ms.toFixed(0)} ms`;
     $("s_underruns").textContent = `${p.underruns} (${(p.concealed / 24).toFixed(0)} ms)`;
   }
+  const pc = call?.pc;
+  if (pc) {
+    try {
+      const rtc = await rtcStats(pc);
+      stats.rtc = rtc;
+      stats.sent_packets = rtc.packets_sent ?? 0;
+      stats.received_packets = rtc.packets_received ?? 0;
+      $("s_buffer").textContent = `${(rtc.buffer_ms ?? 0).toFixed(0)}${rtc.target_ms != null ? ` / ${rtc.target_ms.toFixed(0)}` : ""} ms`;
+      $("s_underruns").textContent = `${rtc.concealment_events ?? 0} (${(rtc.concealed_ms ?? 0).toFixed(0)} ms)`;
+      const got = (rtc.packets_received ?? 0) + (rtc.packets_lost ?? 0);
+      $("s_loss").textContent = `${got ? ((100 * (rtc.packets_lost ?? 0)) / got).toFixed(1) : "0.0"} % / ${(rtc.jitter_ms ?? 0).toFixed(0)} ms`;
+    } catch (_) {}
+  }
   try {
     const t0 = performance.now();
     const r = await api("/api/sessions", { cache: "no-store" });
-    stats.rtt_ms = performance.now() - t0;
+    stats.rtt_ms = pc && stats.rtc?.rtt_ms != null ? stats.rtc.rtt_ms : performance.now() - t0;
     const j = await r.json();
     const me = (j.sessions || []).find((s) => s.id === stats.session) ?? null;
     if (me) {
       stats.realtime_factor = me.realtime_factor;
       stats.verdicts = me.verdicts;
+      stats.server_transport = me.transport ?? null;
       const server = me.server_latency_ms ?? 0;
       const ctx = call?.ctx;
-      const device = ctx ? ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)) * 1000 : 0;
-      // capture block + network both ways + server + jitter buffer + the devices.
-      stats.breakdown = { capture_ms: 20, network_ms: stats.rtt_ms, server_ms: server, buffer_ms: p ? p.depth_ms : 0, device_ms: device };
+      const device = ctx ? ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)) * 1000 : (stats.rtc?.playout_ms ?? 0);
+      // capture block + network both ways + server (and its jitter buffer, over WebRTC) +
+      // the page's jitter buffer + the devices.
+      const buffer = pc ? (stats.rtc?.buffer_ms ?? 0) : (p ? p.depth_ms : 0);
+      stats.breakdown = { capture_ms: 20, network_ms: stats.rtt_ms, server_ms: server, server_jitter_ms: me.transport?.jitter_buffer_ms ?? 0, buffer_ms: buffer, device_ms: device };
       stats.mouth_to_ear_ms = Object.values(stats.breakdown).reduce((a, b) => a + b, 0);
       $("s_rtf").textContent = me.realtime_factor?.toFixed(2) ?? "–";
       $("s_verdicts").textContent = Object.entries(me.verdicts || {}).map(([k, v]) => `${k}: ${v}`).join(", ");
@@ -303,10 +460,18 @@ function hangup(state = "ended", message = "") {
   if (call) {
     call.closing = true;
     clearInterval(call.timer);
-    try { call.ws.close(1000); } catch (_) {}
-    try { call.encoder.close(); } catch (_) {}
+    if (call.ws) {
+      try { call.ws.close(1000); } catch (_) {}
+      try { call.encoder.close(); } catch (_) {}
+      call.ctx.close();
+    }
+    if (call.pc) {
+      // WHIP: the session's resource is deleted; the peer connection closed.
+      if (call.resource) api(call.resource, { method: "DELETE" }).catch(() => {});
+      try { call.pc.close(); } catch (_) {}
+      call.audio.srcObject = null;
+    }
     call.mic.getTracks().forEach((t) => t.stop());
-    call.ctx.close();
     call = null;
   }
   stats.handshake = false;
@@ -317,8 +482,12 @@ $("connect").addEventListener("click", connect);
 $("hangup").addEventListener("click", () => { clearTimeout(retryTimer); hangup("ended"); });
 $("latency").addEventListener("input", () => {
   $("latency_ms").textContent = `${$("latency").value} ms`;
-  call?.player.port.postMessage({ target_ms: Number($("latency").value) });
+  call?.player?.port.postMessage({ target_ms: Number($("latency").value) });
 });
+{
+  const t = new URLSearchParams(location.search).get("transport");
+  if (["auto", "webrtc", "websocket"].includes(t)) $("transport").value = t;
+}
 document.addEventListener("keydown", (e) => {
   if (e.key === "Escape" && call) hangup("ended");
 });

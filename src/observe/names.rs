@@ -102,6 +102,13 @@ pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
 /// protocol errors of clients (`flood`: more messages, pings included, than
 /// `limits.max_messages_per_s`).
 pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";
+/// Counter, labels `direction` and `outcome`: WebRTC audio packets. `in`: `received`, `lost`
+/// (never came in time), `fec_recovered` and `concealed` (what became of the lost), `late`
+/// (came after their time: dropped), `reordered` (came after a later one, in time); `out`:
+/// `sent`.
+pub const WEBRTC_PACKETS: &str = "duplex_webrtc_packets_total";
+/// Gauge: WebRTC peers the driver holds (connecting, live or closing).
+pub const WEBRTC_PEERS: &str = "duplex_webrtc_peers";
 /// Counter, label `reason` (`host|bad_request`): HTTP requests refused before any route:
 /// a `Host` the server does not serve (`allowed_hosts`), a malformed WebSocket upgrade.
 pub const HTTP_REFUSED: &str = "duplex_http_requests_refused_total";

@@ -80,6 +80,8 @@ async def main():
     ap.add_argument("--then-kill", type=int, help="once --expect-state is reached, kill this pid")
     ap.add_argument("--then-state", help="... and wait for this state (within --talk seconds)")
     ap.add_argument("--history", action="store_true", help="sample the live panel every 250 ms")
+    ap.add_argument("--transport", choices=["auto", "webrtc", "websocket"],
+                    help="the page's transport (?transport= in its URL)")
     args = ap.parse_args()
 
     profile = tempfile.mkdtemp(prefix="duplex-chromium-")
@@ -87,6 +89,7 @@ async def main():
         "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
         "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
         "--autoplay-policy=no-user-gesture-required",
+        "--allow-loopback-in-peer-connection",
         "--remote-debugging-port=0", f"--user-data-dir={profile}",
         f"--window-size={args.width},{args.height}", "about:blank",
     ]
@@ -119,7 +122,10 @@ async def main():
                 u = urlparse(args.url)
                 await cdp.call("Browser.setPermission", permission={"name": "microphone"},
                                setting="denied", origin=f"{u.scheme}://{u.netloc}")
-            await cdp.call("Page.navigate", sess, url=args.url)
+            url = args.url
+            if args.transport:
+                url += ("&" if "?" in url else "?") + f"transport={args.transport}"
+            await cdp.call("Page.navigate", sess, url=url)
 
             async def js(expr):
                 r = await cdp.call("Runtime.evaluate", sess, expression=expr, awaitPromise=True,
@@ -140,6 +146,7 @@ async def main():
                 return False
 
             await wait_for("document.readyState === 'complete' && !!window.duplexStats", 30)
+            await wait_for("window.duplexStats.defaults_loaded === true", 10)
             if args.encode_wav:
                 import sphn, numpy as np
                 pcm, _ = sphn.read(args.encode_wav, sample_rate=24000)

@@ -226,10 +226,16 @@ impl Server {
     /// Sends `head` (a request's lines without the final blank line) and returns the status,
     /// the response's head and its body.
     pub fn request(&self, head: &str) -> (u16, String, String) {
+        self.exchange(&format!("{head}\r\nConnection: close\r\n\r\n"))
+    }
+
+    /// Writes `raw` (a whole request) and reads the response to its end: the status, the head
+    /// and the body.
+    fn exchange(&self, raw: &str) -> (u16, String, String) {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(s, "{head}\r\nConnection: close\r\n\r\n").unwrap();
+        s.write_all(raw.as_bytes()).unwrap();
         let mut bytes = Vec::new();
         let _ = s.read_to_end(&mut bytes);
         let text = String::from_utf8_lossy(&bytes).into_owned();
@@ -240,6 +246,31 @@ impl Server {
             .and_then(|c| c.parse().ok())
             .unwrap_or(0);
         (code, h.to_string(), b.to_string())
+    }
+
+    /// POSTs `body` as `content_type` to `path`; returns the status, the head and the body.
+    pub fn post(&self, path: &str, content_type: &str, body: &str) -> (u16, String, String) {
+        self.send("POST", path, content_type, body)
+    }
+
+    /// Sends a request with a body (empty: none) by `method`.
+    pub fn send(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: &str,
+    ) -> (u16, String, String) {
+        let key = self
+            .key
+            .as_ref()
+            .map(|k| format!("kyutai-api-key: {k}\r\n"))
+            .unwrap_or_default();
+        self.exchange(&format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{key}Content-Type: {content_type}\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ))
     }
 }
 

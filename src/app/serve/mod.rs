@@ -15,6 +15,7 @@ pub mod realtime;
 mod session;
 mod twilio;
 mod web;
+mod webrtc;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -80,6 +81,8 @@ struct Live {
     handle: Option<crate::runtime::Handle>,
     monitor: Option<Arc<crate::observe::monitor::Monitor>>,
     stats: Arc<crate::session::LinkStats>,
+    /// The transport's own counters (WebRTC's), when it has any.
+    transport: Option<session::TransportStats>,
 }
 
 /// What every connection shares.
@@ -114,6 +117,8 @@ pub(crate) struct Server {
     /// Set to close every session now (the drain's end, a second signal).
     close_all: tokio::sync::watch::Sender<bool>,
     active: metrics::Gauge,
+    /// The WebRTC endpoint (`None`: `webrtc.enabled: false`).
+    webrtc: Option<webrtc::Endpoint>,
 }
 
 /// A reserved session slot (and one of its key's sessions), given back when dropped.
@@ -354,6 +359,34 @@ impl Server {
         }
     }
 
+    /// Admits a client: one of its key's sessions (when it presented a key) and a slot.
+    fn admit_client(self: &Arc<Self>, client: &Client) -> Result<Admission, Box<Response>> {
+        let key = match client.key {
+            Some(i) if !self.cfg.keys.hold(i) => {
+                let k = self.cfg.keys.key(i);
+                return Err(self.refusal(
+                    client.ip,
+                    "key_limit",
+                    StatusCode::TOO_MANY_REQUESTS,
+                    5,
+                    format!(
+                        "key {} holds its {} session(s) already",
+                        k.name,
+                        k.max_sessions.unwrap_or(0)
+                    ),
+                ));
+            }
+            Some(i) => Some(KeyHold {
+                keys: self.cfg.keys.clone(),
+                index: i,
+            }),
+            None => None,
+        };
+        let mut admission = self.admit(client.ip)?;
+        admission.key = key;
+        Ok(admission)
+    }
+
     fn free_slots(&self) -> usize {
         self.capacity
             .saturating_sub(self.taken.load(Ordering::Acquire))
@@ -491,6 +524,20 @@ async fn serve(
         .await
         .map_err(|e| anyhow::anyhow!("listening on {} (`address`): {e}", cfg.address))?;
     let addr = listener.local_addr()?;
+    // The media of every WebRTC peer on one UDP socket: by default the HTTP address's own.
+    let webrtc = match &cfg.webrtc {
+        Some(w) => {
+            let udp = if w.address == cfg.address {
+                addr
+            } else {
+                w.address
+            };
+            let e = webrtc::Endpoint::start(w.clone(), udp)?;
+            tracing::info!("WebRTC media on udp://{}", e.local());
+            Some(e)
+        }
+        None => None,
+    };
     metrics::gauge!(names::SESSIONS_CAPACITY).set(capacity as f64);
     if let Ok(engines) = held.engines.lock() {
         engines.publish();
@@ -515,6 +562,7 @@ async fn serve(
         close_all,
         active: metrics::gauge!(names::SESSIONS_ACTIVE),
         capacity,
+        webrtc,
         cfg,
     });
     server.active.set(0.0);
@@ -536,6 +584,18 @@ async fn serve(
         .route("/api/chat", get(chat))
         .route("/v1/realtime", get(realtime_chat))
         .route("/twilio/media", get(twilio_media))
+        .route(
+            "/api/webrtc",
+            axum::routing::post(webrtc::offer).layer(axum::extract::DefaultBodyLimit::max(
+                webrtc::MAX_OFFER_BYTES,
+            )),
+        )
+        .route(
+            "/api/webrtc/{token}",
+            axum::routing::delete(webrtc::hangup)
+                .post(webrtc::again)
+                .patch(webrtc::again),
+        )
         .route("/readyz", get(readyz))
         .route("/api/sessions", get(sessions))
         .route("/api/defaults", get(defaults))
@@ -764,7 +824,10 @@ async fn guard(
             .headers()
             .get(header::ORIGIN)
             .map(|o| String::from_utf8_lossy(o.as_bytes()).into_owned());
-        let opens_sessions = matches!(req.uri().path(), "/api/chat" | "/v1/realtime");
+        let opens_sessions = matches!(
+            req.uri().path(),
+            "/api/chat" | "/v1/realtime" | "/api/webrtc"
+        );
         if let Some(o) = origin.filter(|_| opens_sessions) {
             if !access::origin_allowed(&o, host.as_deref(), &cfg.allowed_origins) {
                 break 'decided refuse(
@@ -875,6 +938,11 @@ fn register_series() {
         metrics::counter!(names::HTTP_REFUSED, "reason" => reason).absolute(0);
     }
     metrics::counter!(names::OPUS_REFUSED).absolute(0);
+    for (direction, outcome) in webrtc::driver::PACKET_SERIES {
+        metrics::counter!(names::WEBRTC_PACKETS, "direction" => direction, "outcome" => outcome)
+            .absolute(0);
+    }
+    metrics::gauge!(names::WEBRTC_PEERS).set(0.0);
 }
 
 /// Accepts connections until `done`: each one counted against its address's limit (one over
@@ -1226,39 +1294,17 @@ fn open_session<P: session::Protocol>(
     } else {
         peer
     };
-    let key = match client.key {
-        Some(i) if !server.cfg.keys.hold(i) => {
-            let k = server.cfg.keys.key(i);
-            return *server.refusal(
-                client.ip,
-                "key_limit",
-                StatusCode::TOO_MANY_REQUESTS,
-                5,
-                format!(
-                    "key {} holds its {} session(s) already",
-                    k.name,
-                    k.max_sessions.unwrap_or(0)
-                ),
-            );
-        }
-        Some(i) => Some(KeyHold {
-            keys: server.cfg.keys.clone(),
-            index: i,
-        }),
-        None => None,
-    };
-    let mut admission = match server.admit(client.ip) {
+    let admission = match server.admit_client(&client) {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    admission.key = key;
     let limit = server.cfg.limits.max_message_bytes;
     ws.max_message_size(limit)
         .max_frame_size(limit)
         .max_write_buffer_size(WRITE_BUFFER_MAX)
         .on_failed_upgrade(move |e| tracing::info!(client = %peer, "WebSocket upgrade failed: {e}"))
         .on_upgrade(move |socket| async move {
-            session::run(server, socket, peer, proto, admission).await;
+            session::run(server, session::halves(socket), peer, proto, admission).await;
             drop(conn);
         })
 }
@@ -1320,6 +1366,7 @@ async fn defaults(State(server): State<Arc<Server>>) -> Response {
         "default_persona": !c.text_prompt.trim().is_empty(),
         "voice_prompt": c.voice_prompt,
         "max_prompt_tokens": c.limits.max_prompt_tokens,
+        "webrtc": server.webrtc.as_ref().map(|w| w.page_settings()),
     }))
     .into_response()
 }
@@ -1379,6 +1426,7 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     "bytes_in": L::get(&l.stats.bytes_in),
                     "bytes_out": L::get(&l.stats.bytes_out),
                     "server_latency_ms": L::get(&l.stats.latency_us) as f64 / 1000.0,
+                    "transport": l.transport.as_ref().map(|t| t()),
                 })
             })
             .collect(),

@@ -31,8 +31,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::pin::Pin;
+
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
 
 use super::{Admission, Live, ServeConfig, Server};
 use crate::config::{self as cfg, ConfigError, PipelineSpec};
@@ -493,7 +495,16 @@ pub(super) trait Protocol: Send + 'static {
     fn pcm(&self) -> bool {
         false
     }
+
+    /// The transport's own live counters, for `/api/sessions` (WebRTC's packets and jitter
+    /// buffer).
+    fn transport(&self) -> Option<TransportStats> {
+        None
+    }
 }
+
+/// A transport's live counters as JSON, read when `/api/sessions` is asked.
+pub(super) type TransportStats = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
 /// Turns the pipeline's messages into the protocol's (in the writer's task).
 pub(super) trait Encoder: Send {
@@ -653,9 +664,21 @@ enum WriterEnd {
     Gone,
 }
 
+/// The writing half of a client's connection: a WebSocket's, or a transport's own (WebRTC's
+/// driver, which turns the messages into RTP and data-channel writes).
+pub(super) type ClientSink = Pin<Box<dyn Sink<Message, Error = axum::Error> + Send>>;
+/// The reading half of a client's connection; its end is the client's.
+pub(super) type ClientStream = Pin<Box<dyn Stream<Item = Result<Message, axum::Error>> + Send>>;
+
+/// A WebSocket's two halves, as [`run`] takes them.
+pub(super) fn halves(socket: WebSocket) -> (ClientSink, ClientStream) {
+    let (sink, stream) = socket.split();
+    (Box::pin(sink), Box::pin(stream))
+}
+
 /// The writing side of a connection.
 struct Writer {
-    sink: futures_util::stream::SplitSink<WebSocket, Message>,
+    sink: ClientSink,
     encoder: Box<dyn Encoder>,
     stall: Duration,
     bytes_out: metrics::Counter,
@@ -872,10 +895,11 @@ impl Inflow {
     }
 }
 
-/// Runs one connection to its end, in the protocol `proto`.
+/// Runs one connection (its two halves: [`halves`] for a WebSocket) to its end, in the
+/// protocol `proto`.
 pub(super) async fn run<P: Protocol>(
     server: Arc<Server>,
-    socket: WebSocket,
+    (sink, mut stream): (ClientSink, ClientStream),
     peer: SocketAddr,
     mut proto: P,
     admission: Admission,
@@ -885,7 +909,6 @@ pub(super) async fn run<P: Protocol>(
     metrics::counter!(names::SESSIONS_ADMITTED).increment(1);
     let limits = server.cfg.limits;
     let (mut client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
-    let (sink, mut stream) = socket.split();
     let (reply_tx, reply_rx) = tokio::sync::mpsc::channel(REPLY_QUEUE);
     let (ended_tx, mut ended) = tokio::sync::oneshot::channel();
     let outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
@@ -909,6 +932,7 @@ pub(super) async fn run<P: Protocol>(
                     handle: None,
                     monitor: None,
                     stats: client.stats.clone(),
+                    transport: proto.transport(),
                 },
             )
         })

@@ -1,0 +1,369 @@
+//! The receive side's jitter buffer: a WebRTC peer's Opus packets, as they arrive (in any
+//! order, some never), played out in sequence at the sender's pace. Each packet is due a fixed
+//! delay after the schedule's anchor (the first packet's arrival), by its RTP timestamp; at its
+//! time the buffer hands out the packet, or, when it is missing, the next packet's in-band FEC
+//! (when that one is here) or a concealment (Opus PLC). A packet that arrives after its time is
+//! late (dropped, counted) and the delay grows by one packet, up to a ceiling; a sender that
+//! stops is not concealed for ever: after [`MAX_CONCEAL_RUN`] the buffer waits, and re-anchors
+//! on the next packet.
+//!
+//! Pure logic on (sequence number, timestamp, bytes, instant): no sockets, no codec.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// RTP clock of Opus (always 48 kHz, whatever the coded rate).
+pub(crate) const CLOCK: u64 = 48_000;
+/// One packet of 20 ms, in RTP ticks (what browsers send).
+const DEFAULT_TICKS: u64 = 960;
+/// Concealments in a row after which an empty buffer stops (the sender is silent, or gone).
+pub(crate) const MAX_CONCEAL_RUN: u32 = 5;
+/// Packets held at most (about 2 s): past it the oldest are skipped and the schedule re-anchored.
+const MAX_HELD: usize = 100;
+
+/// What to play for the next slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Play {
+    /// The slot's own packet.
+    Packet(Arc<[u8]>),
+    /// The slot's packet is lost; the next one (given) carries it as in-band FEC.
+    Fec(Arc<[u8]>),
+    /// The slot's packet is lost: conceal this many RTP ticks.
+    Conceal(u64),
+}
+
+/// What the buffer counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    /// Packets that arrived (duplicates included).
+    pub received: u64,
+    /// Slots whose packet never came in time (recovered by FEC or concealed).
+    pub lost: u64,
+    /// Lost slots rebuilt from the next packet's FEC.
+    pub fec: u64,
+    /// Lost slots concealed.
+    pub concealed: u64,
+    /// Packets that came after their slot was played (dropped).
+    pub late: u64,
+    /// Packets that came after a later one, still in time.
+    pub reordered: u64,
+    /// Packets that came twice.
+    pub duplicate: u64,
+    /// Times the schedule was anchored again (a sender that paused, or ran far ahead).
+    pub anchors: u64,
+}
+
+struct Held {
+    ts: u64,
+    data: Arc<[u8]>,
+}
+
+/// The next slot to play.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    seq: u64,
+    ts: u64,
+    at: Instant,
+}
+
+/// A jitter buffer (see the module's documentation).
+pub(crate) struct JitterBuffer {
+    delay: Duration,
+    max_delay: Duration,
+    held: BTreeMap<u64, Held>,
+    next: Option<Slot>,
+    highest: Option<u64>,
+    ticks: u64,
+    conceal_run: u32,
+    counts: Counts,
+}
+
+fn ticks_to_time(ticks: u64) -> Duration {
+    Duration::from_micros(ticks * 1_000_000 / CLOCK)
+}
+
+impl JitterBuffer {
+    /// A buffer that plays each packet `delay` after its due arrival, growing the delay (by a
+    /// packet per late one) up to `max_delay`.
+    pub(crate) fn new(delay: Duration, max_delay: Duration) -> Self {
+        JitterBuffer {
+            delay,
+            max_delay: max_delay.max(delay),
+            held: BTreeMap::new(),
+            next: None,
+            highest: None,
+            ticks: DEFAULT_TICKS,
+            conceal_run: 0,
+            counts: Counts::default(),
+        }
+    }
+
+    /// What was counted so far.
+    pub(crate) fn counts(&self) -> Counts {
+        self.counts
+    }
+
+    /// The current target delay.
+    pub(crate) fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// Packets waiting.
+    pub(crate) fn depth(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Takes a packet (`seq`: the extended RTP sequence number, `ts`: the extended RTP
+    /// timestamp) that arrived at `now`.
+    pub(crate) fn push(&mut self, seq: u64, ts: u64, data: Arc<[u8]>, now: Instant) {
+        self.counts.received += 1;
+        if let Some(slot) = self.next {
+            if seq < slot.seq {
+                self.counts.late += 1;
+                // Played around already: wait one packet longer from now on.
+                let grown = (self.delay + ticks_to_time(self.ticks)).min(self.max_delay);
+                if let Some(n) = self.next.as_mut() {
+                    n.at += grown - self.delay;
+                }
+                self.delay = grown;
+                return;
+            }
+        }
+        if self.held.contains_key(&seq) {
+            self.counts.duplicate += 1;
+            return;
+        }
+        if self.highest.is_some_and(|h| seq < h) {
+            self.counts.reordered += 1;
+        }
+        self.highest = Some(self.highest.map_or(seq, |h| h.max(seq)));
+        // The packet size from two neighbours' timestamps (browsers send 20 ms; any size works).
+        if let Some((&prev_seq, prev)) = self.held.range(..seq).next_back() {
+            let dts = ts.saturating_sub(prev.ts);
+            if seq - prev_seq == 1 && dts > 0 && dts <= CLOCK / 10 {
+                self.ticks = dts;
+            }
+        }
+        self.held.insert(seq, Held { ts, data });
+        if self.next.is_none() {
+            self.anchor(seq, ts, now);
+        }
+        if self.held.len() > MAX_HELD {
+            // Far ahead of the schedule: skip to the oldest packet kept, due now.
+            while self.held.len() > MAX_HELD {
+                self.held.pop_first();
+            }
+            if let Some((&first, h)) = self.held.iter().next() {
+                self.next = Some(Slot {
+                    seq: first,
+                    ts: h.ts,
+                    at: now,
+                });
+                self.counts.anchors += 1;
+            }
+        }
+    }
+
+    fn anchor(&mut self, seq: u64, ts: u64, now: Instant) {
+        self.next = Some(Slot {
+            seq,
+            ts,
+            at: now + self.delay,
+        });
+        self.counts.anchors += 1;
+        self.conceal_run = 0;
+    }
+
+    /// When the next slot is due (`None`: nothing is scheduled).
+    pub(crate) fn due(&self) -> Option<Instant> {
+        self.next.map(|s| s.at)
+    }
+
+    /// The next slot's play when it is due at `now`.
+    pub(crate) fn pop(&mut self, now: Instant) -> Option<Play> {
+        let slot = self.next?;
+        if slot.at > now {
+            return None;
+        }
+        if let Some(h) = self.held.remove(&slot.seq) {
+            self.conceal_run = 0;
+            // A gap in the timestamps (the sender paused) shifts the schedule with it.
+            let ts = h.ts.max(slot.ts);
+            self.advance(slot, ts);
+            return Some(Play::Packet(h.data));
+        }
+        if self.held.is_empty() && self.conceal_run >= MAX_CONCEAL_RUN {
+            // The sender has stopped: wait for its next packet, and anchor on it.
+            self.next = None;
+            return None;
+        }
+        self.counts.lost += 1;
+        self.conceal_run += 1;
+        let play = match self.held.get(&(slot.seq + 1)) {
+            Some(h) => {
+                self.counts.fec += 1;
+                Play::Fec(h.data.clone())
+            }
+            None => {
+                self.counts.concealed += 1;
+                Play::Conceal(self.ticks)
+            }
+        };
+        self.advance(slot, slot.ts);
+        Some(play)
+    }
+
+    fn advance(&mut self, slot: Slot, ts: u64) {
+        let ticks = self
+            .held
+            .get(&(slot.seq + 1))
+            .map(|n| n.ts.saturating_sub(ts))
+            .filter(|&d| d > 0 && d <= CLOCK / 10)
+            .unwrap_or(self.ticks);
+        self.next = Some(Slot {
+            seq: slot.seq + 1,
+            ts: ts + ticks,
+            at: slot.at + ticks_to_time(ticks),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS20: Duration = Duration::from_millis(20);
+
+    fn pkt(n: u8) -> Arc<[u8]> {
+        Arc::from(vec![n; 3])
+    }
+
+    /// Plays everything due up to `until`, stepping 1 ms.
+    fn drain(jb: &mut JitterBuffer, from: Instant, until: Instant) -> Vec<(u128, Play)> {
+        let mut out = Vec::new();
+        let mut t = from;
+        while t <= until {
+            while let Some(p) = jb.pop(t) {
+                out.push((t.duration_since(from).as_millis(), p));
+            }
+            t += Duration::from_millis(1);
+        }
+        out
+    }
+
+    #[test]
+    fn packets_in_order_play_a_delay_after_the_first_arrival_one_per_packet_time() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(60), Duration::from_millis(200));
+        for i in 0..5u64 {
+            jb.push(100 + i, 960 * i, pkt(i as u8), t0 + MS20 * i as u32);
+        }
+        // (The sender's silence after the last one is concealed from 160 ms on.)
+        let out = drain(&mut jb, t0, t0 + Duration::from_millis(150));
+        let times: Vec<u128> = out.iter().map(|o| o.0).collect();
+        assert_eq!(times, vec![60, 80, 100, 120, 140]);
+        for (i, (_, p)) in out.iter().enumerate() {
+            assert_eq!(*p, Play::Packet(pkt(i as u8)));
+        }
+        assert_eq!(jb.counts().lost, 0);
+    }
+
+    #[test]
+    fn a_reordered_packet_in_time_is_played_in_its_place() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(60), Duration::from_millis(200));
+        jb.push(0, 0, pkt(0), t0);
+        jb.push(2, 1920, pkt(2), t0 + MS20 * 2);
+        jb.push(1, 960, pkt(1), t0 + MS20 * 3);
+        let out = drain(&mut jb, t0, t0 + Duration::from_millis(110));
+        let plays: Vec<Play> = out.into_iter().map(|o| o.1).collect();
+        assert_eq!(
+            plays,
+            vec![
+                Play::Packet(pkt(0)),
+                Play::Packet(pkt(1)),
+                Play::Packet(pkt(2))
+            ]
+        );
+        assert_eq!(jb.counts().reordered, 1);
+        assert_eq!(jb.counts().lost, 0);
+    }
+
+    #[test]
+    fn a_lost_packet_is_rebuilt_from_the_next_ones_fec_or_concealed() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(60), Duration::from_millis(200));
+        // 1 is lost with 2 behind it (FEC); 4 and 5 are lost with nothing behind in time.
+        for i in [0u64, 2, 3, 6] {
+            jb.push(i, 960 * i, pkt(i as u8), t0 + MS20 * i as u32);
+        }
+        let out = drain(&mut jb, t0, t0 + Duration::from_millis(190));
+        let plays: Vec<Play> = out.into_iter().map(|o| o.1).collect();
+        assert_eq!(
+            plays,
+            vec![
+                Play::Packet(pkt(0)),
+                Play::Fec(pkt(2)),
+                Play::Packet(pkt(2)),
+                Play::Packet(pkt(3)),
+                Play::Conceal(960),
+                Play::Fec(pkt(6)),
+                Play::Packet(pkt(6)),
+            ]
+        );
+        let c = jb.counts();
+        assert_eq!((c.lost, c.fec, c.concealed), (3, 2, 1));
+    }
+
+    #[test]
+    fn a_late_packet_is_dropped_and_the_delay_grows_by_one_packet() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(40), Duration::from_millis(60));
+        jb.push(0, 0, pkt(0), t0);
+        let out = drain(&mut jb, t0, t0 + Duration::from_millis(70));
+        assert_eq!(out.len(), 2, "{out:?}"); // 0 at 40 ms, 1 concealed at 60 ms
+        jb.push(1, 960, pkt(1), t0 + Duration::from_millis(70));
+        assert_eq!(jb.counts().late, 1);
+        assert_eq!(jb.delay(), Duration::from_millis(60));
+        // Twice: the ceiling holds.
+        jb.push(1, 960, pkt(1), t0 + Duration::from_millis(71));
+        assert_eq!(jb.delay(), Duration::from_millis(60));
+        // The next slot moved one packet later: 80 ms + 20 ms.
+        jb.push(2, 1920, pkt(2), t0 + Duration::from_millis(72));
+        let out = drain(
+            &mut jb,
+            t0 + Duration::from_millis(72),
+            t0 + Duration::from_millis(110),
+        );
+        assert_eq!(out, vec![(28, Play::Packet(pkt(2)))]);
+    }
+
+    #[test]
+    fn a_sender_that_stops_is_concealed_briefly_then_the_next_packet_anchors_again() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(40), Duration::from_millis(200));
+        jb.push(0, 0, pkt(0), t0);
+        let out = drain(&mut jb, t0, t0 + Duration::from_millis(1000));
+        assert_eq!(out.len(), 1 + MAX_CONCEAL_RUN as usize, "{out:?}");
+        assert_eq!(jb.due(), None);
+        let t1 = t0 + Duration::from_millis(1000);
+        jb.push(50, 48_000, pkt(50), t1);
+        assert_eq!(jb.due(), Some(t1 + Duration::from_millis(40)));
+        assert_eq!(jb.counts().anchors, 2);
+    }
+
+    #[test]
+    fn duplicates_are_counted_once_and_a_runaway_sender_is_bounded() {
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(40), Duration::from_millis(200));
+        jb.push(0, 0, pkt(0), t0);
+        jb.push(0, 0, pkt(0), t0);
+        assert_eq!(jb.counts().duplicate, 1);
+        for i in 1..1000u64 {
+            jb.push(i, 960 * i, pkt(0), t0);
+        }
+        assert!(jb.depth() <= MAX_HELD);
+        assert_eq!(jb.pop(t0).map(|_| ()), Some(()), "re-anchored to now");
+    }
+}
