@@ -13,6 +13,8 @@ mod packs;
 mod pulse;
 #[path = "support/serve.rs"]
 mod serve;
+#[path = "support/wait.rs"]
+mod wait;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -63,6 +65,8 @@ fn talk(server: &Server, wav: &Path, width: u32, height: u32, shot: &str) -> ser
         &height.to_string(),
         "--screenshot",
         shot.to_str().unwrap(),
+        "--transport",
+        "websocket",
     ]);
     assert_eq!(r["live"], true, "the call never became live: {r}");
     let s = &r["stats"];
@@ -146,6 +150,8 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
             state,
             "--talk",
             "20",
+            "--transport",
+            "websocket",
         ];
         args.extend_from_slice(extra);
         browser(&args)
@@ -173,25 +179,30 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
     );
 
     // A server that goes away mid-session: the page says so and offers to reconnect.
-    let mut gone = Server::start("max_sessions: 1\n", 240);
-    let pid = gone.child.as_ref().unwrap().id().to_string();
-    let r = browser(&[
-        "--url",
-        &page(&gone),
-        "--wav",
-        wav,
-        "--talk",
-        "2",
-        "--stop-server-pid",
-        &pid,
-    ]);
-    assert_eq!(r["lost"], true, "{r}");
-    assert_eq!(r["page"]["connect"], "Reconnect", "{r}");
-    assert!(
-        r["page"]["message"].as_str().unwrap().contains("lost"),
-        "{r}"
-    );
-    let _ = gone.wait_exit(std::time::Duration::from_secs(5));
+    // The same over WebRTC (no socket to close: ICE's consent checks go unanswered).
+    for transport in ["websocket", "webrtc"] {
+        let mut gone = Server::start("max_sessions: 1\n", 240);
+        let pid = gone.child.as_ref().unwrap().id().to_string();
+        let r = browser(&[
+            "--url",
+            &page(&gone),
+            "--wav",
+            wav,
+            "--talk",
+            "2",
+            "--stop-server-pid",
+            &pid,
+            "--transport",
+            transport,
+        ]);
+        assert_eq!(r["lost"], true, "{transport}: {r}");
+        assert_eq!(r["page"]["connect"], "Reconnect", "{transport}: {r}");
+        assert!(
+            r["page"]["message"].as_str().unwrap().contains("lost"),
+            "{transport}: {r}"
+        );
+        let _ = gone.wait_exit(std::time::Duration::from_secs(5));
+    }
 }
 
 #[test]
@@ -287,7 +298,60 @@ fn a_conversation_over_webrtc_carries_audio_both_ways_and_its_hang_up_frees_the_
         "--screenshot",
         shot.to_str().unwrap(),
     ]);
-    eprintln!("{r:#}");
-    eprintln!("{}", server.log());
     assert_eq!(r["live"], true, "the call never became live: {r}");
+    assert!(
+        r["console_errors"].as_array().unwrap().is_empty(),
+        "console errors: {r}"
+    );
+    let s = &r["stats"];
+    assert_eq!(s["transport"], "webrtc", "{s}");
+    assert_eq!(r["page"]["transport"], "WebRTC (UDP)", "{r}");
+    assert!(s["errors"].as_array().unwrap().is_empty(), "{s}");
+    // The browser received and played the agent's audio (its own jitter buffer and decoder):
+    // about 50 packets a second of talk, not silence.
+    let rtc = &s["rtc"];
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    assert!(num(&rtc["packets_received"]) > 150.0, "{rtc}");
+    assert!(num(&rtc["samples_received"]) > 2.0 * 48_000.0, "{rtc}");
+    assert!(
+        num(&rtc["audio_energy"]) > 0.0,
+        "the agent's audio was silent: {rtc}"
+    );
+    // The server received the microphone through its jitter buffer.
+    let server_side = &s["server_transport"];
+    assert_eq!(server_side["kind"], "webrtc", "{s}");
+    assert!(
+        num(&server_side["packets_received"]) > 150.0,
+        "{server_side}"
+    );
+    assert!(num(&server_side["packets_sent"]) > 150.0, "{server_side}");
+    // The page's live panel shows loss and jitter from getStats().
+    assert!(r["page"]["loss"].as_str().unwrap().contains('%'), "{r}");
+    // The transcript is the session's token log (the frames before the hang-up).
+    let id = s["session"].as_u64().unwrap();
+    server.wait_sessions(0, 20);
+    let log = token_log(&server.session_dir(id).join("agent.jsonl"));
+    let logged: String = log
+        .iter()
+        .map(|l| l["piece"].as_str().unwrap_or(""))
+        .collect();
+    let shown = r["page"]["transcript"].as_str().unwrap();
+    assert!(logged.starts_with(shown), "page {shown:?}, log {logged:?}");
+    // The hang-up (DELETE on the session's resource) freed the slot and the peer.
+    let m = server.metrics();
+    assert_eq!(
+        serve::metric_value_of(&m, "duplex_sessions_ended_total{outcome=\"client_closed\"}"),
+        1.0,
+        "{m}"
+    );
+    wait::wait_until(
+        std::time::Duration::from_secs(20),
+        "the WebRTC peer to be dropped",
+        || serve::metric_value_of(&server.metrics(), "duplex_webrtc_peers") == 0.0,
+    );
+    assert_eq!(server.get("/readyz").0, 200);
+    eprintln!(
+        "webrtc: mouth to ear {} ms ({}), browser buffer {} ms",
+        s["mouth_to_ear_ms"], s["breakdown"], rtc["buffer_ms"]
+    );
 }

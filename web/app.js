@@ -253,10 +253,15 @@ async function connectWebRtc(mic) {
         break;
     }
   };
+  // A server that went away answers no more consent checks: "disconnected" within seconds,
+  // "failed" much later. Lost when it stays disconnected for 3 s.
+  const lost = () => hangup("lost", "The connection was lost: reconnect when the server is back.");
   pc.onconnectionstatechange = () => {
     if (!call || call.pc !== pc || call.closing) return;
-    if (pc.connectionState === "failed" || pc.connectionState === "closed") {
-      hangup("lost", "The connection was lost: reconnect when the server is back.");
+    clearTimeout(call.lostTimer);
+    if (pc.connectionState === "failed" || pc.connectionState === "closed") lost();
+    else if (pc.connectionState === "disconnected") {
+      call.lostTimer = setTimeout(() => { if (call?.pc === pc && pc.connectionState !== "connected") lost(); }, 3000);
     }
   };
 }
@@ -466,6 +471,7 @@ function hangup(state = "ended", message = "") {
       call.ctx.close();
     }
     if (call.pc) {
+      clearTimeout(call.lostTimer);
       // WHIP: the session's resource is deleted; the peer connection closed.
       if (call.resource) api(call.resource, { method: "DELETE" }).catch(() => {});
       try { call.pc.close(); } catch (_) {}

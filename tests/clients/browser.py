@@ -80,6 +80,8 @@ async def main():
     ap.add_argument("--then-kill", type=int, help="once --expect-state is reached, kill this pid")
     ap.add_argument("--then-state", help="... and wait for this state (within --talk seconds)")
     ap.add_argument("--history", action="store_true", help="sample the live panel every 250 ms")
+    ap.add_argument("--offers", help="write the browser's own SDP offers into this folder: "
+                    "audio.sdp (an audio transceiver and a data channel), data.sdp (a data channel only)")
     ap.add_argument("--transport", choices=["auto", "webrtc", "websocket"],
                     help="the page's transport (?transport= in its URL)")
     args = ap.parse_args()
@@ -147,6 +149,16 @@ async def main():
 
             await wait_for("document.readyState === 'complete' && !!window.duplexStats", 30)
             await wait_for("window.duplexStats.defaults_loaded === true", 10)
+            if args.offers:
+                for name, audio in (("audio", True), ("data", False)):
+                    sdp = await js("(async () => { const pc = new RTCPeerConnection(); pc.createDataChannel('d'); "
+                                   + ("pc.addTransceiver('audio', {direction: 'sendrecv'}); " if audio else "")
+                                   + "await pc.setLocalDescription(await pc.createOffer()); "
+                                   "await new Promise((r) => { if (pc.iceGatheringState === 'complete') r(); "
+                                   "pc.onicegatheringstatechange = () => pc.iceGatheringState === 'complete' && r(); "
+                                   "setTimeout(r, 2000); }); const s = pc.localDescription.sdp; pc.close(); return s; })()")
+                    open(os.path.join(args.offers, f"{name}.sdp"), "w").write(sdp)
+                result["offers"] = True
             if args.encode_wav:
                 import sphn, numpy as np
                 pcm, _ = sphn.read(args.encode_wav, sample_rate=24000)
@@ -174,7 +186,7 @@ async def main():
                         open(args.screenshot, "wb").write(base64.b64decode(shot["data"]))
                     if args.stop_server_pid:
                         os.kill(args.stop_server_pid, 9)
-                        result["lost"] = await wait_for("window.duplexStats.state === 'lost'", 15)
+                        result["lost"] = await wait_for("window.duplexStats.state === 'lost'", 30)
                     elif args.history:
                         history = []
                         t_end = time.monotonic() + args.talk - half
@@ -190,6 +202,8 @@ async def main():
                                           "transcript: document.getElementById('transcript').textContent, "
                                           "rtf: document.getElementById('s_rtf').textContent, "
                                           "buffer: document.getElementById('s_buffer').textContent, "
+                                          "transport: document.getElementById('s_transport').textContent, "
+                                          "loss: document.getElementById('s_loss').textContent, "
                                           "connect: document.getElementById('connect').textContent})")
                 await js("document.getElementById('hangup').disabled || document.getElementById('hangup').click(), true")
             await asyncio.sleep(0.3)

@@ -193,7 +193,7 @@ pub(super) async fn offer(
     axum::Extension(client): axum::Extension<Client>,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Response {
     let Some(endpoint) = server.webrtc.as_ref() else {
         return bad(
@@ -212,6 +212,16 @@ pub(super) async fn offer(
             );
         }
     }
+    let Ok(body) = axum::body::to_bytes(body, MAX_OFFER_BYTES).await else {
+        return bad(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "bad_request",
+            format!(
+                "the offer is larger than {} KiB (or was cut off)",
+                MAX_OFFER_BYTES / 1024
+            ),
+        );
+    };
     let offer = match check_offer(&body) {
         Ok(o) => o,
         Err(m) => return bad(StatusCode::BAD_REQUEST, "bad_request", m),
