@@ -13,8 +13,6 @@ mod packs;
 mod pulse;
 #[path = "support/serve.rs"]
 mod serve;
-#[path = "support/wait.rs"]
-mod wait;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -344,7 +342,7 @@ fn a_conversation_over_webrtc_carries_audio_both_ways_and_its_hang_up_frees_the_
         1.0,
         "{m}"
     );
-    wait::wait_until(
+    daemon::wait::wait_until(
         std::time::Duration::from_secs(20),
         "the WebRTC peer to be dropped",
         || serve::metric_value_of(&server.metrics(), "duplex_webrtc_peers") == 0.0,

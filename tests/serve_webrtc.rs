@@ -13,8 +13,6 @@ mod packs;
 mod pulse;
 #[path = "support/serve.rs"]
 mod serve;
-#[path = "support/wait.rs"]
-mod wait;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -186,12 +184,12 @@ fn signalling_answers_a_browsers_offer_and_names_what_is_wrong_with_a_bad_one() 
     assert_eq!(server.sessions().len(), 2);
     // Hanging up ends it and frees the slot; then the resource is gone.
     assert_eq!(server.send("DELETE", &location, "text/plain", "").0, 200);
-    wait::wait_until(
+    daemon::wait::wait_until(
         Duration::from_secs(20),
         "the hung-up session to end",
         || server.sessions().len() == 1,
     );
-    wait::wait_until(Duration::from_secs(10), "the peer to be dropped", || {
+    daemon::wait::wait_until(Duration::from_secs(10), "the peer to be dropped", || {
         server.send("DELETE", &location, "text/plain", "").0 == 404
     });
     // The other client's conversation ran on, undisturbed.
