@@ -25,6 +25,9 @@ pub enum Outbound {
     Text(String),
 }
 
+/// A frame's server latency past which it is late: two frames' time (160 ms).
+pub const LATE: Duration = Duration::from_millis(160);
+
 /// What both ends count.
 #[derive(Debug, Default)]
 pub struct LinkStats {
@@ -34,6 +37,8 @@ pub struct LinkStats {
     pub dropped_out: AtomicU64,
     /// 80 ms frames of silence fed while the client sent nothing.
     pub silence_frames: AtomicU64,
+    /// Frames whose server latency passed [`LATE`] (two frames' time).
+    pub late_frames: AtomicU64,
     /// Bytes received from the client.
     pub bytes_in: AtomicU64,
     /// Bytes queued for the client.
@@ -180,8 +185,12 @@ pub struct Output {
 }
 
 impl Output {
-    /// Records the server latency of a frame (smoothed over about 16 frames).
+    /// Records the server latency of a frame (smoothed over about 16 frames; a frame later
+    /// than [`LATE`] counted).
     pub fn latency(&self, d: Duration) {
+        if d > LATE {
+            LinkStats::add(&self.stats.late_frames, 1);
+        }
         let now = d.as_micros().min(u64::MAX as u128) as u64;
         let old = self.stats.latency_us.load(Ordering::Relaxed);
         let new = if old == 0 {

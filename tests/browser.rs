@@ -15,27 +15,9 @@ mod pulse;
 mod serve;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use serve::{client_command, speech_wav, token_log, Server};
-
-fn browser(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(daemon::root().join(".venv/bin/python"))
-        .arg(daemon::root().join("tests/clients/browser.py"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "browser {args:?}: {}\n{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(text.lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| panic!("browser output is not JSON ({e}): {text}"))
-}
+use serve::{browser, client_command, speech_wav, token_log, Server};
 
 fn artifacts() -> PathBuf {
     let d = daemon::root().join("target/test-artifacts");

@@ -14,7 +14,7 @@ mod pulse;
 #[path = "support/serve.rs"]
 mod serve;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serve::{metric_value_of, Server};
@@ -23,20 +23,8 @@ use serve::{metric_value_of, Server};
 fn chromium_offers(server: &Server) -> (String, String) {
     let dir = server.dir.path().join("offers");
     std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(daemon::root().join(".venv/bin/python"))
-        .arg(daemon::root().join("tests/clients/browser.py"))
-        .args(["--url", &format!("http://127.0.0.1:{}/", server.port)])
-        .arg("--offers")
-        .arg(&dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "browser --offers: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let url = format!("http://127.0.0.1:{}/", server.port);
+    serve::browser(&["--url", &url, "--offers", dir.to_str().unwrap()]);
     let read = |n: &str| std::fs::read_to_string(dir.join(n)).unwrap();
     (read("audio.sdp"), read("data.sdp"))
 }

@@ -30,6 +30,9 @@ const stats = {
   stats_updates: 0,
   transport: null,
   rtc: null,
+  // The same measures for either transport: underruns (or concealment events), concealed ms,
+  // the longest stretch of silence where audio should have played, ms.
+  quality: null,
   errors: [],
 };
 window.duplexStats = stats;
@@ -211,6 +214,27 @@ async function connectWebRtc(mic) {
   };
   call = { mic, pc, dc, audio, timer: null, closing: false, resource: null };
   call.timer = setInterval(() => updateStats(), 1000);
+  // The longest stall: 100 ms windows in a row in which the browser concealed (nearly) all it
+  // played.
+  const stall = { last: null, run: 0, longest: 0 };
+  call.stallTimer = setInterval(async () => {
+    try {
+      (await pc.getStats()).forEach((s) => {
+        if (s.type !== "inbound-rtp" || s.kind !== "audio") return;
+        const now = { t: s.timestamp, concealed: s.concealedSamples || 0, rate: 48000 };
+        if (stall.last && now.t > stall.last.t) {
+          const window = ((now.t - stall.last.t) / 1000) * now.rate;
+          const dt = now.t - stall.last.t;
+          if (now.concealed - stall.last.concealed >= 0.8 * window) {
+            stall.run += dt;
+            stall.longest = Math.max(stall.longest, stall.run);
+          } else stall.run = 0;
+        }
+        stall.last = now;
+        call && (call.longestStall = stall.longest);
+      });
+    } catch (_) {}
+  }, 100);
   await pc.setLocalDescription(await pc.createOffer());
   await gathered(pc);
   if (!call || call.pc !== pc) return;
@@ -421,11 +445,13 @@ async function updateStats() {
     $("s_buffer").textContent = `${p.depth_ms.toFixed(0)} / ${p.target_ms.toFixed(0)} ms`;
     $("s_underruns").textContent = `${p.underruns} (${(p.concealed / 24).toFixed(0)} ms)`;
   }
+  if (p) stats.quality = { underruns: p.underruns, concealed_ms: p.concealed / 24, longest_stall_ms: p.longest_stall_ms ?? 0 };
   const pc = call?.pc;
   if (pc) {
     try {
       const rtc = await rtcStats(pc);
       stats.rtc = rtc;
+      stats.quality = { underruns: rtc.concealment_events ?? 0, concealed_ms: rtc.concealed_ms ?? 0, longest_stall_ms: call?.longestStall ?? 0 };
       stats.sent_packets = rtc.packets_sent ?? 0;
       stats.received_packets = rtc.packets_received ?? 0;
       $("s_buffer").textContent = `${(rtc.buffer_ms ?? 0).toFixed(0)}${rtc.target_ms != null ? ` / ${rtc.target_ms.toFixed(0)}` : ""} ms`;
@@ -444,6 +470,7 @@ async function updateStats() {
       stats.realtime_factor = me.realtime_factor;
       stats.verdicts = me.verdicts;
       stats.server_transport = me.transport ?? null;
+      stats.late_frames = me.late_frames ?? 0;
       const server = me.server_latency_ms ?? 0;
       const ctx = call?.ctx;
       const device = ctx ? ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)) * 1000 : (stats.rtc?.playout_ms ?? 0);
@@ -472,6 +499,7 @@ function hangup(state = "ended", message = "") {
     }
     if (call.pc) {
       clearTimeout(call.lostTimer);
+      clearInterval(call.stallTimer);
       // WHIP: the session's resource is deleted; the peer connection closed.
       if (call.resource) api(call.resource, { method: "DELETE" }).catch(() => {});
       try { call.pc.close(); } catch (_) {}

@@ -46,6 +46,8 @@ class Player extends AudioWorkletProcessor {
     this.dropped = 0;
     this.received = 0;
     this.sinceUnderrun = 0;
+    this.stall = 0; // silent samples in a row while audio should be playing
+    this.longestStall = 0;
     this.lastStats = 0;
     this.port.onmessage = (e) => {
       const m = e.data;
@@ -81,6 +83,7 @@ class Player extends AudioWorkletProcessor {
         out[i] = this.ring[this.read++ % this.ring.length];
         this.played++;
         this.started = true;
+        this.stall = 0;
       } else {
         if (this.playing) {
           this.playing = false;
@@ -90,7 +93,11 @@ class Player extends AudioWorkletProcessor {
         }
         out[i] = 0;
         // Silence in place of audio that should be playing (not the first fill of the buffer).
-        if (this.started) this.concealed++;
+        if (this.started) {
+          this.concealed++;
+          this.stall++;
+          if (this.stall > this.longestStall) this.longestStall = this.stall;
+        }
       }
     }
     this.sinceUnderrun += out.length;
@@ -111,6 +118,7 @@ class Player extends AudioWorkletProcessor {
         target_ms: (this.target / sampleRate) * 1000,
         underruns: this.underruns,
         concealed: this.concealed,
+        longest_stall_ms: (this.longestStall / sampleRate) * 1000,
         played: this.played,
         dropped: this.dropped,
         received: this.received,

@@ -95,6 +95,9 @@ pub const SESSION_DROPPED: &str = "duplex_session_dropped_messages_total";
 pub const OPUS_REFUSED: &str = "duplex_session_input_refused_frames_total";
 /// Counter: 80 ms frames of silence fed in place of a quiet client.
 pub const SESSION_SILENCE: &str = "duplex_session_silence_frames_total";
+/// Counter: frames whose server latency (a client's frame arriving → the agent's audio for it
+/// leaving) passed two frames' time (160 ms).
+pub const SESSION_LATE_FRAMES: &str = "duplex_session_late_frames_total";
 /// Counter: times a client stopped reading for longer than `stall_timeout` (its session is
 /// closed).
 pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";

@@ -97,6 +97,12 @@ async def main():
     ]
     if args.wav:
         flags.insert(0, f"--use-file-for-fake-audio-capture={os.path.abspath(args.wav)}")
+    from urllib.parse import urlparse
+    origin = urlparse(args.url)
+    if origin.hostname not in ("127.0.0.1", "localhost", "::1"):
+        # The microphone needs a secure context: a page served over plain HTTP from another
+        # address (a server in a test's network namespace) is treated as one.
+        flags.insert(0, f"--unsafely-treat-insecure-origin-as-secure={origin.scheme}://{origin.netloc}")
     if args.deny_mic:
         # No automatic "allow": the permission set below (denied) decides.
         flags.remove("--use-fake-ui-for-media-stream")
@@ -191,7 +197,8 @@ async def main():
                         history = []
                         t_end = time.monotonic() + args.talk - half
                         while time.monotonic() < t_end:
-                            history.append(await js("JSON.parse(JSON.stringify({p: window.duplexStats.player, b: window.duplexStats.breakdown}))"))
+                            history.append(await js("JSON.parse(JSON.stringify({p: window.duplexStats.player, b: window.duplexStats.breakdown, "
+                                                  "q: window.duplexStats.quality, r: window.duplexStats.rtc, s: window.duplexStats.server_transport}))"))
                             await asyncio.sleep(0.25)
                         result["history"] = history
                     else:

@@ -61,6 +61,8 @@ pub struct Server {
     pub log: PathBuf,
     /// The API key [`get`](Self::get) presents (a server with `keys_file`).
     pub key: Option<String>,
+    /// The address it listens on.
+    pub host: String,
 }
 
 impl Drop for Server {
@@ -85,17 +87,56 @@ impl Server {
 
     /// As [`start`](Self::start) with a template file of the caller's.
     pub fn start_with(dir: tempfile::TempDir, config: &str, template: &Path) -> Server {
+        Self::launch(
+            dir,
+            config,
+            template,
+            "127.0.0.1",
+            Command::new(env!("CARGO_BIN_EXE_duplex")),
+        )
+    }
+
+    /// As [`start`](Self::start), listening on `host` (an address of this machine or of a
+    /// namespace), the binary run by `launcher` (e.g. `ip netns exec NAME`), or directly when
+    /// it is `None`.
+    pub fn start_on(
+        host: &str,
+        launcher: Option<Command>,
+        config: &str,
+        fill_after_ms: u32,
+    ) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().join("sessions");
+        let tpl = dir.path().join("session.yaml");
+        std::fs::write(&tpl, template(&logs, fill_after_ms)).unwrap();
+        let cmd = match launcher {
+            Some(mut c) => {
+                c.arg(env!("CARGO_BIN_EXE_duplex"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_duplex")),
+        };
+        Self::launch(dir, config, &tpl, host, cmd)
+    }
+
+    fn launch(
+        dir: tempfile::TempDir,
+        config: &str,
+        template: &Path,
+        host: &str,
+        mut cmd: Command,
+    ) -> Server {
         let cfg = dir.path().join("serve.yaml");
         std::fs::write(
             &cfg,
             format!(
-                "address: \"127.0.0.1:0\"\npipeline: {}\n{config}",
+                "address: \"{host}:0\"\npipeline: {}\n{config}",
                 template.display()
             ),
         )
         .unwrap();
         let log = dir.path().join("serve.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        let mut child = cmd
             .args(["serve", "--config"])
             .arg(&cfg)
             .current_dir(dir.path())
@@ -130,16 +171,22 @@ impl Server {
             dir,
             log,
             key: None,
+            host: host.to_string(),
         }
     }
 
     pub fn url(&self) -> String {
-        format!("ws://127.0.0.1:{}/api/chat", self.port)
+        format!("ws://{}:{}/api/chat", self.host, self.port)
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
         match &self.key {
-            None => http_get(self.port, path),
+            None if self.host == "127.0.0.1" => http_get(self.port, path),
+            None => {
+                let (code, _, body) =
+                    self.request(&format!("GET {path} HTTP/1.1\r\nHost: localhost"));
+                (code, body)
+            }
             Some(k) => {
                 let (code, _, body) = self.request(&format!(
                     "GET {path} HTTP/1.1\r\nHost: localhost\r\nkyutai-api-key: {k}"
@@ -233,7 +280,7 @@ impl Server {
     /// and the body.
     fn exchange(&self, raw: &str) -> (u16, String, String) {
         use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        let mut s = std::net::TcpStream::connect((self.host.as_str(), self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(raw.as_bytes()).unwrap();
         let mut bytes = Vec::new();
@@ -272,6 +319,26 @@ impl Server {
             body.len()
         ))
     }
+}
+
+/// Runs the page in headless Chromium (`tests/clients/browser.py` with `args`) and returns
+/// what it printed (one JSON object).
+pub fn browser(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tests/clients/browser.py"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "browser {args:?}: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(text.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("browser output is not JSON ({e}): {text}"))
 }
 
 /// The test client's command (`args` after `--url`).

@@ -923,6 +923,7 @@ fn register_series() {
         metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => kind).absolute(0);
     }
     metrics::counter!(names::SESSION_SILENCE).absolute(0);
+    metrics::counter!(names::SESSION_LATE_FRAMES).absolute(0);
     for reason in ["no_request", "error"] {
         metrics::counter!(names::CONNECTIONS_CLOSED, "reason" => reason).absolute(0);
     }
@@ -1422,6 +1423,7 @@ async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     "realtime_factor": l.monitor.as_ref().map(|m| m.realtime_factor()),
                     "verdicts": verdicts,
                     "silence_frames": L::get(&l.stats.silence_frames),
+                    "late_frames": L::get(&l.stats.late_frames),
                     "dropped_out": L::get(&l.stats.dropped_out),
                     "bytes_in": L::get(&l.stats.bytes_in),
                     "bytes_out": L::get(&l.stats.bytes_out),

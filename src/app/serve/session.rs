@@ -1191,6 +1191,7 @@ fn close_reason(text: &str) -> String {
 #[derive(Default)]
 struct Published {
     silence: u64,
+    late: u64,
     dropped_in: u64,
     dropped_out: u64,
 }
@@ -1207,6 +1208,11 @@ impl Published {
             &mut self.silence,
             LinkStats::get(&s.silence_frames),
             metrics::counter!(names::SESSION_SILENCE),
+        );
+        step(
+            &mut self.late,
+            LinkStats::get(&s.late_frames),
+            metrics::counter!(names::SESSION_LATE_FRAMES),
         );
         step(
             &mut self.dropped_in,

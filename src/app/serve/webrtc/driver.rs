@@ -180,6 +180,12 @@ impl Driver {
     }
 }
 
+/// Samples at 24 kHz of `ticks` of the 48 kHz RTP clock, within what libopus decodes at once
+/// (2.5 to 120 ms).
+fn samples(ticks: u64) -> usize {
+    ((ticks / 2) as usize).clamp(60, 2880)
+}
+
 /// Metric handles of the driver.
 struct Counters {
     received: metrics::Counter,
@@ -347,14 +353,15 @@ impl Peer {
             let mut pcm = [0i16; 5760];
             let n = match (&play, self.decoder.as_mut()) {
                 (_, None) => 0,
+                // RTP padding (a sender's bandwidth probe) holds a sequence number and no audio.
+                (Play::Packet(d), _) if d.is_empty() => 0,
                 (Play::Packet(d), Some(dec)) => dec.decode(d, &mut pcm, false).unwrap_or(0),
-                (Play::Fec(d), Some(dec)) => {
-                    dec.decode(d, &mut pcm[..PACKET_SAMPLES], true).unwrap_or(0)
-                }
-                (Play::Conceal(ticks), Some(dec)) => {
-                    let n = ((*ticks as usize) / 2).clamp(120, PACKET_SAMPLES * 6);
-                    dec.decode(&[], &mut pcm[..n], false).unwrap_or(0)
-                }
+                (Play::Fec(d, ticks), Some(dec)) => dec
+                    .decode(d, &mut pcm[..samples(*ticks)], true)
+                    .unwrap_or(0),
+                (Play::Conceal(ticks), Some(dec)) => dec
+                    .decode(&[], &mut pcm[..samples(*ticks)], false)
+                    .unwrap_or(0),
             };
             if n > 0 {
                 if let Some(tx) = &self.to_session {

@@ -27,8 +27,9 @@ const MAX_HELD: usize = 100;
 pub(crate) enum Play {
     /// The slot's own packet.
     Packet(Arc<[u8]>),
-    /// The slot's packet is lost; the next one (given) carries it as in-band FEC.
-    Fec(Arc<[u8]>),
+    /// The slot's packet (this many RTP ticks) is lost; the next one (given) carries it as
+    /// in-band FEC.
+    Fec(Arc<[u8]>, u64),
     /// The slot's packet is lost: conceal this many RTP ticks.
     Conceal(u64),
 }
@@ -59,12 +60,12 @@ struct Held {
     data: Arc<[u8]>,
 }
 
-/// The next slot to play.
+/// The next slot to play: its sequence number and the timestamp it is expected at (its own
+/// packet's, when that is here).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     seq: u64,
     ts: u64,
-    at: Instant,
 }
 
 /// A jitter buffer (see the module's documentation).
@@ -73,7 +74,10 @@ pub(crate) struct JitterBuffer {
     max_delay: Duration,
     held: BTreeMap<u64, Held>,
     next: Option<Slot>,
+    /// The schedule: the timestamp `.1` plays at `.0`; every other one by its distance.
+    anchor: Option<(Instant, u64)>,
     highest: Option<u64>,
+    /// The last packet's size, in RTP ticks.
     ticks: u64,
     conceal_run: u32,
     counts: Counts,
@@ -92,6 +96,7 @@ impl JitterBuffer {
             max_delay: max_delay.max(delay),
             held: BTreeMap::new(),
             next: None,
+            anchor: None,
             highest: None,
             ticks: DEFAULT_TICKS,
             conceal_run: 0,
@@ -114,21 +119,29 @@ impl JitterBuffer {
         self.held.len()
     }
 
+    /// When the timestamp `ts` plays.
+    fn time_of(&self, ts: u64) -> Option<Instant> {
+        let (at, ts0) = self.anchor?;
+        Some(if ts >= ts0 {
+            at + ticks_to_time(ts - ts0)
+        } else {
+            at.checked_sub(ticks_to_time(ts0 - ts)).unwrap_or(at)
+        })
+    }
+
     /// Takes a packet (`seq`: the extended RTP sequence number, `ts`: the extended RTP
     /// timestamp) that arrived at `now`.
     pub(crate) fn push(&mut self, seq: u64, ts: u64, data: Arc<[u8]>, now: Instant) {
         self.counts.received += 1;
-        if let Some(slot) = self.next {
-            if seq < slot.seq {
-                self.counts.late += 1;
-                // Played around already: wait one packet longer from now on.
-                let grown = (self.delay + ticks_to_time(self.ticks)).min(self.max_delay);
-                if let Some(n) = self.next.as_mut() {
-                    n.at += grown - self.delay;
-                }
-                self.delay = grown;
-                return;
+        if self.next.is_some_and(|slot| seq < slot.seq) {
+            self.counts.late += 1;
+            // Played around already: wait one packet longer from now on.
+            let grown = (self.delay + ticks_to_time(self.ticks)).min(self.max_delay);
+            if let Some((at, _)) = self.anchor.as_mut() {
+                *at += grown - self.delay;
             }
+            self.delay = grown;
+            return;
         }
         if self.held.contains_key(&seq) {
             self.counts.duplicate += 1;
@@ -138,16 +151,28 @@ impl JitterBuffer {
             self.counts.reordered += 1;
         }
         self.highest = Some(self.highest.map_or(seq, |h| h.max(seq)));
-        // The packet size from two neighbours' timestamps (browsers send 20 ms; any size works).
-        if let Some((&prev_seq, prev)) = self.held.range(..seq).next_back() {
-            let dts = ts.saturating_sub(prev.ts);
-            if seq - prev_seq == 1 && dts > 0 && dts <= CLOCK / 10 {
+        // The packet size from two neighbours' timestamps (browsers send 10 to 60 ms).
+        let neighbours = [
+            self.held
+                .range(..seq)
+                .next_back()
+                .map(|(&s, h)| (seq - s, ts.wrapping_sub(h.ts))),
+            self.held
+                .range(seq + 1..)
+                .next()
+                .map(|(&s, h)| (s - seq, h.ts.wrapping_sub(ts))),
+        ];
+        for (dseq, dts) in neighbours.into_iter().flatten() {
+            if dseq == 1 && dts > 0 && dts <= CLOCK / 10 {
                 self.ticks = dts;
             }
         }
         self.held.insert(seq, Held { ts, data });
         if self.next.is_none() {
-            self.anchor(seq, ts, now);
+            self.next = Some(Slot { seq, ts });
+            self.anchor = Some((now + self.delay, ts));
+            self.counts.anchors += 1;
+            self.conceal_run = 0;
         }
         if self.held.len() > MAX_HELD {
             // Far ahead of the schedule: skip to the oldest packet kept, due now.
@@ -158,39 +183,29 @@ impl JitterBuffer {
                 self.next = Some(Slot {
                     seq: first,
                     ts: h.ts,
-                    at: now,
                 });
+                self.anchor = Some((now, h.ts));
                 self.counts.anchors += 1;
             }
         }
     }
 
-    fn anchor(&mut self, seq: u64, ts: u64, now: Instant) {
-        self.next = Some(Slot {
-            seq,
-            ts,
-            at: now + self.delay,
-        });
-        self.counts.anchors += 1;
-        self.conceal_run = 0;
-    }
-
     /// When the next slot is due (`None`: nothing is scheduled).
     pub(crate) fn due(&self) -> Option<Instant> {
-        self.next.map(|s| s.at)
+        let slot = self.next?;
+        let ts = self.held.get(&slot.seq).map_or(slot.ts, |h| h.ts);
+        self.time_of(ts)
     }
 
     /// The next slot's play when it is due at `now`.
     pub(crate) fn pop(&mut self, now: Instant) -> Option<Play> {
         let slot = self.next?;
-        if slot.at > now {
+        if self.due()? > now {
             return None;
         }
         if let Some(h) = self.held.remove(&slot.seq) {
             self.conceal_run = 0;
-            // A gap in the timestamps (the sender paused) shifts the schedule with it.
-            let ts = h.ts.max(slot.ts);
-            self.advance(slot, ts);
+            self.advance(slot.seq, h.ts);
             return Some(Play::Packet(h.data));
         }
         if self.held.is_empty() && self.conceal_run >= MAX_CONCEAL_RUN {
@@ -203,28 +218,24 @@ impl JitterBuffer {
         let play = match self.held.get(&(slot.seq + 1)) {
             Some(h) => {
                 self.counts.fec += 1;
-                Play::Fec(h.data.clone())
+                Play::Fec(h.data.clone(), self.ticks)
             }
             None => {
                 self.counts.concealed += 1;
                 Play::Conceal(self.ticks)
             }
         };
-        self.advance(slot, slot.ts);
+        self.advance(slot.seq, slot.ts);
         Some(play)
     }
 
-    fn advance(&mut self, slot: Slot, ts: u64) {
-        let ticks = self
-            .held
-            .get(&(slot.seq + 1))
-            .map(|n| n.ts.saturating_sub(ts))
-            .filter(|&d| d > 0 && d <= CLOCK / 10)
-            .unwrap_or(self.ticks);
+    /// The slot after `seq` (played at `ts`): its own packet's timestamp when it is here, else
+    /// one packet's size later.
+    fn advance(&mut self, seq: u64, ts: u64) {
+        let next_ts = self.held.get(&(seq + 1)).map_or(ts + self.ticks, |n| n.ts);
         self.next = Some(Slot {
-            seq: slot.seq + 1,
-            ts: ts + ticks,
-            at: slot.at + ticks_to_time(ticks),
+            seq: seq + 1,
+            ts: next_ts,
         });
     }
 }
@@ -304,11 +315,11 @@ mod tests {
             plays,
             vec![
                 Play::Packet(pkt(0)),
-                Play::Fec(pkt(2)),
+                Play::Fec(pkt(2), 960),
                 Play::Packet(pkt(2)),
                 Play::Packet(pkt(3)),
                 Play::Conceal(960),
-                Play::Fec(pkt(6)),
+                Play::Fec(pkt(6), 960),
                 Play::Packet(pkt(6)),
             ]
         );
@@ -351,6 +362,38 @@ mod tests {
         jb.push(50, 48_000, pkt(50), t1);
         assert_eq!(jb.due(), Some(t1 + Duration::from_millis(40)));
         assert_eq!(jb.counts().anchors, 2);
+    }
+
+    #[test]
+    fn under_random_loss_and_changing_packet_sizes_the_depth_stays_put_over_a_minute() {
+        // Browsers switch between 10 and 20 ms packets: the schedule follows the timestamps,
+        // so a lost packet of either size leaves the depth where it was.
+        let t0 = Instant::now();
+        let mut jb = JitterBuffer::new(Duration::from_millis(40), Duration::from_millis(200));
+        let mut rng = 12345u64;
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) % 100
+        };
+        let (mut ts, mut played, mut depths) = (0u64, 0, Vec::new());
+        for i in 0..4000u64 {
+            let size = if (i / 300) % 2 == 0 { 960 } else { 480 };
+            let t = t0 + ticks_to_time(ts);
+            if next() >= 5 {
+                jb.push(i, 1_000_000 + ts, pkt(0), t);
+            }
+            while jb.pop(t).is_some() {
+                played += 1;
+            }
+            depths.push(jb.depth());
+            ts += size;
+        }
+        assert!(played >= 3990, "{played}");
+        let most = depths[3000..].iter().copied().max().unwrap();
+        assert!(most <= 8, "the buffer grew to {most} packets");
+        assert_eq!(jb.counts().anchors, 1);
     }
 
     #[test]
