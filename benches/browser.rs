@@ -1,37 +1,56 @@
-//! The browser voice chat on loopback, measured: a 60 s conversation in headless Chromium (fake
-//! microphone → page → `duplex serve` on the tiny pack → page playback), sampling the page's
-//! live panel 4 times a second. Prints the mouth-to-ear estimate with its breakdown (capture
-//! block, network round trip, server, jitter buffer, the audio devices' own latency) and the
-//! jitter buffer's statistics.
+//! The browser voice chat, measured: 60 s conversations in headless Chromium (fake microphone →
+//! page → `duplex serve` on the tiny pack → page playback), sampling the page's live panel 4
+//! times a second, over the WebSocket and over WebRTC side by side: on loopback, then (where
+//! this machine allows a network namespace: root) with the server behind a veth pair dropping
+//! 2 % and then 5 % of the packets both ways (nftables). Prints, per row, the mouth-to-ear
+//! estimate (mean, p90), underruns (WebRTC: concealment events), concealed ms, the longest stall
+//! and the server's late frames; for the loopback rows also the estimate's breakdown (capture
+//! block, network round trip, server, the server's jitter buffer, the page's, the devices).
 //!
 //! Run with `cargo bench --bench browser` (needs `make setup`: Chromium and the venv).
 
+#[path = "../tests/support/netns.rs"]
+mod netns;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 
 const SECONDS: u32 = 60;
 
 fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-fn main() {
+/// `duplex serve` on `host` (run by `launcher` when given), the default template.
+fn serve(dir: &Path, host: &str, launcher: Option<Command>) -> (Child, String) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = tempfile::tempdir().unwrap();
-    let tpl = dir.path().join("session.yaml");
+    let tpl = dir.join("session.yaml");
     let text = std::fs::read_to_string(root.join("pipelines/serve.yaml"))
         .unwrap()
         .replace("models/", &format!("{}/models/", root.display()));
     std::fs::write(&tpl, text).unwrap();
-    let cfg = dir.path().join("serve.yaml");
+    let cfg = dir.join(format!("serve-{host}.yaml"));
     std::fs::write(
         &cfg,
-        format!("address: \"127.0.0.1:0\"\npipeline: {}\n", tpl.display()),
+        format!(
+            "address: \"{host}:0\"\npipeline: {}\nallow_anonymous: true\n",
+            tpl.display()
+        ),
     )
     .unwrap();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_duplex"))
+    let mut cmd = match launcher {
+        Some(mut c) => {
+            c.arg(env!("CARGO_BIN_EXE_duplex"));
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_duplex")),
+    };
+    let mut server = cmd
         .args(["serve", "--config"])
         .arg(&cfg)
         .env("RUST_LOG", "warn")
@@ -49,6 +68,80 @@ fn main() {
             break;
         }
     }
+    (server, format!("http://{host}:{port}/"))
+}
+
+/// One conversation's page output.
+fn talk(url: &str, wav: &Path, transport: &str) -> serde_json::Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("tests/clients/browser.py"))
+        .args(["--url", url, "--wav"])
+        .arg(wav)
+        .args([
+            "--talk",
+            &SECONDS.to_string(),
+            "--history",
+            "--transport",
+            transport,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap()
+}
+
+const PARTS: [&str; 6] = [
+    "capture_ms",
+    "network_ms",
+    "server_ms",
+    "server_jitter_ms",
+    "buffer_ms",
+    "device_ms",
+];
+
+/// Prints one row of the table, the estimate's parts under it (and the console's errors).
+fn row(network: &str, transport: &str, r: &serde_json::Value) {
+    let history = r["history"].as_array().unwrap();
+    let mut m2e: Vec<f64> = history
+        .iter()
+        .filter_map(|h| h["b"].as_object())
+        .map(|b| b.values().filter_map(|v| v.as_f64()).sum())
+        .collect();
+    let mean = m2e.iter().sum::<f64>() / m2e.len().max(1) as f64;
+    let s = &r["stats"];
+    let q = &s["quality"];
+    println!(
+        "{network:<10} {transport:<10} {mean:>7.1} {:>7.1} {:>9} {:>10.0} {:>9.0} {:>5} {:>7}",
+        quantile(&mut m2e, 0.9),
+        q["underruns"],
+        q["concealed_ms"].as_f64().unwrap_or(0.0),
+        q["longest_stall_ms"].as_f64().unwrap_or(0.0),
+        s["late_frames"],
+        r["console_errors"].as_array().map_or(0, |a| a.len())
+    );
+    for e in r["console_errors"].as_array().into_iter().flatten() {
+        println!("{:<21} console error: {e}", "");
+    }
+    {
+        let part = |k: &str| {
+            let v: Vec<f64> = history.iter().filter_map(|h| h["b"][k].as_f64()).collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        let parts: Vec<String> = PARTS
+            .iter()
+            .map(|k| format!("{} {:.1}", k.trim_end_matches("_ms"), part(k)))
+            .collect();
+        println!("{:<21} parts (ms): {}", "", parts.join(", "));
+    }
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
     // The fake microphone: a tone with a syllable-rate envelope, longer than the run.
     let wav = dir.path().join("mic.wav");
     let spec = hound::WavSpec {
@@ -64,67 +157,30 @@ fn main() {
         w.write_sample((x * 32767.0) as i16).unwrap();
     }
     w.finalize().unwrap();
-    let out = Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("tests/clients/browser.py"))
-        .args(["--url", &format!("http://127.0.0.1:{port}/"), "--wav"])
-        .arg(&wav)
-        .args(["--talk", &SECONDS.to_string(), "--history"])
-        .output()
-        .unwrap();
+    println!("browser voice chat, tiny pack, {SECONDS} s per row; mouth to ear (estimate) in ms");
+    println!(
+        "{:<10} {:<10} {:>7} {:>7} {:>9} {:>10} {:>9} {:>5} {:>7}",
+        "network", "transport", "mean", "p90", "underruns", "concealed", "stall", "late", "errors"
+    );
+    let (mut server, url) = serve(dir.path(), "127.0.0.1", None);
+    for transport in ["websocket", "webrtc"] {
+        row("loopback", transport, &talk(&url, &wav, transport));
+    }
     let _ = server.kill();
     let _ = server.wait();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
-    let history = r["history"].as_array().unwrap();
-    let series = |f: &dyn Fn(&serde_json::Value) -> Option<f64>| -> Vec<f64> {
-        history.iter().filter_map(f).collect()
-    };
-    let mut depth = series(&|h| h["p"]["depth_ms"].as_f64());
-    let target = series(&|h| h["p"]["target_ms"].as_f64());
-    let part = |k: &str| {
-        let v = series(&|h| h["b"][k].as_f64());
-        v.iter().sum::<f64>() / v.len().max(1) as f64
-    };
-    let player = &r["stats"]["player"];
-    println!(
-        "browser voice chat on loopback, tiny pack, {SECONDS} s, {} samples of the live panel",
-        history.len()
-    );
-    println!("mouth to ear (estimate), mean over the run:");
-    let parts = [
-        "capture_ms",
-        "network_ms",
-        "server_ms",
-        "buffer_ms",
-        "device_ms",
-    ];
-    let total: f64 = parts.iter().map(|k| part(k)).sum();
-    for k in parts {
-        println!("  {:<12} {:>7.1} ms", k.trim_end_matches("_ms"), part(k));
+    match netns::Netns::create() {
+        Err(why) => println!("(no lossy rows: no network namespace here: {why})"),
+        Ok(ns) => {
+            let (mut server, url) = serve(dir.path(), &ns.ip, Some(ns.exec()));
+            for loss in [2, 5] {
+                ns.set_loss(loss);
+                for transport in ["websocket", "webrtc"] {
+                    let r = talk(&url, &wav, transport);
+                    row(&format!("{loss} % loss"), transport, &r);
+                }
+            }
+            let _ = server.kill();
+            let _ = server.wait();
+        }
     }
-    println!("  {:<12} {:>7.1} ms", "total", total);
-    let n = depth.len();
-    let mean = depth.iter().sum::<f64>() / n.max(1) as f64;
-    println!(
-        "jitter buffer: depth mean {mean:.1} ms, p10 {:.1}, p50 {:.1}, p90 {:.1}, max {:.1}; target {:.0}..{:.0} ms",
-        quantile(&mut depth, 0.1),
-        quantile(&mut depth, 0.5),
-        quantile(&mut depth, 0.9),
-        quantile(&mut depth, 1.0),
-        target.iter().cloned().fold(f64::INFINITY, f64::min),
-        target.iter().cloned().fold(0.0, f64::max),
-    );
-    println!(
-        "played {:.1} s, underruns {}, concealed {:.0} ms, dropped {:.0} ms; console errors {}",
-        player["played"].as_f64().unwrap_or(0.0) / 24_000.0,
-        player["underruns"],
-        player["concealed"].as_f64().unwrap_or(0.0) / 24.0,
-        player["dropped"].as_f64().unwrap_or(0.0) / 24.0,
-        r["console_errors"].as_array().map_or(0, |a| a.len())
-    );
 }

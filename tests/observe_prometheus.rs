@@ -96,6 +96,7 @@ fn about_sessions(e: &str) -> bool {
         || e.contains("path=\"server\"")
         || e.contains("duplex_engine")
         || e.contains("duplex_codec")
+        || e.contains("duplex_webrtc")
 }
 
 /// Whether a dashboard expression is about an echo canceller (data only from a pipeline with a

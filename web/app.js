@@ -500,9 +500,12 @@ function hangup(state = "ended", message = "") {
     if (call.pc) {
       clearTimeout(call.lostTimer);
       clearInterval(call.stallTimer);
-      // WHIP: the session's resource is deleted; the peer connection closed.
-      if (call.resource) api(call.resource, { method: "DELETE" }).catch(() => {});
-      try { call.pc.close(); } catch (_) {}
+      // WHIP: the session's resource is deleted, then the peer connection closed (closing it
+      // first would end the session before the server hears the hang-up).
+      const pc = call.pc;
+      const close = () => { try { pc.close(); } catch (_) {} };
+      if (call.resource) api(call.resource, { method: "DELETE" }).catch(() => {}).finally(close);
+      else close();
       call.audio.srcObject = null;
     }
     call.mic.getTracks().forEach((t) => t.stop());

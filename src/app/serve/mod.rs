@@ -1,5 +1,6 @@
-//! `duplex serve`: conversations over the network on the Moshi WebSocket protocol, one session
-//! pipeline per client, built from a YAML session template.
+//! `duplex serve`: conversations over the network (the Moshi WebSocket protocol, the OpenAI
+//! Realtime API, Twilio's media streams, WebRTC), one session pipeline per client, built from a
+//! YAML session template.
 //!
 //! HTTP and WebSocket are axum's (hyper on a tokio runtime); this module decides who is
 //! admitted (a slot free, the models loaded, not draining, the client's address under its

@@ -1,10 +1,11 @@
 //! One client's connection: its session pipeline built from the template with the client's
-//! choices, the client told once the pipeline is primed, and the bridge between the WebSocket
-//! and the pipeline's session stages until one side ends; then the outcome, counted. The same
-//! for every protocol: what differs ([`Protocol`]) is what the client's messages mean, what is
-//! said to it, and which ends the template gets (Ogg/Opus, or PCM for a protocol that converts
-//! its own wire format: [`pcm_ends`]). Kyutai's protocol is here ([`Kyutai`]); the realtime API
-//! and Twilio's in their modules.
+//! choices, the client told once the pipeline is primed, and the bridge between the connection
+//! (its two halves: a WebSocket's, or a transport's own, as WebRTC's driver gives them) and the
+//! pipeline's session stages until one side ends; then the outcome, counted. The same for every
+//! protocol: what differs ([`Protocol`]) is what the client's messages mean, what is said to it,
+//! and which ends the template gets (Ogg/Opus, or PCM for a protocol that converts its own wire
+//! format: [`pcm_ends`]). Kyutai's protocol is here ([`Kyutai`]); the realtime API's, Twilio's
+//! and WebRTC's in their modules.
 //!
 //! Kyutai's message kinds (docs/PROTOCOL.md): 0 handshake (always the first message, as soon as
 //! the session is primed, also before an error), 4 metadata (right after it: Kyutai's `ServerInfo`
