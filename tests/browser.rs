@@ -113,14 +113,9 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
     let server = Server::start("max_sessions: 1\n", 240);
     let wav = server.dir.path().join("mic.wav");
     speech_wav(&wav, 4.0, 200.0);
-    let mut holder = client_command(&server.url(), &["--silent", "30", "--tail", "0"])
-        .spawn()
-        .unwrap();
-    server.wait_sessions(1, 20);
     let url = page(&server);
     let wav = wav.to_str().unwrap();
-    let holder_pid = holder.id().to_string();
-    let state = |state: &str, extra: &[&str]| {
+    let state = |state: &str, transport: &str, extra: &[&str]| {
         let mut args = vec![
             "--url",
             &url,
@@ -131,24 +126,39 @@ fn the_page_says_when_the_server_is_full_and_when_it_goes_away() {
             "--talk",
             "20",
             "--transport",
-            "websocket",
+            transport,
         ];
         args.extend_from_slice(extra);
         browser(&args)
     };
-    // Full: the page says so and retries; once the holder leaves, its retry gets in.
-    let r = state(
-        "full",
-        &["--then-kill", &holder_pid, "--then-state", "live"],
-    );
-    assert_eq!(r["reached"], true, "{r}");
-    assert!(r["message"].as_str().unwrap().contains("full"), "{r}");
-    assert_eq!(r["then_reached"], true, "the retry did not get in: {r}");
-    let _ = holder.wait();
+    // Full: the page says so and retries; once the holder leaves, its retry gets in (the
+    // WebSocket's upgrade refused, or the WebRTC offer answered 503).
+    for transport in ["websocket", "webrtc"] {
+        let mut holder = client_command(&server.url(), &["--silent", "30", "--tail", "0"])
+            .spawn()
+            .unwrap();
+        server.wait_sessions(1, 20);
+        let holder_pid = holder.id().to_string();
+        let r = state(
+            "full",
+            transport,
+            &["--then-kill", &holder_pid, "--then-state", "live"],
+        );
+        assert_eq!(r["reached"], true, "{transport}: {r}");
+        assert!(
+            r["message"].as_str().unwrap().contains("full"),
+            "{transport}: {r}"
+        );
+        assert_eq!(
+            r["then_reached"], true,
+            "{transport}: the retry did not get in: {r}"
+        );
+        let _ = holder.wait();
+        server.wait_sessions(0, 20);
+    }
 
     // The user refuses the microphone: said so, nothing connects.
-    server.wait_sessions(0, 20);
-    let r = state("error", &["--deny-mic"]);
+    let r = state("error", "auto", &["--deny-mic"]);
     assert_eq!(r["reached"], true, "{r}");
     assert!(
         r["message"]
