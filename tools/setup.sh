@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 
 ORT_VERSION=1.31.1
 APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium espeak-ng
-  podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl)
+  podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl iproute2 nftables)
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }

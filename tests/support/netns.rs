@@ -47,6 +47,7 @@ impl Netns {
             ip: format!("10.{a}.{b}.2"),
             name,
         };
+        run(&["nft", "--version"])?;
         run(&["ip", "netns", "add", &ns.name])?;
         let setup = || -> Result<(), String> {
             run(&[
