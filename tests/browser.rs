@@ -29,6 +29,20 @@ fn page(server: &Server) -> String {
     format!("http://127.0.0.1:{}/", server.port)
 }
 
+/// Once the session of the page's conversation `r` has ended: the transcript the page showed
+/// is what the session's token log wrote (the frames it received before hanging up).
+fn assert_transcript_is_the_token_log(server: &Server, r: &serde_json::Value) {
+    let id = r["stats"]["session"].as_u64().unwrap();
+    server.wait_sessions(0, 20);
+    let log = token_log(&server.session_dir(id).join("agent.jsonl"));
+    let logged: String = log
+        .iter()
+        .map(|l| l["piece"].as_str().unwrap_or(""))
+        .collect();
+    let shown = r["page"]["transcript"].as_str().unwrap();
+    assert!(logged.starts_with(shown), "page {shown:?}, log {logged:?}");
+}
+
 /// One conversation in a window of `width` × `height`; returns what the page saw.
 fn talk(server: &Server, wav: &Path, width: u32, height: u32, shot: &str) -> serde_json::Value {
     let shot = artifacts().join(shot);
@@ -84,17 +98,7 @@ fn a_conversation_in_the_browser_plays_audio_and_shows_the_transcript_and_the_li
     let wav = server.dir.path().join("mic.wav");
     speech_wav(&wav, 8.0, 200.0);
     let r = talk(&server, &wav, 1280, 900, "browser-desktop.png");
-    // The transcript the page shows is what the session's token log wrote (the frames it
-    // received before hanging up).
-    let id = r["stats"]["session"].as_u64().unwrap();
-    server.wait_sessions(0, 20);
-    let log = token_log(&server.session_dir(id).join("agent.jsonl"));
-    let logged: String = log
-        .iter()
-        .map(|l| l["piece"].as_str().unwrap_or(""))
-        .collect();
-    let shown = r["page"]["transcript"].as_str().unwrap();
-    assert!(logged.starts_with(shown), "page {shown:?}, log {logged:?}");
+    assert_transcript_is_the_token_log(&server, &r);
     let player = &r["stats"]["player"];
     eprintln!(
         "desktop: mouth to ear {} ms (rtt {} ms), buffer {} / {} ms, underruns {}",
@@ -317,16 +321,7 @@ fn a_conversation_over_webrtc_carries_audio_both_ways_and_its_hang_up_frees_the_
     assert!(num(&server_side["packets_sent"]) > 150.0, "{server_side}");
     // The page's live panel shows loss and jitter from getStats().
     assert!(r["page"]["loss"].as_str().unwrap().contains('%'), "{r}");
-    // The transcript is the session's token log (the frames before the hang-up).
-    let id = s["session"].as_u64().unwrap();
-    server.wait_sessions(0, 20);
-    let log = token_log(&server.session_dir(id).join("agent.jsonl"));
-    let logged: String = log
-        .iter()
-        .map(|l| l["piece"].as_str().unwrap_or(""))
-        .collect();
-    let shown = r["page"]["transcript"].as_str().unwrap();
-    assert!(logged.starts_with(shown), "page {shown:?}, log {logged:?}");
+    assert_transcript_is_the_token_log(&server, &r);
     // The hang-up (DELETE on the session's resource) freed the slot and the peer.
     let m = server.metrics();
     assert_eq!(
