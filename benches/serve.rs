@@ -16,7 +16,9 @@
 //!    (`engine: shared`: weights once, every session stepped in one batched call per tick), side
 //!    by side; then with the full-size Mimi (`tiny-gqa-mimi-full`: the tiny LM, the real codec's
 //!    shapes), the codec per session against the shared codec, and the shared codec with its
-//!    step graphs in int8 (`tools/quantize_pack.py --quantize-codec int8`).
+//!    step graphs in int8 (`tools/quantize_pack.py --quantize-codec int8`), and the shared
+//!    codec with two intra-op threads per role (`intra_threads: 2` on `encode` and `decode`):
+//!    a tick's rows computed on both cores, for latency.
 //! 4. The transports side by side on one server (the default template, tiny pack): the same
 //!    sessions over `/api/chat` (Ogg/Opus), `/v1/realtime` in PCM16 and in μ-law (JSON events,
 //!    base64), and `/twilio/media` (μ-law): server latency and the CPU outside the models.
@@ -45,6 +47,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa",
         lm_shared: false,
         codec_shared: false,
+        codec_threads: 1,
         levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32],
     },
     Setup {
@@ -53,6 +56,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa",
         lm_shared: true,
         codec_shared: true,
+        codec_threads: 1,
         levels: &[1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32],
     },
     Setup {
@@ -60,6 +64,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa-mimi-full",
         lm_shared: true,
         codec_shared: false,
+        codec_threads: 1,
         levels: &[1, 2, 3, 4, 6, 8],
     },
     Setup {
@@ -67,6 +72,16 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa-mimi-full",
         lm_shared: true,
         codec_shared: true,
+        codec_threads: 1,
+        levels: &[1, 2, 4, 6, 8, 10, 12],
+    },
+    Setup {
+        label:
+            "full-size codec (tiny-gqa-mimi-full), LM and codec shared, 2 threads per codec role",
+        pack: "tiny-gqa-mimi-full",
+        lm_shared: true,
+        codec_shared: true,
+        codec_threads: 2,
         levels: &[1, 2, 4, 6, 8, 10, 12],
     },
     Setup {
@@ -74,6 +89,7 @@ const SETUPS: &[Setup] = &[
         pack: "tiny-gqa-mimi-full-codec8",
         lm_shared: true,
         codec_shared: true,
+        codec_threads: 1,
         levels: &[1, 2, 4, 6, 8, 10, 12],
     },
 ];
@@ -88,6 +104,8 @@ struct Setup {
     lm_shared: bool,
     /// The codec on the shared encoder and decoder.
     codec_shared: bool,
+    /// Intra-op threads of the codec's sessions (`intra_threads` on `encode` and `decode`).
+    codec_threads: usize,
     /// Session counts tried, in order, until one falls behind.
     levels: &'static [usize],
 }
@@ -122,6 +140,15 @@ fn start(setup: &Setup) -> support::Server {
         );
         if !shared {
             text = text.replace(&default, &format!("    kind: {kind}\n    engine: own\n"));
+        }
+    }
+    if setup.codec_threads != 1 {
+        for kind in ["mimi_encode", "mimi_decode"] {
+            let line = format!("    kind: {kind}\n");
+            text = text.replace(
+                &line,
+                &format!("{line}    intra_threads: {}\n", setup.codec_threads),
+            );
         }
     }
     std::fs::write(&tpl, text).unwrap();

@@ -113,6 +113,10 @@ enum Cmd {
         /// cache resident, fed from the host, and at fixed shapes (a CUDA graph under CUDA).
         #[arg(long, requires = "pack")]
         time: bool,
+        /// (Used by `--time`: opens the shared LM engine with this many slots and prints what
+        /// that added to the memory in use.)
+        #[arg(long, requires = "pack", hide = true, value_name = "SLOTS")]
+        memory_probe: Option<usize>,
     },
 }
 
@@ -286,13 +290,19 @@ fn main() -> ExitCode {
             pack,
             provider,
             time,
+            memory_probe,
         } => {
+            let provider = match provider.as_str() {
+                "cuda" => duplex::model::session::Provider::Cuda { device_id: 0 },
+                _ => duplex::model::session::Provider::Cpu,
+            };
+            if let (Some(slots), Some(dir)) = (memory_probe, &pack) {
+                let (added, kv) = app::doctor::memory_probe(dir, provider, slots)
+                    .map_err(|e| anyhow::anyhow!("the memory probe: {e}"))?;
+                return out(&format!("memory-probe: {added} {kv}\n"));
+            }
             let text = app::doctor::runtime(ort_lib.as_deref())?;
             if let Some(dir) = pack {
-                let provider = match provider.as_str() {
-                    "cuda" => duplex::model::session::Provider::Cuda { device_id: 0 },
-                    _ => duplex::model::session::Provider::Cpu,
-                };
                 out(&text)?;
                 let (pack, report) = app::doctor::pack(&dir, provider).map_err(|e| {
                     duplex::config::ConfigError::new(
@@ -315,6 +325,11 @@ fn main() -> ExitCode {
                     let engine =
                         app::doctor::engine_ticks(&pack, provider, &app::doctor::ENGINE_BATCHES)?;
                     out(&engine)?;
+                    out(&app::doctor::engine_memory(
+                        &dir,
+                        provider,
+                        app::doctor::MEMORY_SLOTS,
+                    ))?;
                 }
                 return Ok(());
             }

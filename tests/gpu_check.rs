@@ -49,6 +49,23 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "{report}"
     );
     assert!(report.matches(", B=48: ").count() >= 3, "{report}");
+    // The step timed at the whole context of 3000 as well, in every cache mode of each pack.
+    assert!(report.matches(", context 3000: ").count() >= 5, "{report}");
+    // The memory a conversation adds to the engine, measured by two probes (a process each),
+    // and at least the KV cache its slot holds.
+    let memory: Vec<&str> = report
+        .lines()
+        .filter(|l| l.contains("  1 slot: +"))
+        .collect();
+    assert_eq!(memory.len(), 3, "{report}");
+    for line in memory {
+        let per = |key: &str| -> f64 {
+            let rest = &line[line.find(key).unwrap() + key.len()..];
+            rest.split(" MiB").next().unwrap().trim().parse().unwrap()
+        };
+        let (measured, kv) = (per("per conversation "), per("by arithmetic: "));
+        assert!(kv > 0.0 && measured >= 0.9 * kv, "{line}");
+    }
     for want in [
         "## PersonaPlex 7B shapes (7b-gqa-fp16-1l, generated weights)",
         "fill_weights: ",
@@ -64,6 +81,7 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "host     (cpu f16) context 50: ",
         "fixed    (cpu f16) context 50: ",
         "sink sink: completion interval mean ",
+        " ms, p99 ",
         "tiny-gqa: 60/60 frames identical",
         "tiny-gqa-fp16: 60/60 frames identical",
         "## the same pack quantized, int8: temporal step times",

@@ -5,7 +5,8 @@
 //! an offline reference with the codec transformer's 250-frame window; fp16 against fp32; a
 //! reset is a fresh stream; two hours of position change nothing; the GEMM-form RVQ gives the
 //! broadcast form's codes; a pack without step graphs still runs, on the window; a new
-//! conversation restarts the codec's streams.
+//! conversation restarts the codec's streams; `tools/profile_step.py` accounts for a call's
+//! time per operator type.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -864,4 +865,65 @@ fn a_shared_codec_runs_a_pipeline_and_a_pack_that_cannot_batch_is_refused_before
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("engine") && err.contains("stateful"), "{err}");
+}
+
+/// `tools/profile_step.py`: both roles' step graphs profiled at each batch size, per operator
+/// type, the kernels' time within the call's wall time; a bad batch list is refused (exit 2).
+#[test]
+fn the_step_profiler_accounts_for_a_calls_time_per_operator_type() {
+    let o = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tools/profile_step.py"))
+        .arg(root().join("models/tiny-gqa"))
+        .args(["--batch", "1,4", "--calls", "5", "--nodes", "3"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for role in ["mimi_encoder_step", "mimi_decoder_step"] {
+        let section = &out[out.find(role).unwrap_or_else(|| panic!("{role}: {out}"))..];
+        let rows: Vec<Vec<f64>> = section
+            .lines()
+            .skip(2)
+            .take_while(|l| !l.starts_with("slowest"))
+            .map(|l| {
+                l.split_whitespace()
+                    .rev()
+                    .take(4)
+                    .map(|v| v.parse::<f64>().unwrap())
+                    .collect()
+            })
+            .collect();
+        let (wall, ops) = rows.split_last().unwrap();
+        assert!(ops.len() >= 3 && section.contains("\nConv "), "{section}");
+        // Per column (B=4 per row, B=4 per call, B=1 per row, B=1 per call: reversed), the
+        // operators' time is within the wall time of a call and most of it.
+        for c in 0..4 {
+            let sum: f64 = ops.iter().map(|r| r[c]).sum();
+            assert!(
+                sum <= wall[c] * 1.05 && sum >= wall[c] * 0.3,
+                "{c}: {sum} vs {wall:?}\n{section}"
+            );
+        }
+        // Per row at B = 4 is per call over 4.
+        assert!(
+            (wall[0] * 4.0 - wall[1]).abs() < 0.02 + wall[1] * 0.01,
+            "{wall:?}"
+        );
+        assert!(
+            section.contains("slowest nodes at B=4 (ms per call):"),
+            "{section}"
+        );
+    }
+    let o = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tools/profile_step.py"))
+        .arg(root().join("models/tiny-gqa"))
+        .args(["--batch", "1,x"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--batch '1,x'"));
 }

@@ -10,8 +10,10 @@
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
 //! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
 //! graph under CUDA), the codec's step graphs batched as a shared codec runs them (one call
-//! of B rows against B calls of one row), and the shared LM engine's frame time for B
-//! conversations stepped together. Prints what it found; knows no stages or pipelines.
+//! of B rows against B calls of one row), the shared LM engine's frame time for B
+//! conversations stepped together, and the memory a conversation adds to that engine at the
+//! pack's whole context (the device's under CUDA, the process's resident set on the CPU).
+//! Prints what it found; knows no stages or pipelines.
 
 use std::path::Path;
 use std::time::Instant;
@@ -268,18 +270,19 @@ pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError
     Ok((pack, text))
 }
 
-/// Contexts (positions already in the cache) at which [`step_times`] reports.
-pub const TIMED_CONTEXTS: [usize; 3] = [50, 1000, 2500];
+/// Contexts (positions in the cache) at which [`step_times`] reports: 3000 is a Moshi LM's
+/// whole attention context.
+pub const TIMED_CONTEXTS: [usize; 4] = [50, 1000, 2500, 3000];
 
-/// Steps averaged around each context.
+/// Steps averaged at each context: the ones that fill the cache up to it.
 const TIMED_STEPS: usize = 20;
 
 /// The temporal step's mean time (ms) at each of `contexts`, per cache mode: the cache bound
 /// where the session computes (`resident`), fed through host arrays every step (`host`), and
 /// bound at fixed shapes (`fixed`; `graph` under CUDA, where the step is a captured CUDA graph
 /// replayed; GQA graphs only).
-/// Steps the pack's temporal graph from an empty cache to the largest context plus
-/// [`TIMED_STEPS`] on the layout's initial tokens.
+/// Steps the pack's temporal graph from an empty cache to the largest context on the layout's
+/// initial tokens; a context the pack's positions do not reach is left out, saying so.
 ///
 /// # Errors
 ///
@@ -290,11 +293,21 @@ pub fn step_times(
     contexts: &[usize],
 ) -> Result<String, ModelError> {
     let frame = pack.manifest.layout().initial;
-    let last = contexts.iter().copied().max().unwrap_or(0) + TIMED_STEPS;
+    let reach = pack.manifest.max_positions;
+    let (timed, beyond): (Vec<usize>, Vec<usize>) = contexts
+        .iter()
+        .partition(|&&c| c >= TIMED_STEPS && c <= reach);
+    let contexts = timed.as_slice();
+    let last = contexts.iter().copied().max().unwrap_or(0);
     let mut text = format!(
-        "temporal step on {} (mean of {TIMED_STEPS} steps from each context):\n",
+        "temporal step on {} (mean of the {TIMED_STEPS} steps up to each context):\n",
         provider.name()
     );
+    if !beyond.is_empty() {
+        text.push_str(&format!(
+            "  (context {beyond:?} left out: the pack's graphs hold {reach} positions)\n"
+        ));
+    }
     let mut rows = Vec::new();
     let cuda = matches!(provider, Provider::Cuda { .. });
     // Fixed shapes: under CUDA with graph capture and replay (`cuda_graph: true`).
@@ -334,7 +347,7 @@ pub fn step_times(
         }
         let means: Vec<f64> = contexts
             .iter()
-            .map(|&c| times[c..c + TIMED_STEPS].iter().sum::<f64>() / TIMED_STEPS as f64)
+            .map(|&c| times[c - TIMED_STEPS..c].iter().sum::<f64>() / TIMED_STEPS as f64)
             .collect();
         rows.push((name, means, t.runs_on(), t.info.variant));
     }
@@ -548,4 +561,164 @@ pub fn engine_ticks(
         provider.name(),
         cells.join(", ")
     ))
+}
+
+/// Slots of the larger engine [`engine_memory`] opens.
+pub const MEMORY_SLOTS: usize = 4;
+
+/// Memory in use, bytes: the device's (CUDA: `cudaMemGetInfo`, total less free, asked through
+/// the CUDA runtime ONNX Runtime's CUDA provider loads) or this process's resident set (CPU).
+///
+/// # Errors
+///
+/// What could not be read, in words.
+pub fn memory_in_use(provider: Provider) -> Result<u64, String> {
+    match provider {
+        Provider::Cpu => host_memory_in_use(),
+        Provider::Cuda { device_id } => cuda_memory_in_use(device_id),
+    }
+}
+
+/// This process's resident set (VmRSS), bytes.
+fn host_memory_in_use() -> Result<u64, String> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| format!("/proc/self/status: {e}"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| "/proc/self/status has no VmRSS".to_string())
+}
+
+/// `cudaMemGetInfo` on `device`: total less free (every process's memory on the device).
+fn cuda_memory_in_use(device: i32) -> Result<u64, String> {
+    type SetDevice = unsafe extern "C" fn(i32) -> i32;
+    type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
+    let mut tried = Vec::new();
+    for name in ["libcudart.so.13", "libcudart.so.12", "libcudart.so"] {
+        // SAFETY: the CUDA runtime's initialisers have no preconditions; the two symbols are
+        // called with the signatures the CUDA runtime API documents.
+        let lib = match unsafe { libloading::Library::new(name) } {
+            Ok(lib) => lib,
+            Err(e) => {
+                tried.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let (mut free, mut total) = (0usize, 0usize);
+        let code = unsafe {
+            let set: libloading::Symbol<SetDevice> = lib
+                .get(b"cudaSetDevice\0")
+                .map_err(|e| format!("{name}: {e}"))?;
+            let get: libloading::Symbol<MemGetInfo> = lib
+                .get(b"cudaMemGetInfo\0")
+                .map_err(|e| format!("{name}: {e}"))?;
+            match set(device) {
+                0 => get(&mut free, &mut total),
+                code => code,
+            }
+        };
+        if code != 0 {
+            return Err(format!(
+                "{name}: cudaMemGetInfo on device {device} failed (error {code})"
+            ));
+        }
+        return Ok(total.saturating_sub(free) as u64);
+    }
+    Err(format!("no CUDA runtime to ask ({})", tried.join("; ")))
+}
+
+/// What opening a shared LM engine of `slots` slots, each slot's KV cache sized for the pack's
+/// whole context, adds to the memory in use ([`memory_in_use`]), bytes; and the bytes of
+/// temporal KV cache a slot holds by arithmetic. Meant for a process of its own (`duplex doctor
+/// --memory-probe`): memory freed earlier in a process is reused and hides what is added.
+///
+/// # Errors
+///
+/// A [`ModelError`] from opening the pack or the engine; what could not be read, in words.
+pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> Result<(u64, usize), String> {
+    use crate::model::engine::{EngineOptions, SharedLm};
+    let pack = Pack::open(dir).map_err(|e| e.to_string())?;
+    let m = &pack.manifest;
+    let before = memory_in_use(provider)?;
+    let engine = SharedLm::open(
+        &pack,
+        &EngineOptions {
+            session: SessionOptions {
+                provider,
+                ..SessionOptions::default()
+            },
+            slots,
+            max_positions: m.context.min(m.max_positions).max(1),
+            ..EngineOptions::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let after = memory_in_use(provider)?;
+    let i = &engine.temporal_info;
+    let kv = i.layers
+        * 2
+        * i.heads
+        * (engine.capacity + 1)
+        * i.head_dim
+        * if i.kv == FloatType::F16 { 2 } else { 4 };
+    Ok((after.saturating_sub(before), kv))
+}
+
+/// The memory one conversation adds to the shared LM engine at the pack's whole context: an
+/// engine of one slot and one of `slots` are each opened in a process of their own (this
+/// binary's `doctor --memory-probe`), and the difference of what they add, over the added
+/// slots, is a conversation's (beside its temporal KV cache by arithmetic: what the
+/// allocator adds to it shows as the difference). Activations while stepping are not in it
+/// (a frame's, not a conversation's).
+pub fn engine_memory(dir: &Path, provider: Provider, slots: usize) -> String {
+    let slots = slots.max(2);
+    let probe = |n: usize| -> Result<(u64, usize), String> {
+        let exe = std::env::current_exe().map_err(|e| format!("this binary: {e}"))?;
+        let o = std::process::Command::new(exe)
+            .args(["doctor", "--provider", provider.name(), "--memory-probe"])
+            .arg(n.to_string())
+            .arg("--pack")
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("the probe: {e}"))?;
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("memory-probe: "))
+            .and_then(|v| {
+                let (a, k) = v.split_once(' ')?;
+                Some((a.parse().ok()?, k.parse().ok()?))
+            })
+            .ok_or_else(|| {
+                let err = String::from_utf8_lossy(&o.stderr);
+                let last = err
+                    .lines()
+                    .rev()
+                    .find(|l| !l.contains(" INFO "))
+                    .unwrap_or("");
+                format!("the probe of {n} slots said nothing ({}): {last}", o.status)
+            })
+    };
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    let what = match provider {
+        Provider::Cpu => "resident memory",
+        Provider::Cuda { .. } => "device memory",
+    };
+    let line = match (probe(1), probe(slots)) {
+        (Ok((a, kv)), Ok((b, _))) => format!(
+            "  1 slot: +{:.1} MiB, {slots} slots: +{:.1} MiB; per conversation {:.1} MiB \
+             (its temporal KV cache by arithmetic: {:.1} MiB)",
+            mib(a as f64),
+            mib(b as f64),
+            mib((b as f64 - a as f64) / (slots - 1) as f64),
+            mib(kv as f64)
+        ),
+        (Err(e), _) | (_, Err(e)) => format!("  not measured: {e}"),
+    };
+    format!(
+        "shared LM engine on {}, {what} per conversation at the pack's whole context:\n{line}\n",
+        provider.name()
+    )
 }

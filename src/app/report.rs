@@ -63,11 +63,12 @@ pub fn timing_table(r: &RunReport) -> String {
         let c = &st.completion;
         let _ = writeln!(
             s,
-            "\nsink {}: completion interval mean {} ms, p50 {} ms, p90 {} ms, max {} ms",
+            "\nsink {}: completion interval mean {} ms, p50 {} ms, p90 {} ms, p99 {} ms, max {} ms",
             st.name,
             ms(c.mean()),
             ms(c.quantile(0.5)),
             ms(c.quantile(0.9)),
+            ms(c.quantile(0.99)),
             ms(c.max())
         );
     }
