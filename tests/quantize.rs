@@ -4,7 +4,8 @@
 //! tiny packs open, say what they are, and step exactly as the independent reference steps
 //! them; one quantized layer is numpy's dequantize-then-multiply; a pack with an int8 codec
 //! runs the full-duplex pipeline and passes the codec's quality gate; a `pack.yaml` that
-//! disagrees with its graphs is refused, naming the key; the gate fails a damaged pack.
+//! disagrees with its graphs is refused, naming the key; the gate fails a damaged pack; the
+//! pack tools name a malformed manifest, codes file or weights listing (exit 2, no traceback).
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -518,4 +519,106 @@ fn an_int8_codec_runs_the_pipeline_passes_its_gate_and_a_damaged_one_fails() {
             .contains(&serde_json::json!("decoder_snr")),
         "{bad}"
     );
+}
+
+/// A malformed manifest or list given to the pack tools is named in one line (the tool, the
+/// file, what is wrong and where), exit 2, no traceback, and nothing written.
+#[test]
+fn the_pack_tools_name_a_malformed_manifest_or_list_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = packs::pack("tiny-gqa");
+    let refused = |o: &Output, want: &[&str]| {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(!err.contains("Traceback"), "{err}");
+        for w in want {
+            assert!(err.contains(w), "{w:?} not in {err}");
+        }
+    };
+    // A pack whose pack.yaml is not YAML: the gate and the quantizer name it; no DST is made.
+    let broken = dir.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    std::fs::write(broken.join("pack.yaml"), "name: [unclosed\n").unwrap();
+    let gate = |a: &Path, b: &Path, extra: &[&str]| {
+        let mut args = vec![a.as_os_str(), b.as_os_str()];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        python("quality_gate.py", &args)
+    };
+    let yaml = format!("{}: not YAML: ", broken.join("pack.yaml").display());
+    refused(
+        &gate(&broken, &tiny, &[]),
+        &["quality_gate: ", &yaml, "(line 2, column 1)"],
+    );
+    let dst = dir.path().join("dst");
+    let o = python(
+        "quantize_pack.py",
+        &[
+            broken.as_os_str(),
+            dst.as_os_str(),
+            "--quantize".as_ref(),
+            "int8".as_ref(),
+        ],
+    );
+    refused(&o, &["quantize_pack: ", &yaml]);
+    assert!(!dst.exists() && !dir.path().join("dst.partial").exists());
+
+    // The gate's --codes: missing, not JSON, a frame of the wrong size.
+    let codes = dir.path().join("codes.json");
+    let c = codes.to_str().unwrap();
+    refused(&gate(&tiny, &tiny, &["--codes", c]), &[c, ": no such file"]);
+    std::fs::write(&codes, "[[1, 2,").unwrap();
+    refused(
+        &gate(&tiny, &tiny, &["--codes", c]),
+        &[c, ": not JSON: ", "(line 1, column 8)"],
+    );
+    std::fs::write(&codes, "[[1, 2, 3]]").unwrap();
+    refused(
+        &gate(&tiny, &tiny, &["--codes", c]),
+        &[": frame 0: expected 8 codes from 0 to 2047, found [1, 2, 3]"],
+    );
+
+    // A step graph's state.json that is not a manifest (the rest of the pack as it was).
+    let odd = dir.path().join("odd");
+    std::fs::create_dir(&odd).unwrap();
+    for e in std::fs::read_dir(&tiny).unwrap().flatten() {
+        if e.file_name() != "mimi_encoder_step" {
+            std::os::unix::fs::symlink(e.path(), odd.join(e.file_name())).unwrap();
+        }
+    }
+    let step = odd.join("mimi_encoder_step");
+    std::fs::create_dir(&step).unwrap();
+    std::os::unix::fs::symlink(
+        tiny.join("mimi_encoder_step/model.onnx"),
+        step.join("model.onnx"),
+    )
+    .unwrap();
+    std::fs::write(step.join("state.json"), "[1, 2]").unwrap();
+    let state = format!(
+        "{}: expected a JSON object, found list",
+        step.join("state.json").display()
+    );
+    refused(&gate(&odd, &tiny, &["--frames", "10"]), &[&state]);
+
+    // fill_weights: a listing that is not JSON, and one whose weight lacks its fields.
+    let shapes = dir.path().join("shapes");
+    std::fs::create_dir_all(shapes.join("temporal")).unwrap();
+    std::fs::write(shapes.join("pack.yaml"), "name: x\n").unwrap();
+    let listing = shapes.join("temporal/weights.json");
+    std::fs::write(&listing, "{\"format\": 1,").unwrap();
+    let fill = || python("fill_weights.py", &[shapes.as_os_str()]);
+    let named = format!("fill_weights: {}: ", listing.display());
+    refused(&fill(), &[&named, "not JSON: "]);
+    std::fs::write(
+        &listing,
+        r#"{"format": 1, "data": "model.onnx.data", "bytes": 8, "weights": [{"name": "w"}]}"#,
+    )
+    .unwrap();
+    refused(
+        &fill(),
+        &[
+            &named,
+            "weight 0: expected name, dtype, shape, offset, length and fill",
+        ],
+    );
+    assert!(!shapes.join("temporal/model.onnx.data").exists());
 }

@@ -49,13 +49,38 @@ def graphs(pack: str) -> list:
 
 
 def read_listing(folder: str) -> dict:
-    with open(os.path.join(folder, "weights.json"), encoding="utf-8") as f:
-        listing = json.load(f)
+    """`folder/weights.json`, checked: a malformed listing is named, not a traceback. (This
+    script travels alone to the GPU machine: it reads its JSON itself.)"""
+    path = os.path.join(folder, "weights.json")
+
+    def bad(what: str):
+        print(f"fill_weights: {path}: {what}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            listing = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        bad(f"unreadable: {e}")
+    except json.JSONDecodeError as e:
+        bad(f"not JSON: {e.msg} (line {e.lineno}, column {e.colno})")
+    if not isinstance(listing, dict):
+        bad("expected a JSON object")
     if listing.get("format") != 1:
-        raise SystemExit(f"fill_weights: {folder}/weights.json: format {listing.get('format')!r}, expected 1")
-    for w in listing["weights"]:
-        if DTYPES.get(w["dtype"]) is None:
-            raise SystemExit(f"fill_weights: {folder}/weights.json: {w['name']}: dtype {w['dtype']} is not handled")
+        bad(f"format {listing.get('format')!r}, expected 1")
+    ints = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not isinstance(listing.get("data"), str) or os.sep in listing["data"] or not ints(listing.get("bytes")):
+        bad("expected `data` (a file name in the folder) and `bytes` (its size)")
+    weights = listing.get("weights")
+    if not isinstance(weights, list):
+        bad("expected `weights`, a list")
+    for i, w in enumerate(weights):
+        if not (isinstance(w, dict) and isinstance(w.get("name"), str)
+                and isinstance(w.get("shape"), list) and all(ints(d) for d in w["shape"])
+                and ints(w.get("offset")) and ints(w.get("length")) and "fill" in w):
+            bad(f"weight {i}: expected name, dtype, shape, offset, length and fill")
+        if DTYPES.get(w.get("dtype")) is None:
+            bad(f"{w['name']}: dtype {w.get('dtype')} is not handled")
     return listing
 
 

@@ -46,6 +46,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_lm as R  # noqa: E402
+from toolio import read_json, read_yaml, refuse  # noqa: E402
 
 
 def pseudo_codes(frames: int) -> list:
@@ -166,8 +167,14 @@ class StepGraph:
         import onnxruntime as ort
 
         path = os.path.join(pack, folder)
-        with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-            self.manifest = json.load(f)
+        manifest = os.path.join(path, "state.json")
+        self.manifest = read_json(manifest, "quality_gate")
+        states = self.manifest.get("states")
+        if not isinstance(states, list) or not all(
+                isinstance(s, dict) and {"input", "output", "shape", "dtype"} <= set(s)
+                for s in states) or not {"input", "output"} <= set(self.manifest):
+            refuse("quality_gate", manifest,
+                   "not a step graph's state manifest (tools/make_mimi_step.py writes it)")
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         so.log_severity_level = 3
@@ -217,8 +224,26 @@ def codec(quantized: str, floating: str, frames: int) -> dict:
 
 def quantized_graphs(pack: str) -> set:
     """The graphs the pack's `pack.yaml` says are quantized."""
-    with open(os.path.join(pack, "pack.yaml"), encoding="utf-8") as f:
-        return set((yaml.safe_load(f) or {}).get("quantization") or {})
+    path = os.path.join(pack, "pack.yaml")
+    section = read_yaml(path, "quality_gate").get("quantization") or {}
+    if not isinstance(section, dict):
+        refuse("quality_gate", path, "quantization: expected a mapping of graphs")
+    return set(section)
+
+
+def read_codes(path: str, pack: str) -> list:
+    """The user's codes of `--codes`: frames of `codebooks` codes each, within the vocabulary."""
+    manifest = read_yaml(os.path.join(pack, "pack.yaml"), "quality_gate")
+    n, vocab = manifest.get("codebooks", 8), manifest.get("audio_vocab", 2048)
+    codes = read_json(path, "quality_gate", list)
+    for i, frame in enumerate(codes):
+        if not (isinstance(frame, list) and len(frame) == n and all(
+                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < vocab for c in frame)):
+            refuse("quality_gate", path, f"frame {i}: expected {n} codes from 0 to {vocab - 1}, "
+                                         f"found {json.dumps(frame)[:60]}")
+    if not codes:
+        refuse("quality_gate", path, "no frames")
+    return codes
 
 
 def main(argv=None) -> int:
@@ -243,6 +268,7 @@ def main(argv=None) -> int:
         if not os.path.isfile(os.path.join(pack, "pack.yaml")):
             print(f"quality_gate: {pack}: not a pack (no pack.yaml)", file=sys.stderr)
             return 2
+        read_yaml(os.path.join(pack, "pack.yaml"), "quality_gate")
     if a.frames < 10 or a.codec_frames < 10:
         print("quality_gate: --frames and --codec-frames: 10 or more", file=sys.stderr)
         return 2
@@ -260,7 +286,7 @@ def main(argv=None) -> int:
     report = {"quantized": a.quantized, "float": a.float}
     checks = {}
     if lm:
-        codes = json.load(open(a.codes)) if a.codes else pseudo_codes(a.frames)
+        codes = read_codes(a.codes, a.float) if a.codes else pseudo_codes(a.frames)
         codes = codes[: a.frames]
         tf = teacher_forced(a.quantized, a.float, codes)
         fq, ff = free_running(a.quantized, codes), free_running(a.float, codes)

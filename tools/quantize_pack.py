@@ -55,6 +55,9 @@ import os
 import shutil
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolio import read_yaml  # noqa: E402
+
 BITS = {"int8": 8, "int4": 4}
 CODEC_GRAPHS = ("mimi_encoder_step", "mimi_decoder_step")
 
@@ -216,6 +219,8 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
     manifest = os.path.join(src, "pack.yaml")
     if not os.path.isfile(manifest):
         raise SystemExit(f"quantize_pack: {src}: not a pack (no pack.yaml)")
+    # (read as YAML first: a manifest that is not is named here, not copied into DST)
+    read_yaml(manifest, "quantize_pack")
     with open(manifest, encoding="utf-8") as f:
         text = f.read()
     if "\nquantization:" in "\n" + text:
