@@ -109,8 +109,10 @@ enum Cmd {
         /// The provider the pack check runs on: `cpu` or `cuda`.
         #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
         provider: String,
-        /// With `--pack`: also time the temporal step at contexts 50, 1000 and 2500, with the
-        /// cache resident, fed from the host, and at fixed shapes (a CUDA graph under CUDA).
+        /// With `--pack`: also time the temporal step at contexts 50, 1000, 2500 and 3000, with
+        /// the cache resident, fed from the host, and at fixed shapes (a CUDA graph under CUDA);
+        /// the depformer's frame; the codec's step graphs batched; the shared LM engine's frame
+        /// for B conversations; and the memory a conversation adds to that engine.
         #[arg(long, requires = "pack")]
         time: bool,
         /// (Used by `--time`: opens the shared LM engine with this many slots and prints what
@@ -316,6 +318,7 @@ fn main() -> ExitCode {
                     let times =
                         app::doctor::step_times(&pack, provider, &app::doctor::TIMED_CONTEXTS)?;
                     out(&times)?;
+                    out(&app::doctor::depformer_frame_times(&pack, provider)?)?;
                     let codec = app::doctor::codec_batch_times(
                         &pack,
                         provider,

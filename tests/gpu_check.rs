@@ -40,7 +40,7 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         2,
         "{report}"
     );
-    // The shared engine's frame at B = 1/16/48, on the float pack and on both quantized ones.
+    // The shared engine's frame at B = 1/8/16/32/48/64, on the float pack and both quantized.
     assert_eq!(
         report
             .matches("shared LM engine on cpu, B conversations stepped together")
@@ -49,6 +49,15 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "{report}"
     );
     assert!(report.matches(", B=48: ").count() >= 3, "{report}");
+    assert!(report.matches(", B=64: ").count() >= 3, "{report}");
+    // One conversation's depformer frame, and the codec batched in both precisions.
+    for want in [
+        "depformer frame on cpu (cpu f16, one conversation, mean of 50): every substep ",
+        "codec step graphs (f32) on cpu, one call of B rows",
+        "codec step graphs (f16) on cpu, one call of B rows",
+    ] {
+        assert!(report.contains(want), "missing {want:?} in\n{report}");
+    }
     // The step timed at the whole context of 3000 as well, in every cache mode of each pack.
     assert!(report.matches(", context 3000: ").count() >= 5, "{report}");
     // The memory a conversation adds to the engine, measured by two probes (a process each),

@@ -19,20 +19,22 @@
 #   - which provider each graph runs on (`duplex doctor --pack`),
 #   - the temporal step at contexts 50 / 1000 / 2500 / 3000 on the small GQA fp16 pack: cache
 #     resident, fed from the host, and replayed as a CUDA graph (`duplex doctor --time`),
-#   - the codec's step graphs as the shared codec runs them: one call of B = 1/16/32/48 rows
-#     against B calls of one row, encoder and decoder (`duplex doctor --time`, the same pack's
-#     codec),
-#   - the shared LM engine's frame for B = 1/16/48 conversations stepped together, and the
+#   - one conversation's depformer frame, every substep against the user's skipped,
+#   - the codec's step graphs as the shared codec runs them, fp32 and fp16: one call of
+#     B = 1/16/32/48 rows against B calls of one row, encoder and decoder (`duplex doctor
+#     --time`, the same pack's codec),
+#   - the shared LM engine's frame for B = 1/8/16/32/48/64 conversations stepped together, and the
 #     device memory a conversation adds to it at the pack's whole context (an engine of 1 slot
 #     and one of 4, each opened in a process of its own),
 #   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at
-#     the same contexts, and its engine's frame at B = 1/16/48 (`duplex doctor --time`),
+#     the same contexts, and its engine's frame at B = 1/8/16/32/48/64 (`duplex doctor --time`),
 #   - PersonaPlex's 7B shapes with the full-size codec: the graphs built here with their
 #     weights declared, not written (`make_pack.py --size 7b --mimi full --shapes-only`), the
 #     weights generated there (`fill_weights.py`, numpy only), then the temporal step at the
-#     same contexts, the codec's batched steps at B = 1/16/32/48 and the engine's frame at
-#     B = 1/16/48 and the memory per conversation (`duplex doctor --time`), and the
-#     full-duplex loop over 600 frames (its completion interval's p50 / p90 / p99),
+#     same contexts, the depformer's frame, the codec's batched steps at B = 1/16/32/48 and the
+#     engine's frame at B = 1/8/16/32/48/64 and the memory per conversation (`duplex doctor
+#     --time`), and the full-duplex loop over 600 frames (its completion interval's p50 / p90
+#     / p99),
 #   - the full-duplex pipeline's completion interval (tiny GQA fp16 pack, file to file),
 #   - greedy token streams on the CUDA provider against the CPU run's, frame by frame.
 # Nobody may call a figure a GPU figure unless this script printed it on a GPU.
@@ -206,7 +208,7 @@ PY
       local timing=()
       [[ $mode == cpu ]] || timing=(--time)
       timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
-        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
+        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^depformer frame|^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
         | sed 's/^/  /'
       # The whole full-duplex loop at these shapes, file to file, as fast as possible: 600
       # frames there, 25 in the dry run.
@@ -242,7 +244,7 @@ PY
 
 case ${1:-} in
   --prepare) prepare "${2:-gpu-check}" ;;
-  "" | -h | --help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   *)
     out=$1
     mode=gpu

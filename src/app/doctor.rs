@@ -9,7 +9,8 @@
 //! step graphs when the pack has them), and one temporal
 //! step whose outputs must be finite; with `--time`, the temporal step's time at a few
 //! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
-//! graph under CUDA), the codec's step graphs batched as a shared codec runs them (one call
+//! graph under CUDA), one conversation's depformer frame (every substep and the user's skipped),
+//! the codec's step graphs (fp32 and fp16) batched as a shared codec runs them (one call
 //! of B rows against B calls of one row), the shared LM engine's frame time for B
 //! conversations stepped together, and the memory a conversation adds to that engine at the
 //! pack's whole context (the device's under CUDA, the process's resident set on the CPU).
@@ -374,9 +375,10 @@ pub fn step_times(
 /// Batch sizes at which [`codec_batch_times`] reports.
 pub const CODEC_BATCHES: [usize; 4] = [1, 16, 32, 48];
 
-/// The codec's step graphs (fp32) as the shared codec runs them: for each role and each batch
-/// size B of `batches`, the median time of one call of B rows against B calls of one row (the
-/// codec per session), and their ratio. An empty report when the pack has no step graphs.
+/// The codec's step graphs as the shared codec runs them, fp32 and (where the pack has them)
+/// fp16: for each precision, role and batch size B of `batches`, the median time of one call of
+/// B rows against B calls of one row (the codec per session), and their ratio. An empty report
+/// when the pack has no step graphs.
 ///
 /// # Errors
 ///
@@ -386,16 +388,33 @@ pub fn codec_batch_times(
     provider: Provider,
     batches: &[usize],
 ) -> Result<String, ModelError> {
+    let mut text = String::new();
+    for dtype in [FloatType::F32, FloatType::F16] {
+        if pack.step_graph(StepRole::Encoder, dtype).is_some() {
+            text.push_str(&codec_batch_times_of(pack, provider, dtype, batches)?);
+        }
+    }
+    Ok(text)
+}
+
+/// [`codec_batch_times`] for one precision.
+fn codec_batch_times_of(
+    pack: &Pack,
+    provider: Provider,
+    dtype: FloatType,
+    batches: &[usize],
+) -> Result<String, ModelError> {
     let session = SessionOptions {
         provider,
         ..SessionOptions::default()
     };
     let m = &pack.manifest;
-    if pack.step_graph(StepRole::Encoder, FloatType::F32).is_none() {
-        return Ok(String::new());
-    }
     let mut text = format!(
-        "codec step graphs (f32) on {}, one call of B rows vs B calls of one row (median of 7):\n",
+        "codec step graphs ({}) on {}, one call of B rows vs B calls of one row (median of 7):\n",
+        match dtype {
+            FloatType::F32 => "f32",
+            FloatType::F16 => "f16",
+        },
         provider.name()
     );
     let median = |mut v: Vec<f64>| {
@@ -403,7 +422,7 @@ pub fn codec_batch_times(
         v[v.len() / 2]
     };
     for role in [StepRole::Encoder, StepRole::Decoder] {
-        let mut one = StepCodec::open(pack, role, FloatType::F32, &session)?;
+        let mut one = StepCodec::open(pack, role, dtype, &session)?;
         let call = |c: &mut StepCodec, rows: usize| -> Result<(), ModelError> {
             match role {
                 StepRole::Encoder => drop(c.encode_rows(&vec![0.1; rows * m.frame_size])?),
@@ -418,7 +437,7 @@ pub fn codec_batch_times(
         }
         let mut cells = Vec::new();
         for &b in batches {
-            let mut batch = StepCodec::open_rows(pack, role, FloatType::F32, &session, b)?;
+            let mut batch = StepCodec::open_rows(pack, role, dtype, &session, b)?;
             for _ in 0..3 {
                 call(&mut batch, b)?;
             }
@@ -450,8 +469,66 @@ pub fn codec_batch_times(
     Ok(text)
 }
 
+/// Frames [`depformer_frame_times`] averages.
+const DEPFORMER_FRAMES: usize = 50;
+
+/// One conversation's depformer frame (the agent's channels sampled, the user's provided, as
+/// in a conversation): its mean time running every substep and with the user's substeps
+/// skipped (what a server runs), on `provider`.
+///
+/// # Errors
+///
+/// A [`ModelError`] from opening or running the depformer.
+pub fn depformer_frame_times(pack: &Pack, provider: Provider) -> Result<String, ModelError> {
+    use crate::model::depformer::{DepformerInput, UnusedSubsteps};
+    use crate::model::sampling::{Sampler, SamplingParams};
+    let mut dep = Depformer::open(
+        pack,
+        &SessionOptions {
+            provider,
+            ..SessionOptions::default()
+        },
+    )?;
+    let steps = dep.steps();
+    let hidden: Vec<f32> = (0..dep.info.hidden_dim)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let vocab = pack.manifest.audio_vocab.max(1);
+    let target: Vec<i64> = (0..steps as i64).map(|i| (i * 3 + 1) % vocab).collect();
+    let provided: Vec<bool> = (0..steps).map(|i| i >= steps / 2).collect();
+    let frame = DepformerInput {
+        hidden: &hidden,
+        text: 3,
+        target: &target,
+        provided: &provided,
+    };
+    let mut out = Vec::new();
+    let mut means = Vec::new();
+    for mode in [UnusedSubsteps::Run, UnusedSubsteps::Skip] {
+        dep.unused = mode;
+        let mut sampler = Sampler::new(5);
+        for _ in 0..5 {
+            dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..DEPFORMER_FRAMES {
+            dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)?;
+        }
+        means.push(t0.elapsed().as_secs_f64() * 1e3 / DEPFORMER_FRAMES as f64);
+    }
+    Ok(format!(
+        "depformer frame on {} ({}, one conversation, mean of {DEPFORMER_FRAMES}): every \
+         substep {:.3} ms, the user's substeps skipped {:.3} ms ({:.2})\n",
+        provider.name(),
+        dep.runs_on(),
+        means[0],
+        means[1],
+        means[1] / means[0]
+    ))
+}
+
 /// Batch sizes at which [`engine_ticks`] reports.
-pub const ENGINE_BATCHES: [usize; 3] = [1, 16, 48];
+pub const ENGINE_BATCHES: [usize; 6] = [1, 8, 16, 32, 48, 64];
 
 /// The shared LM engine on `provider`: for each B of `batches`, B conversations (a thread each,
 /// the user's substeps skipped as a server runs them) stepped together through one engine for
