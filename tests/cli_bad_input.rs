@@ -850,31 +850,41 @@ links:
 }
 
 /// `cuda_graph: true` where a CUDA graph cannot apply is refused before start (exit 2),
-/// naming the stage and the key that rules it out.
+/// naming the stage (the temporal's, the depformer's) and the key that rules it out.
 #[test]
 fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
     let dir = tempfile::tempdir().unwrap();
     let pack = packs::pack("tiny-gqa").display().to_string();
     let codes = write(dir.path(), "c.json", "[[1,2,3,4,5,6,7,8]]");
-    for (params, key, want) in [
-        (
-            "cuda_graph: true",
-            "execution_provider",
-            "needs `execution_provider: cuda`",
-        ),
-        (
-            "cuda_graph: true, execution_provider: cuda, kv: host",
-            "kv",
-            "needs `kv: resident`",
-        ),
-        (
-            "cuda_graph: true, execution_provider: cuda, engine: shared",
-            "engine",
-            "needs `engine: own`",
-        ),
+    let provider = (
+        "cuda_graph: true",
+        "execution_provider",
+        "needs `execution_provider: cuda`",
+    );
+    let shared = (
+        "cuda_graph: true, execution_provider: cuda, engine: shared",
+        "engine",
+        "needs `engine: own`",
+    );
+    let kv = (
+        "cuda_graph: true, execution_provider: cuda, kv: host",
+        "kv",
+        "needs `kv: resident`",
+    );
+    for (stage, (params, key, want)) in [
+        ("temporal", provider),
+        ("temporal", kv),
+        ("temporal", shared),
+        ("depformer", provider),
+        ("depformer", shared),
     ] {
+        let (t, d) = if stage == "temporal" {
+            (format!(", {params}"), String::new())
+        } else {
+            (String::new(), format!(", {params}"))
+        };
         let text = format!(
-            "stages:\n  codes: {{ kind: codes_source, path: {} }}\n  temporal: {{ kind: temporal, pack: {pack}, {params} }}\n  depformer: {{ kind: depformer, pack: {pack} }}\n  tokens: {{ kind: null_sink }}\nlinks:\n  - codes -> temporal.codes\n  - temporal.step -> depformer\n  - {{ from: depformer, to: temporal.tokens, feedback: true }}\n  - temporal.agent -> tokens\n",
+            "stages:\n  codes: {{ kind: codes_source, path: {} }}\n  temporal: {{ kind: temporal, pack: {pack}{t} }}\n  depformer: {{ kind: depformer, pack: {pack}{d} }}\n  tokens: {{ kind: null_sink }}\nlinks:\n  - codes -> temporal.codes\n  - temporal.step -> depformer\n  - {{ from: depformer, to: temporal.tokens, feedback: true }}\n  - temporal.agent -> tokens\n",
             codes.display()
         );
         let p = write(dir.path(), "p.yaml", &text);
@@ -882,12 +892,12 @@ fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
         c.arg("run").arg(&p);
         let o = run_within(c, 60);
         let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(2), "{params}: {e}");
+        assert_eq!(o.status.code(), Some(2), "{stage} {params}: {e}");
         assert!(
             e.contains(&format!(
-                "stage `temporal`: `{key}`: `cuda_graph: true` {want}"
+                "stage `{stage}`: `{key}`: `cuda_graph: true` {want}"
             )),
-            "{params}: {e}"
+            "{stage} {params}: {e}"
         );
     }
 }

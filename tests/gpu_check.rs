@@ -52,7 +52,9 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
     assert!(report.matches(", B=64: ").count() >= 3, "{report}");
     // One conversation's depformer frame, and the codec batched in both precisions.
     for want in [
-        "depformer frame on cpu (cpu f16, one conversation, mean of 50): every substep ",
+        "depformer frame on cpu (one conversation, mean of 50):",
+        "plain    (cpu f16) every substep ",
+        "separate (cpu f16) every substep ",
         "codec step graphs (f32) on cpu, one call of B rows",
         "codec step graphs (f16) on cpu, one call of B rows",
     ] {

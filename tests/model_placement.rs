@@ -3,7 +3,8 @@
 //! and in the shared engine: the code that puts a CUDA session's caches in device memory is the
 //! code that runs here, so a build cannot quietly keep them on the host and copy them over PCIe
 //! every step. With the fixed-shape binding of `cuda_graph`, the frame, the mask and the
-//! outputs are checked the same way.
+//! outputs are checked the same way, and the depformer's plain inputs and output in the binding
+//! its CUDA graphs need.
 
 #[path = "support/packs.rs"]
 mod packs;
@@ -61,6 +62,10 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
         // Two ping-pong sets of K and V per layer.
         let dl = d.info.layers;
         check(&format!("{name} depformer"), &d.cache_placements(), 4 * dl);
+        assert!(d.io_placements().is_empty());
+        // The binding a CUDA graph needs: its plain inputs and output where the session reads.
+        let d = Depformer::open_with(&pack, &SessionOptions::default(), true).unwrap();
+        check(&format!("{name} depformer I/O"), &d.io_placements(), 4);
         if name != "tiny" {
             let lm = std::sync::Arc::new(
                 engine::SharedLm::open(
@@ -117,4 +122,75 @@ fn every_codec_state_buffer_is_where_its_session_reads_it() {
             }
         }
     }
+}
+
+/// The binding the depformer's CUDA graphs need (its plain inputs and output in buffers of
+/// their own, fed and read by copies) steps exactly as the plain binding does: the same tokens
+/// and the same logits bit for bit, every substep run and the user's skipped, over frames whose
+/// hidden states and provided tokens change. And `cuda_graph` off CUDA is refused, naming why.
+#[test]
+fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
+    use duplex::model::depformer::{DepformerInput, UnusedSubsteps};
+    use duplex::model::sampling::{Sampler, SamplingParams};
+    for name in ["tiny-gqa", "tiny-gqa-fp16"] {
+        let pack = Pack::open(&packs::pack(name)).unwrap();
+        let opts = SessionOptions::default();
+        let mut plain = Depformer::open(&pack, &opts).unwrap();
+        let mut graph = Depformer::open_with(&pack, &opts, true).unwrap();
+        let steps = plain.steps();
+        let (mut a, mut b) = (Sampler::new(7), Sampler::new(7));
+        let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+        for d in [&mut plain, &mut graph] {
+            d.keep_logits = true;
+        }
+        for f in 0..24usize {
+            let hidden: Vec<f32> = (0..plain.info.hidden_dim)
+                .map(|i| (((i * 37 + f * 11) % 101) as f32 / 50.0 - 1.0) * 2.0)
+                .collect();
+            let target: Vec<i64> = (0..steps)
+                .map(|i| ((i * 131 + f * 17) % 2048) as i64)
+                .collect();
+            let provided: Vec<bool> = (0..steps).map(|i| i >= steps / 2).collect();
+            let frame = DepformerInput {
+                hidden: &hidden,
+                text: (f % 7) as i64,
+                target: &target,
+                provided: &provided,
+            };
+            let mode = if f % 2 == 0 {
+                UnusedSubsteps::Run
+            } else {
+                UnusedSubsteps::Skip
+            };
+            plain.unused = mode;
+            graph.unused = mode;
+            plain
+                .run(frame, &mut a, SamplingParams::AUDIO, &mut out_a)
+                .unwrap();
+            graph
+                .run(frame, &mut b, SamplingParams::AUDIO, &mut out_b)
+                .unwrap();
+            assert_eq!(out_a, out_b, "{name}: frame {f}");
+            assert_eq!(plain.logits.len(), graph.logits.len());
+            for (s, (x, y)) in plain.logits.iter().zip(&graph.logits).enumerate() {
+                let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same && x.len() == y.len(), "{name}: frame {f}, substep {s}");
+            }
+        }
+        assert_eq!(plain.counts, graph.counts);
+        assert!(
+            plain.counts.1 > 0,
+            "the user's substeps were skipped in some frames"
+        );
+    }
+    let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
+    let opts = SessionOptions {
+        cuda_graph: true,
+        ..SessionOptions::default()
+    };
+    let err = Depformer::open(&pack, &opts).err().unwrap().to_string();
+    assert!(
+        err.contains("`cuda_graph` needs the CUDA provider"),
+        "{err}"
+    );
 }

@@ -19,7 +19,8 @@
 #   - which provider each graph runs on (`duplex doctor --pack`),
 #   - the temporal step at contexts 50 / 1000 / 2500 / 3000 on the small GQA fp16 pack: cache
 #     resident, fed from the host, and replayed as a CUDA graph (`duplex doctor --time`),
-#   - one conversation's depformer frame, every substep against the user's skipped,
+#   - one conversation's depformer frame, every substep against the user's skipped, plainly
+#     bound and with each substep captured as a CUDA graph and replayed,
 #   - the codec's step graphs as the shared codec runs them, fp32 and fp16: one call of
 #     B = 1/16/32/48 rows against B calls of one row, encoder and decoder (`duplex doctor
 #     --time`, the same pack's codec),
@@ -208,7 +209,7 @@ PY
       local timing=()
       [[ $mode == cpu ]] || timing=(--time)
       timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
-        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^depformer frame|^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
+        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^depformer frame|^  (plain|graphs|separate) |^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
         | sed 's/^/  /'
       # The whole full-duplex loop at these shapes, file to file, as fast as possible: 600
       # frames there, 25 in the dry run.
@@ -244,7 +245,7 @@ PY
 
 case ${1:-} in
   --prepare) prepare "${2:-gpu-check}" ;;
-  "" | -h | --help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  "" | -h | --help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   *)
     out=$1
     mode=gpu

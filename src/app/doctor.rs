@@ -474,21 +474,54 @@ const DEPFORMER_FRAMES: usize = 50;
 
 /// One conversation's depformer frame (the agent's channels sampled, the user's provided, as
 /// in a conversation): its mean time running every substep and with the user's substeps
-/// skipped (what a server runs), on `provider`.
+/// skipped (what a server runs), on `provider`; plainly bound, and bound as its CUDA graphs
+/// need (its plain inputs and output in buffers of their own), under CUDA with each substep
+/// captured as a CUDA graph and replayed. A binding that cannot run says why on its line.
 ///
 /// # Errors
 ///
-/// A [`ModelError`] from opening or running the depformer.
+/// A [`ModelError`] from opening or running the plainly bound depformer.
 pub fn depformer_frame_times(pack: &Pack, provider: Provider) -> Result<String, ModelError> {
+    let cuda = matches!(provider, Provider::Cuda { .. });
+    let mut text = format!(
+        "depformer frame on {} (one conversation, mean of {DEPFORMER_FRAMES}):\n",
+        provider.name()
+    );
+    for (label, separate) in [
+        ("plain", false),
+        (if cuda { "graphs" } else { "separate" }, true),
+    ] {
+        let opts = SessionOptions {
+            provider,
+            cuda_graph: separate && cuda,
+            ..SessionOptions::default()
+        };
+        match depformer_frame(pack, &opts, separate) {
+            Ok((runs_on, every, skipped)) => text.push_str(&format!(
+                "  {label:<8} ({runs_on}) every substep {every:.3} ms, the user's substeps \
+                 skipped {skipped:.3} ms ({:.2})\n",
+                skipped / every
+            )),
+            Err(e) if separate => text.push_str(&format!("  {label:<8} not run: {e}\n")),
+            Err(e) => return Err(e),
+        }
+    }
+    if !cuda {
+        text.push_str("  (separate: the binding the CUDA graphs use, its copies included; no capture on a CPU)\n");
+    }
+    Ok(text)
+}
+
+/// [`depformer_frame_times`] for one binding: what it runs on, and the mean frame with every
+/// substep and with the user's skipped, ms.
+fn depformer_frame(
+    pack: &Pack,
+    opts: &SessionOptions,
+    separate: bool,
+) -> Result<(String, f64, f64), ModelError> {
     use crate::model::depformer::{DepformerInput, UnusedSubsteps};
     use crate::model::sampling::{Sampler, SamplingParams};
-    let mut dep = Depformer::open(
-        pack,
-        &SessionOptions {
-            provider,
-            ..SessionOptions::default()
-        },
-    )?;
+    let mut dep = Depformer::open_with(pack, opts, separate)?;
     let steps = dep.steps();
     let hidden: Vec<f32> = (0..dep.info.hidden_dim)
         .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
@@ -503,10 +536,14 @@ pub fn depformer_frame_times(pack: &Pack, provider: Provider) -> Result<String, 
         provided: &provided,
     };
     let mut out = Vec::new();
-    let mut means = Vec::new();
-    for mode in [UnusedSubsteps::Run, UnusedSubsteps::Skip] {
+    let mut means = [0.0; 2];
+    for (k, mode) in [UnusedSubsteps::Run, UnusedSubsteps::Skip]
+        .into_iter()
+        .enumerate()
+    {
         dep.unused = mode;
         let mut sampler = Sampler::new(5);
+        // (a CUDA graph is captured after the first runs of each substep)
         for _ in 0..5 {
             dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)?;
         }
@@ -514,17 +551,9 @@ pub fn depformer_frame_times(pack: &Pack, provider: Provider) -> Result<String, 
         for _ in 0..DEPFORMER_FRAMES {
             dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)?;
         }
-        means.push(t0.elapsed().as_secs_f64() * 1e3 / DEPFORMER_FRAMES as f64);
+        means[k] = t0.elapsed().as_secs_f64() * 1e3 / DEPFORMER_FRAMES as f64;
     }
-    Ok(format!(
-        "depformer frame on {} ({}, one conversation, mean of {DEPFORMER_FRAMES}): every \
-         substep {:.3} ms, the user's substeps skipped {:.3} ms ({:.2})\n",
-        provider.name(),
-        dep.runs_on(),
-        means[0],
-        means[1],
-        means[1] / means[0]
-    ))
+    Ok((dep.runs_on(), means[0], means[1]))
 }
 
 /// Batch sizes at which [`engine_ticks`] reports.

@@ -7,9 +7,17 @@
 //! The step exists once: [`DepformerBatch`] runs the frames of many conversations in one
 //! batched call per substep (the shared engine's depformer), and a conversation's own
 //! [`Depformer`] is that batch at one row.
+//!
+//! Under CUDA with `cuda_graph` (the session's option), each substep's call is captured as a
+//! CUDA graph of its own and replayed frame after frame: a substep's shapes are the same every
+//! frame (its cache views are `substep` rows long, its plain inputs and output `rows` rows),
+//! so one graph per (substep, rows), chosen by ONNX Runtime's `gpu_graph_id`, takes the growing
+//! binding as it is. The graph's plain inputs and its output then live in buffers of their own
+//! where the session computes, bound at the same addresses every frame, fed and read by copies
+//! (`separate_io`, which a CPU can run too: the same calls, the same kernels, bit for bit).
 
 use ort::memory::Allocator;
-use ort::session::{IoBinding, Session};
+use ort::session::{IoBinding, RunOptions, Session};
 use ort::value::TensorElementType;
 
 use super::error::ModelError;
@@ -245,6 +253,19 @@ pub(crate) struct DepformerBatch {
     /// The batch size the plain inputs and the output are bound at.
     bound: Option<usize>,
     scratch: Vec<f32>,
+    /// The plain inputs and the output in buffers of their own where the session computes
+    /// (`separate_io`, and always with a CUDA graph), fed from and read into the host ones.
+    io: Option<SeparateIo>,
+    /// With a CUDA graph: the run options that choose each (substep, rows) call's graph.
+    graphs: Option<RunOptions>,
+}
+
+/// The depformer's plain inputs and output where its session computes.
+struct SeparateIo {
+    hidden: Buffer,
+    prev: Buffer,
+    substep: Buffer,
+    logits: Buffer,
 }
 
 impl DepformerBatch {
@@ -260,6 +281,29 @@ impl DepformerBatch {
         opts: &SessionOptions,
         rows: usize,
     ) -> Result<DepformerBatch, ModelError> {
+        Self::open_with(pack, graph, opts, rows, false)
+    }
+
+    /// [`open`](Self::open), the plain inputs and the output in buffers of their own where the
+    /// session computes when `separate_io` (always with `cuda_graph`, which needs the CUDA
+    /// provider).
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open); [`ModelError::Contract`] for `cuda_graph` off CUDA.
+    pub fn open_with(
+        pack: &Pack,
+        graph: &str,
+        opts: &SessionOptions,
+        rows: usize,
+        separate_io: bool,
+    ) -> Result<DepformerBatch, ModelError> {
+        if opts.cuda_graph && !matches!(opts.provider, Provider::Cuda { .. }) {
+            return Err(ModelError::contract(
+                graph,
+                "`cuda_graph` needs the CUDA provider (a CUDA graph is the CUDA provider's)",
+            ));
+        }
         let m = &pack.manifest;
         let os = open(&pack.graph_path(Graph::Depformer), graph, opts)?;
         let info = check_depformer(&os.session, graph)?;
@@ -280,7 +324,31 @@ impl DepformerBatch {
                 );
             }
         }
+        let io = if separate_io || opts.cuda_graph {
+            Some(SeparateIo {
+                hidden: Buffer::zeros(
+                    &kv_alloc,
+                    element(info.hidden),
+                    &[s, 1, info.hidden_dim as i64],
+                )
+                .map_err(e)?,
+                prev: Buffer::zeros(&kv_alloc, TensorElementType::Int64, &[s, 1]).map_err(e)?,
+                substep: Buffer::zeros(&kv_alloc, TensorElementType::Int64, &[]).map_err(e)?,
+                logits: Buffer::zeros(&kv_alloc, element(info.logits), &[s, 1, info.vocab as i64])
+                    .map_err(e)?,
+            })
+        } else {
+            None
+        };
+        // (not when the session fell back to the CPU: `allow_fallback`)
+        let graphs = if opts.cuda_graph && matches!(os.provider, Provider::Cuda { .. }) {
+            Some(RunOptions::new().map_err(e)?)
+        } else {
+            None
+        };
         let b = DepformerBatch {
+            io,
+            graphs,
             binding: os.session.create_binding().map_err(e)?,
             hidden: Buffer::zeros(
                 &alloc,
@@ -322,6 +390,29 @@ impl DepformerBatch {
             self.info.layers,
             &self.wanted,
         )
+    }
+
+    /// With separate I/O: each of the graph's plain inputs and its output, where its buffer
+    /// is and where the session wants it (the output: where the cache is); empty without.
+    pub fn io_placements(&self) -> Vec<(String, Placement, Placement)> {
+        let Some(io) = &self.io else {
+            return Vec::new();
+        };
+        let at = |name: &str| placement_of(&self.wanted, name);
+        vec![
+            ("hidden".into(), io.hidden.placement(), at("hidden")),
+            ("prev_token".into(), io.prev.placement(), at("prev_token")),
+            (
+                "substep_index".into(),
+                io.substep.placement(),
+                at("substep_index"),
+            ),
+            (
+                "logits".into(),
+                io.logits.placement(),
+                at("past_key_values.0.key"),
+            ),
+        ]
     }
 
     /// Checks a frame before it joins a batch (see [`check_frame`]).
@@ -381,12 +472,28 @@ impl DepformerBatch {
         }
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         let vocab = self.info.vocab;
+        let hd = self.info.hidden_dim as i64;
+        if let Some(io) = self.io.as_mut() {
+            copy_view(
+                &mut self.hidden,
+                &self.alloc,
+                &mut io.hidden,
+                &self.kv_alloc,
+                &[rows.len() as i64, 1, hd],
+            )
+            .map_err(e)?;
+        }
         for cb in 0..steps {
             let n = order.iter().filter(|&&i| needed[i] > cb).count();
             if n > 0 {
                 self.bind_rows(n).map_err(e)?;
                 self.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
                 self.substep.as_slice::<i64>()[0] = cb as i64;
+                if let Some(io) = self.io.as_mut() {
+                    let (a, k) = (&self.alloc, &self.kv_alloc);
+                    copy_view(&mut self.prev, a, &mut io.prev, k, &[n as i64, 1]).map_err(e)?;
+                    copy_view(&mut self.substep, a, &mut io.substep, k, &[]).map_err(e)?;
+                }
                 self.kv
                     .bind_batch(
                         &mut self.binding,
@@ -398,7 +505,29 @@ impl DepformerBatch {
                         d,
                     )
                     .map_err(e)?;
-                drop(self.session.run_binding(&self.binding).map_err(e)?);
+                match self.graphs.as_mut() {
+                    // One captured graph per (substep, rows): ids from 1 (0 is the default).
+                    Some(ro) => {
+                        let id = 1 + cb * self.rows + (n - 1);
+                        ro.set("gpu_graph_id", id.to_string()).map_err(e)?;
+                        drop(
+                            self.session
+                                .run_binding_with_options(&self.binding, ro)
+                                .map_err(e)?,
+                        );
+                    }
+                    None => drop(self.session.run_binding(&self.binding).map_err(e)?),
+                }
+                if let Some(io) = self.io.as_mut() {
+                    copy_view(
+                        &mut io.logits,
+                        &self.kv_alloc,
+                        &mut self.logits,
+                        &self.alloc,
+                        &[n as i64, 1, vocab as i64],
+                    )
+                    .map_err(e)?;
+                }
             }
             for (r, &i) in order.iter().enumerate() {
                 let j = &mut *rows[i];
@@ -439,20 +568,49 @@ impl DepformerBatch {
         if self.bound == Some(n) {
             return Ok(());
         }
-        let a = &self.alloc;
         let bn = n as i64;
         let hd = self.info.hidden_dim as i64;
-        let v = self.hidden.view(a, &[bn, 1, hd])?;
+        let (a, hidden, prev, substep, logits) = match self.io.as_mut() {
+            Some(io) => (
+                &self.kv_alloc,
+                &mut io.hidden,
+                &mut io.prev,
+                &mut io.substep,
+                &mut io.logits,
+            ),
+            None => (
+                &self.alloc,
+                &mut self.hidden,
+                &mut self.prev,
+                &mut self.substep,
+                &mut self.logits,
+            ),
+        };
+        let v = hidden.view(a, &[bn, 1, hd])?;
         self.binding.bind_input("hidden", &v)?;
-        let v = self.prev.view(a, &[bn, 1])?;
+        let v = prev.view(a, &[bn, 1])?;
         self.binding.bind_input("prev_token", &v)?;
-        let v = self.substep.view(a, &[])?;
+        let v = substep.view(a, &[])?;
         self.binding.bind_input("substep_index", &v)?;
-        let v = self.logits.view(a, &[bn, 1, self.info.vocab as i64])?;
+        let v = logits.view(a, &[bn, 1, self.info.vocab as i64])?;
         self.binding.bind_output("logits", v)?;
         self.bound = Some(n);
         Ok(())
     }
+}
+
+/// Copies the first `shape` elements of `from` (in `fa`'s memory) into `to` (in `ta`'s), through
+/// ONNX Runtime (host or device on either side).
+fn copy_view(
+    from: &mut Buffer,
+    fa: &Allocator,
+    to: &mut Buffer,
+    ta: &Allocator,
+    shape: &[i64],
+) -> ort::Result<()> {
+    let src = from.view(fa, shape)?;
+    let mut dst = to.view(ta, shape)?;
+    src.copy_into(&mut dst)
 }
 
 /// The depformer of a pack, for one conversation: a [`DepformerBatch`] of one row.
@@ -486,7 +644,22 @@ impl Depformer {
     ///
     /// Contract errors naming the input, provider errors, ONNX Runtime errors.
     pub fn open(pack: &Pack, opts: &SessionOptions) -> Result<Depformer, ModelError> {
-        let batch = DepformerBatch::open(pack, "depformer", opts, 1)?;
+        Self::open_with(pack, opts, false)
+    }
+
+    /// [`open`](Self::open), the graph's plain inputs and output in buffers of their own where
+    /// the session computes when `separate_io` (what a CUDA graph needs; `cuda_graph` in `opts`
+    /// implies it and captures each substep's call).
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open); [`ModelError::Contract`] for `cuda_graph` off CUDA.
+    pub fn open_with(
+        pack: &Pack,
+        opts: &SessionOptions,
+        separate_io: bool,
+    ) -> Result<Depformer, ModelError> {
+        let batch = DepformerBatch::open_with(pack, "depformer", opts, 1, separate_io)?;
         Ok(Depformer {
             info: batch.info.clone(),
             provider: batch.provider,
@@ -497,6 +670,12 @@ impl Depformer {
             keep_logits: false,
             logits: Vec::new(),
         })
+    }
+
+    /// With separate I/O ([`open_with`](Self::open_with)): where the graph's plain inputs and
+    /// output are, and where the session wants them; empty without.
+    pub fn io_placements(&self) -> Vec<(String, Placement, Placement)> {
+        self.batch.io_placements()
     }
 
     /// Every KV buffer: its input name, where it is, and where the session wants that input.

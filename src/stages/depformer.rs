@@ -17,6 +17,7 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::depformer::{Depformer, UnusedSubsteps};
 use crate::model::lm::{DepformerModel, SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
+use crate::model::session::{Provider, SessionOptions};
 use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
 
 use super::model_params::{
@@ -76,6 +77,12 @@ pub(super) const KIND: StageKind = StageKind {
             ty: T::Choice(&UnusedSubsteps::NAMES),
             default: D::Str("skip"),
             doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep"
+        },
+        ParamSpec {
+            name: "cuda_graph",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "capture each substep's call as a CUDA graph and replay it every frame (execution_provider: cuda, engine: own)"
         },
         ENGINE_PARAM,
         SLOTS_PARAM,
@@ -193,10 +200,26 @@ pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let opts = SessionOptions {
+        cuda_graph: p.bool("cuda_graph"),
+        ..session_options(p)
+    };
+    if opts.cuda_graph && !matches!(opts.provider, Provider::Cuda { .. }) {
+        return Err(BuildError::invalid(
+            "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
+        )
+        .key("execution_provider"));
+    }
+    if opts.cuda_graph && p.str("engine") == "shared" {
+        return Err(BuildError::invalid(
+            "`cuda_graph: true` needs `engine: own`: the shared engine's batch changes from tick to tick",
+        )
+        .key("engine"));
+    }
     let pack = open_pack(cx, p)?;
     let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
         Some(lm) => lm.depformer_client().into(),
-        None => Depformer::open(&pack, &session_options(p))?.into(),
+        None => Depformer::open(&pack, &opts)?.into(),
     };
     dep.set_unused(
         UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run),
