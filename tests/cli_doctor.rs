@@ -1,5 +1,5 @@
 //! ONNX Runtime discovery from the command line: found in the project's .venv, and a clear
-//! message (no panic) when it is nowhere.
+//! message (no panic) when it is nowhere; a healthy fp16 pack checked without warnings.
 
 use std::process::Command;
 
@@ -72,4 +72,35 @@ fn doctor_says_what_to_install_when_nothing_is_found() {
         e.contains("/nonexistent/libonnxruntime.so (from ORT_DYLIB_PATH) does not exist"),
         "{e}"
     );
+}
+
+/// A healthy fp16 pack checked on the CPU warns of nothing: ONNX Runtime's optimizer notes
+/// (a node it could not fold at load time, such as the fp16 codec's `Sqrt`) are logged at debug,
+/// and its real warnings still reach the log.
+#[test]
+fn a_healthy_fp16_pack_is_checked_without_warnings() {
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["doctor", "--pack", "models/tiny-gqa-fp16"])
+        .env_remove("ORT_DYLIB_PATH")
+        .env_remove("RUST_LOG")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("mimi step graphs (f16): encoder on cpu f16"),
+        "{err}"
+    );
+    assert!(!err.contains(" WARN "), "{err}");
+    // At debug, the note is there: it was moved, not lost.
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .args(["doctor", "--pack", "models/tiny-gqa-fp16"])
+        .env_remove("ORT_DYLIB_PATH")
+        .env("RUST_LOG", "onnxruntime=debug")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("can't constant fold"), "{err}");
 }

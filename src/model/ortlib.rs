@@ -276,6 +276,9 @@ pub fn environment(chosen: Option<Chosen<'_>>) -> Result<&'static OrtLibrary, Or
                         L::Fatal | L::Error => {
                             tracing::error!(target: "onnxruntime", category, at, "{message}")
                         }
+                        L::Warning if optimizer_note(message) => {
+                            tracing::debug!(target: "onnxruntime", category, at, "{message}")
+                        }
                         L::Warning => {
                             tracing::warn!(target: "onnxruntime", category, at, "{message}")
                         }
@@ -324,6 +327,14 @@ pub fn build_info() -> Option<&'static str> {
         Some(Ok(_)) => Some(ort::info()),
         _ => None,
     }
+}
+
+/// A warning of ONNX Runtime's graph optimizer that says nothing is wrong: a node it could not
+/// fold at load time (no CPU kernel for its type, as for an fp16 `Sqrt` of an fp16 graph on the
+/// CPU) runs when the graph runs, as it would have without the optimizer. Logged at debug, so
+/// that every fp16 session opened on a CPU does not warn.
+fn optimizer_note(message: &str) -> bool {
+    message.starts_with("Could not find a CPU kernel and hence can't constant fold")
 }
 
 #[cfg(test)]
