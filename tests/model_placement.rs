@@ -127,7 +127,8 @@ fn every_codec_state_buffer_is_where_its_session_reads_it() {
 /// The binding the depformer's CUDA graphs need (its plain inputs and output in buffers of
 /// their own, fed and read by copies) steps exactly as the plain binding does: the same tokens
 /// and the same logits bit for bit, every substep run and the user's skipped, over frames whose
-/// hidden states and provided tokens change. And `cuda_graph` off CUDA is refused, naming why.
+/// hidden states and provided tokens change. And `cuda_graph` off CUDA is refused, naming why
+/// (the same words as the temporal's).
 #[test]
 fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
     use duplex::model::depformer::{DepformerInput, UnusedSubsteps};
@@ -190,7 +191,7 @@ fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
     };
     let err = Depformer::open(&pack, &opts).err().unwrap().to_string();
     assert!(
-        err.contains("`cuda_graph` needs the CUDA provider"),
+        err.contains("`cuda_graph: true` needs `execution_provider: cuda`"),
         "{err}"
     );
 }

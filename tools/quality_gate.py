@@ -42,7 +42,6 @@ import os
 import sys
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_lm as R  # noqa: E402
@@ -222,18 +221,18 @@ def codec(quantized: str, floating: str, frames: int) -> dict:
     }
 
 
-def quantized_graphs(pack: str) -> set:
-    """The graphs the pack's `pack.yaml` says are quantized."""
+def quantized_graphs(pack: str, manifest: dict) -> set:
+    """The graphs the pack's `pack.yaml` (read: `manifest`) says are quantized."""
     path = os.path.join(pack, "pack.yaml")
-    section = read_yaml(path, "quality_gate").get("quantization") or {}
+    section = manifest.get("quantization") or {}
     if not isinstance(section, dict):
         refuse("quality_gate", path, "quantization: expected a mapping of graphs")
     return set(section)
 
 
-def read_codes(path: str, pack: str) -> list:
-    """The user's codes of `--codes`: frames of `codebooks` codes each, within the vocabulary."""
-    manifest = read_yaml(os.path.join(pack, "pack.yaml"), "quality_gate")
+def read_codes(path: str, manifest: dict) -> list:
+    """The user's codes of `--codes`: frames of `codebooks` codes each, within the vocabulary of
+    the pack whose `pack.yaml` is `manifest`."""
     n, vocab = manifest.get("codebooks", 8), manifest.get("audio_vocab", 2048)
     codes = read_json(path, "quality_gate", list)
     for i, frame in enumerate(codes):
@@ -264,15 +263,16 @@ def main(argv=None) -> int:
                    help="the encoder's first (semantic) codebook (default 0.9)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a = p.parse_args(argv)
+    manifests = {}
     for pack in (a.quantized, a.float):
         if not os.path.isfile(os.path.join(pack, "pack.yaml")):
             print(f"quality_gate: {pack}: not a pack (no pack.yaml)", file=sys.stderr)
             return 2
-        read_yaml(os.path.join(pack, "pack.yaml"), "quality_gate")
+        manifests[pack] = read_yaml(os.path.join(pack, "pack.yaml"), "quality_gate")
     if a.frames < 10 or a.codec_frames < 10:
         print("quality_gate: --frames and --codec-frames: 10 or more", file=sys.stderr)
         return 2
-    graphs = quantized_graphs(a.quantized)
+    graphs = quantized_graphs(a.quantized, manifests[a.quantized])
     lm = bool(graphs & {"temporal", "depformer"})
     has_codec = bool(graphs & {"mimi_encoder_step", "mimi_decoder_step"})
     if not graphs:
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     report = {"quantized": a.quantized, "float": a.float}
     checks = {}
     if lm:
-        codes = read_codes(a.codes, a.float) if a.codes else pseudo_codes(a.frames)
+        codes = read_codes(a.codes, manifests[a.float]) if a.codes else pseudo_codes(a.frames)
         codes = codes[: a.frames]
         tf = teacher_forced(a.quantized, a.float, codes)
         fq, ff = free_running(a.quantized, codes), free_running(a.float, codes)

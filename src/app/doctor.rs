@@ -411,10 +411,7 @@ fn codec_batch_times_of(
     let m = &pack.manifest;
     let mut text = format!(
         "codec step graphs ({}) on {}, one call of B rows vs B calls of one row (median of 7):\n",
-        match dtype {
-            FloatType::F32 => "f32",
-            FloatType::F16 => "f16",
-        },
+        dtype.name(),
         provider.name()
     );
     let median = |mut v: Vec<f64>| {
@@ -762,14 +759,7 @@ pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> Result<(u64
     )
     .map_err(|e| e.to_string())?;
     let after = memory_in_use(provider)?;
-    let i = &engine.temporal_info;
-    let kv = i.layers
-        * 2
-        * i.heads
-        * (engine.capacity + 1)
-        * i.head_dim
-        * if i.kv == FloatType::F16 { 2 } else { 4 };
-    Ok((after.saturating_sub(before), kv))
+    Ok((after.saturating_sub(before), engine.kv_bytes_per_slot()))
 }
 
 /// The memory one conversation adds to the shared LM engine at the pack's whole context: an

@@ -239,10 +239,8 @@ pub(crate) struct DepformerBatch {
     pub info: LmGraphInfo,
     pub provider: Provider,
     kv: PingPong,
-    hidden: Buffer,
-    prev: Buffer,
-    substep: Buffer,
-    logits: Buffer,
+    /// The plain inputs and the output in host memory, where rows are written and read.
+    host: PlainIo,
     alloc: Allocator,
     kv_alloc: Allocator,
     wanted: Vec<(String, Placement)>,
@@ -255,17 +253,33 @@ pub(crate) struct DepformerBatch {
     scratch: Vec<f32>,
     /// The plain inputs and the output in buffers of their own where the session computes
     /// (`separate_io`, and always with a CUDA graph), fed from and read into the host ones.
-    io: Option<SeparateIo>,
+    io: Option<PlainIo>,
     /// With a CUDA graph: the run options that choose each (substep, rows) call's graph.
     graphs: Option<RunOptions>,
 }
 
-/// The depformer's plain inputs and output where its session computes.
-struct SeparateIo {
+/// The depformer's plain inputs and its output, for up to a batch of rows.
+struct PlainIo {
     hidden: Buffer,
     prev: Buffer,
     substep: Buffer,
     logits: Buffer,
+}
+
+impl PlainIo {
+    /// Zeroed buffers for `rows` rows of `info`'s graph, in `alloc`'s memory.
+    fn zeros(alloc: &Allocator, info: &LmGraphInfo, rows: i64) -> ort::Result<PlainIo> {
+        Ok(PlainIo {
+            hidden: Buffer::zeros(
+                alloc,
+                element(info.hidden),
+                &[rows, 1, info.hidden_dim as i64],
+            )?,
+            prev: Buffer::zeros(alloc, TensorElementType::Int64, &[rows, 1])?,
+            substep: Buffer::zeros(alloc, TensorElementType::Int64, &[])?,
+            logits: Buffer::zeros(alloc, element(info.logits), &[rows, 1, info.vocab as i64])?,
+        })
+    }
 }
 
 impl DepformerBatch {
@@ -298,11 +312,8 @@ impl DepformerBatch {
         rows: usize,
         separate_io: bool,
     ) -> Result<DepformerBatch, ModelError> {
-        if opts.cuda_graph && !matches!(opts.provider, Provider::Cuda { .. }) {
-            return Err(ModelError::contract(
-                graph,
-                "`cuda_graph` needs the CUDA provider (a CUDA graph is the CUDA provider's)",
-            ));
+        if let Some((_, why)) = opts.cuda_graph_conflict() {
+            return Err(ModelError::contract(graph, why));
         }
         let m = &pack.manifest;
         let os = open(&pack.graph_path(Graph::Depformer), graph, opts)?;
@@ -325,18 +336,7 @@ impl DepformerBatch {
             }
         }
         let io = if separate_io || opts.cuda_graph {
-            Some(SeparateIo {
-                hidden: Buffer::zeros(
-                    &kv_alloc,
-                    element(info.hidden),
-                    &[s, 1, info.hidden_dim as i64],
-                )
-                .map_err(e)?,
-                prev: Buffer::zeros(&kv_alloc, TensorElementType::Int64, &[s, 1]).map_err(e)?,
-                substep: Buffer::zeros(&kv_alloc, TensorElementType::Int64, &[]).map_err(e)?,
-                logits: Buffer::zeros(&kv_alloc, element(info.logits), &[s, 1, info.vocab as i64])
-                    .map_err(e)?,
-            })
+            Some(PlainIo::zeros(&kv_alloc, &info, s).map_err(e)?)
         } else {
             None
         };
@@ -350,16 +350,7 @@ impl DepformerBatch {
             io,
             graphs,
             binding: os.session.create_binding().map_err(e)?,
-            hidden: Buffer::zeros(
-                &alloc,
-                element(info.hidden),
-                &[s, 1, info.hidden_dim as i64],
-            )
-            .map_err(e)?,
-            prev: Buffer::zeros(&alloc, TensorElementType::Int64, &[s, 1]).map_err(e)?,
-            substep: Buffer::zeros(&alloc, TensorElementType::Int64, &[]).map_err(e)?,
-            logits: Buffer::zeros(&alloc, element(info.logits), &[s, 1, info.vocab as i64])
-                .map_err(e)?,
+            host: PlainIo::zeros(&alloc, &info, s).map_err(e)?,
             session: os.session,
             provider: os.provider,
             kv: PingPong { sets },
@@ -461,7 +452,7 @@ impl DepformerBatch {
         order.sort_by(|&a, &b| needed[b].cmp(&needed[a]));
         let mut prev: Vec<i64> = order.iter().map(|&i| rows[i].text).collect();
         for (r, &i) in order.iter().enumerate() {
-            write_row(&mut self.hidden, r, &rows[i].hidden);
+            write_row(&mut self.host.hidden, r, &rows[i].hidden);
             let j = &mut *rows[i];
             j.out.clear();
             j.counts = (0, 0);
@@ -473,26 +464,27 @@ impl DepformerBatch {
         let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         let vocab = self.info.vocab;
         let hd = self.info.hidden_dim as i64;
+        let (host, dev) = (&self.alloc, &self.kv_alloc);
         if let Some(io) = self.io.as_mut() {
-            copy_view(
-                &mut self.hidden,
-                &self.alloc,
-                &mut io.hidden,
-                &self.kv_alloc,
-                &[rows.len() as i64, 1, hd],
-            )
-            .map_err(e)?;
+            let shape = [rows.len() as i64, 1, hd];
+            (self.host.hidden)
+                .copy_prefix_to(host, &mut io.hidden, dev, &shape)
+                .map_err(e)?;
         }
         for cb in 0..steps {
             let n = order.iter().filter(|&&i| needed[i] > cb).count();
             if n > 0 {
                 self.bind_rows(n).map_err(e)?;
-                self.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
-                self.substep.as_slice::<i64>()[0] = cb as i64;
+                self.host.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
+                self.host.substep.as_slice::<i64>()[0] = cb as i64;
                 if let Some(io) = self.io.as_mut() {
-                    let (a, k) = (&self.alloc, &self.kv_alloc);
-                    copy_view(&mut self.prev, a, &mut io.prev, k, &[n as i64, 1]).map_err(e)?;
-                    copy_view(&mut self.substep, a, &mut io.substep, k, &[]).map_err(e)?;
+                    let (host, dev) = (&self.alloc, &self.kv_alloc);
+                    (self.host.prev)
+                        .copy_prefix_to(host, &mut io.prev, dev, &[n as i64, 1])
+                        .map_err(e)?;
+                    (self.host.substep)
+                        .copy_prefix_to(host, &mut io.substep, dev, &[])
+                        .map_err(e)?;
                 }
                 self.kv
                     .bind_batch(
@@ -519,20 +511,21 @@ impl DepformerBatch {
                     None => drop(self.session.run_binding(&self.binding).map_err(e)?),
                 }
                 if let Some(io) = self.io.as_mut() {
-                    copy_view(
-                        &mut io.logits,
-                        &self.kv_alloc,
-                        &mut self.logits,
-                        &self.alloc,
-                        &[n as i64, 1, vocab as i64],
-                    )
-                    .map_err(e)?;
+                    let (host, dev) = (&self.alloc, &self.kv_alloc);
+                    (io.logits)
+                        .copy_prefix_to(
+                            dev,
+                            &mut self.host.logits,
+                            host,
+                            &[n as i64, 1, vocab as i64],
+                        )
+                        .map_err(e)?;
                 }
             }
             for (r, &i) in order.iter().enumerate() {
                 let j = &mut *rows[i];
                 if r < n {
-                    read_row(&mut self.logits, r, vocab, &mut self.scratch);
+                    read_row(&mut self.host.logits, r, vocab, &mut self.scratch);
                     if let Some(l) = j.logits.as_mut() {
                         l.push(self.scratch.clone());
                     }
@@ -570,47 +563,21 @@ impl DepformerBatch {
         }
         let bn = n as i64;
         let hd = self.info.hidden_dim as i64;
-        let (a, hidden, prev, substep, logits) = match self.io.as_mut() {
-            Some(io) => (
-                &self.kv_alloc,
-                &mut io.hidden,
-                &mut io.prev,
-                &mut io.substep,
-                &mut io.logits,
-            ),
-            None => (
-                &self.alloc,
-                &mut self.hidden,
-                &mut self.prev,
-                &mut self.substep,
-                &mut self.logits,
-            ),
+        let (a, b) = match self.io.as_mut() {
+            Some(io) => (&self.kv_alloc, io),
+            None => (&self.alloc, &mut self.host),
         };
-        let v = hidden.view(a, &[bn, 1, hd])?;
+        let v = b.hidden.view(a, &[bn, 1, hd])?;
         self.binding.bind_input("hidden", &v)?;
-        let v = prev.view(a, &[bn, 1])?;
+        let v = b.prev.view(a, &[bn, 1])?;
         self.binding.bind_input("prev_token", &v)?;
-        let v = substep.view(a, &[])?;
+        let v = b.substep.view(a, &[])?;
         self.binding.bind_input("substep_index", &v)?;
-        let v = logits.view(a, &[bn, 1, self.info.vocab as i64])?;
+        let v = b.logits.view(a, &[bn, 1, self.info.vocab as i64])?;
         self.binding.bind_output("logits", v)?;
         self.bound = Some(n);
         Ok(())
     }
-}
-
-/// Copies the first `shape` elements of `from` (in `fa`'s memory) into `to` (in `ta`'s), through
-/// ONNX Runtime (host or device on either side).
-fn copy_view(
-    from: &mut Buffer,
-    fa: &Allocator,
-    to: &mut Buffer,
-    ta: &Allocator,
-    shape: &[i64],
-) -> ort::Result<()> {
-    let src = from.view(fa, shape)?;
-    let mut dst = to.view(ta, shape)?;
-    src.copy_into(&mut dst)
 }
 
 /// The depformer of a pack, for one conversation: a [`DepformerBatch`] of one row.

@@ -90,6 +90,17 @@ impl Default for SessionOptions {
     }
 }
 
+impl SessionOptions {
+    /// Why `cuda_graph` cannot apply to these options (the option in the way and what a CUDA
+    /// graph needs): off the CUDA provider; `None` when it can, or is not asked for.
+    pub fn cuda_graph_conflict(&self) -> Option<(&'static str, &'static str)> {
+        (self.cuda_graph && !matches!(self.provider, Provider::Cuda { .. })).then_some((
+            "execution_provider",
+            "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
+        ))
+    }
+}
+
 /// A session with the provider it really runs on.
 pub struct OpenSession {
     /// The session.

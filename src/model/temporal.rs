@@ -76,11 +76,12 @@ impl TemporalOptions {
     /// the way (`execution_provider`, `kv`) and what `cuda_graph` needs; `None` when they can.
     /// The graph's own requirement (the GQA export) is checked when it is opened.
     pub fn fixed_shapes_conflict(&self) -> Option<(&'static str, &'static str)> {
-        if self.cuda_graph && !matches!(self.session.provider, Provider::Cuda { .. }) {
-            return Some((
-                "execution_provider",
-                "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
-            ));
+        let session = SessionOptions {
+            cuda_graph: self.cuda_graph,
+            ..self.session
+        };
+        if let Some(conflict) = session.cuda_graph_conflict() {
+            return Some(conflict);
         }
         if (self.cuda_graph || self.fixed_shapes) && self.kv == KvMode::Host {
             return Some((
@@ -748,45 +749,20 @@ impl Temporal {
         };
         let (c, cap) = (self.channels as i64, self.capacity as i64);
         let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
-        let copy =
-            |from: &mut Buffer, fa: &Allocator, to: &mut Buffer, ta: &Allocator, shape: &[i64]| {
-                let src = from.view(fa, shape)?;
-                let mut dst = to.view(ta, shape)?;
-                src.copy_into(&mut dst)
-            };
-        copy(
-            &mut self.frame,
-            &self.alloc,
-            &mut io.frame,
-            &self.kv_alloc,
-            &[1, c, 1],
-        )
-        .map_err(&e)?;
-        copy(
-            &mut self.mask,
-            &self.alloc,
-            &mut io.mask,
-            &self.kv_alloc,
-            &[1, cap],
-        )
-        .map_err(&e)?;
+        let (host, dev) = (&self.alloc, &self.kv_alloc);
+        self.frame
+            .copy_prefix_to(host, &mut io.frame, dev, &[1, c, 1])
+            .map_err(&e)?;
+        self.mask
+            .copy_prefix_to(host, &mut io.mask, dev, &[1, cap])
+            .map_err(&e)?;
         self.session.run_binding(&self.binding).map_err(&e)?;
-        copy(
-            &mut io.hidden,
-            &self.kv_alloc,
-            &mut self.hidden,
-            &self.alloc,
-            &[1, 1, hd],
-        )
-        .map_err(&e)?;
-        copy(
-            &mut io.logits,
-            &self.kv_alloc,
-            &mut self.logits,
-            &self.alloc,
-            &[1, 1, v],
-        )
-        .map_err(&e)?;
+        io.hidden
+            .copy_prefix_to(dev, &mut self.hidden, host, &[1, 1, hd])
+            .map_err(&e)?;
+        io.logits
+            .copy_prefix_to(dev, &mut self.logits, host, &[1, 1, v])
+            .map_err(&e)?;
         self.len += 1;
         self.pos += 1;
         Ok(())

@@ -204,6 +204,24 @@ impl Buffer {
         Ok(staging.as_bytes().to_vec())
     }
 
+    /// Copies this buffer's first `shape` elements (in `alloc`'s memory) over `to`'s first (in
+    /// `to_alloc`'s), through ONNX Runtime's copy: host or device on either side.
+    ///
+    /// # Errors
+    ///
+    /// A shape past either buffer, ONNX Runtime's copy.
+    pub fn copy_prefix_to(
+        &mut self,
+        alloc: &Allocator,
+        to: &mut Buffer,
+        to_alloc: &Allocator,
+        shape: &[i64],
+    ) -> ort::Result<()> {
+        let src = self.view(alloc, shape)?;
+        let mut dst = to.view(to_alloc, shape)?;
+        src.copy_into(&mut dst)
+    }
+
     /// Where the buffer lives.
     pub fn placement(&self) -> Placement {
         let m = self.tensor.memory_info();

@@ -17,12 +17,12 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::model::depformer::{Depformer, UnusedSubsteps};
 use crate::model::lm::{DepformerModel, SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
-use crate::model::session::{Provider, SessionOptions};
+use crate::model::session::SessionOptions;
 use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
 
 use super::model_params::{
-    model_params, open_pack, session_options, shared_engine, ENGINE_PARAM, MODEL_STATUS,
-    SLOTS_PARAM,
+    cuda_graph_needs_own_engine, model_params, open_pack, session_options, shared_engine,
+    ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
 };
 use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
@@ -204,18 +204,10 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         cuda_graph: p.bool("cuda_graph"),
         ..session_options(p)
     };
-    if opts.cuda_graph && !matches!(opts.provider, Provider::Cuda { .. }) {
-        return Err(BuildError::invalid(
-            "`cuda_graph: true` needs `execution_provider: cuda` (a CUDA graph is the CUDA provider's)",
-        )
-        .key("execution_provider"));
+    if let Some((key, why)) = opts.cuda_graph_conflict() {
+        return Err(BuildError::invalid(why).key(key));
     }
-    if opts.cuda_graph && p.str("engine") == "shared" {
-        return Err(BuildError::invalid(
-            "`cuda_graph: true` needs `engine: own`: the shared engine's batch changes from tick to tick",
-        )
-        .key("engine"));
-    }
+    cuda_graph_needs_own_engine(p, opts.cuda_graph)?;
     let pack = open_pack(cx, p)?;
     let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
         Some(lm) => lm.depformer_client().into(),

@@ -72,6 +72,22 @@ macro_rules! model_params {
 pub(super) use model_params;
 
 /// The session options from a model stage's params.
+/// `cuda_graph: true` on a stage of the shared engine is refused, naming `engine`: the engine's
+/// batch changes from tick to tick, and a CUDA graph replays one shape.
+///
+/// # Errors
+///
+/// [`BuildError`] naming the key.
+pub(super) fn cuda_graph_needs_own_engine(p: &Params, cuda_graph: bool) -> Result<(), BuildError> {
+    if cuda_graph && p.str("engine") == "shared" {
+        return Err(BuildError::invalid(
+            "`cuda_graph: true` needs `engine: own`: the shared engine's batch changes from tick to tick",
+        )
+        .key("engine"));
+    }
+    Ok(())
+}
+
 pub(super) fn session_options(p: &Params) -> SessionOptions {
     SessionOptions {
         provider: match p.str("execution_provider") {

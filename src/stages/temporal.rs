@@ -37,8 +37,8 @@ use crate::runtime::{
 };
 
 use super::model_params::{
-    model_params, open_pack, session_options, shared_engine, ENGINE_PARAM, MODEL_STATUS,
-    SLOTS_PARAM,
+    cuda_graph_needs_own_engine, model_params, open_pack, session_options, shared_engine,
+    ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
 };
 use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
 
@@ -354,12 +354,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     if let Some((key, why)) = opts.fixed_shapes_conflict() {
         return Err(BuildError::invalid(why).key(key));
     }
-    if opts.cuda_graph && p.str("engine") == "shared" {
-        return Err(BuildError::invalid(
-            "`cuda_graph: true` needs `engine: own`: the shared engine's batch changes from tick to tick",
-        )
-        .key("engine"));
-    }
+    cuda_graph_needs_own_engine(p, opts.cuda_graph)?;
     let temporal: TemporalModel = match shared_engine(cx, &pack, p, opts.max_positions)? {
         Some(lm) => {
             if opts.kv == KvMode::Host {

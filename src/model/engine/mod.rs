@@ -316,16 +316,7 @@ impl SharedLm {
             ));
         }
         observer.event(EngineEvent::Opened);
-        tracing::info!(
-            pack = %pack.dir.display(),
-            slots,
-            capacity,
-            layers = tinfo.layers,
-            kv_bytes_per_slot = tinfo.layers * 2 * tinfo.heads * (capacity + 1) * tinfo.head_dim
-                * if tinfo.kv == super::pack::FloatType::F16 { 2 } else { 4 },
-            "shared LM engine ready"
-        );
-        Ok(SharedLm {
+        let lm = SharedLm {
             observer: observer.clone(),
             failed,
             stats,
@@ -349,7 +340,27 @@ impl SharedLm {
             text_limit: m.text_vocab + 1,
             audio_limit: m.audio_vocab + 1,
             steps,
-        })
+        };
+        tracing::info!(
+            pack = %pack.dir.display(),
+            slots,
+            capacity,
+            layers = lm.temporal_info.layers,
+            kv_bytes_per_slot = lm.kv_bytes_per_slot(),
+            "shared LM engine ready"
+        );
+        Ok(lm)
+    }
+
+    /// Bytes of temporal KV cache one slot holds: K and V of every layer, `capacity + 1` rows.
+    pub fn kv_bytes_per_slot(&self) -> usize {
+        let i = &self.temporal_info;
+        let element = if i.kv == super::pack::FloatType::F16 {
+            2
+        } else {
+            4
+        };
+        i.layers * 2 * i.heads * (self.capacity + 1) * i.head_dim * element
     }
 
     /// Whether the engine's thread has failed (it serves nobody any more).
