@@ -1216,3 +1216,30 @@ proptest! {
         }
     }
 }
+
+/// The error event repeats a client's value short, however long the value: a format object,
+/// a rate, an event type, a sampling option's name (the proptest above found the format).
+#[test]
+fn realtime_errors_show_a_clients_long_values_short() {
+    use duplex::app::serve::realtime::parse_event;
+    use serde_json::json;
+    let long = "x".repeat(5000);
+    let deep = json!({"type": long, "nested": {"a": [long.clone(), long.clone()]}});
+    let events = [
+        json!({"type": "session.update", "session": {"input_audio_format": deep}}),
+        json!({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcm", "rate": deep}}}}}),
+        json!({"type": format!("conversation.item.create{long}")}),
+        json!({"type": long}),
+        json!({"type": "session.update", "session": {"duplex": {long.clone(): 1}}}),
+    ];
+    for e in events {
+        let err = parse_event(&e.to_string()).expect_err("refused");
+        assert!(
+            err.message.len() < 400 && err.param.as_deref().is_some_and(|p| p.len() < 100),
+            "{} bytes of message, param {:?}",
+            err.message.len(),
+            err.param.as_deref().map(str::len)
+        );
+        assert!(err.message.contains('…') || err.param.is_some_and(|p| p.contains('…')));
+    }
+}

@@ -26,6 +26,7 @@ use axum::extract::ws::Message;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+use super::config::shown;
 use super::session::{Encoder, Protocol, Taken};
 use super::{ServeConfig, Server};
 use crate::audio::g711::{self, Law};
@@ -74,7 +75,10 @@ impl Format {
                         None => {}
                         Some(r) if r.as_u64() == Some(MODEL_RATE as u64) => {}
                         Some(r) => {
-                            return Err(format!("audio/pcm is served at {MODEL_RATE} Hz, not {r}"))
+                            return Err(format!(
+                                "audio/pcm is served at {MODEL_RATE} Hz, not {}",
+                                shown(&r.to_string())
+                            ))
                         }
                     }
                 }
@@ -87,8 +91,9 @@ impl Format {
             "g711_ulaw" | "audio/pcmu" => Ok(Format::G711(Law::Mu)),
             "g711_alaw" | "audio/pcma" => Ok(Format::G711(Law::A)),
             _ => Err(format!(
-                "{v} is not a format of this server: pcm16, g711_ulaw, g711_alaw (or \
-                 {{\"type\": \"audio/pcm\" | \"audio/pcmu\" | \"audio/pcma\"}})"
+                "{} is not a format of this server: pcm16, g711_ulaw, g711_alaw (or \
+                 {{\"type\": \"audio/pcm\" | \"audio/pcmu\" | \"audio/pcma\"}})",
+                shown(&v.to_string())
             )),
         }
     }
@@ -294,12 +299,13 @@ impl Realtime {
                     pairs.iter().filter(|(k, _)| k != key).cloned().collect();
                 self.server.cfg.session_params(&rest).is_ok()
             };
-            let (param, shown) = match &u.voice {
+            let (param, message) = match &u.voice {
                 Some((param, name)) if without("voice_prompt") => (
                     Some(*param),
                     format!(
-                        "voice `{name}` is not a voice of this server (GET /api/voices lists \
+                        "voice `{}` is not a voice of this server (GET /api/voices lists \
                          them): {}",
+                        shown(name),
                         m.replace("query parameter ", "")
                     ),
                 ),
@@ -315,7 +321,7 @@ impl Realtime {
                     m.replace("query parameter ", ""),
                 ),
             };
-            return self.error("invalid_value", &shown, param, client_event);
+            return self.error("invalid_value", &message, param, client_event);
         }
         self.pairs = pairs;
         if let Some(t) = u.instructions {
@@ -609,8 +615,9 @@ pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventErr
             "response.cancel" => ClientEvent::CancelResponse,
             k if UNSUPPORTED.iter().any(|u| k.starts_with(u)) => {
                 let m = format!(
-                    "`{k}` is not supported: the conversation is one full-duplex response \
-                 (docs/realtime.md)"
+                    "`{}` is not supported: the conversation is one full-duplex response \
+                 (docs/realtime.md)",
+                    shown(k)
                 );
                 return Err(fail(
                     "unknown_kind",
@@ -621,8 +628,7 @@ pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventErr
                 ));
             }
             k => {
-                let shown: String = k.chars().take(64).collect();
-                let m = format!("unknown event type `{shown}`");
+                let m = format!("unknown event type `{}`", shown(k));
                 return Err(fail("unknown_kind", "unknown_event", m, Some("type"), &id));
             }
         };
@@ -687,7 +693,7 @@ fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
             )
         })?;
         for (k, v) in d {
-            let param = || format!("session.duplex.{}", k.chars().take(64).collect::<String>());
+            let param = || format!("session.duplex.{}", shown(k));
             if !SAMPLING.contains(&k.as_str()) {
                 let m = format!("unknown option: one of {}", SAMPLING.join(", "));
                 return Err((param(), m));
