@@ -850,7 +850,8 @@ links:
 }
 
 /// `cuda_graph: true` where a CUDA graph cannot apply is refused before start (exit 2),
-/// naming the stage (the temporal's, the depformer's) and the key that rules it out.
+/// naming the stage (the temporal's, the depformer's) and the key that rules it out; so is
+/// the depformer's `device_sampling: true` on the shared engine.
 #[test]
 fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
     let dir = tempfile::tempdir().unwrap();
@@ -859,17 +860,22 @@ fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
     let provider = (
         "cuda_graph: true",
         "execution_provider",
-        "needs `execution_provider: cuda`",
+        "`cuda_graph: true` needs `execution_provider: cuda`",
     );
     let shared = (
         "cuda_graph: true, execution_provider: cuda, engine: shared",
         "engine",
-        "needs `engine: own`",
+        "`cuda_graph: true` needs `engine: own`",
     );
     let kv = (
         "cuda_graph: true, execution_provider: cuda, kv: host",
         "kv",
-        "needs `kv: resident`",
+        "`cuda_graph: true` needs `kv: resident`",
+    );
+    let drawn = (
+        "device_sampling: true, engine: shared",
+        "engine",
+        "`device_sampling: true` needs `engine: own`",
     );
     for (stage, (params, key, want)) in [
         ("temporal", provider),
@@ -877,6 +883,7 @@ fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
         ("temporal", shared),
         ("depformer", provider),
         ("depformer", shared),
+        ("depformer", drawn),
     ] {
         let (t, d) = if stage == "temporal" {
             (format!(", {params}"), String::new())
@@ -894,9 +901,7 @@ fn cuda_graph_where_it_cannot_apply_is_refused_before_start() {
         let e = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{stage} {params}: {e}");
         assert!(
-            e.contains(&format!(
-                "stage `{stage}`: `{key}`: `cuda_graph: true` {want}"
-            )),
+            e.contains(&format!("stage `{stage}`: `{key}`: {want}")),
             "{stage} {params}: {e}"
         );
     }

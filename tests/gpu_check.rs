@@ -55,10 +55,20 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
         "depformer frame on cpu (one conversation, mean of 50):",
         "plain    (cpu f16) every substep ",
         "separate (cpu f16) every substep ",
+        "device   (cpu f16) every substep ",
         "codec step graphs (f32) on cpu, one call of B rows",
         "codec step graphs (f16) on cpu, one call of B rows",
     ] {
         assert!(report.contains(want), "missing {want:?} in\n{report}");
+    }
+    // The audio drawn where the logits are gives the host draw's tokens.
+    let drawn: Vec<&str> = report
+        .lines()
+        .filter(|l| l.contains("  device   ("))
+        .collect();
+    assert!(!drawn.is_empty(), "{report}");
+    for l in drawn {
+        assert!(l.ends_with(", the host draw's tokens"), "{l}");
     }
     // The step timed at the whole context of 3000 as well, in every cache mode of each pack.
     assert!(report.matches(", context 3000: ").count() >= 5, "{report}");

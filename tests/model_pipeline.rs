@@ -369,7 +369,7 @@ fn a_voice_prompt_is_encoded_and_primes_the_agent() {
 }
 
 #[test]
-fn skipping_the_substeps_nothing_reads_keeps_greedy_and_sampled_streams_identical() {
+fn skipping_the_substeps_nothing_reads_or_drawing_on_the_device_keeps_streams_identical() {
     let dir = tempfile::tempdir().unwrap();
     write_input(&dir.path().join("in.wav"));
     let pack = packs::pack("tiny-gqa");
@@ -377,11 +377,16 @@ fn skipping_the_substeps_nothing_reads_keeps_greedy_and_sampled_streams_identica
     let p = pipeline_yaml(dir.path(), &pack, ", persona_tokens: [5, 17, 33, 2]");
     for greedy in [false, true] {
         let mut streams = Vec::new();
-        for mode in ["run", "skip"] {
+        // (and with the audio drawn where the logits are: the same streams again)
+        for (mode, device) in [("run", false), ("skip", false), ("skip", true)] {
             let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
                 .args(["run", p.to_str().unwrap()])
                 .args(["--set", &format!("stages.depformer.user_substeps={mode}")])
                 .args(["--set", &format!("stages.depformer.greedy={greedy}")])
+                .args([
+                    "--set",
+                    &format!("stages.depformer.device_sampling={device}"),
+                ])
                 .env("RUST_LOG", "info")
                 .output()
                 .unwrap();
@@ -411,6 +416,10 @@ fn skipping_the_substeps_nothing_reads_keeps_greedy_and_sampled_streams_identica
         assert_eq!(
             streams[0].0, streams[1].0,
             "greedy {greedy}: skip changed the tokens"
+        );
+        assert_eq!(
+            streams[1], streams[2],
+            "greedy {greedy}: the device's draw changed the tokens"
         );
     }
 }

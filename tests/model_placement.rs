@@ -9,12 +9,18 @@
 #[path = "support/packs.rs"]
 mod packs;
 
-use duplex::model::depformer::Depformer;
+use duplex::model::depformer::{Depformer, DepformerBinding};
 use duplex::model::engine::{self, EngineOptions};
 use duplex::model::pack::Pack;
 use duplex::model::session::SessionOptions;
 use duplex::model::temporal::{Temporal, TemporalOptions};
 use duplex::model::Placement;
+
+/// The depformer bound as its CUDA graphs bind it.
+const SEPARATE: DepformerBinding = DepformerBinding {
+    separate_io: true,
+    device_sampling: false,
+};
 
 fn check(what: &str, places: &[(String, Placement, Placement)], buffers: usize) {
     assert_eq!(places.len(), buffers, "{what}: {places:?}");
@@ -64,7 +70,7 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
         check(&format!("{name} depformer"), &d.cache_placements(), 4 * dl);
         assert!(d.io_placements().is_empty());
         // The binding a CUDA graph needs: its plain inputs and output where the session reads.
-        let d = Depformer::open_with(&pack, &SessionOptions::default(), true).unwrap();
+        let d = Depformer::open_with(&pack, &SessionOptions::default(), SEPARATE).unwrap();
         check(&format!("{name} depformer I/O"), &d.io_placements(), 4);
         if name != "tiny" {
             let lm = std::sync::Arc::new(
@@ -127,8 +133,9 @@ fn every_codec_state_buffer_is_where_its_session_reads_it() {
 /// The binding the depformer's CUDA graphs need (its plain inputs and output in buffers of
 /// their own, fed and read by copies) steps exactly as the plain binding does: the same tokens
 /// and the same logits bit for bit, every substep run and the user's skipped, over frames whose
-/// hidden states and provided tokens change. And `cuda_graph` off CUDA is refused, naming why
-/// (the same words as the temporal's).
+/// hidden states and provided tokens change; with the audio drawn where the logits are (device
+/// sampling), the same tokens again. And `cuda_graph` off CUDA is refused, naming why (the same
+/// words as the temporal's).
 #[test]
 fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
     use duplex::model::depformer::{DepformerInput, UnusedSubsteps};
@@ -137,10 +144,15 @@ fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
         let pack = Pack::open(&packs::pack(name)).unwrap();
         let opts = SessionOptions::default();
         let mut plain = Depformer::open(&pack, &opts).unwrap();
-        let mut graph = Depformer::open_with(&pack, &opts, true).unwrap();
+        let mut graph = Depformer::open_with(&pack, &opts, SEPARATE).unwrap();
+        let device = DepformerBinding {
+            device_sampling: true,
+            ..SEPARATE
+        };
+        let mut drawn = Depformer::open_with(&pack, &opts, device).unwrap();
         let steps = plain.steps();
-        let (mut a, mut b) = (Sampler::new(7), Sampler::new(7));
-        let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+        let (mut a, mut b, mut c) = (Sampler::new(7), Sampler::new(7), Sampler::new(7));
+        let (mut out_a, mut out_b, mut out_c) = (Vec::new(), Vec::new(), Vec::new());
         for d in [&mut plain, &mut graph] {
             d.keep_logits = true;
         }
@@ -165,13 +177,18 @@ fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
             };
             plain.unused = mode;
             graph.unused = mode;
+            drawn.unused = mode;
             plain
                 .run(frame, &mut a, SamplingParams::AUDIO, &mut out_a)
                 .unwrap();
             graph
                 .run(frame, &mut b, SamplingParams::AUDIO, &mut out_b)
                 .unwrap();
+            drawn
+                .run(frame, &mut c, SamplingParams::AUDIO, &mut out_c)
+                .unwrap();
             assert_eq!(out_a, out_b, "{name}: frame {f}");
+            assert_eq!(out_a, out_c, "{name}: frame {f}, drawn on the device");
             assert_eq!(plain.logits.len(), graph.logits.len());
             for (s, (x, y)) in plain.logits.iter().zip(&graph.logits).enumerate() {
                 let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
@@ -179,6 +196,7 @@ fn the_depformers_graph_binding_steps_bit_for_bit_as_the_plain_one() {
             }
         }
         assert_eq!(plain.counts, graph.counts);
+        assert_eq!(plain.counts, drawn.counts);
         assert!(
             plain.counts.1 > 0,
             "the user's substeps were skipped in some frames"

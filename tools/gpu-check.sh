@@ -20,7 +20,8 @@
 #   - the temporal step at contexts 50 / 1000 / 2500 / 3000 on the small GQA fp16 pack: cache
 #     resident, fed from the host, and replayed as a CUDA graph (`duplex doctor --time`),
 #   - one conversation's depformer frame, every substep against the user's skipped, plainly
-#     bound and with each substep captured as a CUDA graph and replayed,
+#     bound, with each substep captured as a CUDA graph and replayed, and so with the audio
+#     drawn on the GPU (`device_sampling: true`: no logits to the host each substep),
 #   - the codec's step graphs as the shared codec runs them, fp32 and fp16: one call of
 #     B = 1/16/32/48 rows against B calls of one row, encoder and decoder (`duplex doctor
 #     --time`, the same pack's codec),
@@ -209,7 +210,7 @@ PY
       local timing=()
       [[ $mode == cpu ]] || timing=(--time)
       timeout 300 "$duplex" doctor --pack "$big" --provider "$provider" "${timing[@]}" 2>&1 \
-        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^depformer frame|^  (plain|graphs|separate) |^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
+        | grep -E "^ok|^error|^(temporal|depformer|mimi step graphs \(f32\)):|context 50|^  resident /|^depformer frame|^  (plain|graphs|separate|device) |^codec step graphs|^  (encoder|decoder) |^shared LM engine|^  B=1:|^  1 slot:|^  not measured" \
         | sed 's/^/  /'
       # The whole full-duplex loop at these shapes, file to file, as fast as possible: 600
       # frames there, 25 in the dry run.

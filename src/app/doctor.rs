@@ -473,7 +473,8 @@ const DEPFORMER_FRAMES: usize = 50;
 /// in a conversation): its mean time running every substep and with the user's substeps
 /// skipped (what a server runs), on `provider`; plainly bound, and bound as its CUDA graphs
 /// need (its plain inputs and output in buffers of their own), under CUDA with each substep
-/// captured as a CUDA graph and replayed. A binding that cannot run says why on its line.
+/// captured as a CUDA graph and replayed; and so bound with its audio drawn where the logits
+/// are (device sampling). A binding that cannot run says why on its line.
 ///
 /// # Errors
 ///
@@ -484,41 +485,75 @@ pub fn depformer_frame_times(pack: &Pack, provider: Provider) -> Result<String, 
         "depformer frame on {} (one conversation, mean of {DEPFORMER_FRAMES}):\n",
         provider.name()
     );
-    for (label, separate) in [
-        ("plain", false),
-        (if cuda { "graphs" } else { "separate" }, true),
+    use crate::model::depformer::DepformerBinding;
+    let separate = DepformerBinding {
+        separate_io: true,
+        device_sampling: false,
+    };
+    let device = DepformerBinding {
+        device_sampling: true,
+        ..separate
+    };
+    let mut host_drawn: Option<Vec<i64>> = None;
+    for (label, binding) in [
+        ("plain", DepformerBinding::default()),
+        (if cuda { "graphs" } else { "separate" }, separate),
+        ("device", device),
     ] {
         let opts = SessionOptions {
             provider,
-            cuda_graph: separate && cuda,
+            cuda_graph: binding.separate_io && cuda,
             ..SessionOptions::default()
         };
-        match depformer_frame(pack, &opts, separate) {
-            Ok((runs_on, every, skipped)) => text.push_str(&format!(
-                "  {label:<8} ({runs_on}) every substep {every:.3} ms, the user's substeps \
-                 skipped {skipped:.3} ms ({:.2})\n",
-                skipped / every
-            )),
-            Err(e) if separate => text.push_str(&format!("  {label:<8} not run: {e}\n")),
+        match depformer_frame(pack, &opts, binding) {
+            Ok((runs_on, every, skipped, tokens)) => {
+                // The device's draw against the host's, from the same seed and frames.
+                let same = match (&host_drawn, binding.device_sampling) {
+                    (Some(host), true) => {
+                        match host.iter().zip(&tokens).position(|(a, b)| a != b) {
+                            None if host.len() == tokens.len() => ", the host draw's tokens".into(),
+                            None => ", not the host draw's number of tokens".into(),
+                            Some(i) => format!(
+                                ", NOT the host draw's tokens (from token {i} of {})",
+                                host.len()
+                            ),
+                        }
+                    }
+                    _ => String::new(),
+                };
+                text.push_str(&format!(
+                    "  {label:<8} ({runs_on}) every substep {every:.3} ms, the user's substeps \
+                     skipped {skipped:.3} ms ({:.2}){same}\n",
+                    skipped / every
+                ));
+                if !binding.device_sampling {
+                    host_drawn = Some(tokens);
+                }
+            }
+            Err(e) if binding.separate_io => text.push_str(&format!("  {label:<8} not run: {e}\n")),
             Err(e) => return Err(e),
         }
     }
     if !cuda {
         text.push_str("  (separate: the binding the CUDA graphs use, its copies included; no capture on a CPU)\n");
     }
+    text.push_str(&format!(
+        "  (device: {} with the audio drawn where the logits are, `device_sampling: true`)\n",
+        if cuda { "graphs" } else { "separate" }
+    ));
     Ok(text)
 }
 
-/// [`depformer_frame_times`] for one binding: what it runs on, and the mean frame with every
-/// substep and with the user's skipped, ms.
+/// [`depformer_frame_times`] for one binding: what it runs on, the mean frame with every
+/// substep and with the user's skipped, ms, and the tokens of the frames timed.
 fn depformer_frame(
     pack: &Pack,
     opts: &SessionOptions,
-    separate: bool,
-) -> Result<(String, f64, f64), ModelError> {
+    binding: crate::model::depformer::DepformerBinding,
+) -> Result<(String, f64, f64, Vec<i64>), ModelError> {
     use crate::model::depformer::{DepformerInput, UnusedSubsteps};
     use crate::model::sampling::{Sampler, SamplingParams};
-    let mut dep = Depformer::open_with(pack, opts, separate)?;
+    let mut dep = Depformer::open_with(pack, opts, binding)?;
     let steps = dep.steps();
     let hidden: Vec<f32> = (0..dep.info.hidden_dim)
         .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
@@ -534,6 +569,7 @@ fn depformer_frame(
     };
     let mut out = Vec::new();
     let mut means = [0.0; 2];
+    let mut tokens = Vec::with_capacity(2 * DEPFORMER_FRAMES * steps);
     for (k, mode) in [UnusedSubsteps::Run, UnusedSubsteps::Skip]
         .into_iter()
         .enumerate()
@@ -547,10 +583,11 @@ fn depformer_frame(
         let t0 = Instant::now();
         for _ in 0..DEPFORMER_FRAMES {
             dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)?;
+            tokens.extend_from_slice(&out);
         }
         means[k] = t0.elapsed().as_secs_f64() * 1e3 / DEPFORMER_FRAMES as f64;
     }
-    Ok((dep.runs_on(), means[0], means[1]))
+    Ok((dep.runs_on(), means[0], means[1], tokens))
 }
 
 /// Batch sizes at which [`engine_ticks`] reports.

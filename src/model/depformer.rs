@@ -15,15 +15,22 @@
 //! binding as it is. The graph's plain inputs and its output then live in buffers of their own
 //! where the session computes, bound at the same addresses every frame, fed and read by copies
 //! (`separate_io`, which a CPU can run too: the same calls, the same kernels, bit for bit).
+//!
+//! With device sampling ([`DepformerBinding::device_sampling`]) each substep's audio token is
+//! drawn where the logits are, by a small graph of its own, and fed to the next substep from
+//! there: a frame sends its inputs and each row's random numbers once and reads its tokens
+//! back once, instead of the logits of every substep coming to the host and each token going
+//! back.
 
 use ort::memory::Allocator;
 use ort::session::{IoBinding, RunOptions, Session};
 use ort::value::TensorElementType;
 
+use super::draw_graph::draw_graph;
 use super::error::ModelError;
-use super::pack::{check_depformer, Graph, LmGraphInfo, Pack};
+use super::pack::{check_depformer, FloatType, Graph, LmGraphInfo, Pack};
 use super::sampling::{Sampler, SamplingParams};
-use super::session::{open, report, Provider, SessionOptions};
+use super::session::{open, open_bytes, report, Provider, SessionOptions};
 use super::tensors::{
     allocator_at, element, input_placements, kv_placements, placement_of, read_row, write_row,
     Buffer, PingPong, Placement,
@@ -90,6 +97,19 @@ impl UnusedSubsteps {
             _ => None,
         }
     }
+}
+
+/// How a depformer's plain inputs and output are bound, and where its audio tokens are drawn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DepformerBinding {
+    /// The plain inputs and the output in buffers of their own where the session computes
+    /// (what a CUDA graph needs; `cuda_graph` in the session options implies it).
+    pub separate_io: bool,
+    /// Each substep's audio token drawn where the logits are, by a graph of its own
+    /// ([`draw_graph`](super::draw_graph)), and fed to the next substep from there: no logits
+    /// go to the host, and a frame's tokens come back in one copy. The random numbers are
+    /// still each row's own sampler's, so a seed gives the same stream. Implies `separate_io`.
+    pub device_sampling: bool,
 }
 
 /// Checks a frame before it joins a batch: its sizes (a hidden state of `hidden_dim` values,
@@ -256,6 +276,183 @@ pub(crate) struct DepformerBatch {
     io: Option<PlainIo>,
     /// With a CUDA graph: the run options that choose each (substep, rows) call's graph.
     graphs: Option<RunOptions>,
+    /// With device sampling: the draw's session and buffers.
+    draw: Option<DeviceDraw>,
+}
+
+/// A buffer the frame is written to (or read from) on the host, and the one a session reads
+/// (or writes) where it wants it.
+struct Staged {
+    host: Buffer,
+    dev: Buffer,
+    alloc: Allocator,
+}
+
+impl Staged {
+    /// `elems` zeroed elements of `ty` on each side, the session's at `at`.
+    fn zeros(alloc: Allocator, ty: TensorElementType, elems: usize) -> ort::Result<Staged> {
+        let shape = [elems as i64];
+        Ok(Staged {
+            host: Buffer::zeros(&Allocator::default(), ty, &shape)?,
+            dev: Buffer::zeros(&alloc, ty, &shape)?,
+            alloc,
+        })
+    }
+
+    /// The host side's first `n` elements over the session's.
+    fn upload(&mut self, n: usize) -> ort::Result<()> {
+        (self.host).copy_prefix_to(
+            &Allocator::default(),
+            &mut self.dev,
+            &self.alloc,
+            &[n as i64],
+        )
+    }
+
+    /// The session's first `n` elements over the host side's.
+    fn download(&mut self, n: usize) -> ort::Result<()> {
+        (self.dev).copy_prefix_to(
+            &self.alloc,
+            &mut self.host,
+            &Allocator::default(),
+            &[n as i64],
+        )
+    }
+
+    /// A view of the session's side: `shape` from element `at`.
+    fn view(&mut self, at: usize, shape: &[i64]) -> ort::Result<ort::value::DynTensor> {
+        self.dev.view_at(&self.alloc, at, shape)
+    }
+}
+
+/// The audio draw where the depformer's logits are: its session, its binding, and a frame's
+/// inputs (per row: k and temperature; per substep and row, at `substep * rows + row`: the
+/// uniform, the provided token and whether it is provided) and tokens.
+struct DeviceDraw {
+    // Field order matters: the binding (which holds views) is dropped before the buffers.
+    binding: IoBinding,
+    session: Session,
+    top_k: Staged,
+    row_k: Staged,
+    temperature: Staged,
+    uniform: Staged,
+    target: Staged,
+    provided: Staged,
+    tokens: Staged,
+}
+
+impl DeviceDraw {
+    /// The draw for `info`'s logits, on `opts`' provider, for `rows` rows of `steps` substeps.
+    fn open(
+        info: &LmGraphInfo,
+        graph: &str,
+        opts: &SessionOptions,
+        rows: usize,
+        steps: usize,
+    ) -> Result<DeviceDraw, ModelError> {
+        let name = format!("{graph} draw");
+        let bytes = draw_graph(info.vocab, info.logits == FloatType::F16);
+        let opts = SessionOptions {
+            cuda_graph: false,
+            on_ready: None,
+            ..*opts
+        };
+        let session = open_bytes(&bytes, &name, &opts)?.session;
+        let e = |err: ort::Error| ModelError::ort(&name, err);
+        let wanted = input_placements(&session).map_err(e)?;
+        let staged = |input: &str, ty: TensorElementType, elems: usize| {
+            let alloc = allocator_at(&session, &placement_of(&wanted, input))?;
+            Staged::zeros(alloc, ty, elems)
+        };
+        use TensorElementType::{Bool, Float64, Int64};
+        let all = rows * steps;
+        Ok(DeviceDraw {
+            top_k: staged("top_k", Int64, 1).map_err(e)?,
+            row_k: staged("row_k", Int64, rows).map_err(e)?,
+            temperature: staged("temperature", Float64, rows).map_err(e)?,
+            uniform: staged("uniform", Float64, all).map_err(e)?,
+            target: staged("target", Int64, all).map_err(e)?,
+            provided: staged("provided", Bool, all).map_err(e)?,
+            // (where the logits are)
+            tokens: staged("logits", Int64, all).map_err(e)?,
+            binding: session.create_binding().map_err(e)?,
+            session,
+        })
+    }
+
+    /// Writes a frame's inputs for the rows in `order` (a batch of `stride` rows), taking each
+    /// row's draws from its own sampler (one per substep when it samples, as the host draw
+    /// does), and sends them where the session reads them.
+    fn load(
+        &mut self,
+        rows: &mut [&mut DepformerRow],
+        order: &[usize],
+        stride: usize,
+        steps: usize,
+        vocab: usize,
+    ) -> ort::Result<()> {
+        let mut widest = 1;
+        for (r, &i) in order.iter().enumerate() {
+            let j = &mut *rows[i];
+            let p = j.params;
+            let (k, t) = if p.temperature > 0.0 {
+                let k = if p.top_k == 0 {
+                    vocab
+                } else {
+                    p.top_k.min(vocab)
+                };
+                (k, p.temperature as f64)
+            } else {
+                (1, 1.0)
+            };
+            widest = widest.max(k);
+            self.row_k.host.as_slice::<i64>()[r] = k as i64;
+            self.temperature.host.as_slice::<f64>()[r] = t;
+            for cb in 0..steps {
+                let at = cb * stride + r;
+                self.uniform.host.as_slice::<f64>()[at] = if p.temperature > 0.0 {
+                    j.sampler.draw_uniform()
+                } else {
+                    0.0
+                };
+                self.target.host.as_slice::<i64>()[at] = j.target[cb];
+                self.provided.host.as_slice::<bool>()[at] = j.provided[cb];
+            }
+        }
+        self.top_k.host.as_slice::<i64>()[0] = widest as i64;
+        let all = stride * steps;
+        self.top_k.upload(1)?;
+        self.row_k.upload(stride)?;
+        self.temperature.upload(stride)?;
+        self.uniform.upload(all)?;
+        self.target.upload(all)?;
+        self.provided.upload(all)
+    }
+
+    /// Draws substep `cb`'s tokens for the first `n` rows from `logits` (`[n, 1, vocab]`):
+    /// each into the frame's tokens, and what the next substep is fed into `next` (`[n, 1]`).
+    fn run(
+        &mut self,
+        cb: usize,
+        n: usize,
+        stride: usize,
+        logits: &ort::value::DynTensor,
+        next: ort::value::DynTensor,
+    ) -> ort::Result<()> {
+        let (at, rows) = (cb * stride, n as i64);
+        let b = &mut self.binding;
+        b.bind_input("logits", logits)?;
+        b.bind_input("top_k", &self.top_k.view(0, &[1])?)?;
+        b.bind_input("row_k", &self.row_k.view(0, &[rows])?)?;
+        b.bind_input("temperature", &self.temperature.view(0, &[rows])?)?;
+        b.bind_input("uniform", &self.uniform.view(at, &[rows])?)?;
+        b.bind_input("target", &self.target.view(at, &[rows])?)?;
+        b.bind_input("provided", &self.provided.view(at, &[rows])?)?;
+        b.bind_output("token", self.tokens.view(at, &[rows, 1])?)?;
+        b.bind_output("next", next)?;
+        drop(self.session.run_binding(&self.binding)?);
+        Ok(())
+    }
 }
 
 /// The depformer's plain inputs and its output, for up to a batch of rows.
@@ -295,22 +492,23 @@ impl DepformerBatch {
         opts: &SessionOptions,
         rows: usize,
     ) -> Result<DepformerBatch, ModelError> {
-        Self::open_with(pack, graph, opts, rows, false)
+        Self::open_with(pack, graph, opts, rows, DepformerBinding::default())
     }
 
-    /// [`open`](Self::open), the plain inputs and the output in buffers of their own where the
-    /// session computes when `separate_io` (always with `cuda_graph`, which needs the CUDA
-    /// provider).
+    /// [`open`](Self::open) with `binding`: the plain inputs and the output in buffers of their
+    /// own where the session computes (always with `cuda_graph`, which needs the CUDA
+    /// provider), the audio drawn there.
     ///
     /// # Errors
     ///
-    /// As [`open`](Self::open); [`ModelError::Contract`] for `cuda_graph` off CUDA.
+    /// As [`open`](Self::open); [`ModelError::Contract`] for `cuda_graph` off CUDA, and for
+    /// device sampling of logits wider than the audio table.
     pub fn open_with(
         pack: &Pack,
         graph: &str,
         opts: &SessionOptions,
         rows: usize,
-        separate_io: bool,
+        binding: DepformerBinding,
     ) -> Result<DepformerBatch, ModelError> {
         if let Some((_, why)) = opts.cuda_graph_conflict() {
             return Err(ModelError::contract(graph, why));
@@ -335,7 +533,24 @@ impl DepformerBatch {
                 );
             }
         }
-        let io = if separate_io || opts.cuda_graph {
+        let audio_limit = m.audio_vocab + 1;
+        let draw = if binding.device_sampling {
+            // Every token drawn is fed on as it is: it must be in the audio table.
+            if info.vocab as i64 > audio_limit {
+                return Err(ModelError::contract(
+                    graph,
+                    format!(
+                        "device sampling feeds each drawn token on unchecked: logits of {} \
+                         values are wider than the audio table of {audio_limit}",
+                        info.vocab
+                    ),
+                ));
+            }
+            Some(DeviceDraw::open(&info, graph, opts, rows, steps)?)
+        } else {
+            None
+        };
+        let io = if binding.separate_io || binding.device_sampling || opts.cuda_graph {
             Some(PlainIo::zeros(&kv_alloc, &info, s).map_err(e)?)
         } else {
             None
@@ -349,6 +564,7 @@ impl DepformerBatch {
         let b = DepformerBatch {
             io,
             graphs,
+            draw,
             binding: os.session.create_binding().map_err(e)?,
             host: PlainIo::zeros(&alloc, &info, s).map_err(e)?,
             session: os.session,
@@ -360,7 +576,7 @@ impl DepformerBatch {
             rows,
             steps,
             text_limit: m.text_vocab + 1,
-            audio_limit: m.audio_vocab + 1,
+            audio_limit,
             bound: None,
             scratch: Vec::with_capacity(info.vocab),
             info,
@@ -471,17 +687,29 @@ impl DepformerBatch {
                 .copy_prefix_to(host, &mut io.hidden, dev, &shape)
                 .map_err(e)?;
         }
+        if let Some(draw) = self.draw.as_mut() {
+            draw.load(rows, &order, self.rows, steps, vocab)
+                .map_err(e)?;
+        }
+        let keeps_logits = rows.iter().any(|j| j.logits.is_some());
+        let limits = (steps, self.text_limit, self.audio_limit);
         for cb in 0..steps {
             let n = order.iter().filter(|&&i| needed[i] > cb).count();
             if n > 0 {
                 self.bind_rows(n).map_err(e)?;
-                self.host.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
+                // With device sampling, the draw of the substep before fed this one.
+                let feed = self.draw.is_none() || cb == 0;
+                if feed {
+                    self.host.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
+                }
                 self.host.substep.as_slice::<i64>()[0] = cb as i64;
                 if let Some(io) = self.io.as_mut() {
                     let (host, dev) = (&self.alloc, &self.kv_alloc);
-                    (self.host.prev)
-                        .copy_prefix_to(host, &mut io.prev, dev, &[n as i64, 1])
-                        .map_err(e)?;
+                    if feed {
+                        (self.host.prev)
+                            .copy_prefix_to(host, &mut io.prev, dev, &[n as i64, 1])
+                            .map_err(e)?;
+                    }
                     (self.host.substep)
                         .copy_prefix_to(host, &mut io.substep, dev, &[])
                         .map_err(e)?;
@@ -512,40 +740,42 @@ impl DepformerBatch {
                 }
                 if let Some(io) = self.io.as_mut() {
                     let (host, dev) = (&self.alloc, &self.kv_alloc);
-                    (io.logits)
-                        .copy_prefix_to(
-                            dev,
-                            &mut self.host.logits,
-                            host,
-                            &[n as i64, 1, vocab as i64],
-                        )
-                        .map_err(e)?;
+                    if let Some(draw) = self.draw.as_mut() {
+                        let logits = io
+                            .logits
+                            .view(dev, &[n as i64, 1, vocab as i64])
+                            .map_err(e)?;
+                        let next = io.prev.view(dev, &[n as i64, 1]).map_err(e)?;
+                        draw.run(cb, n, self.rows, &logits, next).map_err(e)?;
+                    }
+                    if self.draw.is_none() || keeps_logits {
+                        (io.logits)
+                            .copy_prefix_to(
+                                dev,
+                                &mut self.host.logits,
+                                host,
+                                &[n as i64, 1, vocab as i64],
+                            )
+                            .map_err(e)?;
+                    }
                 }
             }
             for (r, &i) in order.iter().enumerate() {
                 let j = &mut *rows[i];
                 if r < n {
-                    read_row(&mut self.host.logits, r, vocab, &mut self.scratch);
                     if let Some(l) = j.logits.as_mut() {
+                        read_row(&mut self.host.logits, r, vocab, &mut self.scratch);
                         l.push(self.scratch.clone());
                     }
-                    let tok = j.sampler.sample(&self.scratch, j.params) as i64;
-                    j.out.push(tok);
-                    prev[r] = if j.provided[cb] { j.target[cb] } else { tok };
-                    if cb + 1 < steps && !(0..self.audio_limit).contains(&prev[r]) {
-                        if j.error.is_none() {
-                            j.error = Some(token_error(
-                                cb + 1,
-                                prev[r],
-                                self.text_limit,
-                                self.audio_limit,
-                            ));
-                        }
-                        // Fed as a valid token meanwhile: the row's output is refused anyway.
-                        prev[r] = 0;
+                    if self.draw.is_some() {
+                        continue;
                     }
-                    j.counts.0 += 1;
-                } else {
+                    if j.logits.is_none() {
+                        read_row(&mut self.host.logits, r, vocab, &mut self.scratch);
+                    }
+                    let tok = j.sampler.sample(&self.scratch, j.params) as i64;
+                    prev[r] = Self::record(j, cb, tok, limits);
+                } else if self.draw.is_none() {
                     j.sampler.skip(j.params);
                     j.out.push(j.target[cb]);
                     prev[r] = j.target[cb];
@@ -553,7 +783,41 @@ impl DepformerBatch {
                 }
             }
         }
+        if let Some(draw) = self.draw.as_mut() {
+            draw.tokens.download(steps * self.rows).map_err(e)?;
+            for cb in 0..steps {
+                for (r, &i) in order.iter().enumerate() {
+                    let j = &mut *rows[i];
+                    if needed[i] > cb {
+                        let tok = draw.tokens.host.as_slice::<i64>()[cb * self.rows + r];
+                        // (its checks, as the host draw's; the graph fed it on already)
+                        Self::record(j, cb, tok, limits);
+                    } else {
+                        j.out.push(j.target[cb]);
+                        j.counts.1 += 1;
+                    }
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Records substep `cb`'s drawn token `tok` in a row: its output, its count, and what the
+    /// next substep is fed (the provided token where there is one; a token outside the audio
+    /// table fails the row, and 0 is fed meanwhile: the row's output is refused anyway).
+    /// `limits`: the substeps, the text and the audio table's sizes.
+    fn record(j: &mut DepformerRow, cb: usize, tok: i64, limits: (usize, i64, i64)) -> i64 {
+        let (steps, text_limit, audio_limit) = limits;
+        j.out.push(tok);
+        j.counts.0 += 1;
+        let fed = if j.provided[cb] { j.target[cb] } else { tok };
+        if cb + 1 < steps && !(0..audio_limit).contains(&fed) {
+            if j.error.is_none() {
+                j.error = Some(token_error(cb + 1, fed, text_limit, audio_limit));
+            }
+            return 0;
+        }
+        fed
     }
 
     /// Binds the plain inputs and the output at `n` rows, when they are bound at another size.
@@ -611,12 +875,12 @@ impl Depformer {
     ///
     /// Contract errors naming the input, provider errors, ONNX Runtime errors.
     pub fn open(pack: &Pack, opts: &SessionOptions) -> Result<Depformer, ModelError> {
-        Self::open_with(pack, opts, false)
+        Self::open_with(pack, opts, DepformerBinding::default())
     }
 
-    /// [`open`](Self::open), the graph's plain inputs and output in buffers of their own where
-    /// the session computes when `separate_io` (what a CUDA graph needs; `cuda_graph` in `opts`
-    /// implies it and captures each substep's call).
+    /// [`open`](Self::open) with `binding`: the graph's plain inputs and output in buffers of
+    /// their own where the session computes (what a CUDA graph needs; `cuda_graph` in `opts`
+    /// implies it and captures each substep's call), the audio drawn there.
     ///
     /// # Errors
     ///
@@ -624,9 +888,9 @@ impl Depformer {
     pub fn open_with(
         pack: &Pack,
         opts: &SessionOptions,
-        separate_io: bool,
+        binding: DepformerBinding,
     ) -> Result<Depformer, ModelError> {
-        let batch = DepformerBatch::open_with(pack, "depformer", opts, 1, separate_io)?;
+        let batch = DepformerBatch::open_with(pack, "depformer", opts, 1, binding)?;
         Ok(Depformer {
             info: batch.info.clone(),
             provider: batch.provider,
@@ -683,5 +947,100 @@ impl Depformer {
         row.return_sampler(sampler);
         ran?;
         row.unload(out, &mut self.counts, &mut self.logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch of rows with their own sampling (a top-k, all the vocabulary, greedy, a top-1),
+    /// provided tokens and substeps, drawn where the logits are: the same tokens, counts and
+    /// kept logits as the host draw, frame after frame, and each row's random stream left where
+    /// the host's leaves it.
+    #[test]
+    fn device_sampling_draws_what_the_host_draws_row_by_row() {
+        let params = [
+            SamplingParams::AUDIO,
+            SamplingParams {
+                temperature: 1.7,
+                top_k: 0,
+            },
+            SamplingParams::GREEDY,
+            SamplingParams {
+                temperature: 0.9,
+                top_k: 1,
+            },
+        ];
+        let n = params.len();
+        for name in ["tiny-gqa", "tiny-gqa-fp16"] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("models")
+                .join(name);
+            let pack = Pack::open(&dir).unwrap();
+            let opts = SessionOptions::default();
+            let mut host = DepformerBatch::open(&pack, "depformer", &opts, n).unwrap();
+            let device = DepformerBinding {
+                separate_io: false,
+                device_sampling: true,
+            };
+            let mut dev = DepformerBatch::open_with(&pack, "depformer", &opts, n, device).unwrap();
+            let steps = host.steps();
+            let mut a: Vec<DepformerRow> = (0..n).map(|_| DepformerRow::new()).collect();
+            let mut b: Vec<DepformerRow> = (0..n).map(|_| DepformerRow::new()).collect();
+            let mut samplers: Vec<(Sampler, Sampler)> = (0..n as u64)
+                .map(|i| (Sampler::new(40 + i), Sampler::new(40 + i)))
+                .collect();
+            let mut sampled = 0;
+            for f in 0..30usize {
+                for r in 0..n {
+                    let hidden: Vec<f32> = (0..host.info.hidden_dim)
+                        .map(|i| (((i * 37 + f * 11 + r * 5) % 101) as f32 / 50.0 - 1.0) * 3.0)
+                        .collect();
+                    let target: Vec<i64> = (0..steps)
+                        .map(|i| ((i * 131 + f * 17 + r) % 2048) as i64)
+                        .collect();
+                    // Row r: its last (r + f) % 9 + 4 substeps provided.
+                    let from = steps.saturating_sub((r + f) % 9 + 4);
+                    let provided: Vec<bool> = (0..steps).map(|i| i >= from).collect();
+                    let frame = DepformerInput {
+                        hidden: &hidden,
+                        text: ((f + r) % 7) as i64,
+                        target: &target,
+                        provided: &provided,
+                    };
+                    let unused = if (f + r) % 3 == 0 {
+                        UnusedSubsteps::Run
+                    } else {
+                        UnusedSubsteps::Skip
+                    };
+                    let keep = (r == 1).then(Vec::new);
+                    let (sa, sb) = &mut samplers[r];
+                    a[r].load(frame, steps, sa, params[r], unused, keep.clone());
+                    b[r].load(frame, steps, sb, params[r], unused, keep);
+                }
+                host.run(&mut a.iter_mut().collect::<Vec<_>>()).unwrap();
+                dev.run(&mut b.iter_mut().collect::<Vec<_>>()).unwrap();
+                for r in 0..n {
+                    let (x, y) = (&a[r], &b[r]);
+                    assert_eq!(x.out, y.out, "{name}: frame {f}, row {r}");
+                    assert_eq!(x.counts, y.counts, "{name}: frame {f}, row {r}");
+                    assert!(x.error.is_none() && y.error.is_none());
+                    assert_eq!(x.logits, y.logits, "{name}: frame {f}, row {r}");
+                    sampled += x.counts.0;
+                    let (sa, sb) = &mut samplers[r];
+                    a[r].return_sampler(sa);
+                    b[r].return_sampler(sb);
+                }
+            }
+            assert!(sampled > 1000, "{sampled} substeps drawn");
+            for (r, (sa, sb)) in samplers.iter_mut().enumerate() {
+                assert_eq!(
+                    sa.draw_uniform(),
+                    sb.draw_uniform(),
+                    "{name}: row {r}'s stream"
+                );
+            }
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! channels of its own, to batch many conversations' steps.
 
 pub mod depformer;
+mod draw_graph;
 pub mod engine;
 mod error;
 pub mod lm;

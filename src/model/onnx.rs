@@ -305,18 +305,34 @@ impl GraphFile {
     }
 }
 
-/// The subset of `onnx.proto` that is read; field numbers as in the ONNX specification.
-mod proto {
+/// The subset of `onnx.proto` that is read here, and written by the graphs duplex builds itself
+/// ([`draw_graph`](super::draw_graph)); field numbers as in the ONNX specification. Weights'
+/// bytes (`raw_data`) are not declared, so decoding a pack's graph skips them.
+pub(crate) mod proto {
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Model {
+        #[prost(int64, tag = "1")]
+        pub ir_version: i64,
         #[prost(message, optional, tag = "7")]
         pub graph: Option<Graph>,
+        #[prost(message, repeated, tag = "8")]
+        pub opset_import: Vec<OpsetId>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct OpsetId {
+        #[prost(string, tag = "1")]
+        pub domain: String,
+        #[prost(int64, tag = "2")]
+        pub version: i64,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Graph {
         #[prost(message, repeated, tag = "1")]
         pub node: Vec<Node>,
+        #[prost(string, tag = "2")]
+        pub name: String,
         #[prost(message, repeated, tag = "5")]
         pub initializer: Vec<Tensor>,
         #[prost(message, repeated, tag = "11")]
@@ -325,31 +341,45 @@ mod proto {
         pub output: Vec<ValueInfo>,
     }
 
-    /// Its operator and integer attributes (a graph without nodes is not a model).
+    /// Its operator, its values and its integer attributes (a graph without nodes is not a
+    /// model).
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Node {
+        #[prost(string, repeated, tag = "1")]
+        pub input: Vec<String>,
+        #[prost(string, repeated, tag = "2")]
+        pub output: Vec<String>,
         #[prost(string, tag = "4")]
         pub op_type: String,
         #[prost(message, repeated, tag = "5")]
         pub attribute: Vec<Attribute>,
     }
 
+    /// An integer attribute (`type` 2, `INT`).
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Attribute {
         #[prost(string, tag = "1")]
         pub name: String,
         #[prost(int64, tag = "3")]
         pub i: i64,
+        #[prost(int32, tag = "20")]
+        pub r#type: i32,
     }
 
+    /// A tensor's description; small constants carry their values in `int64_data` or
+    /// `double_data`.
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Tensor {
         #[prost(int64, repeated, tag = "1")]
         pub dims: Vec<i64>,
         #[prost(int32, tag = "2")]
         pub data_type: i32,
+        #[prost(int64, repeated, tag = "7")]
+        pub int64_data: Vec<i64>,
         #[prost(string, tag = "8")]
         pub name: String,
+        #[prost(double, repeated, tag = "10")]
+        pub double_data: Vec<f64>,
         #[prost(message, repeated, tag = "13")]
         pub external_data: Vec<Entry>,
         #[prost(int32, tag = "14")]

@@ -264,6 +264,12 @@ impl Sampler {
         }
     }
 
+    /// Takes the uniform in `[0, 1)` that the next non-greedy [`sample`](Self::sample) would
+    /// draw with: for a draw made elsewhere from this stream (the depformer's device sampling).
+    pub fn draw_uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
     /// Picks a token: argmax when `temperature <= 0`, else a draw from the softmax of the
     /// `top_k` largest logits divided by the temperature. Always consumes exactly one random
     /// number when not greedy, so the random stream advances the same way whatever the logits.

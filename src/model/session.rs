@@ -233,16 +233,13 @@ pub fn report(opts: &SessionOptions, graph: &str, provider: Provider, dtype: &st
     }
 }
 
-/// Opens `path` (graph `graph`, for messages) with `opts`. Call [`report`] once the graph's
-/// dtype is known.
-///
-/// # Errors
-///
-/// [`ModelError::Provider`] when CUDA is asked for and cannot take effect (and falling back is
-/// not allowed); [`ModelError::Ort`] when ONNX Runtime cannot load the graph.
-pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSession, ModelError> {
+/// A session builder with `opts` applied, and the provider it will run on.
+fn configured(
+    graph: &str,
+    opts: &SessionOptions,
+) -> Result<(ort::session::builder::SessionBuilder, Provider), ModelError> {
     let mut provider = Provider::Cpu;
-    let mut b = match opts.provider {
+    let b = match opts.provider {
         Provider::Cpu => builder(graph, opts)?,
         Provider::Cuda { device_id } => {
             match with_cuda(graph, builder(graph, opts)?, device_id, opts.cuda_graph) {
@@ -269,6 +266,35 @@ pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSessi
             }
         }
     };
+    Ok((b, provider))
+}
+
+/// Opens a graph built in memory (`bytes`; `graph` names it in messages) with `opts`.
+///
+/// # Errors
+///
+/// As [`open`].
+pub(crate) fn open_bytes(
+    bytes: &[u8],
+    graph: &str,
+    opts: &SessionOptions,
+) -> Result<OpenSession, ModelError> {
+    let (mut b, provider) = configured(graph, opts)?;
+    let session = b
+        .commit_from_memory(bytes)
+        .map_err(|e| ModelError::ort(graph, e))?;
+    Ok(OpenSession { session, provider })
+}
+
+/// Opens `path` (graph `graph`, for messages) with `opts`. Call [`report`] once the graph's
+/// dtype is known.
+///
+/// # Errors
+///
+/// [`ModelError::Provider`] when CUDA is asked for and cannot take effect (and falling back is
+/// not allowed); [`ModelError::Ort`] when ONNX Runtime cannot load the graph.
+pub fn open(path: &Path, graph: &str, opts: &SessionOptions) -> Result<OpenSession, ModelError> {
+    let (mut b, provider) = configured(graph, opts)?;
     let session = b.commit_from_file(path).map_err(|e| {
         use ort::error::ErrorCode as C;
         let graph = format!("{graph} ({})", path.display());

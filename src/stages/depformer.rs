@@ -14,7 +14,7 @@
 //! restarts that sampler's stream at once.
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::depformer::{Depformer, UnusedSubsteps};
+use crate::model::depformer::{Depformer, DepformerBinding, UnusedSubsteps};
 use crate::model::lm::{DepformerModel, SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
 use crate::model::session::SessionOptions;
@@ -83,6 +83,12 @@ pub(super) const KIND: StageKind = StageKind {
             ty: T::Bool,
             default: D::Bool(false),
             doc: "capture each substep's call as a CUDA graph and replay it every frame (execution_provider: cuda, engine: own)"
+        },
+        ParamSpec {
+            name: "device_sampling",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (engine: own)"
         },
         ENGINE_PARAM,
         SLOTS_PARAM,
@@ -208,10 +214,20 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         return Err(BuildError::invalid(why).key(key));
     }
     cuda_graph_needs_own_engine(p, opts.cuda_graph)?;
+    let binding = DepformerBinding {
+        separate_io: false,
+        device_sampling: p.bool("device_sampling"),
+    };
+    if binding.device_sampling && p.str("engine") == "shared" {
+        return Err(BuildError::invalid(
+            "`device_sampling: true` needs `engine: own`: the shared engine draws on the host",
+        )
+        .key("engine"));
+    }
     let pack = open_pack(cx, p)?;
     let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
         Some(lm) => lm.depformer_client().into(),
-        None => Depformer::open(&pack, &opts)?.into(),
+        None => Depformer::open_with(&pack, &opts, binding)?.into(),
     };
     dep.set_unused(
         UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run),
