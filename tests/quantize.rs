@@ -561,6 +561,36 @@ fn the_pack_tools_name_a_malformed_manifest_or_list_and_exit_2() {
     );
     refused(&o, &["quantize_pack: ", &yaml]);
     assert!(!dst.exists() && !dir.path().join("dst.partial").exists());
+    // The quantizer's other refusals before it writes: a bad value, a folder that is no pack.
+    let tiny_os = tiny.as_os_str();
+    for (args, want) in [
+        (
+            vec![
+                tiny_os,
+                dst.as_os_str(),
+                "--quantize".as_ref(),
+                "int8".as_ref(),
+                "--block-size".as_ref(),
+                "12".as_ref(),
+            ],
+            "quantize_pack: --block-size 12: a power of two, 16 or more".to_string(),
+        ),
+        (
+            vec![
+                dir.path().as_os_str(),
+                dst.as_os_str(),
+                "--quantize".as_ref(),
+                "int8".as_ref(),
+            ],
+            format!(
+                "quantize_pack: {}: not a pack (no pack.yaml)",
+                dir.path().display()
+            ),
+        ),
+    ] {
+        refused(&python("quantize_pack.py", &args), &[&want]);
+        assert!(!dst.exists() && !dir.path().join("dst.partial").exists());
+    }
 
     // The gate's --codes: missing, not JSON, a frame of the wrong size.
     let codes = dir.path().join("codes.json");

@@ -56,7 +56,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toolio import read_yaml  # noqa: E402
+from toolio import read_yaml, stop  # noqa: E402
 
 BITS = {"int8": 8, "int4": 4}
 CODEC_GRAPHS = ("mimi_encoder_step", "mimi_decoder_step")
@@ -202,36 +202,36 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
     quantize_codec = None if quantize_codec in (None, "none") else quantize_codec
     quantize_depformer = None if quantize_depformer in (None, "none") else quantize_depformer
     if quantize_depformer not in (None, "int4"):
-        raise SystemExit(f"quantize_pack: --quantize-depformer {quantize_depformer}: expected int4")
+        stop(f"quantize_pack: --quantize-depformer {quantize_depformer}: expected int4")
     if quantize is not None and quantize not in BITS:
-        raise SystemExit(f"quantize_pack: --quantize {quantize}: expected one of int8, int4")
+        stop(f"quantize_pack: --quantize {quantize}: expected one of int8, int4")
     if quantize_codec not in (None, "int8"):
-        raise SystemExit(f"quantize_pack: --quantize-codec {quantize_codec}: expected int8")
+        stop(f"quantize_pack: --quantize-codec {quantize_codec}: expected int8")
     if quantize is None and quantize_codec is None and quantize_depformer is None:
-        raise SystemExit("quantize_pack: nothing to do: give --quantize, --quantize-depformer "
-                         "or --quantize-codec")
+        stop("quantize_pack: nothing to do: give --quantize, --quantize-depformer "
+             "or --quantize-codec")
     for flag, b in (("--block-size", block_size), ("--codec-block-size", codec_block_size)):
         if b < 16 or b & (b - 1):
-            raise SystemExit(f"quantize_pack: {flag} {b}: a power of two, 16 or more")
+            stop(f"quantize_pack: {flag} {b}: a power of two, 16 or more")
     if accuracy_level not in (0, 1, 2, 3, 4):
-        raise SystemExit(f"quantize_pack: --accuracy-level {accuracy_level}: 0 to 4")
+        stop(f"quantize_pack: --accuracy-level {accuracy_level}: 0 to 4")
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     manifest = os.path.join(src, "pack.yaml")
     if not os.path.isfile(manifest):
-        raise SystemExit(f"quantize_pack: {src}: not a pack (no pack.yaml)")
+        stop(f"quantize_pack: {src}: not a pack (no pack.yaml)")
     # (read as YAML first: a manifest that is not is named here, not copied into DST)
     read_yaml(manifest, "quantize_pack")
     with open(manifest, encoding="utf-8") as f:
         text = f.read()
     if "\nquantization:" in "\n" + text:
-        raise SystemExit(f"quantize_pack: {manifest}: this pack is quantized already")
+        stop(f"quantize_pack: {manifest}: this pack is quantized already")
     if quantize_codec and not all(os.path.isdir(os.path.join(src, g)) for g in CODEC_GRAPHS):
-        raise SystemExit(
+        stop(
             f"quantize_pack: {src}: --quantize-codec needs Mimi's step graphs "
             f"({', '.join(CODEC_GRAPHS)}); add them with tools/make_mimi_step.py {src}"
         )
     if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, "pack.yaml")):
-        raise SystemExit(f"quantize_pack: {dst} exists and is not a pack: not replacing it")
+        stop(f"quantize_pack: {dst} exists and is not a pack: not replacing it")
     tmp = dst + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

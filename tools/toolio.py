@@ -5,6 +5,7 @@ line that names the tool, the file and what is wrong, and where (never a traceba
     from toolio import read_json, read_yaml, refuse
     manifest = read_yaml(path, "quality_gate")        # a mapping, or exit 2
     refuse("quality_gate", path, "what is wrong")     # the same for what the caller checks
+    stop("quantize_pack: --block-size 12: a power of two, 16 or more")  # any other refusal
 
 Knows nothing of what the files mean beyond their top-level kind.
 """
@@ -15,11 +16,15 @@ import json
 import sys
 
 
+def stop(message: str):
+    """Stops the tool: `message` on stderr, exit 2 (refused before the tool began its work)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def refuse(tool: str, path: str, what: str):
     """Stops the tool: `tool: path: what` on stderr, exit 2."""
-    # (exit 2: refused before the tool began its work)
-    print(f"{tool}: {path}: {what}", file=sys.stderr)
-    raise SystemExit(2)
+    stop(f"{tool}: {path}: {what}")
 
 
 def _text(path: str, tool: str) -> str:
