@@ -262,6 +262,13 @@ fn batched_conversations_equal_each_alone_gqa_fp32() {
     ] {
         check_batched_equals_alone(&lm, &pack, greedy, unused);
     }
+    // The engine drawing the audio where the logits are: the same streams again.
+    assert!(!lm.draws_on_device());
+    lm.want_device_sampling();
+    for (greedy, unused) in [(false, UnusedSubsteps::Skip), (false, UnusedSubsteps::Run)] {
+        check_batched_equals_alone(&lm, &pack, greedy, unused);
+    }
+    assert!(lm.draws_on_device(), "the engine took device sampling up");
     assert_eq!(lm.free_slots(), 6, "every slot given back");
     drop(lm);
     // A process's resources hold one engine per pack: the weights are loaded once, whatever

@@ -377,8 +377,15 @@ fn skipping_the_substeps_nothing_reads_or_drawing_on_the_device_keeps_streams_id
     let p = pipeline_yaml(dir.path(), &pack, ", persona_tokens: [5, 17, 33, 2]");
     for greedy in [false, true] {
         let mut streams = Vec::new();
-        // (and with the audio drawn where the logits are: the same streams again)
-        for (mode, device) in [("run", false), ("skip", false), ("skip", true)] {
+        // (and with the audio drawn where the logits are, by the conversation's own depformer
+        // and by the shared engine: the same streams again)
+        let modes = [
+            ("run", false, "own"),
+            ("skip", false, "own"),
+            ("skip", true, "own"),
+            ("skip", true, "shared"),
+        ];
+        for (mode, device, engine) in modes {
             let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
                 .args(["run", p.to_str().unwrap()])
                 .args(["--set", &format!("stages.depformer.user_substeps={mode}")])
@@ -387,11 +394,18 @@ fn skipping_the_substeps_nothing_reads_or_drawing_on_the_device_keeps_streams_id
                     "--set",
                     &format!("stages.depformer.device_sampling={device}"),
                 ])
+                .args(["--set", &format!("stages.depformer.engine={engine}")])
+                .args(["--set", &format!("stages.temporal.engine={engine}")])
                 .env("RUST_LOG", "info")
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&o.stderr).to_string();
             assert!(o.status.success(), "{err}");
+            assert_eq!(
+                err.contains("the shared engine draws the audio where the logits are"),
+                engine == "shared",
+                "{err}"
+            );
             let line = err
                 .lines()
                 .find(|l| l.contains("depformer finished"))
@@ -420,6 +434,10 @@ fn skipping_the_substeps_nothing_reads_or_drawing_on_the_device_keeps_streams_id
         assert_eq!(
             streams[1], streams[2],
             "greedy {greedy}: the device's draw changed the tokens"
+        );
+        assert_eq!(
+            streams[1].0, streams[3].0,
+            "greedy {greedy}: the shared engine's device draw changed the tokens"
         );
     }
 }

@@ -533,24 +533,7 @@ impl DepformerBatch {
                 );
             }
         }
-        let audio_limit = m.audio_vocab + 1;
-        let draw = if binding.device_sampling {
-            // Every token drawn is fed on as it is: it must be in the audio table.
-            if info.vocab as i64 > audio_limit {
-                return Err(ModelError::contract(
-                    graph,
-                    format!(
-                        "device sampling feeds each drawn token on unchecked: logits of {} \
-                         values are wider than the audio table of {audio_limit}",
-                        info.vocab
-                    ),
-                ));
-            }
-            Some(DeviceDraw::open(&info, graph, opts, rows, steps)?)
-        } else {
-            None
-        };
-        let io = if binding.separate_io || binding.device_sampling || opts.cuda_graph {
+        let io = if binding.separate_io || opts.cuda_graph {
             Some(PlainIo::zeros(&kv_alloc, &info, s).map_err(e)?)
         } else {
             None
@@ -561,10 +544,10 @@ impl DepformerBatch {
         } else {
             None
         };
-        let b = DepformerBatch {
+        let mut b = DepformerBatch {
             io,
             graphs,
-            draw,
+            draw: None,
             binding: os.session.create_binding().map_err(e)?,
             host: PlainIo::zeros(&alloc, &info, s).map_err(e)?,
             session: os.session,
@@ -576,13 +559,51 @@ impl DepformerBatch {
             rows,
             steps,
             text_limit: m.text_vocab + 1,
-            audio_limit,
+            audio_limit: m.audio_vocab + 1,
             bound: None,
             scratch: Vec::with_capacity(info.vocab),
             info,
         };
+        if binding.device_sampling {
+            b.draw_on_device(graph, opts)?;
+        }
         report(opts, graph, b.provider, b.info.kv.name());
         Ok(b)
+    }
+
+    /// From the next frame on, draws the audio where the logits are (device sampling: see
+    /// [`DepformerBinding`]), the plain inputs and output in buffers of their own there; the
+    /// draw's session opened with `opts`, named after `graph`. The tokens stay the same.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Contract`] for logits wider than the audio table; ONNX Runtime's.
+    pub fn draw_on_device(&mut self, graph: &str, opts: &SessionOptions) -> Result<(), ModelError> {
+        if self.draw.is_some() {
+            return Ok(());
+        }
+        // Every token drawn is fed on as it is: it must be in the audio table.
+        if self.info.vocab as i64 > self.audio_limit {
+            return Err(ModelError::contract(
+                graph,
+                format!(
+                    "device sampling feeds each drawn token on unchecked: logits of {} values \
+                     are wider than the audio table of {}",
+                    self.info.vocab, self.audio_limit
+                ),
+            ));
+        }
+        let draw = DeviceDraw::open(&self.info, graph, opts, self.rows, self.steps)?;
+        if self.io.is_none() {
+            let rows = self.rows as i64;
+            let io = PlainIo::zeros(&self.kv_alloc, &self.info, rows)
+                .map_err(|e| ModelError::ort(graph, e))?;
+            self.io = Some(io);
+            // (bound again, to those buffers, at the next substep)
+            self.bound = None;
+        }
+        self.draw = Some(draw);
+        Ok(())
     }
 
     /// Substeps per frame (16).

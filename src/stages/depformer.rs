@@ -6,7 +6,8 @@
 //! (`pad_mult`). Answers every `LmStep` from the temporal stage with the step's tokens, which go
 //! back on the feedback link. With `engine: shared` the substeps run in the process's shared
 //! engine, batched with the other conversations' (this stage's audio sampler and settings
-//! travel with each frame).
+//! travel with each frame). `device_sampling` draws the audio where the logits are (for the
+//! shared engine's whole batch: the tokens are the same either way).
 //!
 //! Command `sampling`, taken at the next frame: `key=value` pairs of the run-time settings
 //! ([`RUNTIME_KEYS`]), each checked against its param's range, all applied or none; or the
@@ -88,7 +89,7 @@ pub(super) const KIND: StageKind = StageKind {
             name: "device_sampling",
             ty: T::Bool,
             default: D::Bool(false),
-            doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (engine: own)"
+            doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (with engine: shared, the engine's whole batch, from its next frame)"
         },
         ENGINE_PARAM,
         SLOTS_PARAM,
@@ -218,15 +219,15 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         separate_io: false,
         device_sampling: p.bool("device_sampling"),
     };
-    if binding.device_sampling && p.str("engine") == "shared" {
-        return Err(BuildError::invalid(
-            "`device_sampling: true` needs `engine: own`: the shared engine draws on the host",
-        )
-        .key("engine"));
-    }
     let pack = open_pack(cx, p)?;
     let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
-        Some(lm) => lm.depformer_client().into(),
+        Some(lm) => {
+            // (the engine's whole batch: the same tokens for every conversation on it)
+            if binding.device_sampling {
+                lm.want_device_sampling();
+            }
+            lm.depformer_client().into()
+        }
         None => Depformer::open_with(&pack, &opts, binding)?.into(),
     };
     dep.set_unused(

@@ -22,7 +22,10 @@
 //!   holds the live ones up by one chunk at most.
 //! - **Depformer tick.** The depformer keeps no state between frames, so its batch is exactly
 //!   the frames ready: one [`DepformerBatch`](crate::model::depformer::DepformerBatch), the
-//!   same step a conversation's own depformer runs at one row ([`depformer`]).
+//!   same step a conversation's own depformer runs at one row ([`depformer`]). Its audio is
+//!   drawn on the host, or where the logits are once any of its stages asks
+//!   ([`SharedLm::want_device_sampling`]): the same tokens either way, so the whole batch
+//!   switches.
 //!
 //! The engine reports what it does (ticks with their batch, context and time; late frames;
 //! slots; opening, closing, failing) as [`EngineEvent`]s to the [`EngineObserver`] it was opened
@@ -161,6 +164,9 @@ pub struct EngineOptions {
     pub panic_at_tick: Option<u64>,
     /// Who hears what the engine does.
     pub observer: Arc<dyn EngineObserver>,
+    /// Draw the depformer's audio where its logits are from the start (see
+    /// [`SharedLm::want_device_sampling`]).
+    pub device_sampling: bool,
 }
 
 impl std::fmt::Debug for EngineOptions {
@@ -171,6 +177,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("max_positions", &self.max_positions)
             .field("max_wait", &self.max_wait)
             .field("panic_at_tick", &self.panic_at_tick)
+            .field("device_sampling", &self.device_sampling)
             .finish_non_exhaustive()
     }
 }
@@ -184,6 +191,7 @@ impl Default for EngineOptions {
             max_wait: Duration::from_millis(5),
             panic_at_tick: None,
             observer: Arc::new(Unobserved),
+            device_sampling: false,
         }
     }
 }
@@ -234,6 +242,7 @@ pub struct SharedLm {
     pub cache_placements: Vec<(String, Placement, Placement)>,
     tx: Sender<Msg>,
     taken: SlotTable,
+    draw: Arc<DrawPlace>,
     next_client: AtomicUsize,
     channels: usize,
     text_limit: i64,
@@ -266,6 +275,9 @@ impl SharedLm {
         let st = stats.clone();
         let failed = Arc::new(AtomicBool::new(false));
         let fail = failed.clone();
+        let draw = Arc::new(DrawPlace::default());
+        draw.wanted.store(opts.device_sampling, Ordering::Release);
+        let place = draw.clone();
         std::thread::Builder::new()
             .name("duplex:engine".into())
             .spawn(move || {
@@ -284,7 +296,8 @@ impl SharedLm {
                         // an error as their replies are dropped) and the next conversation
                         // opens a fresh one.
                         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_engine(t, d, &rx, wait, &st, drill, &*obs)
+                            let draw = (&*place, &session);
+                            run_engine(t, d, &rx, wait, &st, drill, &*obs, draw)
                         }));
                         if let Err(p) = run {
                             fail.store(true, Ordering::Release);
@@ -336,6 +349,7 @@ impl SharedLm {
                 "temporal",
             ),
             next_client: AtomicUsize::new(0),
+            draw,
             channels,
             text_limit: m.text_vocab + 1,
             audio_limit: m.audio_vocab + 1,
@@ -361,6 +375,18 @@ impl SharedLm {
             4
         };
         i.layers * 2 * i.heads * (self.capacity + 1) * i.head_dim * element
+    }
+
+    /// From the next depformer tick on, draws every conversation's audio where the logits are
+    /// (device sampling: the same tokens, no logits to the host each substep). Taken up once;
+    /// if the engine's thread cannot, it says why in the log and goes on drawing on the host.
+    pub fn want_device_sampling(&self) {
+        self.draw.wanted.store(true, Ordering::Release);
+    }
+
+    /// Whether the engine's depformer draws the audio where the logits are.
+    pub fn draws_on_device(&self) -> bool {
+        self.draw.on.load(Ordering::Acquire)
     }
 
     /// Whether the engine's thread has failed (it serves nobody any more).
@@ -566,7 +592,17 @@ impl Request for Msg {
     }
 }
 
-/// The engine's thread: ticks until every client and the registry are gone.
+/// Where the engine's depformer draws the audio: asked for by its stages, taken up by its
+/// thread.
+#[derive(Debug, Default)]
+struct DrawPlace {
+    wanted: AtomicBool,
+    on: AtomicBool,
+}
+
+/// The engine's thread: ticks until every client and the registry are gone. `draw`: where the
+/// audio is to be drawn, and the session options of a draw opened there.
+#[allow(clippy::too_many_arguments)]
 fn run_engine(
     mut t: TemporalWorker,
     mut d: DepformerBatch,
@@ -575,8 +611,10 @@ fn run_engine(
     stats: &EngineStats,
     panic_at_tick: Option<u64>,
     observer: &dyn EngineObserver,
+    draw: (&DrawPlace, &SessionOptions),
 ) {
     let mut sched = Scheduler::new(max_wait);
+    let mut draw_tried = false;
     while let Some(late) = sched.gather(rx) {
         observer.event(EngineEvent::Late(late));
         stats.late.fetch_add(late as u64, Ordering::Relaxed);
@@ -595,6 +633,19 @@ fn run_engine(
             _ => None,
         });
         if !deps.is_empty() {
+            if !draw_tried && draw.0.wanted.load(Ordering::Acquire) {
+                draw_tried = true;
+                let graph = "depformer (shared engine)";
+                match d.draw_on_device(graph, draw.1) {
+                    Ok(()) => {
+                        draw.0.on.store(true, Ordering::Release);
+                        tracing::info!("the shared engine draws the audio where the logits are");
+                    }
+                    Err(e) => tracing::warn!(
+                        "the shared engine draws the audio on the host: device sampling could not start ({e})"
+                    ),
+                }
+            }
             let n = deps.len();
             stats.depformer_ticks.fetch_add(1, Ordering::Relaxed);
             stats.depformer_rows.fetch_add(n as u64, Ordering::Relaxed);
