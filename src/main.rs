@@ -325,9 +325,15 @@ fn main() -> ExitCode {
                         &app::doctor::CODEC_BATCHES,
                     )?;
                     out(&codec)?;
-                    let engine =
-                        app::doctor::engine_ticks(&pack, provider, &app::doctor::ENGINE_BATCHES)?;
-                    out(&engine)?;
+                    let all = &app::doctor::ENGINE_BATCHES;
+                    out(&app::doctor::engine_ticks(&pack, provider, all, false)?)?;
+                    let drawn = match provider {
+                        duplex::model::session::Provider::Cpu => {
+                            &app::doctor::ENGINE_BATCHES_CPU_DRAWN[..]
+                        }
+                        _ => all,
+                    };
+                    out(&app::doctor::engine_ticks(&pack, provider, drawn, true)?)?;
                     out(&app::doctor::engine_memory(
                         &dir,
                         provider,

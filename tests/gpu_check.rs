@@ -70,6 +70,14 @@ fn the_gpu_check_dry_runs_on_the_cpu_and_reports_every_section() {
     for l in drawn {
         assert!(l.ends_with(", the host draw's tokens"), "{l}");
     }
+    // And the shared engine so drawing, its frame timed.
+    assert!(
+        report.contains(
+            "shared LM engine on cpu, the audio drawn where the logits are, B conversations \
+             stepped together"
+        ),
+        "{report}"
+    );
     // The step timed at the whole context of 3000 as well, in every cache mode of each pack.
     assert!(report.matches(", context 3000: ").count() >= 5, "{report}");
     // The memory a conversation adds to the engine, measured by two probes (a process each),

@@ -25,7 +25,8 @@
 #   - the codec's step graphs as the shared codec runs them, fp32 and fp16: one call of
 #     B = 1/16/32/48 rows against B calls of one row, encoder and decoder (`duplex doctor
 #     --time`, the same pack's codec),
-#   - the shared LM engine's frame for B = 1/8/16/32/48/64 conversations stepped together, and the
+#   - the shared LM engine's frame for B = 1/8/16/32/48/64 conversations stepped together (the
+#     audio drawn on the host, then on the GPU), and the
 #     device memory a conversation adds to it at the pack's whole context (an engine of 1 slot
 #     and one of 4, each opened in a process of its own),
 #   - the temporal step of the same pack quantized (int8, int4: tools/quantize_pack.py), at

@@ -593,6 +593,10 @@ fn depformer_frame(
 /// Batch sizes at which [`engine_ticks`] reports.
 pub const ENGINE_BATCHES: [usize; 6] = [1, 8, 16, 32, 48, 64];
 
+/// Batch sizes at which [`engine_ticks`] reports with device sampling on a CPU (where it only
+/// shows that it runs: the round trips it saves are a GPU's).
+pub const ENGINE_BATCHES_CPU_DRAWN: [usize; 2] = [1, 8];
+
 /// The shared LM engine on `provider`: for each B of `batches`, B conversations (a thread each,
 /// the user's substeps skipped as a server runs them) stepped together through one engine for
 /// 20 frames after 5 of warm-up, and the time of one frame of all of them (the slowest
@@ -605,6 +609,7 @@ pub fn engine_ticks(
     pack: &Pack,
     provider: Provider,
     batches: &[usize],
+    device_sampling: bool,
 ) -> Result<String, ModelError> {
     use crate::model::engine::{EngineOptions, SharedLm};
     use crate::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
@@ -621,6 +626,7 @@ pub fn engine_ticks(
             },
             slots: batches.iter().copied().max().unwrap_or(1),
             max_positions: WARM + FRAMES + 8,
+            device_sampling,
             ..EngineOptions::default()
         },
     )?);
@@ -695,9 +701,16 @@ pub fn engine_ticks(
             (b * (WARM + FRAMES)) as f64 / ticks.max(1) as f64
         ));
     }
+    let drawn = match (device_sampling, engine.draws_on_device()) {
+        (false, _) => "",
+        (true, true) => " the audio drawn where the logits are,",
+        (true, false) => {
+            " the audio drawn on the host (device sampling did not start: see the log),"
+        }
+    };
     Ok(format!(
-        "shared LM engine on {}, B conversations stepped together (20 frames, user substeps \
-         skipped):\n  {}\n",
+        "shared LM engine on {},{drawn} B conversations stepped together (20 frames, user \
+         substeps skipped):\n  {}\n",
         provider.name(),
         cells.join(", ")
     ))
