@@ -289,7 +289,7 @@ struct Staged {
 }
 
 impl Staged {
-    /// `elems` zeroed elements of `ty` on each side, the session's at `at`.
+    /// `elems` zeroed elements of `ty` on each side: the host's, and the session's from `alloc`.
     fn zeros(alloc: Allocator, ty: TensorElementType, elems: usize) -> ort::Result<Staged> {
         let shape = [elems as i64];
         Ok(Staged {
