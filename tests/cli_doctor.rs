@@ -3,14 +3,19 @@
 
 use std::process::Command;
 
+/// `duplex doctor ARGS` in the checkout, finding ONNX Runtime as a user there would.
+fn doctor_here(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_duplex"));
+    c.arg("doctor")
+        .args(args)
+        .env_remove("ORT_DYLIB_PATH")
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    c
+}
+
 #[test]
 fn doctor_finds_the_project_venv() {
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .arg("doctor")
-        .env_remove("ORT_DYLIB_PATH")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
+    let out = doctor_here(&[]).output().unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -79,13 +84,8 @@ fn doctor_says_what_to_install_when_nothing_is_found() {
 /// and its real warnings still reach the log.
 #[test]
 fn a_healthy_fp16_pack_is_checked_without_warnings() {
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["doctor", "--pack", "models/tiny-gqa-fp16"])
-        .env_remove("ORT_DYLIB_PATH")
-        .env_remove("RUST_LOG")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
+    let pack = ["--pack", "models/tiny-gqa-fp16"];
+    let out = doctor_here(&pack).env_remove("RUST_LOG").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(
@@ -94,11 +94,8 @@ fn a_healthy_fp16_pack_is_checked_without_warnings() {
     );
     assert!(!err.contains(" WARN "), "{err}");
     // At debug, the note is there: it was moved, not lost.
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .args(["doctor", "--pack", "models/tiny-gqa-fp16"])
-        .env_remove("ORT_DYLIB_PATH")
+    let out = doctor_here(&pack)
         .env("RUST_LOG", "onnxruntime=debug")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -395,13 +395,8 @@ impl DeviceDraw {
         for (r, &i) in order.iter().enumerate() {
             let j = &mut *rows[i];
             let p = j.params;
-            let (k, t) = if p.temperature > 0.0 {
-                let k = if p.top_k == 0 {
-                    vocab
-                } else {
-                    p.top_k.min(vocab)
-                };
-                (k, p.temperature as f64)
+            let (k, t) = if p.draws() {
+                (p.kept(vocab), p.temperature as f64)
             } else {
                 (1, 1.0)
             };
@@ -410,11 +405,7 @@ impl DeviceDraw {
             self.temperature.host.as_slice::<f64>()[r] = t;
             for cb in 0..steps {
                 let at = cb * stride + r;
-                self.uniform.host.as_slice::<f64>()[at] = if p.temperature > 0.0 {
-                    j.sampler.draw_uniform()
-                } else {
-                    0.0
-                };
+                self.uniform.host.as_slice::<f64>()[at] = j.sampler.take_draw(p).unwrap_or(0.0);
                 self.target.host.as_slice::<i64>()[at] = j.target[cb];
                 self.provided.host.as_slice::<bool>()[at] = j.provided[cb];
             }
@@ -1057,8 +1048,8 @@ mod tests {
             assert!(sampled > 1000, "{sampled} substeps drawn");
             for (r, (sa, sb)) in samplers.iter_mut().enumerate() {
                 assert_eq!(
-                    sa.draw_uniform(),
-                    sb.draw_uniform(),
+                    sa.take_draw(SamplingParams::AUDIO),
+                    sb.take_draw(SamplingParams::AUDIO),
                     "{name}: row {r}'s stream"
                 );
             }

@@ -32,6 +32,20 @@ impl SamplingParams {
         temperature: 0.0,
         top_k: 0,
     };
+
+    /// Whether tokens are drawn (`temperature > 0`), not taken by argmax.
+    pub fn draws(&self) -> bool {
+        self.temperature > 0.0
+    }
+
+    /// How many of `n` logits a draw keeps: the `top_k` largest, all when it is 0 or `n` or more.
+    pub fn kept(&self, n: usize) -> usize {
+        if self.top_k == 0 {
+            n
+        } else {
+            self.top_k.min(n)
+        }
+    }
 }
 
 /// xoshiro256++ seeded through splitmix64: small, fast, and stable across versions of this
@@ -259,22 +273,21 @@ impl Sampler {
     /// greedy), without logits: for a token whose value is not used, so that the tokens after
     /// it are drawn as if it had been.
     pub fn skip(&mut self, p: SamplingParams) {
-        if p.temperature > 0.0 {
-            self.rng.next_f64();
-        }
+        self.take_draw(p);
     }
 
-    /// Takes the uniform in `[0, 1)` that the next non-greedy [`sample`](Self::sample) would
-    /// draw with: for a draw made elsewhere from this stream (the depformer's device sampling).
-    pub fn draw_uniform(&mut self) -> f64 {
-        self.rng.next_f64()
+    /// Takes the random number [`sample`](Self::sample) would draw with `p`: a uniform in
+    /// `[0, 1)` when not greedy, nothing when greedy. For a draw made elsewhere from this stream
+    /// (the depformer's device sampling).
+    pub fn take_draw(&mut self, p: SamplingParams) -> Option<f64> {
+        p.draws().then(|| self.rng.next_f64())
     }
 
     /// Picks a token: argmax when `temperature <= 0`, else a draw from the softmax of the
     /// `top_k` largest logits divided by the temperature. Always consumes exactly one random
     /// number when not greedy, so the random stream advances the same way whatever the logits.
     pub fn sample(&mut self, logits: &[f32], p: SamplingParams) -> usize {
-        if p.temperature <= 0.0 || logits.is_empty() {
+        if !p.draws() || logits.is_empty() {
             return argmax(logits);
         }
         let (k, sum) = self.prepare(logits, p);
@@ -302,12 +315,10 @@ impl Sampler {
         );
         // Largest first, then by index: a canonical order for the draw.
         let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        let k = if p.top_k == 0 || p.top_k >= self.scratch.len() {
-            self.scratch.len()
-        } else {
-            self.scratch.select_nth_unstable_by(p.top_k - 1, order);
-            p.top_k
-        };
+        let k = p.kept(self.scratch.len());
+        if k < self.scratch.len() {
+            self.scratch.select_nth_unstable_by(k - 1, order);
+        }
         let kept = &mut self.scratch[..k];
         kept.sort_unstable_by(order);
         let max = kept[0].0 as f64;

@@ -71,7 +71,6 @@ macro_rules! model_params {
 }
 pub(super) use model_params;
 
-/// The session options from a model stage's params.
 /// `cuda_graph: true` on a stage of the shared engine is refused, naming `engine`: the engine's
 /// batch changes from tick to tick, and a CUDA graph replays one shape.
 ///
@@ -88,6 +87,7 @@ pub(super) fn cuda_graph_needs_own_engine(p: &Params, cuda_graph: bool) -> Resul
     Ok(())
 }
 
+/// The session options from a model stage's params.
 pub(super) fn session_options(p: &Params) -> SessionOptions {
     SessionOptions {
         provider: match p.str("execution_provider") {

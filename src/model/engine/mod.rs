@@ -275,8 +275,11 @@ impl SharedLm {
         let st = stats.clone();
         let failed = Arc::new(AtomicBool::new(false));
         let fail = failed.clone();
-        let draw = Arc::new(DrawPlace::default());
-        draw.wanted.store(opts.device_sampling, Ordering::Release);
+        let draw = Arc::new(DrawPlace {
+            wanted: AtomicBool::new(opts.device_sampling),
+            on: AtomicBool::new(false),
+            session,
+        });
         let place = draw.clone();
         std::thread::Builder::new()
             .name("duplex:engine".into())
@@ -296,8 +299,7 @@ impl SharedLm {
                         // an error as their replies are dropped) and the next conversation
                         // opens a fresh one.
                         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            let draw = (&*place, &session);
-                            run_engine(t, d, &rx, wait, &st, drill, &*obs, draw)
+                            run_engine(t, d, &rx, wait, &st, drill, &*obs, &place)
                         }));
                         if let Err(p) = run {
                             fail.store(true, Ordering::Release);
@@ -593,15 +595,16 @@ impl Request for Msg {
 }
 
 /// Where the engine's depformer draws the audio: asked for by its stages, taken up by its
-/// thread.
-#[derive(Debug, Default)]
+/// thread, which opens the draw with the engine's session options.
+#[derive(Debug)]
 struct DrawPlace {
     wanted: AtomicBool,
     on: AtomicBool,
+    session: SessionOptions,
 }
 
 /// The engine's thread: ticks until every client and the registry are gone. `draw`: where the
-/// audio is to be drawn, and the session options of a draw opened there.
+/// audio is to be drawn.
 #[allow(clippy::too_many_arguments)]
 fn run_engine(
     mut t: TemporalWorker,
@@ -611,7 +614,7 @@ fn run_engine(
     stats: &EngineStats,
     panic_at_tick: Option<u64>,
     observer: &dyn EngineObserver,
-    draw: (&DrawPlace, &SessionOptions),
+    draw: &DrawPlace,
 ) {
     let mut sched = Scheduler::new(max_wait);
     let mut draw_tried = false;
@@ -633,12 +636,12 @@ fn run_engine(
             _ => None,
         });
         if !deps.is_empty() {
-            if !draw_tried && draw.0.wanted.load(Ordering::Acquire) {
+            if !draw_tried && draw.wanted.load(Ordering::Acquire) {
                 draw_tried = true;
                 let graph = "depformer (shared engine)";
-                match d.draw_on_device(graph, draw.1) {
+                match d.draw_on_device(graph, &draw.session) {
                     Ok(()) => {
-                        draw.0.on.store(true, Ordering::Release);
+                        draw.on.store(true, Ordering::Release);
                         tracing::info!("the shared engine draws the audio where the logits are");
                     }
                     Err(e) => tracing::warn!(
