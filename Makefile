@@ -3,10 +3,15 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DUPLEX := target/release/duplex
 
-.PHONY: setup demo test test-fast test-image bench lint build clean fuzz export-deps setup-gpu
+.PHONY: setup setup-test demo test soak test-fast test-image bench lint build clean fuzz export-deps setup-gpu
 
+# What the main job needs (the Rust build's packages, ONNX Runtime, the exporter, the tiny packs).
 setup:
 	@tools/setup.sh
+
+# That, and everything the tests need besides (sound server, Chromium, Prometheus, image tools).
+setup-test:
+	@tools/setup.sh --test
 
 build: setup
 	$(CARGO) build --release
@@ -17,38 +22,40 @@ demo: build
 	$(DUPLEX) run pipelines/duplex-file.yaml
 	@echo "demo: wrote out/agent-48k.wav and out/agent-tokens.jsonl"
 
-# Lints, then every test (unit, integration, doc), then the server's image built and served from.
-test: setup lint
-	$(CARGO) test --release
-	tools/test-image.sh
+# Lints, then every test (unit, integration, doc), then the server's image built and served from:
+# tools/test.sh runs the phases (every one, even after a failure) and prints each one's time; it
+# installs what only the tests need (`tools/setup.sh --test`) while the lints and the build run.
+test: setup
+	tools/test.sh
+
+# The soak-length runs at full length (the WebRTC loss test's 60 s per transport and loss, the
+# daemon's two minutes at real time, fifty reloads); `make test` runs each at the shortest length
+# that decides its criterion. Results: docs/testing.md.
+SOAKS := realtime::webrtc_loss:: realtime::daemon::daemon_runs realtime::daemon_faults::reloads
+soak: setup-test
+	$(CARGO) test --release --test it --no-run
+	DUPLEX_SOAK=1 $(CARGO) test --release --test it -- --test-threads=1 --nocapture $(SOAKS)
 
 # For iterating: the unit and doc tests and the suites that wait on no real-time audio, sound
-# server, browser or served conversation (78 s here after a build). `make test`
-# still runs everything, and is what CI runs.
-FAST_SUITES := audio_no_alloc cli_doctor config_validation docs engine error_kinds export \
-  fuzz_inputs gpu_check metrics_recorded mimi_step model_conformance model_contract \
-  model_pipeline model_placement model_temporal model_tokenizer quantize runtime_edges \
-  runtime_shutdown
-test-fast: setup
-	$(CARGO) test --release --lib --bins $(addprefix --test ,$(FAST_SUITES))
+# server, browser or served conversation. `make test` still runs everything, and is what CI runs.
+test-fast: setup-test
+	$(CARGO) test --release --lib --bins --test fuzz_inputs
+	$(CARGO) test --release --test it -- compute::
 	$(CARGO) test --release --doc
 
 lint: setup
-	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets --release -- -D warnings
-	# The CUDA path must compile (it runs only where a GPU build of ONNX Runtime is loaded).
-	$(CARGO) check --release --features cuda
+	DUPLEX_TEST_PHASES=lint tools/test.sh
 
 # The server image alone (the last step of `make test`): Containerfile's `host` target built on a
 # Debian base made here, served from and talked to. podman, runc and mmdebstrap come with setup.
-test-image: build
+test-image: setup-test build
 	tools/test-image.sh
 
 # The bad-input suite with many more generated cases per parser than `make test` runs.
 fuzz: setup
 	PROPTEST_CASES=30000 $(CARGO) test --release --test fuzz_inputs
 
-bench: setup
+bench: setup-test
 	$(CARGO) bench --bench runtime
 	$(CARGO) bench --bench model
 	$(CARGO) bench --bench jitter

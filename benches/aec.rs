@@ -9,7 +9,7 @@
 //!
 //! `cargo bench --bench aec`.
 
-#[path = "../tests/support/pulse.rs"]
+#[path = "../tests/it/support/pulse.rs"]
 mod pulse;
 
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@
 //!
 //! Run with `cargo bench --bench browser` (needs `make setup`: Chromium and the venv).
 
-#[path = "../tests/support/netns.rs"]
+#[path = "../tests/it/support/netns.rs"]
 mod netns;
 
 use std::io::{BufRead, BufReader};

@@ -9,7 +9,7 @@
 //! `make test` runs a few thousand cases; `make fuzz` runs many more (`PROPTEST_CASES`, per
 //! property). A failing case is printed, shrunk, by proptest.
 
-#[path = "support/packs.rs"]
+#[path = "it/support/packs.rs"]
 mod packs;
 
 use std::collections::HashMap;

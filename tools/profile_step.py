@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--nodes", type=int, default=0, help="also list the N slowest nodes")
+    p.add_argument("--min-ms", type=float, default=0.1,
+                   help="list an operator type alone when it takes this long at some B "
+                        "(default 0.1 ms; the rest are summed on one line; 0 lists every type)")
     a = p.parse_args(argv)
     try:
         batches = [int(x) for x in a.batch.split(",")]
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
         print(f"\n{folder} ({a.threads} thread{'s' if a.threads > 1 else ''}, "
               f"{a.calls} calls)\n{'operator':<24}{head}")
         shown = [op for op, _ in ops.most_common()
-                 if max(results[r][1].get(op, 0.0) for r in batches) >= 0.1]
+                 if max(results[r][1].get(op, 0.0) for r in batches) >= a.min_ms]
         rest = [op for op in ops if op not in shown]
         for label, members in [(op, [op]) for op in shown] + (
                 [(f"({len(rest)} other types)", rest)] if rest else []):

@@ -4,7 +4,7 @@
 Written from the step algorithm in the design notes (the PersonaPlex convention), with plain
 numpy and onnxruntime sessions, no IO binding and no tricks: the cache is fed from host arrays
 every step, the depformer runs its 16 substeps from an empty cache, and tokens are chosen by
-argmax. `tests/model_conformance.rs` runs it next to `duplex replay --greedy` on the tiny packs
+argmax. `tests/it/compute/model_conformance.rs` runs it next to `duplex replay --greedy` on the tiny packs
 and compares the token streams step by step.
 
 usage: reference_lm.py PACK CODES.json OUT.jsonl [--persona 1,2,3] [--silence-frames N]

@@ -2,9 +2,19 @@
 # Installs what a fresh machine lacks to build, run and test duplex. Idempotent: a second run
 # checks and does nothing. Called by every Makefile target.
 #
+#   tools/setup.sh          what the main job needs (`make demo`): the Rust build's Debian
+#                           packages, ONNX Runtime, the exporter, the tiny packs
+#   tools/setup.sh --test   that, and everything the tests need besides (`make test`, CI)
+#
+# Always (the main job):
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
-#   - cmake and g++ (the SentencePiece library is built from source by its crate)
+#   - cmake and g++ (libopus and aws-lc are built from source by their crates)
+#   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
+#     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16,
+#     models/tiny-gqa-mimi-full; safetensors, with which tools/export_pack.py reads real
+#     checkpoints; the small SentencePiece model the server's template names
+# With --test, besides:
 #   - PulseAudio and the ALSA pulse plugin: the tests start a private server with a null sink, a
 #     real, paced sound device without a sound card; espeak-ng speaks into the echo tests' room
 #   - Prometheus and promtool: the tests scrape a running pipeline and check deploy/
@@ -13,15 +23,26 @@
 #     realtime endpoint's tests
 #   - podman, runc and mmdebstrap: the image test builds the Containerfile on a Debian base it
 #     makes (no registry needed) and serves from it
-#   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
-#     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16;
-#     safetensors, with which tools/export_pack.py reads real checkpoints
+#   - iproute2 and nftables: a lossy network namespace for WebRTC's loss test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+FOR_TESTS=0
+case "${1:-}" in
+  "") ;;
+  --test) FOR_TESTS=1 ;;
+  *) printf 'setup: unknown argument %s (expected nothing or --test)\n' "$1" >&2; exit 2 ;;
+esac
+
 ORT_VERSION=1.31.1
-APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++ pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0 chromium espeak-ng
-  podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl iproute2 nftables)
+# What building duplex and running the main job need.
+APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++)
+# What the tests need besides: the private sound server and its voices, Prometheus, systemd's
+# unit checker, the independent clients' libopus, Chromium, the image tools, network namespaces.
+TEST_APT_PACKAGES=(pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0
+  chromium espeak-ng podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl
+  iproute2 nftables)
+((FOR_TESTS)) && APT_PACKAGES+=("${TEST_APT_PACKAGES[@]}")
 PYTHON=${PYTHON:-python3}
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -124,14 +145,14 @@ if [[ -n $wrong ]]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "${CHECKPOINT_PACKAGES[@]}"
 fi
 
-# --- Independent implementations for the protocol tests ------------------------------------------
+# --- Independent implementations for the protocol tests (--test) --------------------------------
 # The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus), opuslib (the
 # system's libopus, for the web client's 20 ms frames), aiohttp (WebSocket) and the official openai
 # SDK's realtime client (with its websockets), never only duplex on both ends; kubernetes-validate
 # checks deploy/kubernetes.
 TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 opuslib==3.0.1 kubernetes-validate==1.37.0
   "openai[realtime]==3.57.0" websockets==15.0.1)
-wrong=$(missing_pins "${TEST_PACKAGES[@]}")
+wrong=$( ((FOR_TESTS)) && missing_pins "${TEST_PACKAGES[@]}" || true)
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "${TEST_PACKAGES[@]}"

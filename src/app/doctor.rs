@@ -13,7 +13,8 @@
 //! the codec's step graphs (fp32 and fp16) batched as a shared codec runs them (one call
 //! of B rows against B calls of one row), the shared LM engine's frame time for B
 //! conversations stepped together, and the memory a conversation adds to that engine at the
-//! pack's whole context (the device's under CUDA, the process's resident set on the CPU).
+//! pack's whole context (the device's under CUDA; on the CPU what the process allocates, as
+//! its allocator counts it).
 //! Prints what it found; knows no stages or pipelines.
 
 use std::path::Path;
@@ -720,28 +721,38 @@ pub fn engine_ticks(
 pub const MEMORY_SLOTS: usize = 4;
 
 /// Memory in use, bytes: the device's (CUDA: `cudaMemGetInfo`, total less free, asked through
-/// the CUDA runtime ONNX Runtime's CUDA provider loads) or this process's resident set (CPU).
+/// the CUDA runtime ONNX Runtime's CUDA provider loads) or what this process has allocated on
+/// the host ([`host_memory_allocated`]).
 ///
 /// # Errors
 ///
 /// What could not be read, in words.
 pub fn memory_in_use(provider: Provider) -> Result<u64, String> {
     match provider {
-        Provider::Cpu => host_memory_in_use(),
+        Provider::Cpu => host_memory_allocated(),
         Provider::Cuda { device_id } => cuda_memory_in_use(device_id),
     }
 }
 
-/// This process's resident set (VmRSS), bytes.
-fn host_memory_in_use() -> Result<u64, String> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| format!("/proc/self/status: {e}"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .ok_or_else(|| "/proc/self/status has no VmRSS".to_string())
+/// What the host memory figure of [`memory_in_use`] counts, in words.
+pub const HOST_MEMORY: &str = "memory allocated (malloc's count)";
+
+/// The bytes this process has allocated through the C allocator, which Rust's and ONNX
+/// Runtime's allocations both go through (glibc's `mallinfo2`: the heap's chunks in use and
+/// the blocks it mapped). Allocated, not resident: a buffer of zeros that was never written
+/// counts whole, as it will once a conversation fills it, where the resident set would count
+/// only the pages the kernel has committed so far.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn host_memory_allocated() -> Result<u64, String> {
+    // SAFETY: mallinfo2 takes no arguments and only reads the allocator's counters.
+    let m = unsafe { libc::mallinfo2() };
+    Ok((m.uordblks + m.hblkhd) as u64)
+}
+
+/// Elsewhere there is no allocator's count to ask.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn host_memory_allocated() -> Result<u64, String> {
+    Err("the host's allocated memory is counted only with glibc's allocator".to_string())
 }
 
 /// `cudaMemGetInfo` on `device`: total less free (every process's memory on the device).
@@ -849,7 +860,7 @@ pub fn engine_memory(dir: &Path, provider: Provider, slots: usize) -> String {
     };
     let mib = |b: f64| b / (1024.0 * 1024.0);
     let what = match provider {
-        Provider::Cpu => "resident memory",
+        Provider::Cpu => HOST_MEMORY,
         Provider::Cuda { .. } => "device memory",
     };
     let line = match (probe(1), probe(slots)) {

@@ -1,13 +1,13 @@
 //! Text tokens: SentencePiece encoding of persona text, and text for the agent's token stream.
 //!
-//! Encoding goes through the SentencePiece library itself (exact normalisation and
-//! segmentation). The id → piece table is read from the model file (a protobuf `ModelProto`), so
-//! that a transcript can be assembled piece by piece, byte-fallback pieces included, without
-//! decoding partial UTF-8.
+//! Encoding goes through a Rust implementation of SentencePiece (`sentencepiece-rs`: the model's
+//! own normalisation rules and segmentation, the C++ library's ids). A transcript is assembled
+//! piece by piece from the model's piece table, byte-fallback pieces included, without decoding
+//! partial UTF-8.
 
 use std::path::{Path, PathBuf};
 
-use sentencepiece::SentencePieceProcessor;
+use sentencepiece_rs::{PieceType, SentencePieceProcessor};
 
 use super::error::ModelError;
 
@@ -29,73 +29,24 @@ pub struct Tokenizer {
     path: PathBuf,
 }
 
-fn varint(b: &[u8], i: &mut usize) -> Option<u64> {
-    let mut v = 0u64;
-    for shift in (0..64).step_by(7) {
-        let byte = *b.get(*i)?;
-        *i += 1;
-        v |= ((byte & 0x7f) as u64) << shift;
-        if byte & 0x80 == 0 {
-            return Some(v);
-        }
-    }
-    None
-}
-
-/// One protobuf field: number, wire type, varint value (wire type 0), bytes (wire type 2).
-type Field<'a> = (u64, u64, u64, &'a [u8]);
-
-/// Walks the fields of one protobuf message.
-fn fields(b: &[u8]) -> Option<Vec<Field<'_>>> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < b.len() {
-        let key = varint(b, &mut i)?;
-        let (field, wt) = (key >> 3, key & 7);
-        match wt {
-            0 => out.push((field, wt, varint(b, &mut i)?, &b[0..0])),
-            1 => i += 8,
-            2 => {
-                let n = varint(b, &mut i)? as usize;
-                let s = b.get(i..i + n)?;
-                out.push((field, wt, 0, s));
-                i += n;
+/// The pieces of a model, in id order, as a transcript shows them.
+fn read_pieces(sp: &SentencePieceProcessor) -> Vec<Piece> {
+    sp.model()
+        .pieces()
+        .iter()
+        .map(|p| match p.kind {
+            PieceType::Normal | PieceType::UserDefined => {
+                Piece::Text(p.piece.replace('\u{2581}', " "))
             }
-            5 => i += 4,
-            _ => return None,
-        }
-    }
-    Some(out)
-}
-
-/// The pieces of a serialised `ModelProto` (field 1), in id order.
-fn read_pieces(b: &[u8]) -> Option<Vec<Piece>> {
-    let mut pieces = Vec::new();
-    for (field, wt, _, msg) in fields(b)? {
-        if field != 1 || wt != 2 {
-            continue;
-        }
-        let mut text = String::new();
-        let mut kind = 1; // NORMAL
-        for (f, w, v, s) in fields(msg)? {
-            match (f, w) {
-                (1, 2) => text = String::from_utf8_lossy(s).into_owned(),
-                (3, 0) => kind = v,
-                _ => {}
-            }
-        }
-        pieces.push(match kind {
-            1 | 4 => Piece::Text(text.replace('\u{2581}', " ")),
-            6 => text
+            PieceType::Byte => p
+                .piece
                 .strip_prefix("<0x")
                 .and_then(|h| h.strip_suffix('>'))
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .map(Piece::Byte)
-                .unwrap_or(Piece::Silent),
+                .map_or(Piece::Silent, Piece::Byte),
             _ => Piece::Silent,
-        });
-    }
-    Some(pieces)
+        })
+        .collect()
 }
 
 impl Tokenizer {
@@ -111,11 +62,9 @@ impl Tokenizer {
         };
         // Bounded, and a FIFO refused rather than waited on; the real models are under 1 MiB.
         let bytes = crate::files::read_limited(path, 64 << 20).map_err(|e| err(e.to_string()))?;
-        let sp = SentencePieceProcessor::from_serialized_proto(&bytes)
+        let sp = SentencePieceProcessor::from_serialized_model(&bytes)
             .map_err(|e| err(format!("not a SentencePiece model: {e}")))?;
-        let pieces = read_pieces(&bytes)
-            .filter(|p| p.len() == sp.len())
-            .ok_or_else(|| err("cannot read the piece table".into()))?;
+        let pieces = read_pieces(&sp);
         Ok(Tokenizer {
             sp,
             pieces,
@@ -140,8 +89,8 @@ impl Tokenizer {
     /// [`ModelError::Pack`] if SentencePiece fails.
     pub fn encode(&self, text: &str) -> Result<Vec<i64>, ModelError> {
         self.sp
-            .encode(text)
-            .map(|v| v.into_iter().map(|p| p.id as i64).collect())
+            .encode_to_ids(text)
+            .map(|v| v.into_iter().map(|id| id as i64).collect())
             .map_err(|e| ModelError::Pack {
                 path: self.path.clone(),
                 detail: format!("encoding {text:?}: {e}"),

@@ -1,0 +1,13 @@
+//! The integration tests, one binary (`cargo test --release --test it`): a module per suite,
+//! grouped by how they use the machine, so that `make test` can run the groups apart.
+//!
+//! - `compute::*`: CPU-bound suites that wait on no real time.
+//! - `realtime::*`: suites that keep real time (sound server, daemon, server, browser).
+//!
+//! One suite: `cargo test --release --test it -- compute::engine::`. The bad-input suite
+//! (`tests/fuzz_inputs.rs`) is a binary of its own: it measures each case's allocations with a
+//! global allocator and works in a scratch directory of its own.
+
+mod compute;
+mod realtime;
+mod support;

@@ -1,0 +1,86 @@
+//! `duplex loadtest` against a real `duplex serve` (the tests' template, tiny pack): levels
+//! raised over Kyutai's protocol and the realtime API, its JSON report, a level the server
+//! cannot admit (exit 1, the refusal said), and arguments refused before anything is sent
+//! (exit 2, naming the argument).
+
+use crate::support::serve;
+
+use std::process::Command;
+
+use serve::Server;
+
+fn loadtest(args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .arg("loadtest")
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        report,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn loadtest_raises_levels_over_both_protocols_and_says_when_the_server_is_full() {
+    let server = Server::start("max_sessions: 2\n", 240);
+    let base = format!("http://127.0.0.1:{}", server.port);
+    // Kyutai's protocol, levels 1 and 2.
+    let (code, r, err) = loadtest(&[&base, "--levels", "1,2", "--seconds", "3", "--json"]);
+    assert_eq!(code, 0, "{err}\n{r}");
+    assert_eq!(r["protocol"], "kyutai", "{r}");
+    assert_eq!(r["keeps_up_with"], 2, "{r}");
+    let levels = r["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2, "{r}");
+    for (l, n) in levels.iter().zip([1, 2]) {
+        assert_eq!(l["sessions"], n, "{r}");
+        assert_eq!(l["admitted"], n, "{r}");
+        assert_eq!(l["missing"], 0, "{r}");
+        let p50 = l["latency_ms"]["p50"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p50 < 160.0, "{r}");
+    }
+    // The realtime API.
+    let (code, r, err) = loadtest(&[
+        &base,
+        "--protocol",
+        "realtime",
+        "--sessions",
+        "2",
+        "--seconds",
+        "3",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}\n{r}");
+    assert_eq!(r["keeps_up_with"], 2, "{r}");
+    assert!(r["url"].as_str().unwrap().ends_with("/v1/realtime"), "{r}");
+    // More sessions than the server holds: refused, said, exit 1.
+    let (code, r, _) = loadtest(&[&base, "--sessions", "3", "--seconds", "2", "--json"]);
+    assert_eq!(code, 1, "{r}");
+    let l = &r["levels"][0];
+    assert_eq!(
+        (l["admitted"].as_u64(), l["refused"].as_u64()),
+        (Some(2), Some(1)),
+        "{r}"
+    );
+    assert_eq!(l["keeps_up"], false, "{r}");
+    assert!(l["refusal"].as_str().unwrap().contains("HTTP 503"), "{r}");
+}
+
+#[test]
+fn bad_arguments_are_refused_before_anything_is_sent() {
+    for (args, names) in [
+        (&["localhost:1"][..], "URL"),
+        (&["http://127.0.0.1:1", "--seconds", "0.5"][..], "--seconds"),
+        (
+            &["http://127.0.0.1:1", "--wav", "/nonexistent.wav"][..],
+            "/nonexistent.wav",
+        ),
+    ] {
+        let (code, _, err) = loadtest(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(names), "{args:?}: {err}");
+    }
+}

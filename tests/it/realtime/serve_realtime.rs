@@ -1,0 +1,445 @@
+//! `duplex serve`'s `/v1/realtime` against the official `openai` SDK's realtime client and a
+//! raw WebSocket client (`tests/clients/realtime_client.py`; G.711 made and read by Python's own
+//! `audioop`): greedy conversations in PCM16 and μ-law equal `duplex replay`, the μ-law stream
+//! is the PCM16 one companded, a voice and a persona are taken, bad events are answered by
+//! `error` events naming the field while a session beside them streams on, keys are needed.
+//! And `/twilio/media` against a phone call made from Twilio's published message format
+//! (`tests/clients/twilio_client.py`): signed, μ-law both ways, marks echoed, the call's
+//! `<Parameter>`s taken.
+
+use crate::support::daemon;
+use crate::support::serve;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use serve::{speech_wav, token_log, Server};
+
+const PERSONA: &str = "You enjoy a good conversation.";
+
+/// Runs the test client `script` (of `tests/clients`) with `args`; returns its report.
+fn python_client(server: &Server, script: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(daemon::root().join(".venv/bin/python"))
+        .arg(daemon::root().join("tests/clients").join(script))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "client failed: {stdout}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        server.log()
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+/// Runs the realtime test client against `server` with `args`; returns its report.
+fn realtime(server: &Server, args: &[&str]) -> serde_json::Value {
+    let url = format!("http://127.0.0.1:{}", server.port);
+    python_client(
+        server,
+        "realtime_client.py",
+        &[&["--url", &url], args].concat(),
+    )
+}
+
+/// The pieces of a session's token log, joined.
+fn logged_text(dir: &Path) -> String {
+    token_log(&dir.join("agent.jsonl"))
+        .iter()
+        .map(|l| l["piece"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// `duplex replay --greedy` on the session's logged user codes gives its logged tokens.
+fn assert_replays(session: &Path, out: &Path) {
+    let tok = daemon::root().join("models/tokenizer-tiny.model");
+    let persona = ["--persona", PERSONA, "--tokenizer", tok.to_str().unwrap()];
+    let frames = serve::assert_replay_matches(session, out, &persona);
+    assert!(frames >= 60, "{frames} frames");
+}
+
+/// The session's folder of the client's report.
+fn session_dir(server: &Server, report: &serde_json::Value) -> std::path::PathBuf {
+    let id: u64 = report["session_id"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no session id in {report}"));
+    server.session_dir(id)
+}
+
+fn read_wav(path: &Path) -> (u32, Vec<f64>) {
+    let mut r = hound::WavReader::open(path).unwrap();
+    let rate = r.spec().sample_rate;
+    let s = r
+        .samples::<i16>()
+        .map(|s| s.unwrap() as f64 / 32768.0)
+        .collect();
+    (rate, s)
+}
+
+/// A zero-phase low-pass (windowed sinc, `cutoff` Hz at `rate`, `2 half + 1` taps), so that
+/// signals made at 24 and 8 kHz can be compared in the band both carry.
+fn low_pass(x: &[f64], rate: f64, cutoff: f64, half: i64) -> Vec<f64> {
+    let fc = cutoff / rate;
+    let taps: Vec<f64> = (-half..=half)
+        .map(|n| {
+            let n = n as f64;
+            let sinc = if n == 0.0 {
+                2.0 * fc
+            } else {
+                (std::f64::consts::TAU * fc * n).sin() / (std::f64::consts::PI * n)
+            };
+            let w = 0.54 + 0.46 * (std::f64::consts::PI * n / half as f64).cos();
+            sinc * w
+        })
+        .collect();
+    (0..x.len() as i64)
+        .map(|i| {
+            taps.iter()
+                .enumerate()
+                .map(|(k, t)| {
+                    let j = i + k as i64 - half;
+                    if j >= 0 && (j as usize) < x.len() {
+                        t * x[j as usize]
+                    } else {
+                        0.0
+                    }
+                })
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn the_openai_sdk_holds_greedy_conversations_in_pcm16_and_mu_law() {
+    let voices = tempfile::tempdir().unwrap();
+    speech_wav(&voices.path().join("calm.wav"), 1.0, 150.0);
+    let server = Server::start(&format!("voices: {}\n", voices.path().display()), 240);
+    let dir = server.dir.path();
+    let wav = dir.join("in.wav");
+    speech_wav(&wav, 6.0, 180.0);
+    let wav = wav.to_str().unwrap();
+    let greedy = ["--greedy", "--instructions", PERSONA, "--wav", wav];
+    // PCM16 both ways.
+    let pcm_out = dir.join("pcm.wav");
+    let a = realtime(
+        &server,
+        &[&greedy[..], &["--save", pcm_out.to_str().unwrap()]].concat(),
+    );
+    // The same conversation with the agent's audio in μ-law.
+    let law_out = dir.join("ulaw.wav");
+    let b = realtime(
+        &server,
+        &[
+            &greedy[..],
+            &["--output", "g711_ulaw", "--save", law_out.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    // μ-law both ways, with a voice prompt.
+    let c = realtime(
+        &server,
+        &[
+            "--wav",
+            wav,
+            "--input",
+            "g711_ulaw",
+            "--output",
+            "g711_ulaw",
+            "--voice",
+            "calm.wav",
+        ],
+    );
+    server.wait_sessions(0, 20);
+    for r in [&a, &b, &c] {
+        assert!(r["errors"].as_array().unwrap().is_empty(), "{r}");
+        for (event, n) in [
+            ("session.created", 1),
+            ("session.updated", 1),
+            ("response.created", 1),
+        ] {
+            assert_eq!(r["events"][event], n, "{event}: {r}");
+        }
+        assert!(r["audio_seconds"].as_f64().unwrap() >= 4.0, "{r}");
+        // The transcript the client got is the session's logged pieces (up to the frames
+        // stepped after it had gone).
+        let logged = logged_text(&session_dir(&server, r));
+        let got = r["text"].as_str().unwrap();
+        assert!(logged.starts_with(got), "{got:?} vs {logged:?}");
+    }
+    assert_eq!(c["updated"]["audio"]["output"]["voice"], "calm.wav", "{c}");
+    assert_eq!(
+        c["updated"]["audio"]["input"]["format"]["type"], "audio/pcmu",
+        "{c}"
+    );
+    // Greedy over /v1/realtime is what `duplex replay --greedy` gives on the logged codes.
+    let (da, db) = (session_dir(&server, &a), session_dir(&server, &b));
+    assert_replays(&da, &dir.join("replay-a.jsonl"));
+    assert_replays(&db, &dir.join("replay-b.jsonl"));
+    // The two greedy sessions heard the same audio and said the same; the μ-law stream,
+    // decoded by Python's audioop, is the PCM16 one at 8 kHz, to within G.711's noise.
+    let (ta, tb) = (
+        token_log(&da.join("agent.jsonl")),
+        token_log(&db.join("agent.jsonl")),
+    );
+    let same = ta.len().min(tb.len());
+    assert!(same >= 60);
+    assert_eq!(ta[..same], tb[..same]);
+    let (ra, pa) = read_wav(&pcm_out);
+    let (rb, pb) = read_wav(&law_out);
+    assert_eq!((ra, rb), (24_000, 8_000));
+    // Filters of the same length in time (12 ms), below where the resampler's band ends.
+    let pa: Vec<f64> = low_pass(&pa, 24_000.0, 3_000.0, 144)
+        .into_iter()
+        .step_by(3)
+        .collect();
+    let pb = low_pass(&pb, 8_000.0, 3_000.0, 48);
+    // Compared over the conversation both received in full, past the filters' edges.
+    let n = pa.len().min(pb.len()) - 200;
+    let (mut signal, mut noise) = (0.0, 0.0);
+    for i in 100..n {
+        signal += pa[i] * pa[i];
+        noise += (pa[i] - pb[i]).powi(2);
+    }
+    let snr = 10.0 * (signal / noise).log10();
+    assert!(signal > 1e-3, "the agent's audio is silent: {signal}");
+    // About 38 dB here; a wrong law or byte order gives less than 0.
+    assert!(snr > 25.0, "μ-law vs PCM16: SNR {snr:.1} dB");
+    eprintln!("μ-law vs PCM16 at 8 kHz: SNR {snr:.1} dB over {n} samples");
+}
+
+/// A server of the tests' template with one API key, `key`, and `extra` configuration.
+fn with_key(key: &str, extra: &str) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, format!("{key} name=agent\n")).unwrap();
+    let logs = dir.path().join("sessions");
+    let tpl = dir.path().join("session.yaml");
+    std::fs::write(&tpl, serve::template(&logs, 240)).unwrap();
+    Server::start_with(
+        dir,
+        &format!("keys_file: {}\n{extra}", keys.display()),
+        &tpl,
+    )
+}
+
+#[test]
+fn bad_events_get_errors_naming_the_field_while_a_session_beside_streams_on() {
+    let key = "realtime-key-0123456789abcdef";
+    let mut server = with_key(key, "");
+    server.key = Some(key.to_string());
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 6.0, 200.0);
+    // A session streams in real time (its key as the SDK sends it, `Authorization: Bearer`).
+    let beside = {
+        let (port, wav) = (server.port, wav.to_str().unwrap().to_string());
+        std::thread::spawn(move || {
+            Command::new(daemon::root().join(".venv/bin/python"))
+                .arg(daemon::root().join("tests/clients/realtime_client.py"))
+                .args(["--url", &format!("http://127.0.0.1:{port}")])
+                .args(["--wav", &wav, "--key", key])
+                .output()
+                .unwrap()
+        })
+    };
+    // Another client sends one bad event after another (its key in the subprotocol, as a
+    // browser's realtime client passes it).
+    let big = format!(
+        "{{\"type\": \"input_audio_buffer.append\", \"audio\": \"{}\"}}",
+        "A".repeat(10 << 20)
+    );
+    let events = serde_json::to_string(&[
+        "this is not JSON".to_string(),
+        r#"{"event_id": "e1", "type": "no.such.event"}"#.into(),
+        r#"{"event_id": "e2", "session": {}}"#.into(),
+        r#"{"event_id": "e3", "type": "session.update", "session": {"voice": "missing.wav"}}"#
+            .into(),
+        r#"{"event_id": "e4", "type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/mp3"}}}}}"#.into(),
+        r#"{"event_id": "e5", "type": "session.update", "session": {"duplex": {"text_temperature": "hot"}}}"#.into(),
+        r#"{"event_id": "e6", "type": "input_audio_buffer.append", "audio": "not base64!"}"#.into(),
+        r#"{"event_id": "e7", "type": "input_audio_buffer.append", "audio": 12345}"#.into(),
+        r#"{"event_id": "e8", "type": "conversation.item.create", "item": {}}"#.into(),
+        big,
+    ])
+    .unwrap();
+    let file = server.dir.path().join("events.json");
+    std::fs::write(&file, events).unwrap();
+    let r = realtime(
+        &server,
+        &[
+            "--mode",
+            "raw",
+            "--key",
+            key,
+            "--listen",
+            "5",
+            "--events",
+            &format!("@{}", file.display()),
+        ],
+    );
+    assert_eq!(r["subprotocol"], "realtime", "{r}");
+    let errors: Vec<&serde_json::Value> = r["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "error")
+        .map(|e| &e["error"])
+        .collect();
+    let expect = [
+        ("invalid_json", None, None),
+        ("unknown_event", Some("type"), Some("e1")),
+        ("missing_type", Some("type"), Some("e2")),
+        ("invalid_value", Some("session.voice"), Some("e3")),
+        (
+            "invalid_value",
+            Some("session.audio.input.format"),
+            Some("e4"),
+        ),
+        (
+            "invalid_value",
+            Some("session.duplex.text_temperature"),
+            Some("e5"),
+        ),
+        ("invalid_base64", Some("audio"), Some("e6")),
+        ("invalid_value", Some("audio"), Some("e7")),
+        ("unsupported_event", Some("type"), Some("e8")),
+        ("event_too_large", None, None),
+    ];
+    assert_eq!(errors.len(), expect.len(), "{r}");
+    for (e, (code, param, id)) in errors.iter().zip(expect) {
+        assert_eq!(e["code"], code, "{e}");
+        assert_eq!(e["param"].as_str(), param, "{e}");
+        assert_eq!(e["event_id"].as_str(), id, "{e}");
+        assert!(!e["message"].as_str().unwrap().is_empty(), "{e}");
+    }
+    assert!(
+        errors[3]["message"]
+            .as_str()
+            .unwrap()
+            .contains("missing.wav"),
+        "{}",
+        errors[3]
+    );
+    // The 10 MB event closed its connection (1009), and only it.
+    assert_eq!(r["close"][0], 1009, "{r}");
+    let out = beside.join().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(report["errors"].as_array().unwrap().is_empty(), "{report}");
+    assert!(report["audio_seconds"].as_f64().unwrap() >= 4.0, "{report}");
+    // Without a key: refused before the upgrade.
+    let r = realtime(&server, &["--mode", "raw", "--listen", "1"]);
+    assert_eq!(r["status"], 401, "{r}");
+    let m = server.metrics();
+    assert!(
+        serve::metric_value_of(
+            &m,
+            "duplex_session_protocol_errors_total{kind=\"not_json\"}"
+        ) >= 1.0,
+        "{m}"
+    );
+}
+
+/// Runs the Twilio-like client with `args`; returns its report.
+fn phone_call(server: &Server, args: &[&str]) -> serde_json::Value {
+    let url = format!("ws://127.0.0.1:{}/twilio/media", server.port);
+    python_client(
+        server,
+        "twilio_client.py",
+        &[&["--url", &url], args].concat(),
+    )
+}
+
+#[test]
+fn a_signed_twilio_call_streams_mu_law_both_ways_with_its_marks_echoed() {
+    let signed = "wss://voice.example.com/twilio/media";
+    let server = with_key(
+        "api-key-0123456789abcdef",
+        &format!("twilio_auth_token: twilio-token-42\ntwilio_url: {signed}\n"),
+    );
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 6.0, 180.0);
+    let wav = wav.to_str().unwrap();
+    // The TwiML's <Parameter>s set the persona and greedy sampling.
+    let parameters = serde_json::json!({
+        "text_prompt": PERSONA,
+        "text_temperature": "0",
+        "audio_temperature": "0",
+    })
+    .to_string();
+    let r = phone_call(
+        &server,
+        &[
+            "--wav",
+            wav,
+            "--token",
+            "twilio-token-42",
+            "--signed-url",
+            signed,
+            "--parameters",
+            &parameters,
+        ],
+    );
+    assert!(r["errors"].as_array().unwrap().is_empty(), "{r}");
+    assert_eq!(r["status"], serde_json::Value::Null, "{r}");
+    eprintln!("the call: {r}");
+    // Every message carried the call's streamSid.
+    assert_eq!(
+        r["sids"],
+        serde_json::json!(["MZ0123456789abcdef0123456789abcdef"]),
+        "{r}"
+    );
+    assert!(r["audio_seconds"].as_f64().unwrap() >= 4.0, "{r}");
+    assert!(r["rms"].as_f64().unwrap() > 0.01, "{r}");
+    // A mark about every second of audio, each echoed once played; played in time, nothing
+    // was cleared.
+    let marks = r["marks"].as_u64().unwrap();
+    assert!(marks >= 4, "{r}");
+    assert!(r["echoed"].as_u64().unwrap() + 3 >= marks, "{r}");
+    assert_eq!(r["clears"], 0, "{r}");
+    server.wait_sessions(0, 20);
+    // The call hung up (`stop`): the session ended as a client's close.
+    assert!(server.log().contains("client_closed"), "{}", server.log());
+    // Greedy, with the persona of the <Parameter>s: what `duplex replay` gives.
+    let sessions = server.dir.path().join("sessions");
+    // The session's folder is named by its id (beside the start-up's `check` and `prime`).
+    let session = std::fs::read_dir(&sessions)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.parse::<u64>().is_ok())
+        })
+        .unwrap_or_else(|| panic!("no session in {}", sessions.display()));
+    assert_replays(&session, &server.dir.path().join("replay.jsonl"));
+    // Not signed for this URL, or signed with another token: refused before the upgrade.
+    for token in ["another-token", ""] {
+        let r = phone_call(
+            &server,
+            &["--wav", wav, "--token", token, "--signed-url", signed],
+        );
+        assert_eq!(r["status"], 403, "{r}");
+    }
+    let r = phone_call(
+        &server,
+        &[
+            "--wav",
+            wav,
+            "--token",
+            "twilio-token-42",
+            "--signed-url",
+            "wss://elsewhere.example.com/twilio/media",
+        ],
+    );
+    assert_eq!(r["status"], 403, "{r}");
+}
