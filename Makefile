@@ -16,8 +16,14 @@ setup-test:
 build: setup
 	$(CARGO) build --release
 
-# The main job: the full duplex pipeline on the tiny pack, on headless audio (no sound card).
-demo: build
+# The main job: the full duplex pipeline on the tiny pack, on headless audio (no sound card). The
+# build needs only the Debian packages: ONNX Runtime, the exporter and the packs install beside it.
+demo:
+	@tools/setup.sh --debian
+	@mkdir -p target; tools/setup.sh > target/setup.log 2>&1 & setup=$$!; \
+	  $(CARGO) build --release; built=$$?; \
+	  wait $$setup; ok=$$?; cat target/setup.log >&2; \
+	  [[ $$built == 0 && $$ok == 0 ]]
 	$(DUPLEX) run pipelines/make-tone.yaml
 	$(DUPLEX) run pipelines/duplex-file.yaml
 	@echo "demo: wrote out/agent-48k.wav and out/agent-tokens.jsonl"

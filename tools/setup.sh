@@ -5,6 +5,7 @@
 #   tools/setup.sh          what the main job needs (`make demo`): the Rust build's Debian
 #                           packages, ONNX Runtime, the exporter, the tiny packs
 #   tools/setup.sh --test   that, and everything the tests need besides (`make test`, CI)
+#   tools/setup.sh --debian the main job's Debian packages alone (what the Rust build needs)
 #
 # Always (the main job):
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
@@ -28,10 +29,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FOR_TESTS=0
+DEBIAN_ONLY=0
 case "${1:-}" in
   "") ;;
   --test) FOR_TESTS=1 ;;
-  *) printf 'setup: unknown argument %s (expected nothing or --test)\n' "$1" >&2; exit 2 ;;
+  --debian) DEBIAN_ONLY=1 ;;
+  *) printf 'setup: unknown argument %s (expected nothing, --test or --debian)\n' "$1" >&2; exit 2 ;;
 esac
 
 ORT_VERSION=1.31.1
@@ -83,6 +86,10 @@ if ((${#missing[@]})); then
     exit 1
   fi
 fi
+
+# --debian: the Debian packages alone (what the Rust build needs), for `make demo`, which builds
+# while the rest installs.
+((DEBIAN_ONLY)) && exit 0
 
 # --- Rust ----------------------------------------------------------------------------------------
 if ! command -v cargo >/dev/null; then

@@ -126,6 +126,9 @@ if wanted build; then
   phase build "$CARGO" test --release --no-run || built=0
 fi
 wait_background setup
+# The tests list each retry there (support::retried): a run says how many it used.
+RETRIES=target/test-retries.txt
+rm -f "$RETRIES"
 if ((built)); then
   if wanted compute; then
     phase unit "$CARGO" test --release --lib --bins
@@ -158,6 +161,12 @@ printf '  %s\n' "${times[@]}"
 if ((${#failed[@]})); then
   printf 'failed: %s\n' "${failed[@]}"
   grep -E '^    [a-z_:]+$|^test .* FAILED$' "$LOG" | sed 's/^/  /' | sort -u
+fi
+if [[ -s $RETRIES ]]; then
+  printf 'retries used: %s (the environment failed a stream; each test says why)\n' "$(wc -l <"$RETRIES")"
+  sed 's/^/  /' "$RETRIES"
+elif wanted realtime; then
+  echo "retries used: 0"
 fi
 echo "tests: $passed passed, $nfailed failed"
 ((${#failed[@]} == 0))

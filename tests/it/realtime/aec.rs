@@ -164,7 +164,10 @@ fn run_in_room(latency_ms: u32, enabled: bool, seconds: f64, user_at: Option<f64
         match try_run(&r, enabled, seconds, user_at) {
             Ok(run) => return (r, run),
             Err(log) if log.contains("I/O error") && attempt < ROOMS => {
-                eprintln!("the sound server failed a stream with EIO; once more on a fresh server");
+                crate::support::retried(
+                    "realtime::aec",
+                    "the sound server failed a stream with EIO; once more on a fresh server",
+                );
             }
             Err(log) => panic!("{log}"),
         }

@@ -1,6 +1,7 @@
 //! Live audio on a real, paced device: a private PulseAudio server with a null sink, reached
 //! through cpal's ALSA host. Playback is captured back from the sink's monitor.
 
+use crate::support;
 use crate::support::pulse;
 
 use std::path::Path;
@@ -38,9 +39,10 @@ fn a_sine_played_is_captured_back_at_its_frequency_in_real_time() {
     // up to 1.5 s after it opened): such a run is done again on a fresh server, up to three times
     // in all; any other failure fails the test.
     if !sine_run(true) {
-        eprintln!("the sound server failed the stream with EIO; once more on a fresh server");
+        let test = "realtime::audio_live::a_sine_played_is_captured_back";
+        support::retried(test, "the sound server failed the stream with EIO");
         if !sine_run(true) {
-            eprintln!("the sound server failed the stream with EIO again; a last time");
+            support::retried(test, "the sound server failed the stream with EIO again");
             sine_run(false);
         }
     }
@@ -178,9 +180,13 @@ fn device_fault_run(reconnect: bool, fault: impl Fn(&mut Pulse)) -> (std::proces
     for attempt in 1..=3 {
         match device_fault_try(reconnect, &fault) {
             Ok(run) => return run,
-            Err(early) if attempt < 3 => eprintln!(
-                "the sound server failed the stream before the fault; once more on a fresh \
-                 server:\n{early}"
+            Err(early) if attempt < 3 => support::retried(
+                "realtime::audio_live::device_fault_run",
+                &format!(
+                    "the sound server failed the stream before the fault; once more on a \
+                     fresh server: {}",
+                    early.lines().rev().find(|l| l.contains("I/O error")).unwrap_or("")
+                ),
             ),
             Err(early) => panic!("the sound server failed the stream three times:\n{early}"),
         }

@@ -185,6 +185,28 @@ pub fn soak() -> bool {
     std::env::var_os("DUPLEX_SOAK").is_some_and(|v| v == "1")
 }
 
+/// Where retries are listed: `target/test-retries.txt`, which `tools/test.sh` empties before the
+/// suites and prints after them, so a run says how many it used.
+pub fn retries_file() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-retries.txt")
+}
+
+/// Records that `test` ran its scenario again because of `why`, a failure proved to be the
+/// environment's (the private sound server failing a stream with EIO): printed, and listed in
+/// [`retries_file`].
+pub fn retried(test: &str, why: &str) {
+    use std::io::Write;
+    eprintln!("{test}: retried: {why}");
+    let line = format!("{test}: {}\n", why.replace('\n', " "));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(retries_file());
+    if let Ok(mut f) = file {
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
 /// The variable that marks a test run again in a process of its own ([`rerun_alone`]).
 const OWN_PROCESS: &str = "DUPLEX_TEST_IN_OWN_PROCESS";
 
