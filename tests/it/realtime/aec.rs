@@ -166,7 +166,11 @@ fn run_in_room(latency_ms: u32, enabled: bool, seconds: f64, user_at: Option<f64
             Err(log) if log.contains("I/O error") && attempt < ROOMS => {
                 crate::support::retried(
                     "realtime::aec",
-                    "the sound server failed a stream with EIO; once more on a fresh server",
+                    &format!(
+                        "the sound server failed a stream with EIO; once more on a fresh server \
+                         (its log: {})",
+                        r.pa.log_problems(5)
+                    ),
                 );
             }
             Err(log) => panic!("{log}"),

@@ -185,7 +185,11 @@ fn device_fault_run(reconnect: bool, fault: impl Fn(&mut Pulse)) -> (std::proces
                 &format!(
                     "the sound server failed the stream before the fault; once more on a \
                      fresh server: {}",
-                    early.lines().rev().find(|l| l.contains("I/O error")).unwrap_or("")
+                    early
+                        .lines()
+                        .rev()
+                        .find(|l| l.contains("I/O error"))
+                        .unwrap_or("")
                 ),
             ),
             Err(early) => panic!("the sound server failed the stream three times:\n{early}"),

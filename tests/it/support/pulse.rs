@@ -42,7 +42,11 @@ impl Pulse {
                 "module-null-sink sink_name=nullsink",
                 "-L",
                 "module-always-sink",
+                // Its own log, so that a stream it fails can be told from one we fail.
+                "--log-level=info",
+                "--log-time=1",
             ])
+            .arg(format!("--log-target=file:{}", self.log_path().display()))
             .envs(self.env())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -100,6 +104,21 @@ impl Pulse {
             .envs(self.env())
             .output()
             .unwrap()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("pulse.log")
+    }
+
+    /// The server's own log: its last `n` lines of warnings and errors (`W:` and `E:`), for a
+    /// test that saw it fail a stream.
+    pub fn log_problems(&self, n: usize) -> String {
+        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("W: [") || l.contains("E: ["))
+            .collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     pub fn dir(&self) -> &Path {
