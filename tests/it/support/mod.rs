@@ -1,4 +1,7 @@
-//! Helpers shared by the integration tests: small stages over plain numbers, and paths.
+//! Helpers shared by the integration tests: small stages over plain numbers, and paths; the
+//! command line, the daemon, the server, the private sound server, network namespaces and the
+//! tiny packs (a module each); the length of the soak-length tests (`make soak`), tests rerun
+//! in a process of their own, and retries the environment forced, listed for `tools/test.sh`.
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
