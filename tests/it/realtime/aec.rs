@@ -168,8 +168,12 @@ fn run_in_room(latency_ms: u32, enabled: bool, seconds: f64, user_at: Option<f64
                     "realtime::aec",
                     &format!(
                         "the sound server failed a stream with EIO; once more on a fresh server \
-                         (its log: {})",
-                        r.pa.log_problems(5)
+                         (duplex: {}; the server's log: {})",
+                        log.lines()
+                            .filter(|l| l.contains("I/O error"))
+                            .collect::<Vec<_>>()
+                            .join(" | "),
+                        r.pa.log_tail(15)
                     ),
                 );
             }

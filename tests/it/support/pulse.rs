@@ -110,15 +110,15 @@ impl Pulse {
         self.dir.path().join("pulse.log")
     }
 
-    /// The server's own log: its last `n` lines of warnings and errors (`W:` and `E:`), for a
-    /// test that saw it fail a stream.
-    pub fn log_problems(&self, n: usize) -> String {
+    /// The server's own log, its last `n` lines after start-up (stream and module events, at
+    /// info level and above), for a test that saw it fail a stream.
+    pub fn log_tail(&self, n: usize) -> String {
         let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
         let lines: Vec<&str> = log
             .lines()
-            .filter(|l| l.contains("W: [") || l.contains("E: ["))
+            .skip_while(|l| !l.contains("Daemon startup complete"))
             .collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        lines[lines.len().saturating_sub(n)..].join(" | ")
     }
 
     pub fn dir(&self) -> &Path {
