@@ -6,11 +6,12 @@
 //! it opens it, watches for errors reported by cpal's error callback, and either reports the
 //! device as failed or, with `reconnect`, tries again after 100 ms, 200 ms, … up to 2 s, handing
 //! the new ring endpoints to the stage through a channel. Failures before a stream has run for
-//! a second, within a few seconds of opening, are the sound server settling (a new PulseAudio
-//! stream can fail with EIO under load): they are retried quietly, the state saying `Opening`
-//! meanwhile, so that the stage drops frames rather than queueing them into a stream that is
-//! gone. A stream whose data callbacks stop for seconds without an error is treated as lost
-//! too.
+//! a second, within a few seconds of opening, are the sound server settling: they are retried
+//! quietly, the state saying `Opening` meanwhile, so that the stage drops frames rather than
+//! queueing them into a stream that is gone. A stream whose data callbacks stop for seconds
+//! without an error is treated as lost too. PulseAudio's ALSA plugin answers a delay query with
+//! EIO while it has no timing information (a plugin bug, see [`is_timing_not_ready`]): that is
+//! counted (`timing_gaps`), not a loss.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -364,6 +365,9 @@ pub struct DeviceStatus {
     /// Buffer under- or overruns the host reported and recovered from itself (a glitch, not a
     /// lost device).
     pub xruns: AtomicU64,
+    /// Times PulseAudio's ALSA plugin had no timing information for a delay query yet and
+    /// said EIO ([`is_timing_not_ready`]): the stream went on.
+    pub timing_gaps: AtomicU64,
     /// Times the stream was reopened after a loss.
     pub reconnects: AtomicU64,
     /// Data callbacks so far (the device thread's sign that a stream is alive).
@@ -452,6 +456,7 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
         state: AtomicU8::new(DeviceState::Opening as u8),
         errors: AtomicU64::new(0),
         xruns: AtomicU64::new(0),
+        timing_gaps: AtomicU64::new(0),
         reconnects: AtomicU64::new(0),
         callbacks: AtomicU64::new(0),
         last_error: Mutex::new(None),
@@ -590,6 +595,21 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
     }
 }
 
+/// Whether `e` is PulseAudio's ALSA plugin answering a delay query (`snd_pcm_avail_delay`, which
+/// cpal makes every period) with EIO because libpulse has no timing information for the stream
+/// yet. The plugin means to wait for it: it compares `pa_stream_get_latency`'s result with
+/// `PA_ERR_NODATA`, but libpulse returns the error negated (`-PA_ERR_NODATA`), so "not yet" reads
+/// as a failure. Timing information is missing until the server's first timing reply, late on a
+/// loaded machine (a new stream's EIO in its first seconds), and for a moment after the stream
+/// underruns or its buffer is reset (the EIO at a run's last frame). Nothing is wrong with the
+/// stream; the next query has the timing.
+fn is_timing_not_ready(e: &cpal::Error) -> bool {
+    e.kind() == cpal::ErrorKind::BackendError && {
+        let msg = e.to_string();
+        msg.contains("'snd_pcm_avail_delay'") && msg.contains("(5)'")
+    }
+}
+
 /// Records the error of a stream's error callback and flags the stream as lost; counts an xrun
 /// (which the host recovers from) instead.
 pub fn error_callback(
@@ -605,6 +625,15 @@ pub fn error_callback(
             }
             // Audio still plays, without real-time priority.
             cpal::ErrorKind::RealtimeDenied => {}
+            // The stream is fine and cpal polls it again; one that is really gone stops calling
+            // back and the device thread's stall check finds it.
+            _ if is_timing_not_ready(&e) => {
+                status.timing_gaps.fetch_add(1, Ordering::Relaxed);
+                // cpal polls again at once, and the plugin answers the same until the timing
+                // reply is in (hundreds of times in a second on a loaded machine, each taking
+                // the plugin's lock the reply needs): a millisecond's pause lets it in.
+                std::thread::sleep(Duration::from_millis(1));
+            }
             _ => {
                 status.error(e.to_string());
                 lost.store(true, Ordering::Release);
@@ -616,6 +645,50 @@ pub fn error_callback(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pulse_plugins_missing_timing_is_told_from_a_failed_stream() {
+        let alsa = |func: &str, errno: &str| {
+            cpal::Error::with_message(
+                cpal::ErrorKind::BackendError,
+                format!("ALSA function '{func}' failed with error '{errno}'"),
+            )
+        };
+        assert!(is_timing_not_ready(&alsa(
+            "snd_pcm_avail_delay",
+            "I/O error (5)"
+        )));
+        // Any other function's EIO, another errno, another kind: a failure.
+        assert!(!is_timing_not_ready(&alsa(
+            "snd_pcm_writei",
+            "I/O error (5)"
+        )));
+        assert!(!is_timing_not_ready(&alsa(
+            "snd_pcm_avail_delay",
+            "Bad file descriptor (77)"
+        )));
+        assert!(!is_timing_not_ready(&cpal::Error::from(
+            cpal::ErrorKind::DeviceNotAvailable
+        )));
+        // The callback counts it and leaves the stream running.
+        let status = Arc::new(DeviceStatus {
+            state: AtomicU8::new(DeviceState::Running as u8),
+            errors: AtomicU64::new(0),
+            xruns: AtomicU64::new(0),
+            timing_gaps: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            callbacks: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+            name: "test".into(),
+        });
+        let lost = Arc::new(AtomicBool::new(false));
+        let mut cb = error_callback(status.clone(), lost.clone());
+        cb(alsa("snd_pcm_avail_delay", "I/O error (5)"));
+        assert_eq!(status.timing_gaps.load(Ordering::Relaxed), 1);
+        assert!(!lost.load(Ordering::Acquire));
+        cb(alsa("snd_pcm_writei", "I/O error (5)"));
+        assert!(lost.load(Ordering::Acquire));
+    }
 
     #[test]
     fn headsets_are_told_by_name_and_by_what_the_sound_server_lists() {

@@ -371,6 +371,11 @@ impl Stage for Playback {
             .status()
             .map(|d| d.xruns.load(Ordering::Relaxed))
             .unwrap_or(0);
+        let timing_gaps = self
+            .player
+            .status()
+            .map(|d| d.timing_gaps.load(Ordering::Relaxed))
+            .unwrap_or(0);
         self.player.close();
         let s = self.player.stats.snapshot();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -382,6 +387,7 @@ impl Stage for Playback {
             dropped = s.dropped,
             lost_frames = self.lost_frames,
             xruns,
+            timing_gaps,
             target_ms = format!("{:.0}", s.target as f64 / rate * 1e3),
             device_delay_ms = format!(
                 "{:.1}",
