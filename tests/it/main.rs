@@ -4,8 +4,9 @@
 //! - `compute::*`: CPU-bound suites that wait on no real time.
 //! - `realtime::*`: suites that keep real time (sound server, daemon, server, browser).
 //!
-//! Tests share this process: none changes its environment or working directory (a test that
-//! needs its own reruns itself alone: `support::rerun_alone`).
+//! Tests share this process: none changes its environment or working directory or installs the
+//! global metrics recorder here (a test that needs its own process reruns itself alone:
+//! `support::rerun_alone`).
 //!
 //! One suite: `cargo test --release --test it -- compute::engine::`. The bad-input suite
 //! (`tests/fuzz_inputs.rs`) is a binary of its own: it measures each case's allocations with a

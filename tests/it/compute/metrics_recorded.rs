@@ -1,6 +1,7 @@
 //! The runtime's timings and drop counts reach the `metrics` facade through the recorder
-//! observer: with a Prometheus recorder installed (this test binary is its own process, so the
-//! global recorder is its own), the rendered text carries the same counts as the run's report.
+//! observer: with a Prometheus recorder installed (in a process of its own, so that the global
+//! recorder and its counts are this test's alone), the rendered text carries the same counts as
+//! the run's report.
 
 use crate::support;
 
@@ -12,6 +13,13 @@ use support::*;
 
 #[test]
 fn drops_frames_and_service_times_are_exported() {
+    if !support::in_own_process() {
+        support::rerun_alone(
+            "compute::metrics_recorded::drops_frames_and_service_times_are_exported",
+            Vec::new(),
+        );
+        return;
+    }
     let recorder = PrometheusBuilder::new()
         .set_buckets(&[0.001, 0.01, 0.08, 1.0])
         .unwrap()
