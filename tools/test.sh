@@ -10,8 +10,8 @@
 #   realtime   `tests/it` `realtime::*`: suites that keep real time or wait on other processes
 #              (sound server, daemon, server and its clients, browser, Prometheus), which spend
 #              most of their time waiting: DUPLEX_REALTIME_THREADS of them (default 4) at once,
-#              beside the four longest (started first) and the image test; then the two
-#              measurements that others' load would spoil, on their own. Never beside the
+#              beside the three longest (started first) and the image test; then the two
+#              measurements that others' load would spoil, one at a time. Never beside the
 #              CPU-bound group.
 #
 # DUPLEX_TEST_PHASES (e.g. "build compute") runs only the phases named.
@@ -46,15 +46,15 @@ phase() {
 # The real-time suites' longest tests (about a minute each), started first, beside the rest.
 LONG=(
   realtime::daemon::daemon_runs_in_real_time_with_flat_memory_and_no_underruns
-  realtime::aec::echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives
   realtime::browser::the_page_says_when_the_server_is_full_and_when_it_goes_away
   realtime::record::live_contention_replayed_headless_is_blamed_on_the_environment
 )
 # Measurements of real-time quality that other tests' load would spoil (the browser's
-# concealment under packet loss, whether a server keeps up): after the rest, two at a time.
+# concealment under packet loss, the echo canceller's double talk on a real echo path): after
+# the rest, one at a time.
 APART=(
   realtime::webrtc_loss::under_packet_loss_webrtc_conceals_blips_where_the_websocket_stalls
-  realtime::loadtest::loadtest_raises_levels_over_both_protocols_and_says_when_the_server_is_full
+  realtime::aec::echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives
 )
 # DUPLEX_TEST_TIMES=1: each integration test's time (libtest's --report-time, an unstable
 # option: allowed for the test binary alone, which cargo does not see, so nothing is rebuilt).
@@ -147,7 +147,7 @@ if ((built)); then
     for t in "${LONG[@]}" "${APART[@]}"; do skips+=(--skip "$t"); done
     phase realtime it realtime:: "${skips[@]}" --test-threads="$THREADS" "${TIMES[@]}"
     wait_background realtime-long
-    phase realtime-apart it --exact "${APART[@]}" --test-threads="${#APART[@]}" "${TIMES[@]}"
+    phase realtime-apart it --exact "${APART[@]}" --test-threads=1 "${TIMES[@]}"
   fi
   wait_background
 else
