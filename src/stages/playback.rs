@@ -366,16 +366,16 @@ impl Stage for Playback {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.observe();
-        let xruns = self
+        let (xruns, timing_gaps) = self
             .player
             .status()
-            .map(|d| d.xruns.load(Ordering::Relaxed))
-            .unwrap_or(0);
-        let timing_gaps = self
-            .player
-            .status()
-            .map(|d| d.timing_gaps.load(Ordering::Relaxed))
-            .unwrap_or(0);
+            .map(|d| {
+                (
+                    d.xruns.load(Ordering::Relaxed),
+                    d.timing_gaps.load(Ordering::Relaxed),
+                )
+            })
+            .unwrap_or((0, 0));
         self.player.close();
         let s = self.player.stats.snapshot();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
