@@ -83,17 +83,20 @@ def profile(folder: str, rows: int, calls: int, threads: int):
     by_op = collections.Counter()
     by_node = collections.Counter()
     shapes = {}
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            op = e["args"].get("op_name", "?")
-            by_op[op] += e["dur"]
-            node = e["name"][: -len("_kernel_time")]
-            by_node[node] += e["dur"]
-            shapes[node] = (op, e["args"].get("input_type_shape"))
-    # (the profile covers the warm-up calls too: scale to one call)
-    n = calls + 5
-    return wall, {k: v / 1e3 / n for k, v in by_op.items()}, \
-        {k: v / 1e3 / n for k, v in by_node.items()}, shapes
+    kernels = sorted((e for e in events
+                      if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
+                     key=lambda e: e["ts"])
+    # The profile covers the warm-up calls too (a first call's allocations can take longer than
+    # all the others): only the timed calls' kernels count, the same calls as the wall time.
+    per_call = len(kernels) // (calls + 5)
+    for e in kernels[5 * per_call:]:
+        op = e["args"].get("op_name", "?")
+        by_op[op] += e["dur"]
+        node = e["name"][: -len("_kernel_time")]
+        by_node[node] += e["dur"]
+        shapes[node] = (op, e["args"].get("input_type_shape"))
+    return wall, {k: v / 1e3 / calls for k, v in by_op.items()}, \
+        {k: v / 1e3 / calls for k, v in by_node.items()}, shapes
 
 
 def main(argv=None) -> int:
