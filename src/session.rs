@@ -3,8 +3,8 @@
 //! the session stages of that pipeline through their build context.
 //!
 //! Both directions are bounded and never block the side that cannot wait: the connection task
-//! offers incoming audio with [`ClientEnd::offer`] (a full queue drops the chunk and counts it:
-//! a client sending faster than real time), the output stages offer outgoing messages with
+//! offers incoming audio with [`ClientEnd::offer`] (a full queue, in chunks or in bytes, drops
+//! the chunk and counts it: a client sending faster than real time), the output stages offer outgoing messages with
 //! [`PipelineEnd::offer`] (a full queue, a client that stopped reading, drops them and counts
 //! them); the connection task decides when a stall is long enough to close. Knows nothing of
 //! WebSocket, HTTP, stages or threads beyond the two queues.
@@ -43,6 +43,8 @@ pub struct LinkStats {
     pub bytes_in: AtomicU64,
     /// Bytes queued for the client.
     pub bytes_out: AtomicU64,
+    /// Bytes of the client's audio waiting for the pipeline.
+    pub queued_in: AtomicU64,
     /// Set once the client has been told the session is ready: the input stage's idle clock
     /// starts then.
     pub open: AtomicBool,
@@ -73,6 +75,8 @@ pub enum Refused {
 /// The end held by the connection task.
 pub struct ClientEnd {
     inbound: crossbeam_channel::Sender<Vec<u8>>,
+    /// Bytes that may wait for the pipeline at most.
+    max_queued_in: u64,
     /// Messages for the client, in order.
     pub outbound: tokio::sync::mpsc::Receiver<Outbound>,
     /// The counters of both ends.
@@ -84,11 +88,21 @@ impl ClientEnd {
     ///
     /// # Errors
     ///
-    /// [`Refused::Full`] (dropped, counted) or [`Refused::Closed`] (the pipeline has ended).
+    /// [`Refused::Full`] (dropped, counted: the queue holds its chunks or its bytes already) or
+    /// [`Refused::Closed`] (the pipeline has ended).
     pub fn offer(&self, chunk: Vec<u8>) -> Result<(), Refused> {
-        LinkStats::add(&self.stats.bytes_in, chunk.len() as u64);
+        let n = chunk.len() as u64;
+        LinkStats::add(&self.stats.bytes_in, n);
+        let queued = LinkStats::get(&self.stats.queued_in);
+        if queued > 0 && queued + n > self.max_queued_in {
+            LinkStats::add(&self.stats.dropped_in, 1);
+            return Err(Refused::Full);
+        }
         match self.inbound.try_send(chunk) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                LinkStats::add(&self.stats.queued_in, n);
+                Ok(())
+            }
             Err(crossbeam_channel::TrySendError::Full(_)) => {
                 LinkStats::add(&self.stats.dropped_in, 1);
                 Err(Refused::Full)
@@ -160,7 +174,12 @@ impl Inbound {
     /// The next chunk, waiting at most `timeout`.
     pub fn recv(&self, timeout: Duration) -> Received {
         match self.rx.recv_timeout(timeout) {
-            Ok(c) => Received::Chunk(c),
+            Ok(c) => {
+                self.stats
+                    .queued_in
+                    .fetch_sub(c.len() as u64, Ordering::Relaxed);
+                Received::Chunk(c)
+            }
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Received::Quiet,
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Received::Ended,
         }
@@ -230,12 +249,23 @@ impl Output {
 /// A linked pair: `inbound` chunks may wait for the pipeline, `outbound` messages for the
 /// client.
 pub fn link(inbound: usize, outbound: usize) -> (ClientEnd, PipelineEnd) {
+    link_bounded(inbound, u64::MAX, outbound)
+}
+
+/// A linked pair whose inbound queue holds at most `inbound` chunks and `inbound_bytes` bytes
+/// (a chunk larger than that alone is still taken into an empty queue).
+pub fn link_bounded(
+    inbound: usize,
+    inbound_bytes: u64,
+    outbound: usize,
+) -> (ClientEnd, PipelineEnd) {
     let (itx, irx) = crossbeam_channel::bounded(inbound.max(1));
     let (otx, orx) = tokio::sync::mpsc::channel(outbound.max(1));
     let stats = Arc::new(LinkStats::default());
     (
         ClientEnd {
             inbound: itx,
+            max_queued_in: inbound_bytes,
             outbound: orx,
             stats: stats.clone(),
         },
@@ -275,5 +305,24 @@ mod tests {
             client.outbound.try_recv().ok(),
             Some(Outbound::Text("a".into()))
         );
+    }
+
+    #[test]
+    fn the_inbound_queue_is_bounded_in_bytes_too() {
+        let (client, pipe) = link_bounded(100, 1000, 1);
+        let input = pipe.take_input().unwrap();
+        // One chunk larger than the bound alone is taken into an empty queue; nothing after it.
+        assert_eq!(client.offer(vec![0; 1500]), Ok(()));
+        assert_eq!(client.offer(vec![0; 1]), Err(Refused::Full));
+        assert!(matches!(input.recv(Duration::ZERO), Received::Chunk(c) if c.len() == 1500));
+        assert_eq!(LinkStats::get(&client.stats.queued_in), 0);
+        for _ in 0..4 {
+            assert_eq!(client.offer(vec![0; 250]), Ok(()));
+        }
+        assert_eq!(client.offer(vec![0; 1]), Err(Refused::Full));
+        assert_eq!(LinkStats::get(&client.stats.queued_in), 1000);
+        assert_eq!(LinkStats::get(&client.stats.dropped_in), 2);
+        assert!(matches!(input.recv(Duration::ZERO), Received::Chunk(_)));
+        assert_eq!(client.offer(vec![0; 250]), Ok(()));
     }
 }

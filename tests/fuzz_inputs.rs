@@ -1201,7 +1201,7 @@ proptest! {
         use duplex::app::serve::realtime::{parse_event, ClientEvent};
         let r = bounded("realtime event", || parse_event(&text));
         match r {
-            Ok((_, ClientEvent::Append(bytes))) => prop_assert!(bytes.len() <= text.len()),
+            Ok((_, ClientEvent::Append(b64))) => prop_assert!(b64.len() <= text.len()),
             Ok(_) => {}
             Err(e) => {
                 prop_assert!(!e.message.is_empty() && e.message.len() < 400, "{e:?}");

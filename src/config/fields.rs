@@ -280,12 +280,13 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A list of strings, trimmed, empty ones dropped (from the environment: one string,
-    /// comma-separated). `what` says what the items are, for the message.
+    /// A list of strings, trimmed (from the environment: one string, comma-separated; an empty
+    /// one is an empty list). `what` says what the items are, for the message.
     ///
     /// # Errors
     ///
-    /// [`ConfigErrorKind::WrongType`] for a map, or a list holding one.
+    /// [`ConfigErrorKind::WrongType`] for a map, a list holding one, or an empty entry (`[""]`,
+    /// `a,,b`: never what an operator meant).
     pub fn list(&self, k: &str, what: &str) -> Result<Vec<String>, ConfigError> {
         let bad = |v: &Value| {
             self.err(
@@ -298,6 +299,7 @@ impl<'a> Fields<'a> {
             None => Vec::new(),
             Some(v) => match &v.kind {
                 ValueKind::Nil => Vec::new(),
+                ValueKind::String(list) if list.trim().is_empty() => Vec::new(),
                 ValueKind::String(list) => list.split(',').map(str::to_string).collect(),
                 ValueKind::Array(a) => a
                     .iter()
@@ -306,11 +308,18 @@ impl<'a> Fields<'a> {
                 _ => return Err(bad(v)),
             },
         };
-        Ok(items
-            .into_iter()
-            .map(|i| i.trim().to_string())
-            .filter(|i| !i.is_empty())
-            .collect())
+        let items: Vec<String> = items.into_iter().map(|i| i.trim().to_string()).collect();
+        if let Some(n) = items.iter().position(String::is_empty) {
+            return Err(self.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!(
+                    "entry {} of the list is empty: expected {what} (an empty list is [])",
+                    n + 1
+                ),
+            ));
+        }
+        Ok(items)
     }
 
     /// The table `k`, whose keys errors name as `k.key`.
@@ -442,15 +451,28 @@ mod tests {
         assert_eq!(origins["colour"], "f.yaml: `colour`");
     }
 
-    /// Empty values read as unset; a list may come from the environment as one string.
+    /// Empty values read as unset; a list may come from the environment as one string; an
+    /// empty entry of a list is refused, naming it.
     #[test]
     fn empty_values_are_unset_and_lists_split_at_commas() {
-        let m = layered("s:\nb:\n", &[("DUPLEX__L", " a, ,b ")]);
+        let m = layered(
+            "s:\nb:\nholes: [a, \"\", c]\n",
+            &[
+                ("DUPLEX__L", " a, b "),
+                ("DUPLEX__E", " "),
+                ("DUPLEX__G", "a,,b"),
+            ],
+        );
         let f = Fields::new("f.yaml", DEFAULTS, &m);
         assert_eq!(f.string("s").unwrap(), "");
         assert!(!f.boolean("b").unwrap());
         assert!(!f.is_set("s") && f.is_set("a"));
         assert_eq!(f.list("l", "names").unwrap(), ["a", "b"]);
+        assert!(f.list("e", "names").unwrap().is_empty());
+        for k in ["holes", "g"] {
+            let e = f.list(k, "names").unwrap_err().to_string();
+            assert!(e.contains("entry 2 of the list is empty"), "{e}");
+        }
         assert_eq!(
             f.number("missing", 0.0, 1.0).unwrap_err().kind,
             ConfigErrorKind::Missing

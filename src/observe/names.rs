@@ -91,7 +91,8 @@ pub const SESSION_BYTES: &str = "duplex_session_bytes_total";
 pub const SESSION_DROPPED: &str = "duplex_session_dropped_messages_total";
 /// Counter: 80 ms frames' worth of a client's audio skipped undecoded because it came faster
 /// than real time beyond the catch-up allowance (`opus_decode`'s pacing; also packets that
-/// claim more audio than the budget holds).
+/// claim more audio than the budget holds; on the PCM transports, the connection's budget,
+/// charged from the encoded size).
 pub const OPUS_REFUSED: &str = "duplex_session_input_refused_frames_total";
 /// Counter: 80 ms frames of silence fed in place of a quiet client.
 pub const SESSION_SILENCE: &str = "duplex_session_silence_frames_total";
@@ -101,7 +102,8 @@ pub const SESSION_LATE_FRAMES: &str = "duplex_session_late_frames_total";
 /// Counter: times a client stopped reading for longer than `stall_timeout` (its session is
 /// closed).
 pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
-/// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary|flood`):
+/// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary|flood|
+/// bad_utf8|not_json|bad_event|early_audio`):
 /// protocol errors of clients (`flood`: more messages, pings included, than
 /// `limits.max_messages_per_s`).
 pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";

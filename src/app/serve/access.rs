@@ -11,8 +11,11 @@
 //! - **Origins**: a browser's upgrade (it sends `Origin`) is let in from the server's own origin,
 //!   from loopback pages, or from `allowed_origins`; a client that sends no `Origin` is not a
 //!   browser page and is judged by its key alone.
-//! - **Proxies**: `X-Forwarded-For` and `Forwarded` are believed only from `trusted_proxies`;
-//!   per-address limits group IPv6 addresses by their /64 (one host has a whole /64).
+//! - **Proxies**: the one header the operator's proxy writes (`forwarded_header`:
+//!   `X-Forwarded-For` by default, or `Forwarded`) is believed, only from `trusted_proxies`; the
+//!   client's address is the rightmost one in it that is not a trusted proxy. The other header
+//!   is never read: a proxy passes it through from the client. Per-address limits group IPv6
+//!   addresses by their /64 (one host has a whole /64).
 //!
 //! Knows nothing of sessions or sockets.
 
@@ -159,6 +162,18 @@ impl Keys {
         })
     }
 
+    /// The names of keys listed more than once (the same key, by value or digest), each with
+    /// the name of its first listing: the operator is warned.
+    pub fn duplicates(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            if let Some(first) = self.keys[..i].iter().find(|f| f.digest == k.digest) {
+                out.push((k.name.clone(), first.name.clone()));
+            }
+        }
+        out
+    }
+
     /// Whether any key is configured (with none, the server is open).
     pub fn any(&self) -> bool {
         !self.keys.is_empty()
@@ -214,6 +229,49 @@ impl Keys {
     }
 }
 
+/// What [`Keys::load`] does not refuse but an operator cannot have meant: a keys file with no
+/// key in it (blank, or comments only: the server would start open), or one with keys in the
+/// clear that its group or others may read.
+///
+/// # Errors
+///
+/// A message naming the file and what to do.
+pub fn check_keys_file(file: &Path) -> Result<(), String> {
+    let text = crate::files::read_limited(file, 1 << 20)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    let text = String::from_utf8_lossy(&text);
+    let entries: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    if entries.is_empty() {
+        return Err(format!(
+            "{}: no key in it (only blank lines and comments): the server would start open to \
+             anyone; add keys, or leave keys_file empty",
+            file.display()
+        ));
+    }
+    let clear = entries.iter().any(|e| !e.starts_with("sha256:"));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(file)
+            .map_err(|e| format!("{}: {e}", file.display()))?
+            .permissions()
+            .mode();
+        if clear && mode & 0o077 != 0 {
+            return Err(format!(
+                "{}: holds keys in the clear and its group or others may read it (mode {:03o}): \
+                 chmod 600 it, or list the keys' sha256: digests instead",
+                file.display(),
+                mode & 0o777
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The key a request presents: the `kyutai-api-key` header, `Authorization: Bearer …`, the
 /// `openai-insecure-api-key.…` WebSocket subprotocol (how a browser's OpenAI realtime client
 /// passes its key), or the `auth_id` query parameter, in that order.
@@ -248,12 +306,13 @@ pub fn presented(headers: &HeaderMap, query: Option<&str>) -> Option<String> {
 
 /// Whether a browser page of `origin` may open sessions on a server reached as `host`: its own
 /// origin, a loopback page (`localhost`, `127.0.0.0/8`, `::1`), or one of `allowed`
-/// (`https://app.example.com`, exact, scheme included; `*` allows every origin).
+/// (`https://app.example.com`, exact, scheme included; `*` allows every origin). A scheme's
+/// default port is the same origin as none (`https://a.example:443` is `https://a.example`).
 pub fn origin_allowed(origin: &str, host: Option<&str>, allowed: &[String]) -> bool {
-    let origin = origin.trim().trim_end_matches('/').to_ascii_lowercase();
+    let origin = normal_origin(origin);
     if allowed
         .iter()
-        .any(|a| a == "*" || a.trim_end_matches('/').eq_ignore_ascii_case(&origin))
+        .any(|a| a == "*" || normal_origin(a) == origin)
     {
         return true;
     }
@@ -264,7 +323,8 @@ pub fn origin_allowed(origin: &str, host: Option<&str>, allowed: &[String]) -> b
     if !matches!(scheme, "http" | "https") {
         return false;
     }
-    if host.is_some_and(|h| h.trim().eq_ignore_ascii_case(authority)) {
+    let host = host.map(|h| normal_origin(&format!("{scheme}://{}", h.trim())));
+    if host.is_some_and(|h| h == origin) {
         return true;
     }
     let name = match authority.strip_prefix('[') {
@@ -274,6 +334,66 @@ pub fn origin_allowed(origin: &str, host: Option<&str>, allowed: &[String]) -> b
     name == "localhost"
         || name.ends_with(".localhost")
         || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// An origin as compared: lower-case, no trailing `/`, no default port (`:443` for `https`,
+/// `:80` for `http`).
+pub fn normal_origin(origin: &str) -> String {
+    let o = origin.trim().trim_end_matches('/').to_ascii_lowercase();
+    for (scheme, port) in [("https://", ":443"), ("http://", ":80")] {
+        if o.starts_with(scheme) {
+            if let Some(bare) = o.strip_suffix(port) {
+                return bare.to_string();
+            }
+        }
+    }
+    o
+}
+
+/// Whether `origin` is one an operator may list: `*`, or `http(s)://host[:port]` with nothing
+/// after the authority.
+pub fn origin_well_formed(origin: &str) -> bool {
+    if origin == "*" {
+        return true;
+    }
+    let o = origin.trim_end_matches('/');
+    let Some((scheme, authority)) = o.split_once("://") else {
+        return false;
+    };
+    matches!(scheme.to_ascii_lowercase().as_str(), "http" | "https")
+        && !authority.is_empty()
+        && !authority.contains(['/', '@', '?', '#', ' '])
+        && host_well_formed(authority)
+}
+
+/// Whether `host` is a host name or address, with an optional port: what a `Host` header or an
+/// origin's authority holds.
+pub fn host_well_formed(host: &str) -> bool {
+    let (name, port) = match host.strip_prefix('[') {
+        Some(rest) => {
+            let Some((addr, after)) = rest.split_once(']') else {
+                return false;
+            };
+            if addr.parse::<Ipv6Addr>().is_err() {
+                return false;
+            }
+            ("ipv6", after)
+        }
+        None => match host.split_once(':') {
+            Some((n, _)) => (n, &host[n.len()..]),
+            None => (host, ""),
+        },
+    };
+    let port_ok = match port.strip_prefix(':') {
+        Some(p) => p.parse::<u16>().is_ok(),
+        None => port.is_empty(),
+    };
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '*')
+    };
+    port_ok && name.len() <= 253 && name.split('.').all(label)
 }
 
 /// A range of addresses: an address, or `address/prefix`.
@@ -345,41 +465,88 @@ pub fn group(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// The client's address: `peer`, or when `peer` is one of `trusted` proxies, the nearest
-/// address they forwarded that is not itself a trusted proxy (`Forwarded: for=…` first, then
-/// `X-Forwarded-For`). A forwarded value that does not parse leaves `peer`.
-pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &[Cidr]) -> IpAddr {
+/// The header a trusted proxy writes the client's address in (`forwarded_header`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For` (nginx, Caddy, HAProxy's `option forwardfor`, most load balancers).
+    #[default]
+    XForwardedFor,
+    /// `Forwarded: for=…` (RFC 7239).
+    Forwarded,
+}
+
+impl ForwardedHeader {
+    /// From the configuration's value.
+    ///
+    /// # Errors
+    ///
+    /// A message listing the values.
+    pub fn parse(s: &str) -> Result<ForwardedHeader, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "x-forwarded-for" => Ok(ForwardedHeader::XForwardedFor),
+            "forwarded" => Ok(ForwardedHeader::Forwarded),
+            _ => Err(format!(
+                "{:?}: x-forwarded-for or forwarded (the header your proxy writes)",
+                super::config::shown(s)
+            )),
+        }
+    }
+
+    /// The header's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ForwardedHeader::XForwardedFor => "x-forwarded-for",
+            ForwardedHeader::Forwarded => "forwarded",
+        }
+    }
+}
+
+/// The client's address: `peer`, or when `peer` is one of `trusted` proxies, the rightmost
+/// address of `header` (every line of it, in order) that is not itself a trusted proxy: what
+/// our nearest proxy saw, not what a client wrote before it. The other header is not read. A
+/// chain with no such address, or one that does not parse, leaves `peer`.
+pub fn client_ip(
+    peer: IpAddr,
+    headers: &HeaderMap,
+    trusted: &[Cidr],
+    header: ForwardedHeader,
+) -> IpAddr {
     let is_trusted = |ip: IpAddr| trusted.iter().any(|c| c.contains(ip));
     if !is_trusted(peer) {
         return peer;
     }
-    let mut chain: Vec<IpAddr> = Vec::new();
-    for v in headers.get_all("forwarded") {
-        let Ok(v) = v.to_str() else { continue };
+    let mut chain: Vec<Option<IpAddr>> = Vec::new();
+    for v in headers.get_all(header.name()) {
+        let Ok(v) = v.to_str() else {
+            chain.push(None);
+            continue;
+        };
         for element in v.split(',') {
-            for pair in element.split(';') {
-                if let Some((k, val)) = pair.trim().split_once('=') {
-                    if k.trim().eq_ignore_ascii_case("for") {
-                        if let Some(ip) = forwarded_ip(val) {
-                            chain.push(ip);
-                        }
+            match header {
+                ForwardedHeader::XForwardedFor => chain.push(forwarded_ip(element)),
+                ForwardedHeader::Forwarded => {
+                    let node = element.split(';').find_map(|pair| {
+                        let (k, val) = pair.trim().split_once('=')?;
+                        k.trim().eq_ignore_ascii_case("for").then_some(val)
+                    });
+                    // An element without `for=` names no hop.
+                    if let Some(val) = node {
+                        chain.push(forwarded_ip(val));
                     }
                 }
             }
         }
     }
-    if chain.is_empty() {
-        for v in headers.get_all("x-forwarded-for") {
-            let Ok(v) = v.to_str() else { continue };
-            chain.extend(v.split(',').filter_map(forwarded_ip));
+    // From the nearest hop outwards: the first address our proxies did not add themselves. A
+    // hop that does not parse ends the search: nothing beyond it is believed.
+    for hop in chain.into_iter().rev() {
+        match hop {
+            Some(ip) if is_trusted(ip) => continue,
+            Some(ip) => return ip,
+            None => return peer,
         }
     }
-    // From the nearest hop outwards: the first address our proxies did not add themselves.
-    chain
-        .into_iter()
-        .rev()
-        .find(|ip| !is_trusted(*ip))
-        .unwrap_or(peer)
+    peer
 }
 
 /// `1.2.3.4`, `"[2001:db8::1]:4711"`, `1.2.3.4:80` → the address.
@@ -503,6 +670,60 @@ mod tests {
             assert!(!origin_allowed(bad, host, &allowed), "{bad}");
         }
         assert!(origin_allowed("https://evil.example", host, &["*".into()]));
+        // A scheme's default port is no port, on either side and for the server's own origin.
+        for (origin, allowed) in [
+            ("https://app.example.com:443", "https://app.example.com"),
+            ("https://app.example.com", "https://app.example.com:443/"),
+            ("HTTP://App.Example.com:80", "http://app.example.com"),
+        ] {
+            assert!(origin_allowed(origin, None, &[allowed.into()]), "{origin}");
+        }
+        assert!(!origin_allowed(
+            "https://app.example.com:80",
+            None,
+            &["https://app.example.com".into()]
+        ));
+        assert!(origin_allowed(
+            "https://voice.example.com:443",
+            Some("voice.example.com"),
+            &[]
+        ));
+    }
+
+    #[test]
+    fn origins_and_hosts_an_operator_may_list() {
+        for ok in [
+            "*",
+            "https://app.example.com",
+            "http://localhost:3000/",
+            "https://[::1]:8443",
+        ] {
+            assert!(origin_well_formed(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "not a url",
+            "app.example.com",
+            "ftp://app.example.com",
+            "https://",
+            "https://app.example.com/path",
+            "https://user@app.example.com",
+            "https://app.example.com:99999",
+            "https://a..b",
+        ] {
+            assert!(!origin_well_formed(bad), "{bad}");
+        }
+        for ok in [
+            "voice.example.com",
+            "localhost:8998",
+            "[::1]:80",
+            "10.0.0.1",
+        ] {
+            assert!(host_well_formed(ok), "{ok}");
+        }
+        for bad in ["", "a b", "x:y", "[::1", "host:", "::1"] {
+            assert!(!host_well_formed(bad), "{bad}");
+        }
     }
 
     #[test]
@@ -513,24 +734,59 @@ mod tests {
         ];
         let peer: IpAddr = "10.1.2.3".parse().unwrap();
         let client: IpAddr = "203.0.113.7".parse().unwrap();
+        let xff = ForwardedHeader::XForwardedFor;
+        let fwd = ForwardedHeader::Forwarded;
         let h = headers(&[("x-forwarded-for", "198.51.100.1, 203.0.113.7, 10.9.9.9")]);
-        assert_eq!(client_ip(peer, &h, &trusted), client);
+        assert_eq!(client_ip(peer, &h, &trusted, xff), client);
         let h = headers(&[(
             "forwarded",
             "for=\"[2001:db8::5]:4711\";proto=https, for=10.0.0.2",
         )]);
         assert_eq!(
-            client_ip(peer, &h, &trusted),
+            client_ip(peer, &h, &trusted, fwd),
             "2001:db8::5".parse::<IpAddr>().unwrap()
         );
+        // The header the proxy does not write is the client's own: never read. (nginx appends
+        // to X-Forwarded-For and passes a client's Forwarded through.)
+        let h = headers(&[
+            ("forwarded", "for=192.0.2.99"),
+            ("x-forwarded-for", "203.0.113.7"),
+        ]);
+        assert_eq!(client_ip(peer, &h, &trusted, xff), client);
+        assert_eq!(
+            client_ip(
+                peer,
+                &headers(&[("forwarded", "for=192.0.2.99")]),
+                &trusted,
+                xff
+            ),
+            peer
+        );
+        // A client's own X-Forwarded-For line, then the proxy's: the rightmost untrusted wins,
+        // over several lines of the header too.
+        let h = headers(&[
+            ("x-forwarded-for", "192.0.2.99"),
+            ("x-forwarded-for", "203.0.113.7"),
+        ]);
+        assert_eq!(client_ip(peer, &h, &trusted, xff), client);
         // From anyone else, the headers are theirs to forge: ignored.
         let stranger: IpAddr = "198.51.100.9".parse().unwrap();
         let h = headers(&[("x-forwarded-for", "1.1.1.1")]);
-        assert_eq!(client_ip(stranger, &h, &trusted), stranger);
+        assert_eq!(client_ip(stranger, &h, &trusted, xff), stranger);
         assert_eq!(
-            client_ip(peer, &headers(&[("x-forwarded-for", "junk")]), &trusted),
+            client_ip(
+                peer,
+                &headers(&[("x-forwarded-for", "junk")]),
+                &trusted,
+                xff
+            ),
             peer
         );
+        // Nothing beyond a hop that does not parse is believed.
+        let h = headers(&[("x-forwarded-for", "192.0.2.99, junk, 10.0.0.5")]);
+        assert_eq!(client_ip(peer, &h, &trusted, xff), peer);
+        assert_eq!(ForwardedHeader::parse("Forwarded"), Ok(fwd));
+        assert!(ForwardedHeader::parse("x-real-ip").is_err());
         assert!(Cidr::parse("10.0.0.0/33").is_err());
         assert!(Cidr::parse("nope").is_err());
         assert!(Cidr::parse("0.0.0.0/0")

@@ -43,6 +43,7 @@ const KEYS: &[&str] = &[
     "allow_anonymous",
     "allowed_origins",
     "trusted_proxies",
+    "forwarded_header",
     "protect_metrics",
     "instance_name",
     "twilio_auth_token",
@@ -153,8 +154,10 @@ pub struct ServeConfig {
     pub log_transcripts: bool,
     /// Browser origins that may open sessions besides the server's own and loopback pages.
     pub allowed_origins: Vec<String>,
-    /// Reverse proxies whose `X-Forwarded-For` / `Forwarded` are believed.
+    /// Reverse proxies whose forwarded-address header is believed.
     pub trusted_proxies: Vec<super::access::Cidr>,
+    /// The header they write the client's address in.
+    pub forwarded_header: super::access::ForwardedHeader,
     /// The API keys (none: the server is open).
     pub keys: std::sync::Arc<super::access::Keys>,
     /// Serve other machines without keys, said explicitly.
@@ -210,6 +213,48 @@ pub struct ServeConfig {
 
 fn seconds(x: f64) -> Duration {
     Duration::from_secs_f64(x)
+}
+
+/// A number that counts something (sessions, bytes, MiB, tokens): a whole one within range.
+fn whole(f: &Fields<'_>, k: &str, min: f64, max: f64) -> Result<f64, ConfigError> {
+    let x = f.number(k, min, max)?;
+    if x.fract() != 0.0 {
+        return Err(f.err(
+            ConfigErrorKind::WrongType,
+            k,
+            format!("expected a whole number, got {x}"),
+        ));
+    }
+    Ok(x)
+}
+
+/// The primed-state file as the server will read it at start and write it at exit: a regular
+/// file when it exists (a FIFO or a device would hang the start or take the states), in a
+/// folder that exists (else the states would be lost at exit).
+fn check_prime_cache_file(p: &Path) -> Result<PathBuf, String> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => {
+            return Err(format!(
+                "{}: not a regular file (a file `duplex prime --out` wrote, or none yet)",
+                p.display()
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{}: {e}", p.display())),
+    }
+    let folder = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !folder.is_dir() {
+        return Err(format!(
+            "{}: the folder {} does not exist (the primed states are written there at exit)",
+            p.display(),
+            folder.display()
+        ));
+    }
+    Ok(p.to_path_buf())
 }
 
 /// Loads and checks the server's configuration, and loads the ONNX Runtime library its
@@ -272,10 +317,10 @@ pub fn load(
     )?;
     let l = f.table("limits")?;
     l.known(LIMIT_KEYS)?;
-    let max_steps = l.number("max_steps", 0.0, 1e9)? as i64;
+    let max_steps = whole(&l, "max_steps", 0.0, 1e9)? as i64;
     let max_session = l.number("max_session_s", 0.0, 1e7)?;
     let limits = Limits {
-        max_message_bytes: l.number("max_message_bytes", 1024.0, 1e9)? as usize,
+        max_message_bytes: whole(&l, "max_message_bytes", 1024.0, 1e9)? as usize,
         idle_timeout: seconds(l.number("idle_timeout_s", 0.1, 1e6)?),
         stall_timeout: seconds(l.number("stall_timeout_s", 0.1, 1e6)?),
         max_session: (max_session > 0.0).then(|| seconds(max_session)),
@@ -283,7 +328,7 @@ pub fn load(
         max_messages_per_s: l.number("max_messages_per_s", 1.0, 1e6)?,
         sessions_per_minute_per_ip: l.number("sessions_per_minute_per_ip", 0.1, 1e6)?,
         session_burst_per_ip: l.number("session_burst_per_ip", 1.0, 1e6)?,
-        max_prompt_tokens: l.number("max_prompt_tokens", 1.0, 100_000.0)? as usize,
+        max_prompt_tokens: whole(&l, "max_prompt_tokens", 1.0, 100_000.0)? as usize,
         max_voice_s: l.number("max_voice_s", 0.08, 3600.0)?,
     };
     let r = f.table("record")?;
@@ -306,19 +351,36 @@ pub fn load(
         })?;
     }
     let execution_provider = f.provider("execution_provider")?;
-    let allowed_hosts: Vec<String> = f
-        .list("allowed_hosts", "host names like voice.example.com")?
-        .into_iter()
-        .map(|h| h.to_ascii_lowercase())
-        .collect();
-    if let Some(h) = allowed_hosts.iter().find(|h| h.contains(['/', '@'])) {
-        return Err(f.err(
-            ConfigErrorKind::WrongType,
-            "allowed_hosts",
-            format!("{h:?} is not a host name (no scheme, path or user)"),
-        ));
-    }
-    let allowed_origins = f.list("allowed_origins", "origins like https://app.example.com")?;
+    // Each entry of a list checked by `ok`; the first that is not names the key.
+    let checked = |k: &str, what: &str, ok: fn(&str) -> bool, should: &str| {
+        let items = f.list(k, what)?;
+        match items.iter().find(|i| !ok(i)) {
+            Some(bad) => Err(f.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!("{:?} is not {should}", shown(bad)),
+            )),
+            None => Ok(items),
+        }
+    };
+    let allowed_hosts: Vec<String> = checked(
+        "allowed_hosts",
+        "host names like voice.example.com",
+        super::access::host_well_formed,
+        "a host name like voice.example.com or *.example.com (no scheme, path or user)",
+    )?
+    .into_iter()
+    .map(|h| h.to_ascii_lowercase())
+    .collect();
+    let allowed_origins = checked(
+        "allowed_origins",
+        "origins like https://app.example.com",
+        super::access::origin_well_formed,
+        "an origin like https://app.example.com (a scheme, http or https, and a host; no \
+         path), or \"*\"",
+    )?;
+    let forwarded_header = super::access::ForwardedHeader::parse(&f.string("forwarded_header")?)
+        .map_err(|m| f.err(ConfigErrorKind::WrongType, "forwarded_header", m))?;
     let trusted_proxies = f
         .list("trusted_proxies", "addresses or ranges like 10.0.0.0/8")?
         .iter()
@@ -335,6 +397,10 @@ pub fn load(
         .cloned();
     let keys = super::access::Keys::load(keys_file.as_deref(), keys_env.as_deref())
         .map_err(|m| f.err(ConfigErrorKind::Read, "keys_file", m))?;
+    if let Some(k) = &keys_file {
+        super::access::check_keys_file(k)
+            .map_err(|m| f.err(ConfigErrorKind::OutOfRange, "keys_file", m))?;
+    }
     let allow_anonymous = f.boolean("allow_anonymous")?;
     let protect_metrics = f.boolean("protect_metrics")?;
     let log_transcripts = f.boolean("log_transcripts")?;
@@ -359,6 +425,25 @@ pub fn load(
     let nonempty = |v: String| Some(v.trim().to_string()).filter(|v| !v.is_empty());
     let twilio_auth_token = nonempty(f.string("twilio_auth_token")?);
     let twilio_url = nonempty(f.string("twilio_url")?);
+    if let Some(u) = &twilio_url {
+        let lower = u.to_ascii_lowercase();
+        let authority = lower
+            .strip_prefix("wss://")
+            .or_else(|| lower.strip_prefix("https://"))
+            .map(|rest| rest.split(['/', '?']).next().unwrap_or_default());
+        if !authority.is_some_and(super::access::host_well_formed) {
+            return Err(f.err(
+                ConfigErrorKind::WrongType,
+                "twilio_url",
+                format!(
+                    "{:?} is not the wss:// (or https://) URL Twilio is given for the stream, \
+                     like wss://voice.example.com/twilio/media: Twilio streams over TLS only, \
+                     and signs that URL",
+                    shown(u)
+                ),
+            ));
+        }
+    }
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
     let config = ServeConfig {
         webrtc,
@@ -367,6 +452,7 @@ pub fn load(
         allowed_hosts,
         allowed_origins,
         trusted_proxies,
+        forwarded_header,
         keys: std::sync::Arc::new(keys),
         allow_anonymous,
         protect_metrics,
@@ -377,8 +463,8 @@ pub fn load(
         address,
         pipeline,
         pack: Some(f.string("pack")?).filter(|p| !p.trim().is_empty()),
-        max_sessions: f.number("max_sessions", 1.0, 100_000.0)? as usize,
-        max_connections_per_ip: f.number("max_connections_per_ip", 1.0, 1e6)? as usize,
+        max_sessions: whole(&f, "max_sessions", 1.0, 100_000.0)? as usize,
+        max_connections_per_ip: whole(&f, "max_connections_per_ip", 1.0, 1e6)? as usize,
         voices,
         text_prompt: f.string("text_prompt")?,
         voice_prompt: voice_prompt.clone(),
@@ -386,11 +472,18 @@ pub fn load(
         max_steps,
         limits,
         drain_timeout: seconds(f.number("drain_timeout_s", 0.0, 1e6)?),
-        prime_cache_bytes: (f.number("prime_cache_mb", 0.0, 1e6)? * 1048576.0) as usize,
+        prime_cache_bytes: (whole(&f, "prime_cache_mb", 0.0, 1e6)? * 1048576.0) as usize,
         prime_at_start: f.boolean("prime_at_start")?,
-        prime_cache_file: Some(f.string("prime_cache_file")?)
+        prime_cache_file: match Some(f.string("prime_cache_file")?)
             .filter(|p| !p.trim().is_empty())
-            .map(PathBuf::from),
+            .map(PathBuf::from)
+        {
+            Some(p) => Some(
+                check_prime_cache_file(&p)
+                    .map_err(|m| f.err(ConfigErrorKind::Read, "prime_cache_file", m))?,
+            ),
+            None => None,
+        },
         file: fname.clone(),
         ort_library,
         origins,

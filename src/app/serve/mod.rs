@@ -440,6 +440,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // A session built once, not started: every stage of the template is checked and the
     // models are loaded (their graphs, ONNX Runtime) into the process's resources before
     // anything is served; the first client's session finds them there.
+    for (again, first) in cfg.keys.duplicates() {
+        tracing::warn!(
+            "keys: {again} is the same key as {first}, listed twice (keys_file, {}): its \
+             `sessions=` and name are those of the first",
+            access::KEYS_ENV
+        );
+    }
     let t0 = Instant::now();
     let engines = session::check_template(&cfg, &template, &registry, &resources)?;
     let capacity = capacity(&cfg, &engines);
@@ -791,7 +798,12 @@ async fn guard(
     next: axum::middleware::Next,
 ) -> Response {
     let cfg = &server.cfg;
-    let ip = access::client_ip(peer.ip(), req.headers(), &cfg.trusted_proxies);
+    let ip = access::client_ip(
+        peer.ip(),
+        req.headers(),
+        &cfg.trusted_proxies,
+        cfg.forwarded_header,
+    );
     let host = req
         .headers()
         .get(header::HOST)

@@ -12,10 +12,14 @@
 //! audio formats may change. Audio is `pcm16` (24 kHz, 16-bit little-endian) or G.711 μ-law /
 //! A-law at 8 kHz, in the beta (`input_audio_format: "g711_ulaw"`) and the GA spelling
 //! (`audio.input.format: {"type": "audio/pcmu"}`), converted here (G.711 tables, resampled to
-//! and from 24 kHz). Server events use the GA names, or the beta ones (`response.audio.delta`)
+//! and from 24 kHz): an append is charged to the connection's audio budget from its base64
+//! length before it is decoded, so what comes faster than real time is dropped undecoded. PCM16
+//! split mid-sample keeps its odd byte for the next append, so the session's samples stay
+//! aligned whatever is dropped. Server events use the GA names, or the beta ones (`response.audio.delta`)
 //! when the client spoke beta or asked with `?event_names=beta` (`both` sends both). Every bad
 //! event gets an `error` event with a `code`, the offending `param` and the client's
-//! `event_id`; none ends the session. `docs/realtime.md` maps every event.
+//! `event_id` (cut to 40 characters, as every value of a client's repeated); none ends the
+//! session. `docs/realtime.md` maps every event.
 //!
 //! Knows nothing of the pipeline beyond the session's link; nothing of HTTP beyond the socket's
 //! messages.
@@ -156,8 +160,8 @@ pub(super) struct Realtime {
     input: Format,
     /// G.711 input's decoder.
     phone: Option<PhoneIn>,
-    /// The PCM16 sent so far ended mid-sample.
-    odd: bool,
+    /// Where the PCM16 stream stands within a sample.
+    half: Half,
     shared: Arc<Mutex<Shared>>,
     /// The client asked for the session to start.
     start: bool,
@@ -180,7 +184,7 @@ impl Realtime {
             names_fixed: names.is_some(),
             input: Format::Pcm16,
             phone: None,
-            odd: false,
+            half: Half::None,
             shared: Arc::new(Mutex::new(Shared {
                 output: Format::Pcm16,
                 names: names.unwrap_or(Names::Ga),
@@ -345,27 +349,75 @@ impl Realtime {
         self.event(json!({"type": "session.updated", "session": session}))
     }
 
-    /// The client's audio in its format, as 16-bit 24 kHz PCM for the session.
-    /// PCM16 may come split anywhere, mid-sample too (the session's input joins the halves).
-    fn audio(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+    /// How long `n` bytes of the client's audio play, in its format.
+    fn plays(&self, n: usize) -> std::time::Duration {
+        let per_s = match self.input {
+            Format::Pcm16 => 2 * MODEL_RATE as u64,
+            Format::G711(_) => PHONE_RATE as u64,
+        };
+        std::time::Duration::from_micros(n as u64 * 1_000_000 / per_s)
+    }
+
+    /// The client's audio in its format, as whole samples of 16-bit 24 kHz PCM for the
+    /// session, or `None` when the connection's budget refused it (dropped undecoded). PCM16
+    /// may come split anywhere, mid-sample too: the odd byte waits for the next append.
+    fn audio(&mut self, b64: &str, cx: &mut Taken<'_>) -> Result<Option<Vec<u8>>, String> {
+        let n = base64_len(b64);
+        if n == 0 {
+            return Ok(None);
+        }
+        if !cx.afford(self.plays(n)) {
+            // Dropped whole: the samples after it stay whole.
+            let mid_sample = !matches!(self.half, Half::None) ^ !n.is_multiple_of(2);
+            self.half = if mid_sample { Half::Skip } else { Half::None };
+            return Ok(None);
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|e| format!("`audio` is not base64: {e}"))?;
         match self.input {
             Format::Pcm16 => {
-                self.odd ^= !bytes.len().is_multiple_of(2);
-                Ok(bytes.to_vec())
+                let mut out = Vec::with_capacity(bytes.len() + 1);
+                let mut rest = &bytes[..];
+                match std::mem::replace(&mut self.half, Half::None) {
+                    Half::Byte(b) => out.push(b),
+                    Half::Skip => rest = rest.get(1..).unwrap_or_default(),
+                    Half::None => {}
+                }
+                out.extend_from_slice(rest);
+                if !out.len().is_multiple_of(2) {
+                    self.half = out.pop().map_or(Half::None, Half::Byte);
+                }
+                Ok(Some(out))
             }
             Format::G711(_) => {
-                let mut out = match self.phone.as_mut() {
-                    Some(p) => p.pcm16(bytes)?,
-                    None => return Err("the G.711 decoder could not be made".into()),
-                };
-                // PCM16 that ended mid-sample before the format changed: the sample is closed.
-                if std::mem::take(&mut self.odd) {
-                    out.insert(0, 0);
+                // PCM16 that ended mid-sample before the format changed: its half is dropped.
+                self.half = Half::None;
+                match self.phone.as_mut() {
+                    Some(p) => p.pcm16(&bytes).map(Some),
+                    None => Err("the G.711 decoder could not be made".into()),
                 }
-                Ok(out)
             }
         }
     }
+}
+
+/// Where a PCM16 stream split anywhere stands within a sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Half {
+    /// At a sample's start.
+    None,
+    /// A sample's first byte has come.
+    Byte(u8),
+    /// A sample's first byte was dropped: its second is to be skipped.
+    Skip,
+}
+
+/// The bytes a base64 text decodes to (or would, were it valid), from its length alone.
+pub(super) fn base64_len(b64: &str) -> usize {
+    let b = b64.trim_end().as_bytes();
+    let pad = b.iter().rev().take_while(|c| **c == b'=').count().min(2);
+    (b.len() * 3 / 4).saturating_sub(pad)
 }
 
 /// Telephone audio in: G.711 bytes at 8 kHz → 16-bit little-endian PCM at 24 kHz, a stream.
@@ -513,8 +565,9 @@ impl Encoder for Deltas {
 pub enum ClientEvent {
     /// `session.update`.
     Update(SessionUpdate),
-    /// `input_audio_buffer.append`: the audio, decoded from base64.
-    Append(Vec<u8>),
+    /// `input_audio_buffer.append`: the audio, in base64 (decoded once the connection's
+    /// budget has paid for it).
+    Append(String),
     /// `input_audio_buffer.commit`.
     Commit,
     /// `input_audio_buffer.clear`.
@@ -580,10 +633,8 @@ pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventErr
             &None,
         )
     })?;
-    let id = v
-        .get("event_id")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    // Repeated in replies, so cut as every value of a client's is.
+    let id = v.get("event_id").and_then(Value::as_str).map(shown);
     let Some(kind) = v.get("type").and_then(Value::as_str) else {
         let m = "an event needs a string `type`".to_string();
         return Err(fail("unknown_kind", "missing_type", m, Some("type"), &id));
@@ -601,13 +652,7 @@ pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventErr
                     let m = "`audio` must be a base64 string".to_string();
                     return Err(fail("bad_audio", "invalid_value", m, Some("audio"), &id));
                 };
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .map_err(|e| {
-                        let m = format!("`audio` is not base64: {e}");
-                        fail("bad_audio", "invalid_base64", m, Some("audio"), &id)
-                    })?;
-                ClientEvent::Append(bytes)
+                ClientEvent::Append(b64.to_string())
             }
             "input_audio_buffer.commit" => ClientEvent::Commit,
             "input_audio_buffer.clear" => ClientEvent::Clear,
@@ -786,17 +831,22 @@ impl Protocol for Realtime {
         let ce = id.as_deref();
         let reply = match event {
             ClientEvent::Update(u) => Some(self.apply(u, ce)),
-            ClientEvent::Append(bytes) => match self.audio(&bytes) {
+            ClientEvent::Append(b64) => match self.audio(&b64, cx) {
                 Ok(pcm) => {
                     self.start = true;
-                    if !pcm.is_empty() {
+                    if let Some(pcm) = pcm.filter(|p| !p.is_empty()) {
                         cx.offer(pcm);
                     }
                     None
                 }
                 Err(m) => {
                     cx.protocol_error("bad_audio");
-                    Some(self.error("invalid_audio", &m, Some("audio"), ce))
+                    let code = if m.contains("base64") {
+                        "invalid_base64"
+                    } else {
+                        "invalid_audio"
+                    };
+                    Some(self.error(code, &m, Some("audio"), ce))
                 }
             },
             // Full duplex: the model has heard the audio as it came; there is nothing to commit

@@ -14,7 +14,13 @@
 //!
 //! The socket is read from the upgrade on, also while the session primes: a client that leaves
 //! stops the priming at its next step, and the audio it sends meanwhile goes to the session's
-//! bounded input queue (dropped and counted when full). Every message, pings included, is paid
+//! input queue, bounded in chunks and in bytes (dropped and counted when full). A connection
+//! that is not a conversation yet (Twilio before its `start`, the realtime API before its first
+//! audio) has `limits.handshake_timeout_s` to become one; after that only the client's audio
+//! keeps it from `limits.idle_timeout_s`. A protocol that converts its client's audio charges
+//! it to the connection's [`AudioBudget`] from its encoded size, before decoding anything: at
+//! most real time plus the catch-up of the template's decoder (its `max_speed` and
+//! `catch_up_ms`); what exceeds it is dropped undecoded and counted. Every message, pings included, is paid
 //! from a token bucket (`limits.max_messages_per_s`): a flood closes the session (1008,
 //! counted). Writing has its own task, which sends the protocol's replies first and the
 //! pipeline's messages once the session is open: a client that stops reading stalls only that
@@ -23,9 +29,10 @@
 //!
 //! What a client is told of a failure names its own mistake (a parameter, its audio) and nothing
 //! of the server's files: the details go to the log, under the session's id. Close codes: 1000
-//! normal, 1001 closed by the server, 1007 the client's audio is not usable, 1008 a policy (a
-//! refused parameter, a flood, a client that stopped reading), 1009 a message too large, 1011 a
-//! failure of the server's.
+//! normal, 1001 closed by the server, 1007 the client's audio is not usable (or its text is not
+//! UTF-8), 1008 a policy (a refused parameter, a flood, a client that stopped reading, no
+//! conversation within the handshake limit), 1009 a message too large, 1011 a failure of the
+//! server's.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -53,13 +60,16 @@ const ERROR: u8 = 5;
 
 /// Chunks of client audio that may wait for the pipeline (a few seconds of 20 ms pages).
 const INBOUND_QUEUE: usize = 256;
+/// Bytes of client audio that may wait for the pipeline: over five seconds of 24 kHz PCM16,
+/// minutes of Opus.
+const INBOUND_BYTES: u64 = 256 * 1024;
 /// Messages that may wait for the client (about 2.5 s of 40 ms pages and their text).
 const OUTBOUND_QUEUE: usize = 96;
 /// The longest wait for a session's pipeline to be primed.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `kind` label values of protocol errors.
-pub(super) const PROTOCOL_ERRORS: [&str; 8] = [
+pub(super) const PROTOCOL_ERRORS: [&str; 10] = [
     "unknown_kind",
     "not_json",
     "bad_event",
@@ -68,6 +78,8 @@ pub(super) const PROTOCOL_ERRORS: [&str; 8] = [
     "not_binary",
     "bad_audio",
     "flood",
+    "early_audio",
+    "bad_utf8",
 ];
 
 /// How a session ended, as counted.
@@ -187,7 +199,8 @@ pub(super) fn check_template(
 
 /// The template with PCM ends in place of its Ogg/Opus ones, for a transport that converts
 /// its own wire format: `session_in → opus_decode` becomes one `session_pcm_in` (named as the
-/// decoder, with the pacing and silence params of both), `opus_encode → session_audio_out` one
+/// decoder, with the silence params of both; unpaced, since the transport pays for its audio
+/// before decoding it, at the decoder's pace), `opus_encode → session_audio_out` one
 /// `session_pcm_out` (named as the encoder). The model's part of the template is untouched.
 ///
 /// # Errors
@@ -242,7 +255,20 @@ pub(super) fn pcm_ends(
         .map(|l| stage_of(&l.from))
         .filter(|e| kind_of(&spec, e) == "opus_encode")
         .ok_or_else(|| missing("`opus_encode` stage feeding `session_audio_out`"))?;
-    spec.merge_pair(registry, &encoder, &output, &encoder, "session_pcm_out")
+    let spec = spec.merge_pair(registry, &encoder, &output, &encoder, "session_pcm_out")?;
+    // The transport paces what it takes (the connection's `AudioBudget`, charged before it
+    // decodes anything, with the decoder's `max_speed` and `catch_up_ms`): pacing the same
+    // audio twice would refuse a chunk as large as the allowance at the second budget, a
+    // moment behind the first.
+    spec.with_overrides(
+        registry,
+        &[cfg::ParamOverride::new(
+            decoder,
+            "max_speed",
+            cfg::ParamValue::Float(0.0),
+            "the connection's audio budget (paced before decoding)",
+        )],
+    )
 }
 
 /// Whether a session of `template` keeps its primed state in the process's cache (a
@@ -376,9 +402,14 @@ fn for_client(e: &anyhow::Error, id: u64) -> String {
         };
         if let Some(param) = from_client {
             // The stage's message names the file it read; the client knows its voice by name.
+            // The stage's limits are the server's own settings (`session_overrides`): named
+            // as the operator wrote them.
             let msg = match param {
                 "voice_prompt" => "not a usable voice".to_string(),
-                _ => c.message.clone(),
+                _ => c.message.replace(
+                    "`max_persona_tokens`",
+                    "the server's `limits.max_prompt_tokens`",
+                ),
             };
             return format!("query parameter {param}: {msg}");
         }
@@ -528,6 +559,7 @@ pub(super) struct Taken<'a> {
     /// Set when the message ends the session as the client's close would (a call hung up).
     pub end: bool,
     warned: &'a mut std::collections::HashSet<&'static str>,
+    budget: &'a mut AudioBudget,
 }
 
 impl Taken<'_> {
@@ -541,6 +573,25 @@ impl Taken<'_> {
         self.warned.insert(what)
     }
 
+    /// Whether `d` of the client's audio, in its encoded form, may be decoded and offered: the
+    /// connection's [`AudioBudget`] pays it, or the audio is to be dropped undecoded (counted,
+    /// logged once). Either way the client is heard: it is not idle.
+    pub fn afford(&mut self, d: Duration) -> bool {
+        self.heard = true;
+        if self.budget.take(d) {
+            return true;
+        }
+        if self.first("budget") {
+            tracing::warn!(
+                session = self.id,
+                "the client's audio comes faster than real time: what exceeds the catch-up \
+                 allowance is dropped undecoded (counted in {})",
+                names::OPUS_REFUSED
+            );
+        }
+        false
+    }
+
     /// Offers a chunk of the client's audio; a full queue drops it (counted, logged once).
     pub fn offer(&mut self, chunk: Vec<u8>) {
         self.heard = true;
@@ -550,6 +601,66 @@ impl Taken<'_> {
                 "the client sends faster than the session takes its audio: chunks dropped (counted)"
             );
         }
+    }
+}
+
+/// What a connection's audio may cost before it is decoded: a [`RealTime`] budget counted in
+/// microseconds, paced as the template's decoder paces what it takes (its `max_speed` and
+/// `catch_up_ms`; `max_speed: 0` leaves it unpaced). What it refuses is counted in
+/// [`names::OPUS_REFUSED`], in 80 ms frames.
+///
+/// [`RealTime`]: crate::audio::pace::RealTime
+pub(super) struct AudioBudget {
+    bucket: Option<crate::audio::pace::RealTime>,
+    /// Refused microseconds not yet counted in whole frames.
+    refused_us: u64,
+    refused: metrics::Counter,
+}
+
+impl AudioBudget {
+    /// The budget of the template's decoder (`opus_decode`; [`pcm_ends`] leaves its
+    /// `session_pcm_in` unpaced, for this budget to pace).
+    pub(super) fn of(template: &PipelineSpec) -> AudioBudget {
+        let pacing = template
+            .stages
+            .iter()
+            .find(|s| s.kind == "opus_decode")
+            .map(|s| (s.params.float("max_speed"), s.params.int("catch_up_ms")));
+        let bucket = match pacing {
+            Some((speed, catch_up)) if speed > 0.0 => Some(crate::audio::pace::RealTime::new(
+                1_000_000,
+                speed,
+                Duration::from_millis(catch_up.max(0) as u64),
+            )),
+            Some(_) => None,
+            // A template without one (a check's): real time and a second.
+            None => Some(crate::audio::pace::RealTime::new(
+                1_000_000,
+                1.0,
+                Duration::from_secs(1),
+            )),
+        };
+        AudioBudget {
+            bucket,
+            refused_us: 0,
+            refused: metrics::counter!(names::OPUS_REFUSED),
+        }
+    }
+
+    /// Takes `d` from the budget, or refuses it (counted).
+    fn take(&mut self, d: Duration) -> bool {
+        let us = d.as_micros().min(usize::MAX as u128) as usize;
+        let Some(b) = self.bucket.as_mut() else {
+            return true;
+        };
+        if b.take_at(us, Instant::now()) {
+            return true;
+        }
+        self.refused_us += us as u64;
+        let frame = 80_000;
+        self.refused.increment(self.refused_us / frame);
+        self.refused_us %= frame;
+        false
     }
 }
 
@@ -784,6 +895,7 @@ struct Inflow {
     replies: tokio::sync::mpsc::Sender<Reply>,
     /// The close code and reason when the client broke a rule.
     close: Option<(u16, &'static str)>,
+    budget: AudioBudget,
 }
 
 impl Inflow {
@@ -791,9 +903,11 @@ impl Inflow {
         id: u64,
         limits: super::config::Limits,
         replies: tokio::sync::mpsc::Sender<Reply>,
+        budget: AudioBudget,
     ) -> Self {
         let per_s = limits.max_messages_per_s;
         Inflow {
+            budget,
             id,
             limits,
             rate: crate::audio::pace::TokenBucket::new(per_s, 2.0 * per_s),
@@ -829,11 +943,15 @@ impl Inflow {
             None | Some(Ok(Message::Close(_))) => return Some(Outcome::ClientClosed),
             Some(Err(e)) => {
                 use tungstenite::Error as WsError;
-                let too_large = matches!(
-                    e.into_inner().downcast_ref::<WsError>(),
-                    Some(WsError::Capacity(_))
-                );
-                if too_large {
+                let inner = e.into_inner();
+                let e = inner.downcast_ref::<WsError>();
+                if matches!(e, Some(WsError::Utf8(_))) {
+                    self.protocol_error("bad_utf8");
+                    tracing::info!(session = id, "closed: a text message that is not UTF-8");
+                    self.close = Some((1007, "a text message that is not UTF-8"));
+                    return Some(Outcome::Failed);
+                }
+                if matches!(e, Some(WsError::Capacity(_))) {
                     self.protocol_error("too_large");
                     tracing::warn!(
                         session = id,
@@ -875,6 +993,7 @@ impl Inflow {
             heard: false,
             end: false,
             warned: &mut self.warned,
+            budget: &mut self.budget,
         };
         proto.take(m, &mut cx);
         let Taken {
@@ -909,7 +1028,8 @@ pub(super) async fn run<P: Protocol>(
     let t0 = Instant::now();
     metrics::counter!(names::SESSIONS_ADMITTED).increment(1);
     let limits = server.cfg.limits;
-    let (mut client, end) = crate::session::link(INBOUND_QUEUE, OUTBOUND_QUEUE);
+    let (mut client, end) =
+        crate::session::link_bounded(INBOUND_QUEUE, INBOUND_BYTES, OUTBOUND_QUEUE);
     let (reply_tx, reply_rx) = tokio::sync::mpsc::channel(REPLY_QUEUE);
     let (ended_tx, mut ended) = tokio::sync::oneshot::channel();
     let outbound = std::mem::replace(&mut client.outbound, tokio::sync::mpsc::channel(1).1);
@@ -939,19 +1059,21 @@ pub(super) async fn run<P: Protocol>(
         })
         .ok();
     let mut close_all = server.close_all.subscribe();
-    let mut inflow = Inflow::new(id, limits, reply_tx.clone());
+    let budget = AudioBudget::of(&server.template());
+    let mut inflow = Inflow::new(id, limits, reply_tx.clone(), budget);
     inflow.reply(proto.hello());
-    // Until the client has said what it wants: its messages are taken (its audio is queued for
-    // the session to come), within the idle limit.
+    // Until the client has said what it wants: its messages are taken (what it says of its
+    // session applied; what it may send of its audio queued for the session to come), within
+    // the handshake limit.
     let mut outcome = None;
+    let deadline = tokio::time::Instant::from_std(t0 + limits.handshake_timeout);
     while outcome.is_none() && !proto.may_start() {
         tokio::select! {
             m = stream.next() => outcome = inflow.take(m, &mut proto, &client),
-            _ = tokio::time::sleep(Duration::from_millis(250)) => {
-                if inflow.last_heard.elapsed() > limits.idle_timeout {
-                    tracing::info!(session = id, "closed: the client sent nothing for {:.0} s (limits.idle_timeout_s)", limits.idle_timeout.as_secs_f64());
-                    outcome = Some(Outcome::Idle);
-                }
+            _ = tokio::time::sleep_until(deadline) => {
+                tracing::info!(session = id, client = %peer, "closed: no conversation began within {:.0} s (limits.handshake_timeout_s)", limits.handshake_timeout.as_secs_f64());
+                inflow.close = Some((1008, "no conversation began within limits.handshake_timeout_s"));
+                outcome = Some(Outcome::Idle);
             }
             _ = close_all.changed() => outcome = Some(Outcome::Closed),
         }

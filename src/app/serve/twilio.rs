@@ -13,6 +13,13 @@
 //! drops what Twilio holds, so that a burst after a stall does not become lasting latency.
 //! Twilio reads no errors: a bad message is counted and logged once per kind.
 //!
+//! A `media` message is charged to the connection's audio budget from its payload's size
+//! (8,000 bytes a second) before it is decoded: what comes faster than real time is dropped
+//! undecoded. One before `start` is dropped undecoded too, and counted (`early_audio`): Twilio
+//! sends none, and until `start` there is no session to hear it. Only `media` keeps a call from
+//! its idle limit; a connection that sends no `start` is closed at
+//! `limits.handshake_timeout_s`.
+//!
 //! [`signature_ok`] checks Twilio's `X-Twilio-Signature` (HMAC-SHA1 of the stream's URL with
 //! the account's auth token), which the route requires when `twilio_auth_token` is set.
 //! Knows nothing of the pipeline beyond the session's link.
@@ -23,7 +30,7 @@ use axum::extract::ws::Message;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use super::realtime::{PhoneIn, PhoneOut};
+use super::realtime::{base64_len, PhoneIn, PhoneOut, PHONE_RATE};
 use super::session::{Encoder, Protocol, Taken};
 use super::ServeConfig;
 use crate::audio::g711::Law;
@@ -183,6 +190,26 @@ impl Protocol for Twilio {
                 let Some(payload) = v["media"]["payload"].as_str() else {
                     return Self::bad(cx, "payload", "a media message without a payload");
                 };
+                if !self.start {
+                    cx.protocol_error("early_audio");
+                    if cx.first("early") {
+                        tracing::info!(
+                            session = cx.id,
+                            "dropped media before the call's start, undecoded (logged once per \
+                             session)"
+                        );
+                    }
+                    return;
+                }
+                let n = base64_len(payload);
+                if n == 0 {
+                    return;
+                }
+                let played =
+                    std::time::Duration::from_micros(n as u64 * 1_000_000 / PHONE_RATE as u64);
+                if !cx.afford(played) {
+                    return;
+                }
                 let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(payload) else {
                     return Self::bad(cx, "base64", "a media payload that is not base64");
                 };
@@ -191,7 +218,7 @@ impl Protocol for Twilio {
                 };
                 match phone.pcm16(&bytes) {
                     Ok(pcm) if !pcm.is_empty() => cx.offer(pcm),
-                    Ok(_) => cx.heard = true,
+                    Ok(_) => {}
                     Err(e) => Self::bad(cx, "audio", &e),
                 }
             }
@@ -204,7 +231,6 @@ impl Protocol for Twilio {
                     call.played = call.played.max(p);
                     call.echoed += 1;
                 }
-                cx.heard = true;
             }
             "stop" => cx.end = true,
             _ => Self::bad(cx, "event", "an unknown event"),

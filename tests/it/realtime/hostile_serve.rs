@@ -148,7 +148,8 @@ fn a_ping_flood_closes_its_session_and_memory_stays_bounded() {
 
 /// Defect 4: a 4 KB persona primed one step per token held the slot 8.5 s after its client had
 /// gone. Now the client's close stops the priming at the next step, and the persona is bounded
-/// in tokens (`limits.max_prompt_tokens`), refused with a message naming the parameter.
+/// in tokens (`limits.max_prompt_tokens`), refused with a message naming the parameter and the
+/// operator's setting.
 #[test]
 fn a_client_that_leaves_while_priming_stops_it_and_long_personas_are_refused() {
     // Each priming step made 8 ms slower, as a real model's would be (the tiny pack primes a
@@ -215,6 +216,11 @@ fn a_client_that_leaves_while_priming_stops_it_and_long_personas_are_refused() {
     assert!(
         errors.contains("text_prompt") && errors.contains("at most 64"),
         "{r}"
+    );
+    // Named as the operator set it, not as the stage's param (row 10 of the second probe).
+    assert!(
+        errors.contains("limits.max_prompt_tokens") && !errors.contains("max_persona_tokens"),
+        "{errors}"
     );
     assert!(!errors.contains('/'), "a server path was shown: {errors}");
 }
@@ -508,4 +514,274 @@ fn a_voice_prompt_is_checked_from_its_header_before_decoding() {
             "{voice}: {err}"
         );
     }
+}
+
+/// The second probe's rows 1 and 2: what a client sends is paid for from its encoded size
+/// before anything is decoded or resampled, on every transport that converts its audio.
+/// Twilio's `media` before `start` (one client with three connections went to 3.65 GB in 12 s)
+/// is dropped undecoded and the connection closed at the handshake limit; G.711 and PCM16
+/// faster than real time (97 % of a core for one G.711 client) are dropped undecoded beyond
+/// real time plus the catch-up: the audio a session takes in is at most its wall time plus the
+/// catch-up, whatever comes.
+#[test]
+fn every_transport_pays_for_audio_before_decoding_it() {
+    let (server, healthy, base, url) =
+        with_healthy_session("max_sessions: 4\nlimits:\n  handshake_timeout_s: 4\n", 40.0);
+    let twilio = url.replace("/api/chat", "/twilio/media");
+    let realtime = url.replace("/api/chat", "/v1/realtime");
+    let refused = || {
+        metric_value_of(
+            &server.metrics(),
+            "duplex_session_input_refused_frames_total",
+        )
+    };
+    let early = || {
+        metric_value_of(
+            &server.metrics(),
+            "duplex_session_protocol_errors_total{kind=\"early_audio\"}",
+        )
+    };
+    // The healthy session alone, for the CPU figures below.
+    let c0 = server.cpu_seconds();
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    println!(
+        "the healthy session alone: server CPU {:.2} s in 4 s",
+        server.cpu_seconds() - c0
+    );
+    // No `start`: a megabyte of base64 μ-law 25 times a second, on three connections at once
+    // (the probe's three took the server from 170 MB to 3,654 MB).
+    let c0 = server.cpu_seconds();
+    let attackers: Vec<_> = (0..3)
+        .map(|_| {
+            let u = twilio.clone();
+            std::thread::spawn(move || {
+                hostile(
+                    &u,
+                    &[
+                        "--attack",
+                        "twilio",
+                        "--no-start",
+                        "--size",
+                        "750000",
+                        "--rate",
+                        "25",
+                        "--hold",
+                        "8",
+                    ],
+                )
+            })
+        })
+        .collect();
+    let results: Vec<serde_json::Value> =
+        attackers.into_iter().map(|a| a.join().unwrap()).collect();
+    let cpu = server.cpu_seconds() - c0;
+    let grown = grown_mib(&server, base);
+    let sent: f64 = results.iter().map(|r| r["sent"].as_f64().unwrap()).sum();
+    println!(
+        "twilio without start, three connections: {sent} messages of 1 MB, each closed {:?} \
+         after {:?} s; {} dropped undecoded; server CPU {cpu:.2} s (the healthy session's \
+         included); peak growth {grown} MiB",
+        results
+            .iter()
+            .map(|r| r["close_code"].clone())
+            .collect::<Vec<_>>(),
+        results
+            .iter()
+            .map(|r| r["closed_after_s"].as_f64().unwrap_or(-1.0))
+            .collect::<Vec<_>>(),
+        early()
+    );
+    for r in &results {
+        assert_eq!(r["close_code"], 1008, "{r}");
+        assert!(r["closed_after_s"].as_f64().unwrap() < 7.5, "{r}");
+    }
+    assert!(early() >= sent / 2.0, "{results:?}");
+    assert!(grown < ATTACK_BOUND_MIB, "{grown} MiB");
+    // Sessions that start, then send far faster than real time: megabyte messages, then
+    // one-second chunks twenty times a second.
+    let cases: [(&str, &str, u64, &[&str]); 6] = [
+        (
+            "twilio, 1 MB",
+            &twilio,
+            8000,
+            &["--attack", "twilio", "--size", "750000", "--rate", "25"],
+        ),
+        (
+            "twilio, 20x",
+            &twilio,
+            8000,
+            &["--attack", "twilio", "--size", "8000", "--rate", "20"],
+        ),
+        (
+            "realtime g711_ulaw, 1 MB",
+            &realtime,
+            8000,
+            &[
+                "--attack",
+                "realtime",
+                "--format",
+                "g711_ulaw",
+                "--size",
+                "750000",
+                "--rate",
+                "25",
+            ],
+        ),
+        (
+            "realtime g711_alaw, 20x",
+            &realtime,
+            8000,
+            &[
+                "--attack",
+                "realtime",
+                "--format",
+                "g711_alaw",
+                "--size",
+                "8000",
+                "--rate",
+                "20",
+            ],
+        ),
+        (
+            "realtime pcm16, 1 MB",
+            &realtime,
+            48000,
+            &[
+                "--attack", "realtime", "--format", "pcm16", "--size", "750000", "--rate", "25",
+            ],
+        ),
+        (
+            "realtime pcm16, 20x",
+            &realtime,
+            48000,
+            &[
+                "--attack", "realtime", "--format", "pcm16", "--size", "48000", "--rate", "20",
+            ],
+        ),
+    ];
+    for (name, url, per_s, args) in cases {
+        let before = refused();
+        let c0 = server.cpu_seconds();
+        let mut a = args.to_vec();
+        a.extend(["--hold", "5"]);
+        let r = hostile(url, &a);
+        let cpu = server.cpu_seconds() - c0;
+        let sent_s = r["audio_bytes"].as_f64().unwrap() / per_s as f64;
+        let refused_s = (refused() - before) * 0.08;
+        let wall = r["sent_for_s"].as_f64().unwrap();
+        let taken = sent_s - refused_s;
+        println!(
+            "{name}: {sent_s:.0} s of audio sent in {wall:.1} s, {refused_s:.1} s dropped \
+             undecoded, {taken:.1} s taken; server CPU {cpu:.2} s in those {wall:.1} s (the \
+             healthy session's included); peak growth {} MiB",
+            grown_mib(&server, base)
+        );
+        assert!(
+            taken <= wall + 1.6,
+            "{name}: {taken:.1} s taken in {wall:.1} s: {r}"
+        );
+        assert!(
+            refused_s > 0.5 * sent_s - wall,
+            "{name}: {refused_s:.1} s of {sent_s:.0} s dropped"
+        );
+    }
+    let h = healthy.join().unwrap();
+    assert_healthy(&h, 40.0);
+    let grown = grown_mib(&server, base);
+    assert!(grown < ATTACK_BOUND_MIB, "{grown} MiB");
+    let log = server.log();
+    assert!(log.contains("dropped undecoded"), "{log}");
+}
+
+/// Rows 5, 9 and 12, and the doors the probe did not reach: a connection that is not a
+/// conversation yet (Twilio before `start`, the realtime API before its first audio), or a
+/// request whose head or offer comes a byte a second, is closed at
+/// `limits.handshake_timeout_s`, and only
+/// audio keeps a call from its idle limit (a `mark` every 5 s held a slot for good); an error
+/// repeats a client's `event_id` cut short and always answers (a 100 KB one was echoed whole,
+/// a 1 MB one got nothing); a text frame that is not UTF-8 closes with 1007 (it was 1005).
+#[test]
+fn handshakes_time_out_only_audio_keeps_a_call_and_replies_stay_short() {
+    let server = Server::start(
+        "max_sessions: 4\nlimits:\n  handshake_timeout_s: 3\n  idle_timeout_s: 4\n",
+        240,
+    );
+    let url = server.url();
+    let twilio = url.replace("/api/chat", "/twilio/media");
+    let realtime = url.replace("/api/chat", "/v1/realtime");
+    for (name, url, args) in [
+        ("twilio marks before start", &twilio, vec!["--no-start"]),
+        ("twilio marks after start", &twilio, vec![]),
+        ("realtime updates only", &realtime, vec![]),
+    ] {
+        let mut a = vec![
+            "--attack",
+            name.split(' ').next().unwrap(),
+            "--marks",
+            "--every",
+            "1",
+            "--hold",
+            "15",
+        ];
+        a.extend(args);
+        let r = hostile(url, &a);
+        println!("{name}: {r}");
+        let after = r["closed_after_s"].as_f64().unwrap_or(f64::MAX);
+        assert!(after < 10.0, "{name}: held past the limits: {r}");
+        assert_ne!(r["close_code"], 1005, "{name}: {r}");
+    }
+    server.wait_sessions(0, 20);
+    let (code, _) = server.get("/readyz");
+    assert_eq!(code, 200);
+    for size in ["100000", "1000000"] {
+        let r = hostile(&realtime, &["--attack", "event-id", "--size", size]);
+        let reply = r["reply"].as_str().unwrap_or_default();
+        println!(
+            "event_id of {size} characters: a reply of {} bytes",
+            r["reply_bytes"]
+        );
+        assert!(
+            reply.contains("unknown_event") && reply.contains("eeee"),
+            "{r}"
+        );
+        assert!(r["reply_bytes"].as_u64().unwrap() < 1000, "{r}");
+    }
+    // Slowloris: a request's head a byte a second on each door, and an offer's body so.
+    for path in ["/v1/realtime", "/twilio/media", "/api/chat"] {
+        let r = hostile(&url, &["--attack", "slow", "--path", path, "--hold", "20"]);
+        println!("{path}, its head a byte a second: {r}");
+        assert!(
+            r["closed_after_s"].as_f64().is_some_and(|t| t < 10.0),
+            "{path}: {r}"
+        );
+    }
+    let r = hostile(
+        &url,
+        &[
+            "--attack",
+            "slow",
+            "--path",
+            "/api/webrtc",
+            "--body",
+            "4000",
+            "--hold",
+            "20",
+        ],
+    );
+    println!("/api/webrtc, its offer a byte a second: {r}");
+    assert_eq!(r["status"], 408, "{r}");
+    assert!(
+        r["closed_after_s"].as_f64().is_some_and(|t| t < 10.0),
+        "{r}"
+    );
+    let r = hostile(&url, &["--attack", "bad-utf8"]);
+    println!("a text frame that is not UTF-8: {r}");
+    assert_eq!(r["close_code"], 1007, "{r}");
+    let m = server.metrics();
+    assert!(
+        metric_value_of(
+            &m,
+            "duplex_session_protocol_errors_total{kind=\"bad_utf8\"}"
+        ) >= 1.0
+    );
 }

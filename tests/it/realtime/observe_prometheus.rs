@@ -552,11 +552,10 @@ fn the_compose_file_mounts_files_that_exist_and_its_prometheus_scrapes_the_serve
     // key: the scrape succeeds with the key, and /metrics refuses a request without it.
     let keys = tempfile::tempdir().unwrap();
     let key_file = keys.path().join("metrics-key");
-    std::fs::write(
+    serve::write_keys(
         &key_file,
         "5f0c1d9e8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b\n",
-    )
-    .unwrap();
+    );
     let server = serve::Server::start(&format!("keys_file: {}\n", key_file.display()), 240);
     let (status, _) = server.get("/metrics");
     assert_eq!(status, 401, "/metrics answered without a key");

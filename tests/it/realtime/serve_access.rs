@@ -150,12 +150,11 @@ fn the_handshake_comes_first_then_kyutais_server_info() {
 fn keys_server(extra: &str) -> (Server, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.txt");
-    std::fs::write(
+    serve::write_keys(
         &keys,
         "# test keys\nalpha-key-0123456789abcdef name=alice sessions=1\n\
          sha256:0b8dfdb9f1a0e5be79a6e5d6fef3f4e1d4c8a8c4b6a3ff2c8d7a1e3b5c9d2f4a name=hashed\n",
-    )
-    .unwrap();
+    );
     let logs = dir.path().join("sessions");
     let tpl = dir.path().join("session.yaml");
     std::fs::write(&tpl, serve::template(&logs, 240)).unwrap();
@@ -353,8 +352,9 @@ fn a_public_address_without_keys_is_refused_at_start() {
     }
 }
 
-/// Behind a reverse proxy: `X-Forwarded-For` is believed only from `trusted_proxies`, so the
-/// per-address limits and `/api/sessions` see the real client; from anyone else it is ignored.
+/// Behind a reverse proxy: `X-Forwarded-For` (the header `forwarded_header` names) is believed
+/// only from `trusted_proxies`, so the per-address limits and `/api/sessions` see the real
+/// client; from anyone else it is ignored, and so is a header the proxy does not write.
 #[test]
 fn forwarded_addresses_are_believed_only_from_trusted_proxies() {
     let server = Server::start(
@@ -382,8 +382,34 @@ fn forwarded_addresses_are_believed_only_from_trusted_proxies() {
     assert!(from("2001:db8:1:2::1")["refused"].is_null());
     assert!(from("2001:db8:1:2::2")["refused"].is_null());
     assert_eq!(from("2001:db8:1:2::3")["refused"]["status"], 429);
+    // A client's own `Forwarded` is passed through by nginx and Caddy, which write only
+    // `X-Forwarded-For`: never read (the second probe's row 3: seven of seven sessions were
+    // admitted where the burst allowed two, each with a forged address).
+    let forged = |n: u32| -> serde_json::Value {
+        client(
+            &url,
+            &[
+                "--header",
+                &format!("Forwarded:for=192.0.2.{n}"),
+                "--header",
+                "X-Forwarded-For:203.0.113.7",
+                "--silent",
+                "0.1",
+            ],
+        )
+    };
+    let statuses: Vec<serde_json::Value> = (1..=5)
+        .map(|n| forged(n)["refused"]["status"].clone())
+        .collect();
+    println!("five sessions with forged Forwarded addresses: {statuses:?}");
+    assert!(statuses[..2].iter().all(|s| s.is_null()), "{statuses:?}");
+    assert!(statuses[2..].iter().all(|s| *s == 429), "{statuses:?}");
     let log = server.log();
     assert!(log.contains("203.0.113.5"), "{log}");
+    assert!(
+        !log.contains("192.0.2."),
+        "a forged address was believed: {log}"
+    );
 
     // A server that trusts no proxy ignores the header: the client is the peer.
     let plain = Server::start("max_sessions: 8\n", 240);
@@ -411,4 +437,120 @@ fn forwarded_addresses_are_believed_only_from_trusted_proxies() {
         "{body}"
     );
     t.join().unwrap();
+}
+
+/// The second probe's rows 4, 6, 7 and 8: operator settings that cannot be what was meant are
+/// refused by `--check` and at start (exit 2, naming the key), before anything is served: a keys
+/// file with no key (the server started open), keys in the clear that others may read, a
+/// Twilio URL that is not TLS, origins and hosts that are not ones, a fractional count, a
+/// primed-state file that is a FIFO (the start hung) or in a missing folder (the states were
+/// lost at exit). A key listed twice is a warning.
+#[test]
+fn settings_that_cannot_be_meant_are_refused_before_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let template = daemon::root().join("pipelines/serve.yaml");
+    let file = |name: &str, text: &str, mode: u32| {
+        let p = d.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        p.display().to_string()
+    };
+    let empty = file("empty-keys", "", 0o600);
+    let comments = file("comment-keys", "# keys go here\n\n   # none yet\n", 0o600);
+    let readable = file("readable-keys", "alpha-key-0123456789abcdef\n", 0o644);
+    let digests = file(
+        "digest-keys",
+        "sha256:0b8dfdb9f1a0e5be79a6e5d6fef3f4e1d4c8a8c4b6a3ff2c8d7a1e3b5c9d2f4a name=a\n",
+        0o644,
+    );
+    let twice = file(
+        "twice-keys",
+        "alpha-key-0123456789abcdef name=first\nalpha-key-0123456789abcdef name=again\n",
+        0o600,
+    );
+    let fifo = d.join("primed.fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let cases: Vec<(String, i32, &[&str])> = vec![
+        (format!("keys_file: {empty}"), 2, &["keys_file", "no key"]),
+        (
+            format!("keys_file: {comments}"),
+            2,
+            &["keys_file", "no key"],
+        ),
+        (
+            format!("keys_file: {readable}"),
+            2,
+            &["keys_file", "chmod 600"],
+        ),
+        (format!("keys_file: {digests}"), 0, &[]),
+        (
+            format!("keys_file: {twice}"),
+            0,
+            &["listed twice", "again", "first"],
+        ),
+        (
+            "twilio_url: http://voice.example.com/twilio/media".into(),
+            2,
+            &["twilio_url", "wss://"],
+        ),
+        (
+            "allowed_origins: [\"not a url\"]".into(),
+            2,
+            &["allowed_origins", "not a url"],
+        ),
+        ("allowed_origins: [\"\"]".into(), 2, &["allowed_origins"]),
+        ("allowed_hosts: [\"\"]".into(), 2, &["allowed_hosts"]),
+        (
+            "prime_cache_mb: 1.5".into(),
+            2,
+            &["prime_cache_mb", "whole number"],
+        ),
+        (
+            format!("prime_cache_file: {}", fifo.display()),
+            2,
+            &["prime_cache_file", "not a regular file"],
+        ),
+        (
+            format!(
+                "prime_cache_file: {}/no/such/folder/primed.bin",
+                d.display()
+            ),
+            2,
+            &["prime_cache_file", "does not exist"],
+        ),
+        (
+            "forwarded_header: x-real-ip".into(),
+            2,
+            &["forwarded_header", "x-forwarded-for"],
+        ),
+    ];
+    let cfg = d.join("serve.yaml");
+    for (extra, code, needles) in cases {
+        std::fs::write(&cfg, format!("pipeline: {}\n{extra}\n", template.display())).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["serve", "--check", "--config"])
+            .arg(&cfg)
+            .current_dir(daemon::root())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = daemon::wait_exit(&mut child, std::time::Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("{extra}: --check did not end"));
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(code), "{extra}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{extra}: {n:?} not in {err}");
+        }
+        if code == 2 {
+            println!("{extra}\n  -> {}", err.trim());
+        }
+    }
 }

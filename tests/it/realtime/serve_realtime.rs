@@ -216,7 +216,7 @@ fn the_openai_sdk_holds_greedy_conversations_in_pcm16_and_mu_law() {
 fn with_key(key: &str, extra: &str) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys");
-    std::fs::write(&keys, format!("{key} name=agent\n")).unwrap();
+    serve::write_keys(&keys, &format!("{key} name=agent\n"));
     let logs = dir.path().join("sessions");
     let tpl = dir.path().join("session.yaml");
     std::fs::write(&tpl, serve::template(&logs, 240)).unwrap();

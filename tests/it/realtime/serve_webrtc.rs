@@ -164,16 +164,21 @@ fn signalling_answers_a_browsers_offer_and_names_what_is_wrong_with_a_bad_one() 
         "hang up",
     );
     assert_eq!(server.sessions().len(), 2);
-    // Hanging up ends it and frees the slot; then the resource is gone.
+    // Hanging up ends it and frees the slot; the resource is gone at once: a second DELETE is
+    // 404, as a third is once the peer is dropped (the second probe: 200 while it lingered).
     assert_eq!(server.send("DELETE", &location, "text/plain", "").0, 200);
+    assert_eq!(server.send("DELETE", &location, "text/plain", "").0, 404);
+    bad(
+        404,
+        server.post(&location, "application/sdp", &audio),
+        "no live WebRTC session",
+    );
     daemon::wait::wait_until(
         Duration::from_secs(20),
         "the hung-up session to end",
         || server.sessions().len() == 1,
     );
-    daemon::wait::wait_until(Duration::from_secs(10), "the peer to be dropped", || {
-        server.send("DELETE", &location, "text/plain", "").0 == 404
-    });
+    assert_eq!(server.send("DELETE", &location, "text/plain", "").0, 404);
     // The other client's conversation ran on, undisturbed.
     let out = other.wait_with_output().unwrap();
     assert!(

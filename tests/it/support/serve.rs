@@ -35,6 +35,14 @@ pub fn template(logs: &Path, fill_after_ms: u32) -> String {
     text
 }
 
+/// Writes a keys file as an operator must: readable by its owner only (the server refuses keys
+/// in the clear that others may read).
+pub fn write_keys(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 /// A 24 kHz WAV of `seconds` of a speech-like signal (a tone with a syllable-rate envelope).
 pub fn speech_wav(path: &Path, seconds: f64, pitch: f64) {
     let spec = hound::WavSpec {
@@ -258,6 +266,17 @@ impl Server {
     /// The highest resident memory of the server so far (the kernel's high-water mark), KiB.
     pub fn peak_rss_kib(&self) -> u64 {
         self.proc_status_kib("VmHWM:")
+    }
+
+    /// CPU time the server has used so far (user and system, all threads), seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let pid = self.child.as_ref().unwrap().id();
+        let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // After the command's closing parenthesis: state is field 3; utime and stime 14 and 15.
+        let rest = &s[s.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+        ticks / 100.0
     }
 
     fn proc_status_kib(&self, field: &str) -> u64 {

@@ -8,7 +8,8 @@
 //! on the data channel.
 //!
 //! A peer ends when its ICE connection is lost, its session closes it, the client hangs up
-//! (`DELETE`), or it never connects. Knows nothing of HTTP, of sessions' pipelines or of the
+//! (`DELETE`, once: the peer's token is then no longer live), or it does not connect (ICE and
+//! DTLS) within its `connect_timeout`. Knows nothing of HTTP, of sessions' pipelines or of the
 //! server's limits: a peer is a pair of channels to its session.
 
 use std::collections::{HashMap, VecDeque};
@@ -34,8 +35,6 @@ const PACKET_TICKS: u64 = 960;
 const PACKET_TIME: Duration = Duration::from_millis(20);
 /// Packets queued for sending past which the pacer sends at twice the rate.
 const PACE_CATCH_UP: usize = 4;
-/// The longest a peer may take to connect (ICE and DTLS) after its answer.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a closing peer keeps running to deliver its last data-channel messages.
 const LINGER: Duration = Duration::from_millis(500);
 /// Data-channel messages kept for a channel not yet open.
@@ -89,6 +88,8 @@ pub(crate) struct NewPeer {
     pub stats: Arc<PeerStats>,
     pub jitter_delay: Duration,
     pub jitter_max: Duration,
+    /// The longest the peer may take to connect (ICE and DTLS) after its answer.
+    pub connect_timeout: Duration,
 }
 
 pub(crate) enum Command {
@@ -101,8 +102,8 @@ pub(crate) enum Command {
 pub(crate) struct Driver {
     commands: tokio::sync::mpsc::UnboundedSender<Command>,
     outbound: tokio::sync::mpsc::Sender<(String, Message)>,
-    /// The tokens of the peers alive.
-    pub live: Arc<Mutex<HashMap<String, ()>>>,
+    /// The tokens of the peers alive, and whether each has been hung up.
+    pub live: Arc<Mutex<HashMap<String, bool>>>,
     /// The socket's address.
     pub local: SocketAddr,
 }
@@ -149,20 +150,28 @@ impl Driver {
     /// Hands a peer to the driver.
     pub(crate) fn add(&self, peer: NewPeer) -> bool {
         if let Ok(mut l) = self.live.lock() {
-            l.insert(peer.token.clone(), ());
+            l.insert(peer.token.clone(), false);
         }
         self.commands.send(Command::Add(Box::new(peer))).is_ok()
     }
 
-    /// Hangs up the peer of `token`; `false` when there is none.
+    /// Hangs up the peer of `token`; `false` when there is none, or it was hung up already.
     pub(crate) fn hangup(&self, token: &str) -> bool {
-        let known = self.live.lock().is_ok_and(|l| l.contains_key(token));
-        known && self.commands.send(Command::Hangup(token.into())).is_ok()
+        let first = self.live.lock().is_ok_and(|mut l| match l.get_mut(token) {
+            Some(hung) if !*hung => {
+                *hung = true;
+                true
+            }
+            _ => false,
+        });
+        first && self.commands.send(Command::Hangup(token.into())).is_ok()
     }
 
-    /// Whether the peer of `token` is alive.
+    /// Whether the peer of `token` is alive (and not hung up).
     pub(crate) fn is_live(&self, token: &str) -> bool {
-        self.live.lock().is_ok_and(|l| l.contains_key(token))
+        self.live
+            .lock()
+            .is_ok_and(|l| l.get(token).is_some_and(|hung| !*hung))
     }
 
     /// The session's writing half for the peer of `token`.
@@ -239,6 +248,7 @@ struct Peer {
     next_send: Instant,
     rtp_ts: u64,
     created: Instant,
+    connect_timeout: Duration,
     connected: bool,
     /// When the peer is disconnected and dropped.
     closing: Option<Instant>,
@@ -278,6 +288,7 @@ impl Peer {
             next_send: now,
             rtp_ts: 0,
             created: now,
+            connect_timeout: p.connect_timeout,
             connected: false,
             closing: None,
             seen: JitterCounts::default(),
@@ -427,8 +438,11 @@ impl Peer {
                 }
             }
         }
-        if !self.connected && now.duration_since(self.created) > CONNECT_TIMEOUT {
-            self.client_gone(now, "the peer never connected");
+        if !self.connected && now.duration_since(self.created) > self.connect_timeout {
+            self.client_gone(
+                now,
+                "the peer did not connect within limits.handshake_timeout_s",
+            );
         }
         if let Some(d) = self.jitter.due() {
             wake = wake.min(d);
@@ -528,7 +542,7 @@ async fn drive(
     candidates: Vec<SocketAddr>,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<Command>,
     mut outbound: tokio::sync::mpsc::Receiver<(String, Message)>,
-    live: Arc<Mutex<HashMap<String, ()>>>,
+    live: Arc<Mutex<HashMap<String, bool>>>,
 ) {
     let counters = Counters::new();
     let peers_gauge = metrics::gauge!(names::WEBRTC_PEERS);

@@ -212,7 +212,21 @@ pub(super) async fn offer(
             );
         }
     }
-    let Ok(body) = axum::body::to_bytes(body, MAX_OFFER_BYTES).await else {
+    // The body is due within the handshake limit, as the head is: a client sending it a byte
+    // at a time holds nothing longer.
+    let read = tokio::time::timeout(
+        server.cfg.limits.handshake_timeout,
+        axum::body::to_bytes(body, MAX_OFFER_BYTES),
+    )
+    .await;
+    let Ok(read) = read else {
+        return bad(
+            StatusCode::REQUEST_TIMEOUT,
+            "bad_request",
+            "the offer did not arrive within limits.handshake_timeout_s".into(),
+        );
+    };
+    let Ok(body) = read else {
         return bad(
             StatusCode::PAYLOAD_TOO_LARGE,
             "bad_request",
@@ -294,6 +308,7 @@ pub(super) async fn offer(
         stats: stats.clone(),
         jitter_delay: endpoint.settings.jitter,
         jitter_max: endpoint.settings.max_jitter,
+        connect_timeout: server.cfg.limits.handshake_timeout,
     });
     if !added {
         return (
@@ -410,7 +425,16 @@ impl Protocol for WebRtc {
 
     fn take(&mut self, m: Message, cx: &mut Taken<'_>) {
         match m {
-            Message::Binary(b) => cx.offer(b.to_vec()),
+            // Decoded by the driver at the jitter buffer's pace (one packet a slot); paid for
+            // as any PCM16 is, so that a sender's timestamps cannot queue more than real time.
+            Message::Binary(b) => {
+                let plays = std::time::Duration::from_micros(
+                    b.len() as u64 * 1_000_000 / (2 * crate::audio::MODEL_RATE as u64),
+                );
+                if cx.afford(plays) {
+                    cx.offer(b.to_vec());
+                }
+            }
             // The page says nothing on the data channel; whatever it sends is ignored.
             Message::Text(_) if cx.first("text") => {
                 tracing::info!(
