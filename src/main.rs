@@ -213,7 +213,11 @@ fn main() -> ExitCode {
             } else {
                 out(&report.to_string())?;
             }
-            // For scripts: a server that kept up with no level tried fails the command.
+            // For scripts: a server that kept up with no level tried fails the command, and
+            // one that admitted no session at all says why.
+            if let Some(why) = report.none_admitted() {
+                anyhow::bail!("no session was admitted: {why}");
+            }
             if report.keeps_up_with == 0 {
                 anyhow::bail!("the server kept up with none of the levels tried");
             }

@@ -23,6 +23,9 @@ import numpy as np
 import onnxruntime as ort
 from safetensors.numpy import load_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolio import need_file, need_folder, read_json, refuse  # noqa: E402
+
 
 def rms(x, alpha, eps=1e-8):
     return x * alpha.reshape(-1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -125,13 +128,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
-    with open(os.path.join(a.checkpoint, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    lm = KyutaiLM(load_file(os.path.join(a.checkpoint, cfg.get("moshi_name", "model.safetensors"))), cfg)
+    need_folder(a.checkpoint, "check_export", "a checkpoint")
+    need_folder(a.pack, "check_export", "a pack")
+    cfg = read_json(os.path.join(a.checkpoint, "config.json"), "check_export")
+    weights = need_file(os.path.join(a.checkpoint, str(cfg.get("moshi_name", "model.safetensors"))),
+                        "check_export", "the LM's weights")
+    try:
+        lm = KyutaiLM(load_file(weights), cfg)
+    except (KeyError, ValueError, OSError) as e:
+        refuse("check_export", weights, f"not this checkpoint's weights: {e!r}"[:300])
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
-    temporal = ort.InferenceSession(os.path.join(a.pack, "temporal", "model.onnx"), so)
-    depformer = ort.InferenceSession(os.path.join(a.pack, "depformer", "model.onnx"), so)
+    graphs = {g: need_file(os.path.join(a.pack, g, "model.onnx"), "check_export", f"the {g} graph")
+              for g in ("temporal", "depformer")}
+    temporal = ort.InferenceSession(graphs["temporal"], so)
+    depformer = ort.InferenceSession(graphs["depformer"], so)
     t_kv = [i for i in temporal.get_inputs() if i.name.startswith("past_key_values")]
     d_kv = [i for i in depformer.get_inputs() if i.name.startswith("past_key_values")]
     ftype = lambda i: np.float16 if "float16" in i.type else np.float32

@@ -26,11 +26,21 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolio import need_file, need_folder, refuse  # noqa: E402
 
-def load(path):
+
+def load(pack, graph):
+    """The graph `graph` of the pack in folder `pack`, or exit 2 naming what is missing."""
     import onnx
 
-    return onnx.load(path)
+    need_folder(pack, "check_quantized", "a pack")
+    path = need_file(os.path.join(pack, graph, "model.onnx"), "check_quantized",
+                     f"the pack's {graph} graph")
+    try:
+        return onnx.load(path)
+    except Exception as e:  # a damaged file: onnx raises its parser's own kinds
+        refuse("check_quantized", path, f"not an ONNX model: {str(e).splitlines()[0][:200]}")
 
 
 def dequantize(packed, scales, zero_points, bits, k, n, block_size):
@@ -69,8 +79,8 @@ def main(argv=None) -> int:
     from onnx import helper, numpy_helper
     import onnxruntime as ort
 
-    qm = load(os.path.join(a.quantized, a.graph, "model.onnx"))
-    fm = load(os.path.join(a.float, a.graph, "model.onnx"))
+    qm = load(a.quantized, a.graph)
+    fm = load(a.float, a.graph)
     inits = {t.name: t for t in qm.graph.initializer}
     node = next((n for n in qm.graph.node if n.op_type == "MatMulNBits"), None)
     if node is None:

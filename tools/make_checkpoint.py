@@ -37,6 +37,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolio import need_file, refuse, stop  # noqa: E402
+
 # --- The LM: Kyutai's `_lm_kwargs`, at a tiny size ---------------------------------------------
 LM_CONFIG = {
     "dim": 64,
@@ -248,6 +251,17 @@ def mimi_weights(seed: int) -> dict[str, np.ndarray]:
     return w.tensors
 
 
+def check_tokenizer(path: str) -> None:
+    """Exit 2 unless `path` is a SentencePiece model (a file SentencePiece loads)."""
+    need_file(path, "make_checkpoint", "a SentencePiece model")
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as e:
+        refuse("make_checkpoint", path, f"not a SentencePiece model ({str(e).splitlines()[0][:120]})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="checkpoint folder to write")
@@ -259,6 +273,10 @@ def main(argv=None) -> int:
         help="leave out config.json, as older repositories do (the export then assumes 7B sizes)",
     )
     args = parser.parse_args(argv)
+    if args.tokenizer:
+        check_tokenizer(args.tokenizer)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        stop(f"make_checkpoint: {args.out}: exists and is not a folder")
     os.makedirs(args.out, exist_ok=True)
     metadata = {"format": "pt"}
     save_file(lm_weights(LM_CONFIG, args.seed), os.path.join(args.out, LM_NAME), metadata)

@@ -432,6 +432,8 @@ def save_pack(out_dir: str, graphs: dict, manifest: str, shapes_only: tuple = ()
     import onnx_ir as ir
 
     out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SystemExit(f"make_pack: {out_dir} exists and is not a folder: not replacing it")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         if not os.path.isfile(os.path.join(out_dir, "pack.yaml")):
             raise SystemExit(f"make_pack: {out_dir} exists and is not a pack: not replacing it")
@@ -557,6 +559,8 @@ def main(argv=None) -> int:
     if args.shapes_only and "int" in args.quantize + args.quantize_depformer:
         parser.error("--shapes-only writes no weights to quantize: quantize after "
                      "tools/fill_weights.py")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out}: exists and is not a folder")
     args.size = args.size or "tiny"
     args.variant = args.variant or "standard"
     args.mimi = args.mimi or "tiny"

@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_lm as R  # noqa: E402
-from toolio import read_json, read_yaml, refuse  # noqa: E402
+from toolio import need_file, read_json, read_yaml, refuse  # noqa: E402
 
 
 def pseudo_codes(frames: int) -> list:
@@ -177,7 +177,8 @@ class StepGraph:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         so.log_severity_level = 3
-        self.session = ort.InferenceSession(os.path.join(path, "model.onnx"), so)
+        self.session = ort.InferenceSession(
+            need_file(os.path.join(path, "model.onnx"), "quality_gate", "a step graph"), so)
         self.names = [o.name for o in self.session.get_outputs()]
         types = {"f32": np.float32, "f16": np.float16, "i64": np.int64}
         self.feeds = {
@@ -286,6 +287,9 @@ def main(argv=None) -> int:
     report = {"quantized": a.quantized, "float": a.float}
     checks = {}
     if lm:
+        for pack in (a.quantized, a.float):
+            for g in ("temporal", "depformer"):
+                need_file(os.path.join(pack, g, "model.onnx"), "quality_gate", f"the pack's {g} graph")
         codes = read_codes(a.codes, manifests[a.float]) if a.codes else pseudo_codes(a.frames)
         codes = codes[: a.frames]
         tf = teacher_forced(a.quantized, a.float, codes)

@@ -230,6 +230,8 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
             f"quantize_pack: {src}: --quantize-codec needs Mimi's step graphs "
             f"({', '.join(CODEC_GRAPHS)}); add them with tools/make_mimi_step.py {src}"
         )
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        stop(f"quantize_pack: {dst} exists and is not a folder: not replacing it")
     if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, "pack.yaml")):
         stop(f"quantize_pack: {dst} exists and is not a pack: not replacing it")
     tmp = dst + ".partial"

@@ -155,10 +155,10 @@ fi
 # --- Independent implementations for the protocol tests (--test) --------------------------------
 # The server's tests talk to it with clients of other parts: Kyutai's sphn (Ogg/Opus), opuslib (the
 # system's libopus, for the web client's 20 ms frames), aiohttp (WebSocket) and the official openai
-# SDK's realtime client (with its websockets), never only duplex on both ends; kubernetes-validate
-# checks deploy/kubernetes.
+# SDK's realtime client (with its websockets), aiortc (a WebRTC peer: ICE, DTLS-SRTP, Opus), never
+# only duplex on both ends; kubernetes-validate checks deploy/kubernetes.
 TEST_PACKAGES=(sphn==0.2.1 aiohttp==3.14.3 opuslib==3.0.1 kubernetes-validate==1.37.0
-  "openai[realtime]==3.57.0" websockets==15.0.1)
+  "openai[realtime]==3.57.0" websockets==15.0.1 aiortc==1.16.0)
 wrong=$( ((FOR_TESTS)) && missing_pins "${TEST_PACKAGES[@]}" || true)
 if [[ -n $wrong ]]; then
   say "installing into .venv: $(echo $wrong)"

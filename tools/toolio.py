@@ -6,13 +6,18 @@ line that names the tool, the file and what is wrong, and where (never a traceba
     manifest = read_yaml(path, "quality_gate")        # a mapping, or exit 2
     refuse("quality_gate", path, "what is wrong")     # the same for what the caller checks
     stop("quantize_pack: --block-size 12: a power of two, 16 or more")  # any other refusal
+    graph = need_file(os.path.join(pack, "temporal", "model.onnx"), "check_export", "a graph")
+    need_folder(checkpoint, "check_export", "a checkpoint folder")
 
-Knows nothing of what the files mean beyond their top-level kind.
+A path that is a FIFO or a device is refused before it is opened (opening one would wait for a
+writer for ever). Knows nothing of what the files mean beyond their top-level kind.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 
 
@@ -27,7 +32,32 @@ def refuse(tool: str, path: str, what: str):
     stop(f"{tool}: {path}: {what}")
 
 
+def need_file(path: str, tool: str, what: str = "a file") -> str:
+    """`path`, when it is a regular file; else exit 2 naming what it is instead."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        refuse(tool, path, f"no such file ({what} was expected here)")
+    except OSError as e:
+        refuse(tool, path, e.strerror or str(e))
+    if stat.S_ISDIR(mode):
+        refuse(tool, path, f"a folder, not {what}")
+    if not stat.S_ISREG(mode):
+        refuse(tool, path, f"not a regular file (a FIFO, a device or a socket), not {what}")
+    return path
+
+
+def need_folder(path: str, tool: str, what: str = "a folder") -> str:
+    """`path`, when it is a folder; else exit 2."""
+    if not os.path.exists(path):
+        refuse(tool, path, f"no such folder ({what} was expected)")
+    if not os.path.isdir(path):
+        refuse(tool, path, f"not a folder ({what} was expected)")
+    return path
+
+
 def _text(path: str, tool: str) -> str:
+    need_file(path, tool)
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

@@ -157,6 +157,17 @@ pub struct Report {
     pub keeps_up_with: usize,
 }
 
+impl Report {
+    /// Why no session was admitted at any level (the first refusal), when none was: the
+    /// server is not there, or refuses every client (a key, an origin).
+    pub fn none_admitted(&self) -> Option<&str> {
+        if self.levels.iter().any(|l| l.admitted > 0) {
+            return None;
+        }
+        self.levels.iter().find_map(|l| l.refusal.as_deref())
+    }
+}
+
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
@@ -272,6 +283,12 @@ fn endpoint(url: &str, protocol: Protocol) -> anyhow::Result<String> {
 /// A bad address or WAV (before anything is sent).
 pub fn run(args: &LoadtestArgs) -> anyhow::Result<Report> {
     let url = endpoint(&args.url, args.protocol)?;
+    if let Some(k) = &args.key {
+        if axum::http::HeaderValue::from_str(&format!("Bearer {k}")).is_err() {
+            let m = "not a header value (a line break or a control character in it)".into();
+            return Err(bad("--key", ConfigErrorKind::WrongType, m));
+        }
+    }
     if !(1.0..=3600.0).contains(&args.seconds) {
         let m = format!("{}: from 1 to 3600", args.seconds);
         return Err(bad("--seconds", ConfigErrorKind::OutOfRange, m));

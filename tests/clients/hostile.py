@@ -17,6 +17,8 @@ written here), the Ogg pages by hand (RFC 3533), Opus packets as bytes.
                        (--marks: only a `session.update` every --every s)
   --attack event-id    the realtime API: an unknown event whose `event_id` is --size characters
   --attack bad-utf8    a text frame that is not UTF-8, on a raw socket; prints the close code
+  --attack webrtc      a WebRTC peer (aiortc: ICE, DTLS-SRTP, Opus) offering to --url's
+                       /api/webrtc, its audio sent at --speed times real time for --hold s
   --attack slow        slowloris: the request to --url's host and port for --path, its head a
                        byte a second (or, with --body N, the head at once and N bytes of body
                        promised, a byte a second), for up to --hold s; prints when it was closed
@@ -308,12 +310,70 @@ def slow(url, path, body, hold):
     return {"closed_after_s": closed_after, "status": status, "bytes_sent": sent}
 
 
+async def webrtc_flood(url, speed, hold):
+    """An aiortc peer whose microphone runs `speed` times faster than real time: its packets'
+    timestamps are those of real audio, their arrival `speed` times too early."""
+    import fractions
+
+    import numpy as np
+    from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
+    from av import AudioFrame
+
+    class Fast(MediaStreamTrack):
+        kind = "audio"
+
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+            t = np.arange(960) / 48000
+            self.pcm = (8000 * np.sin(2 * np.pi * 220 * t)).astype(np.int16).tobytes()
+
+        async def recv(self):
+            await asyncio.sleep(0.02 / speed)
+            f = AudioFrame(format="s16", layout="mono", samples=960)
+            f.planes[0].update(self.pcm)
+            f.sample_rate = 48000
+            f.pts = self.n * 960
+            f.time_base = fractions.Fraction(1, 48000)
+            self.n += 1
+            return f
+
+    u = urllib.parse.urlparse(url)
+    base = f"http://{u.netloc}"
+    track = Fast()
+    pc = RTCPeerConnection()
+    pc.addTransceiver(track, direction="sendrecv")
+    pc.createDataChannel("duplex")
+    await pc.setLocalDescription(await pc.createOffer())
+    result = {"status": None, "frames": 0}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + "/api/webrtc", data=pc.localDescription.sdp,
+                          headers={"Content-Type": "application/sdp"}) as r:
+            result["status"] = r.status
+            answer = await r.text()
+            location = r.headers.get("Location")
+        if result["status"] != 201:
+            result["body"] = answer[:300]
+            await pc.close()
+            return result
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        t0 = time.monotonic()
+        await asyncio.sleep(hold)
+        result["sent_for_s"] = time.monotonic() - t0
+        result["frames"] = track.n
+        result["state"] = pc.connectionState
+        async with s.delete(base + location) as r:
+            result["hangup"] = r.status
+    await pc.close()
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
     ap.add_argument("--attack", required=True,
                     choices=["bomb", "zeros", "ping-flood", "prime-leave", "upgrade", "twilio",
-                             "realtime", "event-id", "bad-utf8", "slow"])
+                             "realtime", "event-id", "bad-utf8", "slow", "webrtc"])
     ap.add_argument("--size", type=int, default=1 << 20)
     ap.add_argument("--hold", type=float, default=5)
     ap.add_argument("--read", action="store_true")
@@ -328,6 +388,7 @@ def main():
     ap.add_argument("--format", default="g711_ulaw")
     ap.add_argument("--path", default="/v1/realtime")
     ap.add_argument("--body", type=int, default=0)
+    ap.add_argument("--speed", type=float, default=8)
     args = ap.parse_args()
     url = args.url + (("?" + args.query) if args.query else "")
     if args.attack in ("bomb", "zeros"):
@@ -345,6 +406,8 @@ def main():
         r = asyncio.run(event_id(url, args.size))
     elif args.attack == "bad-utf8":
         r = bad_utf8(url)
+    elif args.attack == "webrtc":
+        r = asyncio.run(webrtc_flood(url, args.speed, args.hold))
     elif args.attack == "slow":
         r = slow(url, args.path, args.body, args.hold)
     else:

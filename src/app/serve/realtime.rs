@@ -122,7 +122,8 @@ impl Names {
             "beta" => Ok(Names::Beta),
             "both" => Ok(Names::Both),
             _ => Err(format!(
-                "query parameter event_names={s}: one of ga, beta, both"
+                "query parameter event_names={}: one of ga, beta, both",
+                shown(s)
             )),
         }
     }

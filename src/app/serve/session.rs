@@ -618,30 +618,27 @@ pub(super) struct AudioBudget {
 }
 
 impl AudioBudget {
-    /// The budget of the template's decoder (`opus_decode`; [`pcm_ends`] leaves its
-    /// `session_pcm_in` unpaced, for this budget to pace).
-    pub(super) fn of(template: &PipelineSpec) -> AudioBudget {
-        let pacing = template
-            .stages
-            .iter()
-            .find(|s| s.kind == "opus_decode")
-            .map(|s| (s.params.float("max_speed"), s.params.int("catch_up_ms")));
-        let bucket = match pacing {
-            Some((speed, catch_up)) if speed > 0.0 => Some(crate::audio::pace::RealTime::new(
-                1_000_000,
-                speed,
-                Duration::from_millis(catch_up.max(0) as u64),
-            )),
+    /// The pacing of the template's decoder (`opus_decode`; [`pcm_ends`] leaves its
+    /// `session_pcm_in` unpaced, for the transport to pace): how many times real time, and the
+    /// catch-up allowed ahead of it. `None`: unpaced (`max_speed: 0`, streams the operator
+    /// trusts). A template without one (a check's): real time and a second.
+    pub(super) fn pacing(template: &PipelineSpec) -> Option<(f64, Duration)> {
+        let decoder = template.stages.iter().find(|s| s.kind == "opus_decode");
+        match decoder.map(|s| (s.params.float("max_speed"), s.params.int("catch_up_ms"))) {
+            Some((speed, catch_up)) if speed > 0.0 => {
+                Some((speed, Duration::from_millis(catch_up.max(0) as u64)))
+            }
             Some(_) => None,
-            // A template without one (a check's): real time and a second.
-            None => Some(crate::audio::pace::RealTime::new(
-                1_000_000,
-                1.0,
-                Duration::from_secs(1),
-            )),
-        };
+            None => Some((1.0, Duration::from_secs(1))),
+        }
+    }
+
+    /// The budget of the template's decoder's [`pacing`](Self::pacing).
+    pub(super) fn of(template: &PipelineSpec) -> AudioBudget {
         AudioBudget {
-            bucket,
+            bucket: Self::pacing(template).map(|(speed, catch_up)| {
+                crate::audio::pace::RealTime::new(1_000_000, speed, catch_up)
+            }),
             refused_us: 0,
             refused: metrics::counter!(names::OPUS_REFUSED),
         }

@@ -5,7 +5,8 @@
 //! them; one quantized layer is numpy's dequantize-then-multiply; a pack with an int8 codec
 //! runs the full-duplex pipeline and passes the codec's quality gate; a `pack.yaml` that
 //! disagrees with its graphs is refused, naming the key; the gate fails a damaged pack; the
-//! pack tools name a malformed manifest, codes file or weights listing (exit 2, no traceback).
+//! pack tools name a malformed manifest, codes file or weights listing, and paths that are not
+//! what they need (a file for a folder, a FIFO, a missing graph) (exit 2, no traceback).
 
 use crate::support::packs;
 
@@ -650,4 +651,115 @@ fn the_pack_tools_name_a_malformed_manifest_or_list_and_exit_2() {
         ],
     );
     assert!(!shapes.join("temporal/model.onnx.data").exists());
+}
+
+/// What a careless operator gives the pack tools besides a malformed manifest (the second
+/// hostile probe): a folder that is a file, a pack without its graph, a FIFO where a file was
+/// meant (a FIFO made the gate wait for ever), a destination that is a file, a tokenizer that is
+/// not one. Each is refused in one line naming the tool and the path, exit 2, no traceback, no
+/// hang, nothing written.
+#[test]
+fn the_pack_tools_refuse_paths_that_are_not_what_they_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tiny = packs::pack("tiny-gqa");
+    let file = d.join("file.bin");
+    std::fs::write(&file, [7u8; 4096]).unwrap();
+    let fifo = d.join("fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let no_graph = d.join("no-graph");
+    std::fs::create_dir(&no_graph).unwrap();
+    std::fs::copy(tiny.join("pack.yaml"), no_graph.join("pack.yaml")).unwrap();
+    let os = |p: &Path| p.as_os_str().to_owned();
+    let s = |t: &str| std::ffi::OsString::from(t);
+    let cases: Vec<(&str, Vec<std::ffi::OsString>, String)> = vec![
+        (
+            "check_quantized.py",
+            vec![os(&file), os(&tiny)],
+            format!("check_quantized: {}: not a folder", file.display()),
+        ),
+        (
+            "check_quantized.py",
+            vec![os(&no_graph), os(&tiny)],
+            format!(
+                "check_quantized: {}: no such file",
+                no_graph.join("temporal/model.onnx").display()
+            ),
+        ),
+        (
+            "quality_gate.py",
+            vec![os(&no_graph), os(&tiny)],
+            format!(
+                "quality_gate: {}: no such file",
+                no_graph.join("temporal/model.onnx").display()
+            ),
+        ),
+        (
+            "quality_gate.py",
+            vec![os(&tiny), os(&tiny), s("--codes"), os(&fifo)],
+            format!("quality_gate: {}: not a regular file", fifo.display()),
+        ),
+        (
+            "quantize_pack.py",
+            vec![os(&tiny), os(&file), s("--quantize"), s("int8")],
+            format!(
+                "quantize_pack: {} exists and is not a folder",
+                file.display()
+            ),
+        ),
+        (
+            "check_export.py",
+            vec![os(&d.join("nope")), os(&tiny)],
+            format!("check_export: {}: no such folder", d.join("nope").display()),
+        ),
+        (
+            "make_checkpoint.py",
+            vec![os(&d.join("ck")), s("--tokenizer"), os(&fifo)],
+            format!("make_checkpoint: {}: not a regular file", fifo.display()),
+        ),
+        (
+            "make_checkpoint.py",
+            vec![os(&d.join("ck")), s("--tokenizer"), os(&file)],
+            format!(
+                "make_checkpoint: {}: not a SentencePiece model",
+                file.display()
+            ),
+        ),
+        (
+            "make_pack.py",
+            vec![s("--out"), os(&file)],
+            "exists and is not a folder".to_string(),
+        ),
+    ];
+    for (tool, args, want) in cases {
+        let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        let mut child = Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("tools").join(tool))
+            .args(&refs)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let done =
+            crate::support::daemon::wait_exit(&mut child, std::time::Duration::from_secs(120));
+        if done.is_none() {
+            let _ = child.kill();
+            panic!("{tool} {args:?}: no answer in 120 s");
+        }
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{tool} {args:?}: {err}");
+        assert!(!err.contains("Traceback"), "{tool}: {err}");
+        assert!(err.contains(&want), "{tool}: {want:?} not in {err}");
+    }
+    assert!(!d.join("ck").exists(), "a refused checkpoint was begun");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        [7u8; 4096],
+        "a file was overwritten"
+    );
 }

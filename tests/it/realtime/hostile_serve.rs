@@ -785,3 +785,60 @@ fn handshakes_time_out_only_audio_keeps_a_call_and_replies_stay_short() {
         ) >= 1.0
     );
 }
+
+/// WebRTC, the last transport of the memory and CPU property: an independent peer (aiortc)
+/// whose microphone runs eight times faster than real time. Its packets overflow the jitter
+/// buffer, whose re-anchoring then makes each one due on arrival; the peer's budget pays for
+/// each packet's duration (from its table of contents) before it is decoded, so the session
+/// decodes real time and the catch-up, the rest skipped undecoded and counted.
+#[test]
+fn a_webrtc_peer_faster_than_real_time_costs_real_time() {
+    let (server, healthy, base, url) = with_healthy_session("max_sessions: 4\n", 16.0);
+    let refused = || {
+        metric_value_of(
+            &server.metrics(),
+            "duplex_session_input_refused_frames_total",
+        )
+    };
+    let before = refused();
+    let c0 = server.cpu_seconds();
+    let u = url.clone();
+    let attack = std::thread::spawn(move || {
+        hostile(&u, &["--attack", "webrtc", "--speed", "8", "--hold", "8"])
+    });
+    // The WebRTC session's audio as its pipeline took it (decoded PCM16, 48,000 bytes a
+    // second), and its age, as /api/sessions tells them while it lasts.
+    let mut taken = (0.0f64, 0.0f64);
+    while !attack.is_finished() {
+        for s in server.sessions() {
+            if s["transport"]["kind"] == "webrtc" {
+                taken = (
+                    s["bytes_in"].as_f64().unwrap() / 48_000.0,
+                    s["age_s"].as_f64().unwrap(),
+                );
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let r = attack.join().unwrap();
+    let cpu = server.cpu_seconds() - c0;
+    assert_eq!(r["status"], 201, "{r}");
+    assert_eq!(r["state"], "connected", "{r}");
+    let sent_s = r["frames"].as_f64().unwrap() * 0.02;
+    let wall = r["sent_for_s"].as_f64().unwrap();
+    let refused_s = (refused() - before) * 0.08;
+    let grown = grown_mib(&server, base);
+    let (decoded, age) = taken;
+    println!(
+        "webrtc at 8x: {sent_s:.1} s of audio sent in {wall:.1} s; the session took {decoded:.1} \
+         s in its {age:.1} s, {refused_s:.1} s skipped undecoded; server CPU {cpu:.2} s (the \
+         healthy session's included); peak growth {grown} MiB"
+    );
+    assert!(sent_s > 4.0 * wall, "the peer did not send fast: {r}");
+    assert!(decoded > 1.0, "nothing was heard: {r}");
+    assert!(decoded <= age + 1.5, "{decoded:.1} s decoded in {age:.1} s");
+    assert!(refused_s > 1.0, "{refused_s:.1} s skipped");
+    assert!(grown < ATTACK_BOUND_MIB, "{grown} MiB");
+    let h = healthy.join().unwrap();
+    assert_healthy(&h, 16.0);
+}

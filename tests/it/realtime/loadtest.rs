@@ -98,9 +98,17 @@ fn bad_arguments_are_refused_before_anything_is_sent() {
             &["http://127.0.0.1:1", "--wav", "/nonexistent.wav"][..],
             "/nonexistent.wav",
         ),
+        (&["http://127.0.0.1:1", "--key", "a\nb"][..], "--key"),
     ] {
         let (code, _, err) = loadtest(args);
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(names), "{args:?}: {err}");
     }
+    // Nobody there: exit 1, and why no session was admitted, not only that none kept up.
+    let (code, _, err) = loadtest(&["http://127.0.0.1:1", "--sessions", "1", "--seconds", "1"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no session was admitted") && err.contains("refused"),
+        "{err}"
+    );
 }

@@ -1,7 +1,11 @@
 //! The WebRTC driver: one UDP socket, every peer's [`Rtc`] (str0m, sans-IO: ICE, DTLS-SRTP,
 //! RTP, SCTP) on one thread of its own, and the audio conversions between a peer's RTP and its
 //! session. Incoming Opus packets go through the peer's [`JitterBuffer`] and libopus (at
-//! 24 kHz, with in-band FEC and concealment) to the session as 16-bit PCM; the session's PCM is
+//! 24 kHz, with in-band FEC and concealment) to the session as 16-bit PCM, each paid for from
+//! the peer's audio budget before it is decoded (its duration read from its table of contents,
+//! at the session's pacing, handed over with the peer): a sender whose timestamps crowd its
+//! packets together gets no more decoded than real time and the catch-up, the rest skipped
+//! undecoded and counted. The session's PCM is
 //! cut into 20 ms Opus packets, stamped from the model's frame clock (the RTP timestamp counts
 //! the audio made, not the time it was sent) and paced out one packet time apart (a burst after
 //! a slow tick leaves at twice that rate until the queue is short again). Text goes both ways
@@ -24,7 +28,8 @@ use str0m::media::{MediaKind, MediaTime, Mid};
 use str0m::net::{Protocol, Receive};
 use str0m::{Event, IceConnectionState, Input, Output, Rtc};
 
-use super::jitter::{JitterBuffer, Play};
+use super::jitter::{JitterBuffer, Play, CLOCK};
+use crate::audio::pace::RealTime;
 use crate::observe::names;
 
 /// Samples of one 20 ms packet at the session's 24 kHz.
@@ -90,6 +95,9 @@ pub(crate) struct NewPeer {
     pub jitter_max: Duration,
     /// The longest the peer may take to connect (ICE and DTLS) after its answer.
     pub connect_timeout: Duration,
+    /// How fast its audio may be decoded: times real time, and the catch-up ahead of it
+    /// (`None`: unpaced).
+    pub pacing: Option<(f64, Duration)>,
 }
 
 pub(crate) enum Command {
@@ -204,6 +212,7 @@ struct Counters {
     late: metrics::Counter,
     reordered: metrics::Counter,
     sent: metrics::Counter,
+    refused: metrics::Counter,
 }
 
 impl Counters {
@@ -217,6 +226,7 @@ impl Counters {
             late: c("in", "late"),
             reordered: c("in", "reordered"),
             sent: c("out", "sent"),
+            refused: metrics::counter!(names::OPUS_REFUSED),
         }
     }
 }
@@ -249,6 +259,10 @@ struct Peer {
     rtp_ts: u64,
     created: Instant,
     connect_timeout: Duration,
+    /// What the client's audio may cost, in 48 kHz RTP ticks.
+    budget: Option<RealTime>,
+    /// Ticks the budget refused, not yet counted in whole 80 ms frames.
+    refused_ticks: u64,
     connected: bool,
     /// When the peer is disconnected and dropped.
     closing: Option<Instant>,
@@ -289,6 +303,10 @@ impl Peer {
             rtp_ts: 0,
             created: now,
             connect_timeout: p.connect_timeout,
+            budget: p
+                .pacing
+                .map(|(speed, catch_up)| RealTime::new(CLOCK as u32, speed, catch_up)),
+            refused_ticks: 0,
             connected: false,
             closing: None,
             seen: JitterCounts::default(),
@@ -356,11 +374,45 @@ impl Peer {
         self.pending_text.push_back(t);
     }
 
+    /// Whether `ticks` of the client's audio may be decoded at `now`; what the budget refuses is
+    /// counted in whole 80 ms frames.
+    fn afford(&mut self, ticks: u64, now: Instant, c: &Counters) -> bool {
+        let Some(b) = self.budget.as_mut() else {
+            return true;
+        };
+        if b.take_at(ticks as usize, now) {
+            return true;
+        }
+        if self.refused_ticks == 0 {
+            tracing::warn!(
+                peer = %self.token,
+                "webrtc: the client's audio comes faster than real time: what exceeds the \
+                 catch-up allowance is skipped undecoded (counted in {})",
+                names::OPUS_REFUSED
+            );
+        }
+        let frame = CLOCK * 80 / 1000;
+        let before = self.refused_ticks / frame;
+        self.refused_ticks += ticks.max(1);
+        c.refused.increment(self.refused_ticks / frame - before);
+        false
+    }
+
     /// Plays what the jitter buffer has due, sends what the pacer lets out, and runs the
     /// peer's state machine; returns when it wants to be woken.
     fn service(&mut self, now: Instant, socket: &tokio::net::UdpSocket, c: &Counters) -> Instant {
         // The client's audio, due now.
         while let Some(play) = self.jitter.pop(now) {
+            let ticks = match &play {
+                // From the packet's table of contents (unreadable: nothing to decode).
+                Play::Packet(d) => {
+                    opus::packet::get_nb_samples(d, CLOCK as u32).unwrap_or(0) as u64
+                }
+                Play::Fec(_, t) | Play::Conceal(t) => *t,
+            };
+            if !self.afford(ticks, now, c) {
+                continue;
+            }
             let mut pcm = [0i16; 5760];
             let n = match (&play, self.decoder.as_mut()) {
                 (_, None) => 0,

@@ -309,6 +309,7 @@ pub(super) async fn offer(
         jitter_delay: endpoint.settings.jitter,
         jitter_max: endpoint.settings.max_jitter,
         connect_timeout: server.cfg.limits.handshake_timeout,
+        pacing: session::AudioBudget::pacing(&server.template()),
     });
     if !added {
         return (
@@ -425,16 +426,8 @@ impl Protocol for WebRtc {
 
     fn take(&mut self, m: Message, cx: &mut Taken<'_>) {
         match m {
-            // Decoded by the driver at the jitter buffer's pace (one packet a slot); paid for
-            // as any PCM16 is, so that a sender's timestamps cannot queue more than real time.
-            Message::Binary(b) => {
-                let plays = std::time::Duration::from_micros(
-                    b.len() as u64 * 1_000_000 / (2 * crate::audio::MODEL_RATE as u64),
-                );
-                if cx.afford(plays) {
-                    cx.offer(b.to_vec());
-                }
-            }
+            // Paid for by the driver before it decoded it (the peer's budget).
+            Message::Binary(b) => cx.offer(b.to_vec()),
             // The page says nothing on the data channel; whatever it sends is ignored.
             Message::Text(_) if cx.first("text") => {
                 tracing::info!(
