@@ -12,6 +12,7 @@
 
 mod access;
 pub mod config;
+mod kyutai;
 pub mod realtime;
 mod session;
 mod twilio;
@@ -88,11 +89,12 @@ struct Live {
 
 /// What every connection shares.
 pub(crate) struct Server {
-    cfg: ServeConfig,
+    /// The settings (shared with the transports that check a client's choices as they come).
+    cfg: Arc<ServeConfig>,
     registry: Registry,
     /// The session template as last loaded (at start, or by a reload): every session's
     /// pipeline is made from it in memory.
-    template: std::sync::RwLock<Arc<PipelineSpec>>,
+    template: std::sync::RwLock<Templates>,
     /// What the process builds once: packs, tokenizers, voice codes, engines.
     resources: Resources,
     /// The shared engines and codecs of the template, kept open while the server serves it.
@@ -211,8 +213,21 @@ impl Server {
     /// The session template in force.
     pub(crate) fn template(&self) -> Arc<PipelineSpec> {
         match self.template.read() {
-            Ok(t) => t.clone(),
-            Err(p) => p.into_inner().clone(),
+            Ok(t) => t.ogg.clone(),
+            Err(p) => p.into_inner().ogg.clone(),
+        }
+    }
+
+    /// The session template in force with PCM ends, for the transports that convert their own
+    /// wire format (derived once per template).
+    ///
+    /// # Errors
+    ///
+    /// Why the template has no such ends.
+    pub(crate) fn pcm_template(&self) -> Result<Arc<PipelineSpec>, ConfigError> {
+        match self.template.read() {
+            Ok(t) => t.pcm.clone(),
+            Err(p) => p.into_inner().pcm.clone(),
         }
     }
 
@@ -224,8 +239,9 @@ impl Server {
         let template = read_template(&self.cfg, &self.registry, &self.resources)?;
         let engines =
             session::check_template(&self.cfg, &template, &self.registry, &self.resources)?;
+        let templates = Templates::of(template, &self.registry);
         if let Ok(mut t) = self.template.write() {
-            *t = Arc::new(template);
+            *t = templates;
         }
         if let Ok(mut e) = self.engines.lock() {
             *e = engines;
@@ -492,7 +508,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let held = Held {
-        template: std::sync::RwLock::new(Arc::new(template)),
+        template: std::sync::RwLock::new(Templates::of(template, &registry)),
         resources,
         engines: Mutex::new(engines),
     };
@@ -502,9 +518,25 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
 /// What the server holds across sessions: the parsed template (replaced by a reload), the
 /// process's resources, and the shared engines the template opened (kept open while serving).
 struct Held {
-    template: std::sync::RwLock<Arc<PipelineSpec>>,
+    template: std::sync::RwLock<Templates>,
     resources: Resources,
     engines: Mutex<crate::resources::Engines>,
+}
+
+/// The session template, and its form with PCM ends (or why it has none), derived together.
+struct Templates {
+    ogg: Arc<PipelineSpec>,
+    pcm: Result<Arc<PipelineSpec>, ConfigError>,
+}
+
+impl Templates {
+    fn of(template: PipelineSpec, registry: &Registry) -> Templates {
+        let pcm = session::pcm_ends(&template, registry).map(Arc::new);
+        Templates {
+            ogg: Arc::new(template),
+            pcm,
+        }
+    }
 }
 
 /// Sessions the server admits at once: `max_sessions`, or fewer when the template's shared LM
@@ -571,7 +603,7 @@ async fn serve(
         active: metrics::gauge!(names::SESSIONS_ACTIVE),
         capacity,
         webrtc,
-        cfg,
+        cfg: Arc::new(cfg),
     });
     server.active.set(0.0);
     register_series();
@@ -1173,7 +1205,7 @@ async fn chat(
     ws: WebSocketUpgrade,
 ) -> Response {
     let query = query_pairs(query);
-    let proto = session::Kyutai::new(query);
+    let proto = kyutai::Kyutai::new(query);
     open_session(server, peer, client, conn, &headers, ws, proto)
 }
 
@@ -1200,7 +1232,7 @@ async fn realtime_chat(
             return (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response();
         }
     };
-    let proto = realtime::Realtime::new(server.clone(), names);
+    let proto = realtime::Realtime::new(server.cfg.clone(), names);
     // Browsers name the API's subprotocol (and pass their key in another one).
     let ws = ws.protocols(["realtime"]);
     open_session(server, peer, client, conn, &headers, ws, proto)

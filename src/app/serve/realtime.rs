@@ -32,7 +32,7 @@ use serde_json::{json, Value};
 
 use super::config::shown;
 use super::session::{Encoder, Protocol, Taken};
-use super::{ServeConfig, Server};
+use super::ServeConfig;
 use crate::audio::g711::{self, Law};
 use crate::audio::{StreamResampler, MODEL_RATE};
 use crate::session::Outbound;
@@ -153,7 +153,8 @@ const SAMPLING: [&str; 10] = [
 
 /// The realtime API's side of one connection.
 pub(super) struct Realtime {
-    server: Arc<Server>,
+    /// The server's settings: a client's choices are checked as they come.
+    cfg: Arc<ServeConfig>,
     /// The session's params so far, as `/api/chat`'s query pairs.
     pairs: Vec<(String, String)>,
     /// Whether the names were set by the query (the client's spelling does not change them).
@@ -175,12 +176,12 @@ pub(super) struct Realtime {
 
 impl Realtime {
     /// A connection, with the `event_names` of its query (if any).
-    pub(super) fn new(server: Arc<Server>, names: Option<Names>) -> Self {
+    pub(super) fn new(cfg: Arc<ServeConfig>, names: Option<Names>) -> Self {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         Realtime {
-            server,
+            cfg,
             pairs: Vec::new(),
             names_fixed: names.is_some(),
             input: Format::Pcm16,
@@ -297,12 +298,12 @@ impl Realtime {
                      (only the audio formats may change)";
             return self.error("session_started", m, fixed.first().copied(), client_event);
         }
-        if let Err(m) = self.server.cfg.session_params(&pairs) {
+        if let Err(m) = self.cfg.session_params(&pairs) {
             // Which field: the one whose value alone makes the difference.
             let without = |key: &str| {
                 let rest: Vec<(String, String)> =
                     pairs.iter().filter(|(k, _)| k != key).cloned().collect();
-                self.server.cfg.session_params(&rest).is_ok()
+                self.cfg.session_params(&rest).is_ok()
             };
             let (param, message) = match &u.voice {
                 Some((param, name)) if without("voice_prompt") => (
