@@ -240,7 +240,7 @@ pub(super) async fn offer(
         Ok(o) => o,
         Err(m) => return bad(StatusCode::BAD_REQUEST, "bad_request", m),
     };
-    let query = super::query_pairs(query);
+    let query = super::doors::query_pairs(query);
     if let Err(m) = server.cfg.session_params(&query) {
         metrics::counter!(names::SESSION_PROTOCOL_ERRORS, "kind" => "bad_query").increment(1);
         return (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response();
