@@ -16,6 +16,7 @@ pub mod live;
 pub mod opus;
 pub mod pace;
 pub mod pcm;
+pub mod phone;
 pub mod reference;
 pub mod resample;
 pub mod synth;

@@ -194,3 +194,10 @@ impl AudioBudget {
         false
     }
 }
+
+/// The bytes a base64 text decodes to (or would, were it valid), from its length alone.
+pub(crate) fn base64_len(b64: &str) -> usize {
+    let b = b64.trim_end().as_bytes();
+    let pad = b.iter().rev().take_while(|c| **c == b'=').count().min(2);
+    (b.len() * 3 / 4).saturating_sub(pad)
+}

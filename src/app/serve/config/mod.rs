@@ -6,7 +6,11 @@
 //! `DUPLEX__…` environment variables. Every value keeps its origin, so an error names the file
 //! and key (or the variable) it came from: the keys are read through the configuration layer's
 //! one typed reader ([`Fields`]), the `ort:` section (the ONNX Runtime library) through its
-//! shared reader ([`ort`](crate::config::ort)). Knows nothing of sockets.
+//! shared reader ([`ort`](crate::config::ort)). A client's choices of its session are
+//! [`query`]'s, the `webrtc:` section [`webrtc`]'s. Knows nothing of sockets.
+
+mod query;
+mod webrtc;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -14,10 +18,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::fields::{ExecutionProvider, Fields};
-use crate::config::{layers, ConfigError, ConfigErrorKind, ParamOverride, PipelineSpec};
+use crate::config::{layers, ConfigError, ConfigErrorKind};
+
+pub(crate) use query::shown;
+pub use query::SessionParams;
+use webrtc::read_webrtc;
 
 /// The defaults (the text of `configs/serve.yaml`).
-pub const DEFAULTS_YAML: &str = include_str!("../../../configs/serve.yaml");
+pub const DEFAULTS_YAML: &str = include_str!("../../../../configs/serve.yaml");
 const DEFAULTS_ORIGIN: &str = "configs/serve.yaml (built in)";
 
 const KEYS: &[&str] = &[
@@ -51,16 +59,6 @@ const KEYS: &[&str] = &[
     "webrtc",
     crate::config::ort::SECTION,
 ];
-const WEBRTC_KEYS: &[&str] = &[
-    "enabled",
-    "address",
-    "public_addresses",
-    "ice_servers",
-    "turn_username",
-    "turn_credential",
-    "jitter_ms",
-    "max_jitter_ms",
-];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
 const LIMIT_KEYS: &[&str] = &[
     "max_message_bytes",
@@ -75,16 +73,6 @@ const LIMIT_KEYS: &[&str] = &[
     "max_voice_s",
     "max_steps",
 ];
-
-/// The largest seed (integers up to 2^53 are exact in every JSON reader).
-const SEED_MAX: f64 = 9_007_199_254_740_991.0;
-/// The widest `pad_mult` (the depformer stage's range): e^±10 already makes padding all but
-/// certain or impossible.
-const PAD_MULT_MAX: f64 = 10.0;
-/// The strongest repetition penalty.
-const REPETITION_PENALTY_MAX: f64 = 10.0;
-/// The longest repetition context, tokens.
-const CONTEXT_MAX: f64 = 4096.0;
 
 pub use crate::config::sampling::Sampling;
 
@@ -502,105 +490,6 @@ pub fn load(
     Ok(config)
 }
 
-/// The `webrtc:` section.
-fn read_webrtc(w: &Fields<'_>, http: SocketAddr) -> Result<Option<WebRtcSettings>, ConfigError> {
-    w.known(WEBRTC_KEYS)?;
-    if !w.boolean("enabled")? {
-        return Ok(None);
-    }
-    let address = match w.string("address")?.trim() {
-        "" => http,
-        a => a.parse().map_err(|e| {
-            w.err(
-                ConfigErrorKind::WrongType,
-                "address",
-                format!("{a:?} is not a UDP address like 0.0.0.0:8998 ({e})"),
-            )
-        })?,
-    };
-    let public_addresses = w
-        .list(
-            "public_addresses",
-            "IP addresses like 203.0.113.7 or 203.0.113.7:8998",
-        )?
-        .iter()
-        .map(|a| {
-            a.parse::<SocketAddr>()
-                .map(|s| (s.ip(), Some(s.port())))
-                .or_else(|_| a.parse::<std::net::IpAddr>().map(|ip| (ip, None)))
-                .map_err(|_| {
-                    w.err(
-                        ConfigErrorKind::WrongType,
-                        "public_addresses",
-                        format!("{a:?} is not an IP address (or address:port)"),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    if let Some((ip, _)) = public_addresses.iter().find(|(ip, _)| ip.is_unspecified()) {
-        return Err(w.err(
-            ConfigErrorKind::OutOfRange,
-            "public_addresses",
-            format!("{ip} is no address a peer can reach"),
-        ));
-    }
-    let user = w.string("turn_username")?;
-    let credential = w.string("turn_credential")?;
-    let mut ice_servers = Vec::new();
-    for url in w.list("ice_servers", "URLs like stun:stun.example.com:3478")? {
-        let turn = url.starts_with("turn:") || url.starts_with("turns:");
-        if !turn && !url.starts_with("stun:") && !url.starts_with("stuns:") {
-            return Err(w.err(
-                ConfigErrorKind::WrongType,
-                "ice_servers",
-                format!("{url:?} is not a stun:, stuns:, turn: or turns: URL"),
-            ));
-        }
-        if turn && (user.trim().is_empty() || credential.is_empty()) {
-            return Err(w.err(
-                ConfigErrorKind::Missing,
-                "turn_username",
-                format!("{url} is a TURN server: it needs turn_username and turn_credential"),
-            ));
-        }
-        let auth = turn.then(|| (user.trim().to_string(), credential.clone()));
-        ice_servers.push((url, auth));
-    }
-    let jitter = w.number("jitter_ms", 0.0, 1000.0)?;
-    let max_jitter = w.number("max_jitter_ms", 0.0, 5000.0)?;
-    if max_jitter < jitter {
-        return Err(w.err(
-            ConfigErrorKind::OutOfRange,
-            "max_jitter_ms",
-            format!("{max_jitter} is less than jitter_ms ({jitter})"),
-        ));
-    }
-    Ok(Some(WebRtcSettings {
-        address,
-        public_addresses,
-        ice_servers,
-        jitter: Duration::from_secs_f64(jitter / 1000.0),
-        max_jitter: Duration::from_secs_f64(max_jitter / 1000.0),
-    }))
-}
-
-/// A client's choices for its session, from the query string of `/api/chat` over the
-/// configuration's defaults.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SessionParams {
-    /// Sampling.
-    pub sampling: Sampling,
-    /// Steps after which the conversation ends (0: none): the server's `limits.max_steps`, or
-    /// fewer when the client asks.
-    pub max_steps: i64,
-    /// Persona text.
-    pub text_prompt: String,
-    /// Voice prompt file, resolved inside the voices folder.
-    pub voice: Option<PathBuf>,
-    /// The origin of each value that the client chose (`query text_temperature=0.5`).
-    pub chosen: HashMap<&'static str, String>,
-}
-
 impl ServeConfig {
     /// Where `key`'s value came from, in words.
     pub fn origin(&self, key: &str) -> String {
@@ -677,258 +566,6 @@ impl ServeConfig {
             .collect();
         names.sort();
         names
-    }
-
-    /// The session's choices: the configuration's defaults with the client's query parameters
-    /// over them. Unknown parameters are ignored (Kyutai's and NVIDIA's clients send some of
-    /// their own).
-    ///
-    /// # Errors
-    ///
-    /// A message for the client naming the parameter and what it must be.
-    pub fn session_params(&self, query: &[(String, String)]) -> Result<SessionParams, String> {
-        let mut p = SessionParams {
-            sampling: self.sampling,
-            max_steps: self.max_steps,
-            text_prompt: self.text_prompt.clone(),
-            voice: None,
-            chosen: HashMap::new(),
-        };
-        let mut voice = self.voice_prompt.clone();
-        for (k, v) in query {
-            let num = |min: f64, max: f64| -> Result<f64, String> {
-                let x: f64 = v
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("query parameter {k}={}: not a number", shown(v)))?;
-                if !(min..=max).contains(&x) {
-                    return Err(format!(
-                        "query parameter {k}={}: out of range {min}..={max}",
-                        shown(v)
-                    ));
-                }
-                Ok(x)
-            };
-            let name: &'static str = match k.as_str() {
-                "text_temperature" => {
-                    p.sampling.text_temperature = num(0.0, 100.0)?;
-                    "text_temperature"
-                }
-                "text_topk" => {
-                    p.sampling.text_top_k = num(0.0, 1e6)? as i64;
-                    "text_topk"
-                }
-                "audio_temperature" => {
-                    p.sampling.audio_temperature = num(0.0, 100.0)?;
-                    "audio_temperature"
-                }
-                "audio_topk" => {
-                    p.sampling.audio_top_k = num(0.0, 1e6)? as i64;
-                    "audio_topk"
-                }
-                "pad_mult" => {
-                    p.sampling.pad_mult = num(-PAD_MULT_MAX, PAD_MULT_MAX)?;
-                    "pad_mult"
-                }
-                "repetition_penalty" => {
-                    p.sampling.repetition_penalty = num(1.0, REPETITION_PENALTY_MAX)?;
-                    "repetition_penalty"
-                }
-                "repetition_penalty_context" => {
-                    p.sampling.repetition_penalty_context = num(0.0, CONTEXT_MAX)? as i64;
-                    "repetition_penalty_context"
-                }
-                "text_seed" => {
-                    p.sampling.text_seed = Some(num(0.0, SEED_MAX)? as u64);
-                    "text_seed"
-                }
-                "audio_seed" => {
-                    p.sampling.audio_seed = Some(num(0.0, SEED_MAX)? as u64);
-                    "audio_seed"
-                }
-                // The server's own limit bounds it.
-                "max_steps" => {
-                    let asked = num(1.0, 1e9)? as i64;
-                    let cap = self.max_steps;
-                    p.max_steps = if cap > 0 { asked.min(cap) } else { asked };
-                    "max_steps"
-                }
-                "text_prompt" => {
-                    if v.len() > 4096 {
-                        return Err(format!(
-                            "query parameter text_prompt: {} bytes, at most 4096",
-                            v.len()
-                        ));
-                    }
-                    p.text_prompt = strip_system_tags(v);
-                    "text_prompt"
-                }
-                "voice_prompt" => {
-                    voice = v.clone();
-                    "voice_prompt"
-                }
-                _ => continue,
-            };
-            p.chosen.insert(name, format!("query {k}={}", shown(v)));
-        }
-        if !voice.trim().is_empty() {
-            p.voice = Some(self.voice_path(voice.trim())?);
-        }
-        Ok(p)
-    }
-
-    /// The params that turn the session template into this session's pipeline, typed: the
-    /// pack and execution provider of every model stage, the sampling, persona and voice, each
-    /// with its origin (the configuration key or the query parameter). Model stages are the
-    /// kinds that take a `pack`.
-    pub fn session_overrides(
-        &self,
-        spec: &PipelineSpec,
-        catalog: &dyn crate::config::KindCatalog,
-        p: &SessionParams,
-    ) -> Vec<ParamOverride> {
-        use crate::config::ParamValue::{Bool, Float, Int, Str};
-        let mut sets = Vec::new();
-        let origin = |query: &str, key: &str| {
-            p.chosen
-                .get(query)
-                .cloned()
-                .unwrap_or_else(|| self.origin(key))
-        };
-        for s in &spec.stages {
-            let name = &s.name;
-            let mut set = |param, value, origin: String| {
-                sets.push(ParamOverride::new(name.clone(), param, value, origin))
-            };
-            let model = catalog
-                .params(&s.kind)
-                .is_some_and(|ps| ps.iter().any(|x| x.name == "pack"));
-            if model {
-                if let Some(pack) = &self.pack {
-                    set("pack", Str(pack.clone()), self.origin("pack"));
-                }
-                if let Some(ep) = &self.execution_provider {
-                    set(
-                        "execution_provider",
-                        Str(ep.name().to_string()),
-                        self.origin("execution_provider"),
-                    );
-                }
-            }
-            let sm = &p.sampling;
-            match s.kind.as_str() {
-                "depformer" => {
-                    for (param, query, value) in [
-                        (
-                            "text_temperature",
-                            "text_temperature",
-                            Float(sm.text_temperature),
-                        ),
-                        ("text_top_k", "text_topk", Int(sm.text_top_k)),
-                        (
-                            "audio_temperature",
-                            "audio_temperature",
-                            Float(sm.audio_temperature),
-                        ),
-                        ("audio_top_k", "audio_topk", Int(sm.audio_top_k)),
-                        ("pad_mult", "pad_mult", Float(sm.pad_mult)),
-                        (
-                            "repetition_penalty",
-                            "repetition_penalty",
-                            Float(sm.repetition_penalty),
-                        ),
-                        (
-                            "repetition_penalty_context",
-                            "repetition_penalty_context",
-                            Int(sm.repetition_penalty_context),
-                        ),
-                    ] {
-                        let key = format!("sampling.{}", query.replace("topk", "top_k"));
-                        set(param, value, origin(query, &key));
-                    }
-                    // `seed` (the configuration's, or fresh per session) is the default of
-                    // both samplers' seeds; a seed of the client's or the configuration's for
-                    // one sampler is that sampler's.
-                    let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
-                    set(
-                        "seed",
-                        Int((seed & SEED_MAX as u64) as i64),
-                        origin("seed", "sampling.seed"),
-                    );
-                    for (param, seed) in
-                        [("text_seed", sm.text_seed), ("audio_seed", sm.audio_seed)]
-                    {
-                        if let Some(seed) = seed {
-                            set(
-                                param,
-                                Int((seed & SEED_MAX as u64) as i64),
-                                origin(param, &format!("sampling.{param}")),
-                            );
-                        }
-                    }
-                }
-                "temporal" => {
-                    if p.max_steps > 0 {
-                        set(
-                            "max_steps",
-                            Int(p.max_steps),
-                            origin("max_steps", "limits.max_steps"),
-                        );
-                    }
-                    set(
-                        "max_persona_tokens",
-                        Int(self.limits.max_prompt_tokens as i64),
-                        self.origin("limits.max_prompt_tokens"),
-                    );
-                    set(
-                        "max_voice_s",
-                        Float(self.limits.max_voice_s),
-                        self.origin("limits.max_voice_s"),
-                    );
-                    set(
-                        "log_transcript",
-                        Bool(self.log_transcripts),
-                        self.origin("log_transcripts"),
-                    );
-                    if !p.text_prompt.trim().is_empty() {
-                        set(
-                            "persona",
-                            Str(p.text_prompt.clone()),
-                            origin("text_prompt", "text_prompt"),
-                        );
-                    }
-                    if let Some(v) = &p.voice {
-                        set(
-                            "voice",
-                            Str(v.display().to_string()),
-                            origin("voice_prompt", "voice_prompt"),
-                        );
-                    }
-                }
-                _ => {}
-            }
-        }
-        sets
-    }
-}
-
-/// PersonaPlex's clients wrap the persona in `<system>` tags; the model stage adds its own.
-fn strip_system_tags(v: &str) -> String {
-    let t = v.trim();
-    let t = t.strip_prefix("<system>").unwrap_or(t);
-    let t = t.strip_suffix("<system>").unwrap_or(t);
-    t.trim().to_string()
-}
-
-/// A client's value as the server repeats it (in a reply or a log line): at most 40
-/// characters, control characters escaped.
-pub(crate) fn shown(v: &str) -> String {
-    let cut: String = v.chars().take(40).collect();
-    let escaped: String = cut.escape_debug().collect();
-    if v.chars().count() > 40 {
-        format!("{escaped}…")
-    } else {
-        escaped
     }
 }
 

@@ -11,7 +11,7 @@
 //! (the `duplex` extension object, the query parameters of `/api/chat`); after it, only the
 //! audio formats may change. Audio is `pcm16` (24 kHz, 16-bit little-endian) or G.711 μ-law /
 //! A-law at 8 kHz, in the beta (`input_audio_format: "g711_ulaw"`) and the GA spelling
-//! (`audio.input.format: {"type": "audio/pcmu"}`), converted here (G.711 tables, resampled to
+//! (`audio.input.format: {"type": "audio/pcmu"}`), converted by [`phone`](crate::audio::phone) (G.711 tables, resampled to
 //! and from 24 kHz): an append is charged to the connection's audio budget from its base64
 //! length before it is decoded, so what comes faster than real time is dropped undecoded. PCM16
 //! split mid-sample keeps its odd byte for the next append, so the session's samples stay
@@ -30,78 +30,17 @@ use axum::extract::ws::Message;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+mod events;
+
 use super::config::shown;
-use super::session::{Encoder, Protocol, Taken};
+use super::session::{base64_len, Encoder, Protocol, Taken};
 use super::ServeConfig;
-use crate::audio::g711::{self, Law};
-use crate::audio::{StreamResampler, MODEL_RATE};
+use crate::audio::phone::{to_pcm16, PhoneIn, PhoneOut, PHONE_RATE};
+use crate::audio::MODEL_RATE;
 use crate::session::Outbound;
 
-/// G.711's sample rate.
-pub(super) const PHONE_RATE: u32 = 8_000;
-
-/// An audio format of the API.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// 16-bit little-endian PCM, 24 kHz, mono.
-    Pcm16,
-    /// G.711 at 8 kHz.
-    G711(Law),
-}
-
-impl Format {
-    /// The beta name.
-    fn beta(self) -> &'static str {
-        match self {
-            Format::Pcm16 => "pcm16",
-            Format::G711(Law::Mu) => "g711_ulaw",
-            Format::G711(Law::A) => "g711_alaw",
-        }
-    }
-
-    /// The GA object.
-    fn ga(self) -> Value {
-        match self {
-            Format::Pcm16 => json!({"type": "audio/pcm", "rate": MODEL_RATE}),
-            Format::G711(Law::Mu) => json!({"type": "audio/pcmu"}),
-            Format::G711(Law::A) => json!({"type": "audio/pcma"}),
-        }
-    }
-
-    /// A format in either spelling.
-    fn parse(v: &Value) -> Result<Format, String> {
-        let name = match v {
-            Value::String(s) => s.as_str(),
-            Value::Object(o) => {
-                let t = o.get("type").and_then(Value::as_str).unwrap_or_default();
-                if t == "audio/pcm" {
-                    match o.get("rate") {
-                        None => {}
-                        Some(r) if r.as_u64() == Some(MODEL_RATE as u64) => {}
-                        Some(r) => {
-                            return Err(format!(
-                                "audio/pcm is served at {MODEL_RATE} Hz, not {}",
-                                shown(&r.to_string())
-                            ))
-                        }
-                    }
-                }
-                t
-            }
-            _ => "",
-        };
-        match name {
-            "pcm16" | "audio/pcm" => Ok(Format::Pcm16),
-            "g711_ulaw" | "audio/pcmu" => Ok(Format::G711(Law::Mu)),
-            "g711_alaw" | "audio/pcma" => Ok(Format::G711(Law::A)),
-            _ => Err(format!(
-                "{} is not a format of this server: pcm16, g711_ulaw, g711_alaw (or \
-                 {{\"type\": \"audio/pcm\" | \"audio/pcmu\" | \"audio/pcma\"}})",
-                shown(&v.to_string())
-            )),
-        }
-    }
-}
+use events::SAMPLING;
+pub use events::{parse_event, ClientEvent, EventError, Format, SessionUpdate};
 
 /// Which names the server's events use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,20 +75,6 @@ struct Shared {
     response: String,
     item: String,
 }
-
-/// The sampling options of the `duplex` extension object: the query parameters of `/api/chat`.
-const SAMPLING: [&str; 10] = [
-    "text_temperature",
-    "text_topk",
-    "audio_temperature",
-    "audio_topk",
-    "pad_mult",
-    "repetition_penalty",
-    "repetition_penalty_context",
-    "text_seed",
-    "audio_seed",
-    "max_steps",
-];
 
 /// The realtime API's side of one connection.
 pub(super) struct Realtime {
@@ -415,78 +340,6 @@ enum Half {
     Skip,
 }
 
-/// The bytes a base64 text decodes to (or would, were it valid), from its length alone.
-pub(super) fn base64_len(b64: &str) -> usize {
-    let b = b64.trim_end().as_bytes();
-    let pad = b.iter().rev().take_while(|c| **c == b'=').count().min(2);
-    (b.len() * 3 / 4).saturating_sub(pad)
-}
-
-/// Telephone audio in: G.711 bytes at 8 kHz → 16-bit little-endian PCM at 24 kHz, a stream.
-pub(super) struct PhoneIn {
-    law: Law,
-    up: StreamResampler,
-}
-
-impl PhoneIn {
-    pub(super) fn new(law: Law) -> Result<Self, String> {
-        let up = StreamResampler::new(PHONE_RATE, MODEL_RATE, 160).map_err(|e| e.to_string())?;
-        Ok(PhoneIn { law, up })
-    }
-
-    /// The PCM16 bytes of the next G.711 bytes of the stream.
-    pub(super) fn pcm16(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
-        let pcm: Vec<f32> = bytes
-            .iter()
-            .map(|b| g711::decode(self.law, *b) as f32 / 32768.0)
-            .collect();
-        let mut up = Vec::with_capacity(pcm.len() * 3 + 512);
-        self.up.process(&pcm, &mut up).map_err(|e| e.to_string())?;
-        Ok(to_pcm16(&up))
-    }
-}
-
-/// Telephone audio out: the agent's 24 kHz samples → G.711 bytes at 8 kHz, a stream. Clipped
-/// first, as the PCM16 stream is, so both carry the same signal.
-pub(super) struct PhoneOut {
-    law: Law,
-    down: StreamResampler,
-}
-
-impl PhoneOut {
-    pub(super) fn new(law: Law) -> Result<Self, String> {
-        let down = StreamResampler::new(MODEL_RATE, PHONE_RATE, 1920).map_err(|e| e.to_string())?;
-        Ok(PhoneOut { law, down })
-    }
-
-    /// The G.711 bytes of the next samples (none while the resampler fills).
-    pub(super) fn encode(&mut self, samples: &[f32]) -> Vec<u8> {
-        let clipped: Vec<f32> = samples.iter().map(|s| s.clamp(-1.0, 1.0)).collect();
-        let mut down = Vec::with_capacity(samples.len() / 3 + 1024);
-        if self.down.process(&clipped, &mut down).is_err() {
-            return Vec::new();
-        }
-        down.iter()
-            .map(|s| {
-                g711::encode(
-                    self.law,
-                    (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16,
-                )
-            })
-            .collect()
-    }
-}
-
-/// Samples as 16-bit little-endian PCM, clipped.
-pub(super) fn to_pcm16(samples: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(samples.len() * 2);
-    for s in samples {
-        let v = (s * 32768.0).round().clamp(-32768.0, 32767.0) as i16;
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    out
-}
-
 /// The writer's side: the agent's audio and transcript as delta events.
 struct Deltas {
     shared: Arc<Mutex<Shared>>,
@@ -561,211 +414,6 @@ impl Encoder for Deltas {
         }
     }
 }
-
-/// A client event, parsed; nothing of it applied yet.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ClientEvent {
-    /// `session.update`.
-    Update(SessionUpdate),
-    /// `input_audio_buffer.append`: the audio, in base64 (decoded once the connection's
-    /// budget has paid for it).
-    Append(String),
-    /// `input_audio_buffer.commit`.
-    Commit,
-    /// `input_audio_buffer.clear`.
-    Clear,
-    /// `response.create`.
-    CreateResponse,
-    /// `response.cancel`.
-    CancelResponse,
-}
-
-/// What a `session.update` asks for, in either spelling.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct SessionUpdate {
-    /// The persona.
-    pub instructions: Option<String>,
-    /// The voice prompt's name, and the field that named it.
-    pub voice: Option<(&'static str, String)>,
-    /// The client's audio format.
-    pub input: Option<Format>,
-    /// The agent's audio format.
-    pub output: Option<Format>,
-    /// The `duplex` sampling options, as `/api/chat`'s query pairs.
-    pub sampling: Vec<(String, String)>,
-    /// Spelled the beta way (`input_audio_format`, `output_audio_format`, `modalities`).
-    pub beta: bool,
-}
-
-/// Why a client's event was refused: the fields of the `error` event that answers it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EventError {
-    /// The `kind` of `duplex_session_protocol_errors_total`.
-    pub kind: &'static str,
-    /// `error.code`.
-    pub code: &'static str,
-    /// `error.message`.
-    pub message: String,
-    /// `error.param`: the offending field.
-    pub param: Option<String>,
-    /// `error.event_id`: the client's event's, when it had one.
-    pub event_id: Option<String>,
-}
-
-/// Parses one text message of a client's: its `event_id` (when it has one) and the event, or
-/// the error that answers it. Never panics, whatever the text.
-///
-/// # Errors
-///
-/// An [`EventError`] naming the field at fault.
-pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventError> {
-    let fail = |kind, code, message: String, param: Option<&str>, id: &Option<String>| EventError {
-        kind,
-        code,
-        message,
-        param: param.map(str::to_string),
-        event_id: id.clone(),
-    };
-    let v: Value = serde_json::from_str(text).map_err(|e| {
-        fail(
-            "not_json",
-            "invalid_json",
-            format!("not a JSON event: {e}"),
-            None,
-            &None,
-        )
-    })?;
-    // Repeated in replies, so cut as every value of a client's is.
-    let id = v.get("event_id").and_then(Value::as_str).map(shown);
-    let Some(kind) = v.get("type").and_then(Value::as_str) else {
-        let m = "an event needs a string `type`".to_string();
-        return Err(fail("unknown_kind", "missing_type", m, Some("type"), &id));
-    };
-    let event =
-        match kind {
-            "session.update" => {
-                let session = v.get("session").unwrap_or(&Value::Null);
-                ClientEvent::Update(parse_update(session).map_err(|(param, m)| {
-                    fail("bad_event", "invalid_value", m, Some(&param), &id)
-                })?)
-            }
-            "input_audio_buffer.append" => {
-                let Some(b64) = v.get("audio").and_then(Value::as_str) else {
-                    let m = "`audio` must be a base64 string".to_string();
-                    return Err(fail("bad_audio", "invalid_value", m, Some("audio"), &id));
-                };
-                ClientEvent::Append(b64.to_string())
-            }
-            "input_audio_buffer.commit" => ClientEvent::Commit,
-            "input_audio_buffer.clear" => ClientEvent::Clear,
-            "response.create" => ClientEvent::CreateResponse,
-            "response.cancel" => ClientEvent::CancelResponse,
-            k if UNSUPPORTED.iter().any(|u| k.starts_with(u)) => {
-                let m = format!(
-                    "`{}` is not supported: the conversation is one full-duplex response \
-                 (docs/realtime.md)",
-                    shown(k)
-                );
-                return Err(fail(
-                    "unknown_kind",
-                    "unsupported_event",
-                    m,
-                    Some("type"),
-                    &id,
-                ));
-            }
-            k => {
-                let m = format!("unknown event type `{}`", shown(k));
-                return Err(fail("unknown_kind", "unknown_event", m, Some("type"), &id));
-            }
-        };
-    Ok((id, event))
-}
-
-/// A `session.update`'s `session`, in either spelling; a refusal names the field.
-fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
-    let Some(obj) = session.as_object() else {
-        return Err(("session".into(), "`session` must be an object".into()));
-    };
-    let pick = |path: &[&str]| -> Option<&Value> {
-        let mut v = session;
-        for p in path {
-            v = v.get(p)?;
-        }
-        (!v.is_null()).then_some(v)
-    };
-    let mut u = SessionUpdate {
-        beta: ["input_audio_format", "output_audio_format", "modalities"]
-            .iter()
-            .any(|k| obj.contains_key(*k)),
-        ..Default::default()
-    };
-    let format =
-        |beta: &'static str, ga: [&'static str; 3]| -> Result<Option<Format>, (String, String)> {
-            let (param, v) = match (pick(&[beta]), pick(&ga)) {
-                (Some(v), _) => (format!("session.{beta}"), v),
-                (None, Some(v)) => (format!("session.{}", ga.join(".")), v),
-                (None, None) => return Ok(None),
-            };
-            Format::parse(v).map(Some).map_err(|m| (param, m))
-        };
-    u.input = format("input_audio_format", ["audio", "input", "format"])?;
-    u.output = format("output_audio_format", ["audio", "output", "format"])?;
-    if let Some(v) = pick(&["instructions"]) {
-        let t = v.as_str().ok_or_else(|| {
-            (
-                "session.instructions".to_string(),
-                "`instructions` must be a string".to_string(),
-            )
-        })?;
-        u.instructions = Some(t.to_string());
-    }
-    let voice = pick(&["voice"])
-        .map(|v| ("session.voice", v))
-        .or_else(|| pick(&["audio", "output", "voice"]).map(|v| ("session.audio.output.voice", v)));
-    if let Some((param, v)) = voice {
-        let name = v.as_str().ok_or_else(|| {
-            (
-                param.to_string(),
-                "`voice` must be a string: a voice prompt's name (GET /api/voices)".to_string(),
-            )
-        })?;
-        u.voice = Some((param, name.to_string()));
-    }
-    if let Some(d) = pick(&["duplex"]) {
-        let d = d.as_object().ok_or_else(|| {
-            (
-                "session.duplex".to_string(),
-                "`duplex` must be an object of sampling options".to_string(),
-            )
-        })?;
-        for (k, v) in d {
-            let param = || format!("session.duplex.{}", shown(k));
-            if !SAMPLING.contains(&k.as_str()) {
-                let m = format!("unknown option: one of {}", SAMPLING.join(", "));
-                return Err((param(), m));
-            }
-            let x = v
-                .as_f64()
-                .ok_or_else(|| (param(), "a number".to_string()))?;
-            u.sampling.push((k.clone(), x.to_string()));
-        }
-    }
-    Ok(u)
-}
-
-/// Client events answered with `unsupported_event`: the conversation is one full-duplex
-/// response, with no items to add, no tools, no separate transcription.
-const UNSUPPORTED: [&str; 8] = [
-    "conversation.item.create",
-    "conversation.item.delete",
-    "conversation.item.truncate",
-    "conversation.item.retrieve",
-    "output_audio_buffer.clear",
-    "transcription_session.update",
-    "session.tools",
-    "response.function_call_arguments",
-];
 
 impl Protocol for Realtime {
     fn hello(&mut self) -> Vec<Message> {
