@@ -736,11 +736,16 @@ impl Stage for TemporalStage {
                     self.new_conversation(cx)?;
                     Ok("new conversation, primed again".to_string())
                 }
-                pause => {
-                    self.paused = pause == "pause";
+                "pause" | "resume" => {
+                    self.paused = c.name == "pause";
                     self.control.set("paused", self.paused);
                     Ok(if self.paused { "paused" } else { "resumed" }.to_string())
                 }
+                // The control plane passes only the commands the kind declares; one it did not
+                // is refused, never taken for another.
+                other => Err(format!(
+                    "unknown command `{other}`: persona, reset, pause or resume"
+                )),
             };
             c.reply(r);
         }
