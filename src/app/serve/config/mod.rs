@@ -9,6 +9,7 @@
 //! shared reader ([`ort`](crate::config::ort)). A client's choices of its session are
 //! [`query`]'s, the `webrtc:` section [`webrtc`]'s. Knows nothing of sockets.
 
+mod edge;
 mod query;
 mod webrtc;
 
@@ -216,6 +217,49 @@ fn whole(f: &Fields<'_>, k: &str, min: f64, max: f64) -> Result<f64, ConfigError
     Ok(x)
 }
 
+/// The `limits:` section, and its `max_steps`.
+fn read_limits(l: &Fields<'_>) -> Result<(Limits, i64), ConfigError> {
+    l.known(LIMIT_KEYS)?;
+    let max_steps = whole(l, "max_steps", 0.0, 1e9)? as i64;
+    let max_session = l.number("max_session_s", 0.0, 1e7)?;
+    let limits = Limits {
+        max_message_bytes: whole(l, "max_message_bytes", 1024.0, 1e9)? as usize,
+        idle_timeout: seconds(l.number("idle_timeout_s", 0.1, 1e6)?),
+        stall_timeout: seconds(l.number("stall_timeout_s", 0.1, 1e6)?),
+        max_session: (max_session > 0.0).then(|| seconds(max_session)),
+        handshake_timeout: seconds(l.number("handshake_timeout_s", 0.1, 1e6)?),
+        max_messages_per_s: l.number("max_messages_per_s", 1.0, 1e6)?,
+        sessions_per_minute_per_ip: l.number("sessions_per_minute_per_ip", 0.1, 1e6)?,
+        session_burst_per_ip: l.number("session_burst_per_ip", 1.0, 1e6)?,
+        max_prompt_tokens: whole(l, "max_prompt_tokens", 1.0, 100_000.0)? as usize,
+        max_voice_s: l.number("max_voice_s", 0.08, 3600.0)?,
+    };
+    Ok((limits, max_steps))
+}
+
+/// The `record:` section (its folder made when given).
+fn read_record(r: &Fields<'_>) -> Result<Option<RecordSessions>, ConfigError> {
+    r.known(RECORD_KEYS)?;
+    let record = match r.string("dir")?.trim() {
+        "" => None,
+        d => Some(RecordSessions {
+            dir: PathBuf::from(d),
+            max_file_bytes: (r.number("max_file_kb", 4.0, 1e9)? * 1024.0) as u64,
+            max_total_bytes: (r.number("max_total_mb", 1.0, 1e9)? * 1024.0 * 1024.0) as u64,
+        }),
+    };
+    if let Some(rec) = &record {
+        std::fs::create_dir_all(&rec.dir).map_err(|e| {
+            r.err(
+                ConfigErrorKind::Read,
+                "dir",
+                format!("{}: {e}", rec.dir.display()),
+            )
+        })?;
+    }
+    Ok(record)
+}
+
 /// The primed-state file as the server will read it at start and write it at exit: a regular
 /// file when it exists (a FIFO or a device would hang the start or take the states), in a
 /// folder that exists (else the states would be lost at exit).
@@ -303,94 +347,10 @@ pub fn load(
         &crate::stages::Registry::builtin(),
         true,
     )?;
-    let l = f.table("limits")?;
-    l.known(LIMIT_KEYS)?;
-    let max_steps = whole(&l, "max_steps", 0.0, 1e9)? as i64;
-    let max_session = l.number("max_session_s", 0.0, 1e7)?;
-    let limits = Limits {
-        max_message_bytes: whole(&l, "max_message_bytes", 1024.0, 1e9)? as usize,
-        idle_timeout: seconds(l.number("idle_timeout_s", 0.1, 1e6)?),
-        stall_timeout: seconds(l.number("stall_timeout_s", 0.1, 1e6)?),
-        max_session: (max_session > 0.0).then(|| seconds(max_session)),
-        handshake_timeout: seconds(l.number("handshake_timeout_s", 0.1, 1e6)?),
-        max_messages_per_s: l.number("max_messages_per_s", 1.0, 1e6)?,
-        sessions_per_minute_per_ip: l.number("sessions_per_minute_per_ip", 0.1, 1e6)?,
-        session_burst_per_ip: l.number("session_burst_per_ip", 1.0, 1e6)?,
-        max_prompt_tokens: whole(&l, "max_prompt_tokens", 1.0, 100_000.0)? as usize,
-        max_voice_s: l.number("max_voice_s", 0.08, 3600.0)?,
-    };
-    let r = f.table("record")?;
-    r.known(RECORD_KEYS)?;
-    let record = match r.string("dir")?.trim() {
-        "" => None,
-        d => Some(RecordSessions {
-            dir: PathBuf::from(d),
-            max_file_bytes: (r.number("max_file_kb", 4.0, 1e9)? * 1024.0) as u64,
-            max_total_bytes: (r.number("max_total_mb", 1.0, 1e9)? * 1024.0 * 1024.0) as u64,
-        }),
-    };
-    if let Some(rec) = &record {
-        std::fs::create_dir_all(&rec.dir).map_err(|e| {
-            r.err(
-                ConfigErrorKind::Read,
-                "dir",
-                format!("{}: {e}", rec.dir.display()),
-            )
-        })?;
-    }
+    let (limits, max_steps) = read_limits(&f.table("limits")?)?;
+    let record = read_record(&f.table("record")?)?;
     let execution_provider = f.provider("execution_provider")?;
-    // Each entry of a list checked by `ok`; the first that is not names the key.
-    let checked = |k: &str, what: &str, ok: fn(&str) -> bool, should: &str| {
-        let items = f.list(k, what)?;
-        match items.iter().find(|i| !ok(i)) {
-            Some(bad) => Err(f.err(
-                ConfigErrorKind::WrongType,
-                k,
-                format!("{:?} is not {should}", shown(bad)),
-            )),
-            None => Ok(items),
-        }
-    };
-    let allowed_hosts: Vec<String> = checked(
-        "allowed_hosts",
-        "host names like voice.example.com",
-        super::access::host_well_formed,
-        "a host name like voice.example.com or *.example.com (no scheme, path or user)",
-    )?
-    .into_iter()
-    .map(|h| h.to_ascii_lowercase())
-    .collect();
-    let allowed_origins = checked(
-        "allowed_origins",
-        "origins like https://app.example.com",
-        super::access::origin_well_formed,
-        "an origin like https://app.example.com (a scheme, http or https, and a host; no \
-         path), or \"*\"",
-    )?;
-    let forwarded_header = super::access::ForwardedHeader::parse(&f.string("forwarded_header")?)
-        .map_err(|m| f.err(ConfigErrorKind::WrongType, "forwarded_header", m))?;
-    let trusted_proxies = f
-        .list("trusted_proxies", "addresses or ranges like 10.0.0.0/8")?
-        .iter()
-        .map(|c| super::access::Cidr::parse(c))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|m| f.err(ConfigErrorKind::WrongType, "trusted_proxies", m))?;
-    let keys_file = Some(f.string("keys_file")?)
-        .map(|k| k.trim().to_string())
-        .filter(|k| !k.is_empty())
-        .map(PathBuf::from);
-    let keys_env = env
-        .as_ref()
-        .and_then(|e| e.get(super::access::KEYS_ENV))
-        .cloned();
-    let keys = super::access::Keys::load(keys_file.as_deref(), keys_env.as_deref())
-        .map_err(|m| f.err(ConfigErrorKind::Read, "keys_file", m))?;
-    if let Some(k) = &keys_file {
-        super::access::check_keys_file(k)
-            .map_err(|m| f.err(ConfigErrorKind::OutOfRange, "keys_file", m))?;
-    }
-    let allow_anonymous = f.boolean("allow_anonymous")?;
-    let protect_metrics = f.boolean("protect_metrics")?;
+    let edge = edge::read(&f, env.as_ref(), address)?;
     let log_transcripts = f.boolean("log_transcripts")?;
     let instance_name = match f.string("instance_name")?.trim() {
         "" => std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -398,52 +358,18 @@ pub fn load(
             .unwrap_or_else(|_| "duplex".into()),
         n => n.to_string(),
     };
-    if !address.ip().is_loopback() && !keys.any() && !allow_anonymous {
-        return Err(f.err(
-            ConfigErrorKind::OutOfRange,
-            "address",
-            format!(
-                "{address} serves other machines, and no key is configured: anyone who reaches it \
-                 would use the model. Give keys (`keys_file`, or {}), or say \
-                 `allow_anonymous: true`",
-                super::access::KEYS_ENV
-            ),
-        ));
-    }
-    let nonempty = |v: String| Some(v.trim().to_string()).filter(|v| !v.is_empty());
-    let twilio_auth_token = nonempty(f.string("twilio_auth_token")?);
-    let twilio_url = nonempty(f.string("twilio_url")?);
-    if let Some(u) = &twilio_url {
-        let lower = u.to_ascii_lowercase();
-        let authority = lower
-            .strip_prefix("wss://")
-            .or_else(|| lower.strip_prefix("https://"))
-            .map(|rest| rest.split(['/', '?']).next().unwrap_or_default());
-        if !authority.is_some_and(super::access::host_well_formed) {
-            return Err(f.err(
-                ConfigErrorKind::WrongType,
-                "twilio_url",
-                format!(
-                    "{:?} is not the wss:// (or https://) URL Twilio is given for the stream, \
-                     like wss://voice.example.com/twilio/media: Twilio streams over TLS only, \
-                     and signs that URL",
-                    shown(u)
-                ),
-            ));
-        }
-    }
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
     let config = ServeConfig {
         webrtc,
-        twilio_auth_token,
-        twilio_url,
-        allowed_hosts,
-        allowed_origins,
-        trusted_proxies,
-        forwarded_header,
-        keys: std::sync::Arc::new(keys),
-        allow_anonymous,
-        protect_metrics,
+        twilio_auth_token: edge.twilio_auth_token,
+        twilio_url: edge.twilio_url,
+        allowed_hosts: edge.allowed_hosts,
+        allowed_origins: edge.allowed_origins,
+        trusted_proxies: edge.trusted_proxies,
+        forwarded_header: edge.forwarded_header,
+        keys: std::sync::Arc::new(edge.keys),
+        allow_anonymous: edge.allow_anonymous,
+        protect_metrics: edge.protect_metrics,
         instance_name,
         log_transcripts,
         execution_provider,
