@@ -378,6 +378,20 @@ pub struct DeviceStatus {
 }
 
 impl DeviceStatus {
+    /// The status of device `name`, in `state`, nothing counted yet.
+    fn new(name: String, state: DeviceState) -> Self {
+        DeviceStatus {
+            state: AtomicU8::new(state as u8),
+            errors: AtomicU64::new(0),
+            xruns: AtomicU64::new(0),
+            timing_gaps: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            callbacks: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+            name,
+        }
+    }
+
     /// The current state.
     pub fn state(&self) -> DeviceState {
         match self.state.load(Ordering::Acquire) {
@@ -452,16 +466,7 @@ const STALL_STARTING: Duration = Duration::from_millis(2500);
 ///
 /// The first [`Opener`] call's error.
 pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHandle, AudioError> {
-    let status = Arc::new(DeviceStatus {
-        state: AtomicU8::new(DeviceState::Opening as u8),
-        errors: AtomicU64::new(0),
-        xruns: AtomicU64::new(0),
-        timing_gaps: AtomicU64::new(0),
-        reconnects: AtomicU64::new(0),
-        callbacks: AtomicU64::new(0),
-        last_error: Mutex::new(None),
-        name: name.clone(),
-    });
+    let status = Arc::new(DeviceStatus::new(name.clone(), DeviceState::Opening));
     let stop = Arc::new(AtomicBool::new(false));
     let (first_tx, first_rx) = crossbeam_channel::bounded::<Result<(), AudioError>>(1);
     let st = status.clone();
@@ -671,16 +676,7 @@ mod tests {
             cpal::ErrorKind::DeviceNotAvailable
         )));
         // The callback counts it and leaves the stream running.
-        let status = Arc::new(DeviceStatus {
-            state: AtomicU8::new(DeviceState::Running as u8),
-            errors: AtomicU64::new(0),
-            xruns: AtomicU64::new(0),
-            timing_gaps: AtomicU64::new(0),
-            reconnects: AtomicU64::new(0),
-            callbacks: AtomicU64::new(0),
-            last_error: Mutex::new(None),
-            name: "test".into(),
-        });
+        let status = Arc::new(DeviceStatus::new("test".into(), DeviceState::Running));
         let lost = Arc::new(AtomicBool::new(false));
         let mut cb = error_callback(status.clone(), lost.clone());
         cb(alsa("snd_pcm_avail_delay", "I/O error (5)"));

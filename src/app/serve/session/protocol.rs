@@ -169,8 +169,13 @@ impl AudioBudget {
 
     /// The budget of the template's decoder's [`pacing`](Self::pacing).
     pub(crate) fn of(template: &PipelineSpec) -> AudioBudget {
+        Self::paced(Self::pacing(template))
+    }
+
+    /// A budget of `pacing` (times real time, the catch-up ahead; `None`: unpaced).
+    pub(crate) fn paced(pacing: Option<(f64, Duration)>) -> AudioBudget {
         AudioBudget {
-            bucket: Self::pacing(template).map(|(speed, catch_up)| {
+            bucket: pacing.map(|(speed, catch_up)| {
                 crate::audio::pace::RealTime::new(1_000_000, speed, catch_up)
             }),
             refused_us: 0,
@@ -178,13 +183,18 @@ impl AudioBudget {
         }
     }
 
-    /// Takes `d` from the budget, or refuses it (counted).
+    /// Takes `d` from the budget now, or refuses it (counted).
     pub(super) fn take(&mut self, d: Duration) -> bool {
+        self.take_at(d, Instant::now())
+    }
+
+    /// Takes `d` from the budget at `now`, or refuses it (counted).
+    pub(crate) fn take_at(&mut self, d: Duration, now: Instant) -> bool {
         let us = d.as_micros().min(usize::MAX as u128) as usize;
         let Some(b) = self.bucket.as_mut() else {
             return true;
         };
-        if b.take_at(us, Instant::now()) {
+        if b.take_at(us, now) {
             return true;
         }
         self.refused_us += us as u64;

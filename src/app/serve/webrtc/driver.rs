@@ -28,8 +28,8 @@ use str0m::media::{MediaKind, MediaTime, Mid};
 use str0m::net::{Protocol, Receive};
 use str0m::{Event, IceConnectionState, Input, Output, Rtc};
 
+use super::super::session::AudioBudget;
 use super::jitter::{JitterBuffer, Play, CLOCK};
-use crate::audio::pace::RealTime;
 use crate::observe::names;
 
 /// Samples of one 20 ms packet at the session's 24 kHz.
@@ -212,7 +212,6 @@ struct Counters {
     late: metrics::Counter,
     reordered: metrics::Counter,
     sent: metrics::Counter,
-    refused: metrics::Counter,
 }
 
 impl Counters {
@@ -226,7 +225,6 @@ impl Counters {
             late: c("in", "late"),
             reordered: c("in", "reordered"),
             sent: c("out", "sent"),
-            refused: metrics::counter!(names::OPUS_REFUSED),
         }
     }
 }
@@ -259,10 +257,10 @@ struct Peer {
     rtp_ts: u64,
     created: Instant,
     connect_timeout: Duration,
-    /// What the client's audio may cost, in 48 kHz RTP ticks.
-    budget: Option<RealTime>,
-    /// Ticks the budget refused, not yet counted in whole 80 ms frames.
-    refused_ticks: u64,
+    /// What the client's audio may cost before it is decoded (refusals counted by it).
+    budget: AudioBudget,
+    /// Whether a refusal has been logged (once per peer).
+    refusal_logged: bool,
     connected: bool,
     /// When the peer is disconnected and dropped.
     closing: Option<Instant>,
@@ -303,10 +301,8 @@ impl Peer {
             rtp_ts: 0,
             created: now,
             connect_timeout: p.connect_timeout,
-            budget: p
-                .pacing
-                .map(|(speed, catch_up)| RealTime::new(CLOCK as u32, speed, catch_up)),
-            refused_ticks: 0,
+            budget: AudioBudget::paced(p.pacing),
+            refusal_logged: false,
             connected: false,
             closing: None,
             seen: JitterCounts::default(),
@@ -374,16 +370,14 @@ impl Peer {
         self.pending_text.push_back(t);
     }
 
-    /// Whether `ticks` of the client's audio may be decoded at `now`; what the budget refuses is
-    /// counted in whole 80 ms frames.
-    fn afford(&mut self, ticks: u64, now: Instant, c: &Counters) -> bool {
-        let Some(b) = self.budget.as_mut() else {
-            return true;
-        };
-        if b.take_at(ticks as usize, now) {
+    /// Whether `ticks` of the client's audio may be decoded at `now` (what the budget refuses
+    /// it counts; the first refusal is logged).
+    fn afford(&mut self, ticks: u64, now: Instant) -> bool {
+        let d = Duration::from_micros(ticks * 1_000_000 / CLOCK);
+        if self.budget.take_at(d, now) {
             return true;
         }
-        if self.refused_ticks == 0 {
+        if !std::mem::replace(&mut self.refusal_logged, true) {
             tracing::warn!(
                 peer = %self.token,
                 "webrtc: the client's audio comes faster than real time: what exceeds the \
@@ -391,10 +385,6 @@ impl Peer {
                 names::OPUS_REFUSED
             );
         }
-        let frame = CLOCK * 80 / 1000;
-        let before = self.refused_ticks / frame;
-        self.refused_ticks += ticks.max(1);
-        c.refused.increment(self.refused_ticks / frame - before);
         false
     }
 
@@ -410,7 +400,7 @@ impl Peer {
                 }
                 Play::Fec(_, t) | Play::Conceal(t) => *t,
             };
-            if !self.afford(ticks, now, c) {
+            if !self.afford(ticks, now) {
                 continue;
             }
             let mut pcm = [0i16; 5760];
