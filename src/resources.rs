@@ -21,6 +21,10 @@
 //!   provider and device. The slots a new conversation can have are the fewest free of any
 //!   engine or codec open ([`Resources::free_slots`]).
 //!
+//! - **The start gate** ([`Resources::start_together`]): conversations built to run as one batch
+//!   (`duplex replay` with several `--codes`) each wait, primed, until all have primed, so that
+//!   none is fed (and finished) while another still primes.
+//!
 //! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
 //! operators can see what a session cost. The engines report to the process's observer
 //! (`observe::engine`), which records their metrics and diagnosis off their threads. Knows
@@ -271,8 +275,57 @@ pub struct Resources {
     observer: std::sync::OnceLock<Arc<dyn crate::model::engine::EngineObserver>>,
     /// Primed conversation states, shared by every pipeline of the process.
     primed: Arc<PrimeCache>,
+    /// Conversations that start feeding together, once all have primed.
+    start_gate: Option<Arc<StartGate>>,
     /// What has been loaded so far.
     pub loads: Loads,
+}
+
+/// Conversations that wait for each other at the end of their priming (see the module doc).
+#[derive(Debug)]
+pub struct StartGate {
+    expected: usize,
+    arrived: Mutex<usize>,
+    all_in: std::sync::Condvar,
+}
+
+impl StartGate {
+    fn new(expected: usize) -> Self {
+        StartGate {
+            expected,
+            arrived: Mutex::new(0),
+            all_in: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Counts one conversation in: primed, or failed (so that no other waits for it).
+    pub fn arrive(&self) {
+        if let Ok(mut n) = self.arrived.lock() {
+            *n += 1;
+            self.all_in.notify_all();
+        }
+    }
+
+    /// Waits until every conversation has arrived; returns early (false) when `stop` says so,
+    /// checked every 50 ms. True when all are in.
+    pub fn wait(&self, stop: impl Fn() -> bool) -> bool {
+        let Ok(mut n) = self.arrived.lock() else {
+            return false;
+        };
+        while *n < self.expected {
+            if stop() {
+                return false;
+            }
+            n = match self
+                .all_in
+                .wait_timeout(n, std::time::Duration::from_millis(50))
+            {
+                Ok((n, _)) => n,
+                Err(_) => return false,
+            };
+        }
+        true
+    }
 }
 
 impl std::fmt::Debug for Resources {
@@ -319,8 +372,20 @@ impl Resources {
                     .unwrap_or(256)
                     << 20,
             )),
+            start_gate: None,
             loads: Loads::default(),
         }
+    }
+
+    /// The pipelines built from now on wait for each other, primed, before their first frame
+    /// (`conversations` of them; see the module doc).
+    pub fn start_together(&mut self, conversations: usize) {
+        self.start_gate = (conversations > 1).then(|| Arc::new(StartGate::new(conversations)));
+    }
+
+    /// The gate conversations meet at after priming, when they start together.
+    pub fn start_gate(&self) -> Option<Arc<StartGate>> {
+        self.start_gate.clone()
     }
 
     /// Bounds the process's cache of primed states to `bytes` (an empty cache of that size:
@@ -531,6 +596,40 @@ impl Resources {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_start_gate_opens_when_every_conversation_has_arrived_or_on_stop() {
+        let mut r = Resources::new(3);
+        assert!(r.start_gate().is_none(), "no gate unless asked");
+        r.start_together(3);
+        let gate = r.start_gate().unwrap();
+        let opened = std::sync::Arc::new(AtomicU64::new(0));
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let (g, o) = (gate.clone(), opened.clone());
+                std::thread::spawn(move || {
+                    g.arrive();
+                    let all = g.wait(|| false);
+                    o.fetch_add(1, Ordering::SeqCst);
+                    all
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(opened.load(Ordering::SeqCst), 0, "two of three arrived");
+        // The third (primed or failed) arrives: both go on, all in.
+        gate.arrive();
+        for w in waiters {
+            assert!(w.join().unwrap());
+        }
+        // A conversation asked to stop leaves the wait, not all in.
+        r.start_together(2);
+        let g = r.start_gate().unwrap();
+        g.arrive();
+        assert!(!g.wait(|| true));
+        r.start_together(1);
+        assert!(r.start_gate().is_none(), "one conversation waits for none");
+    }
 
     #[test]
     fn voice_codes_are_computed_once_per_content_pack_and_codec() {

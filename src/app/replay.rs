@@ -325,8 +325,11 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     }
     load_ort()?;
     let outs = outputs(a)?;
-    // The shared engine holds one slot per conversation.
-    let resources = Arc::new(Resources::new(outs.len()));
+    // The shared engine holds one slot per conversation; they are fed together, once all have
+    // primed (a batch of every conversation, whatever each one's priming took).
+    let mut resources = Resources::new(outs.len());
+    resources.start_together(outs.len());
+    let resources = Arc::new(resources);
     let mut built = Vec::new();
     for (i, out) in outs.iter().enumerate() {
         built.push(build_one(a, a.codes.get(i).map(|c| c.as_path()), out, &resources)?.build()?);

@@ -14,7 +14,9 @@
 //! cleanly too, once that many agent frames have been emitted.
 //!
 //! With `engine: shared` the transformer is a KV slot of the process's shared engine
-//! ([`crate::model::engine`]): the same steps, batched with the other conversations'.
+//! ([`crate::model::engine`]): the same steps, batched with the other conversations'. Where
+//! the process starts its conversations together (the resources' start gate), each waits,
+//! primed, for the others before its first frame.
 //!
 //! Commands, taken at frame boundaries: `persona` (text or token ids: a new conversation primed
 //! with it), `reset` (a new conversation), `pause` and `resume` (frames are dropped while
@@ -413,6 +415,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         log_transcript: p.bool("log_transcript"),
         steps: 0,
         conversation: cx.conversation(),
+        start_gate: cx.resources.and_then(|r| r.start_gate()),
     })))
 }
 
@@ -458,9 +461,37 @@ struct TemporalStage {
     /// The pipeline's conversation count: bumped at every new conversation, so that the codec
     /// stages start new streams.
     conversation: super::Conversation,
+    /// Where conversations built to run as one batch wait, primed, for each other.
+    start_gate: Option<std::sync::Arc<crate::resources::StartGate>>,
 }
 
 impl TemporalStage {
+    /// Warms the graphs up (silent steps, then a reset) and primes the conversation.
+    fn warm_up_and_prime(&mut self, cx: &mut Context<'_>) -> StageResult {
+        let silence = self.manifest.silence_codes.clone();
+        if let Some(r) = &self.rec {
+            r.write(&serde_json::json!({ "warmup": self.warmup, "user": silence }));
+        }
+        for _ in 0..self.warmup {
+            if cx.should_stop() {
+                return Ok(());
+            }
+            self.round_trip(cx, Instant::now(), &silence, None, None)?;
+        }
+        self.half.reset(true);
+        self.prime(cx)?;
+        tracing::info!(
+            steps = self.script.len(),
+            prefilled = self.prefilled,
+            restored = self.restored,
+            positions_left = self.half.temporal.positions_left(),
+            "LM warmed up and primed"
+        );
+        self.control.set("agent_frames", self.index);
+        self.control.set("context", self.half.temporal.kv_len());
+        Ok(())
+    }
+
     /// One step through the cycle: temporal here, sampling in the `depformer` stage.
     fn round_trip(
         &mut self,
@@ -691,28 +722,15 @@ impl Stage for TemporalStage {
     }
 
     fn start(&mut self, cx: &mut Context<'_>) -> StageResult {
-        let silence = self.manifest.silence_codes.clone();
-        if let Some(r) = &self.rec {
-            r.write(&serde_json::json!({ "warmup": self.warmup, "user": silence }));
-        }
-        for _ in 0..self.warmup {
-            if cx.should_stop() {
-                return Ok(());
+        let primed = self.warm_up_and_prime(cx);
+        if let Some(g) = self.start_gate.take() {
+            // A failed priming arrives too: no other conversation waits for it.
+            g.arrive();
+            if primed.is_ok() {
+                g.wait(|| cx.should_stop());
             }
-            self.round_trip(cx, Instant::now(), &silence, None, None)?;
         }
-        self.half.reset(true);
-        self.prime(cx)?;
-        tracing::info!(
-            steps = self.script.len(),
-            prefilled = self.prefilled,
-            restored = self.restored,
-            positions_left = self.half.temporal.positions_left(),
-            "LM warmed up and primed"
-        );
-        self.control.set("agent_frames", self.index);
-        self.control.set("context", self.half.temporal.kv_len());
-        Ok(())
+        primed
     }
 
     fn process(&mut self, input: Input, cx: &mut Context<'_>) -> StageResult {
