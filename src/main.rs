@@ -153,8 +153,17 @@ fn main() -> ExitCode {
         .or_else(|| std::env::var("RUST_LOG").ok())
         .unwrap_or_else(|| "info".into());
     app::logging::init(&filter);
+    match dispatch(cli.cmd) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            app::logging::final_error(&format!("{e:#}"));
+            ExitCode::from(app::exit_code(&e) as u8)
+        }
+    }
+}
 
-    let result: anyhow::Result<()> = (|| match cli.cmd {
+fn dispatch(cmd: Cmd) -> anyhow::Result<()> {
+    match cmd {
         Cmd::Run { file, sets } => {
             let sets = parse_sets(&sets)?;
             let report = app::run_file(&file, &sets)?;
@@ -167,125 +176,14 @@ fn main() -> ExitCode {
             };
             out(&app::validate(&file, &opts, &Registry::builtin())?)
         }
-        Cmd::Replay(args) if args.recording.is_some() => {
-            let (report, comparison) = app::replay_recording(&args)?;
-            app::logging::report(&app::timing_table(&report));
-            out(&comparison.to_string())
-        }
-        Cmd::Replay(args) => {
-            let reports = app::replay(&args)?;
-            for (i, report) in reports.iter().enumerate() {
-                if reports.len() > 1 {
-                    app::logging::report(&format!(
-                        "conversation {} ({})",
-                        i + 1,
-                        args.codes
-                            .get(i)
-                            .map(|c| c.display().to_string())
-                            .unwrap_or_default()
-                    ));
-                }
-                app::logging::report(&app::timing_table(report));
-            }
-            Ok(())
-        }
+        Cmd::Replay(args) => replay(&args),
         Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),
-        Cmd::Daemon { config, check } => {
-            if check {
-                let c = app::daemon::check(config.as_deref())?;
-                return out(&format!(
-                    "{}: ok (pipeline {}, pack {}, input {}, output {}, control socket {})\n",
-                    c.file,
-                    c.pipeline.display(),
-                    c.pack,
-                    c.input_device,
-                    c.output_device,
-                    c.control_socket.display()
-                ));
-            }
-            app::daemon::run(config.as_deref())
-        }
+        Cmd::Daemon { config, check } => daemon(config.as_deref(), check),
         Cmd::Serve(args) => app::serve::run(&args),
-        Cmd::Loadtest(args) => {
-            let report = app::loadtest::run(&args)?;
-            if args.json {
-                out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
-            } else {
-                out(&report.to_string())?;
-            }
-            // For scripts: a server that kept up with no level tried fails the command, and
-            // one that admitted no session at all says why.
-            if let Some(why) = report.none_admitted() {
-                anyhow::bail!("no session was admitted: {why}");
-            }
-            if report.keeps_up_with == 0 {
-                anyhow::bail!("the server kept up with none of the levels tried");
-            }
-            Ok(())
-        }
+        Cmd::Loadtest(args) => loadtest(&args),
         Cmd::Prime(args) => out(&app::serve::prime(&args)?),
-        Cmd::Ctl { socket, command } => {
-            // Only the socket is looked up: `ctl` works from any directory.
-            let socket = match socket {
-                Some(s) => s,
-                None => app::daemon::control_socket(None, None)?,
-            };
-            let reply = app::control::send(&socket, &command.join(" "))?;
-            let parsed = serde_json::from_str::<serde_json::Value>(&reply).ok();
-            match &parsed {
-                // Indented for a person at a terminal; one line for scripts.
-                Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => out(&format!(
-                    "{}\n",
-                    serde_json::to_string_pretty(v).unwrap_or(reply.clone())
-                ))?,
-                _ => out(&format!("{reply}\n"))?,
-            }
-            let ok = parsed.is_some_and(|v| v["ok"] == true);
-            if !ok {
-                anyhow::bail!("the daemon refused the command");
-            }
-            Ok(())
-        }
-        Cmd::Devices { verbose } => {
-            let (list, noise) = duplex::audio::device::capture_stderr(duplex::audio::device::list);
-            for line in noise.iter().filter(|l| !l.trim().is_empty()) {
-                tracing::debug!(target: "duplex::sound_libraries", "{line}");
-            }
-            let mut text = String::new();
-            for d in &list {
-                text.push_str(&format!(
-                    "{:<6} {}{}{}\n",
-                    d.direction.name(),
-                    d.id,
-                    if d.description.is_empty() || d.description == d.id {
-                        String::new()
-                    } else {
-                        format!("  ({})", d.description)
-                    },
-                    if d.is_default { "  [default]" } else { "" }
-                ));
-                if let Some(c) = &d.default_config {
-                    text.push_str(&format!("         default: {c}\n"));
-                }
-                if verbose {
-                    for c in &d.configs {
-                        text.push_str(&format!("         supports: {c}\n"));
-                    }
-                }
-            }
-            out(&text)?;
-            // `alsa:null` always opens, and discards or invents everything: not a device.
-            if !list
-                .iter()
-                .any(|d| d.default_config.is_some() && d.id != "alsa:null")
-            {
-                anyhow::bail!(
-                    "no usable sound device (none opens, but alsa:null, which plays nothing and records silence){}",
-                    duplex::audio::device::server_hint()
-                );
-            }
-            Ok(())
-        }
+        Cmd::Ctl { socket, command } => ctl(socket, &command),
+        Cmd::Devices { verbose } => devices(verbose),
         Cmd::Stages { markdown } => out(&if markdown {
             Registry::builtin().describe_markdown()
         } else {
@@ -302,58 +200,169 @@ fn main() -> ExitCode {
                 "cuda" => duplex::model::session::Provider::Cuda { device_id: 0 },
                 _ => duplex::model::session::Provider::Cpu,
             };
-            if let (Some(slots), Some(dir)) = (memory_probe, &pack) {
-                let (added, kv) = app::doctor::memory_probe(dir, provider, slots)
-                    .map_err(|e| anyhow::anyhow!("the memory probe: {e}"))?;
-                return out(&format!("memory-probe: {added} {kv}\n"));
-            }
-            let text = app::doctor::runtime(ort_lib.as_deref())?;
-            if let Some(dir) = pack {
-                out(&text)?;
-                let (pack, report) = app::doctor::pack(&dir, provider).map_err(|e| {
-                    duplex::config::ConfigError::new(
-                        &dir.display().to_string(),
-                        duplex::config::ConfigErrorKind::Build,
-                        format!("the pack does not load: {e}"),
-                    )
-                })?;
-                out(&report)?;
-                if time {
-                    let times =
-                        app::doctor::step_times(&pack, provider, &app::doctor::TIMED_CONTEXTS)?;
-                    out(&times)?;
-                    out(&app::doctor::depformer_frame_times(&pack, provider)?)?;
-                    let codec = app::doctor::codec_batch_times(
-                        &pack,
-                        provider,
-                        &app::doctor::CODEC_BATCHES,
-                    )?;
-                    out(&codec)?;
-                    let all = &app::doctor::ENGINE_BATCHES;
-                    out(&app::doctor::engine_ticks(&pack, provider, all, false)?)?;
-                    let drawn = match provider {
-                        duplex::model::session::Provider::Cpu => {
-                            &app::doctor::ENGINE_BATCHES_CPU_DRAWN[..]
-                        }
-                        _ => all,
-                    };
-                    out(&app::doctor::engine_ticks(&pack, provider, drawn, true)?)?;
-                    out(&app::doctor::engine_memory(
-                        &dir,
-                        provider,
-                        app::doctor::MEMORY_SLOTS,
-                    ))?;
-                }
-                return Ok(());
-            }
-            out(&text)
-        }
-    })();
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            app::logging::final_error(&format!("{e:#}"));
-            ExitCode::from(app::exit_code(&e) as u8)
+            doctor(ort_lib.as_deref(), pack, provider, time, memory_probe)
         }
     }
+}
+
+fn replay(args: &app::ReplayArgs) -> anyhow::Result<()> {
+    if args.recording.is_some() {
+        let (report, comparison) = app::replay_recording(args)?;
+        app::logging::report(&app::timing_table(&report));
+        return out(&comparison.to_string());
+    }
+    let reports = app::replay(args)?;
+    for (i, report) in reports.iter().enumerate() {
+        if reports.len() > 1 {
+            app::logging::report(&format!(
+                "conversation {} ({})",
+                i + 1,
+                args.codes
+                    .get(i)
+                    .map(|c| c.display().to_string())
+                    .unwrap_or_default()
+            ));
+        }
+        app::logging::report(&app::timing_table(report));
+    }
+    Ok(())
+}
+
+fn daemon(config: Option<&std::path::Path>, check: bool) -> anyhow::Result<()> {
+    if !check {
+        return app::daemon::run(config);
+    }
+    let c = app::daemon::check(config)?;
+    out(&format!(
+        "{}: ok (pipeline {}, pack {}, input {}, output {}, control socket {})\n",
+        c.file,
+        c.pipeline.display(),
+        c.pack,
+        c.input_device,
+        c.output_device,
+        c.control_socket.display()
+    ))
+}
+
+fn loadtest(args: &app::loadtest::LoadtestArgs) -> anyhow::Result<()> {
+    let report = app::loadtest::run(args)?;
+    if args.json {
+        out(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+    } else {
+        out(&report.to_string())?;
+    }
+    // For scripts: a server that kept up with no level tried fails the command, and one that
+    // admitted no session at all says why.
+    if let Some(why) = report.none_admitted() {
+        anyhow::bail!("no session was admitted: {why}");
+    }
+    if report.keeps_up_with == 0 {
+        anyhow::bail!("the server kept up with none of the levels tried");
+    }
+    Ok(())
+}
+
+fn ctl(socket: Option<PathBuf>, command: &[String]) -> anyhow::Result<()> {
+    // Only the socket is looked up: `ctl` works from any directory.
+    let socket = match socket {
+        Some(s) => s,
+        None => app::daemon::control_socket(None, None)?,
+    };
+    let reply = app::control::send(&socket, &command.join(" "))?;
+    let parsed = serde_json::from_str::<serde_json::Value>(&reply).ok();
+    match &parsed {
+        // Indented for a person at a terminal; one line for scripts.
+        Some(v) if std::io::IsTerminal::is_terminal(&std::io::stdout()) => out(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(v).unwrap_or(reply.clone())
+        ))?,
+        _ => out(&format!("{reply}\n"))?,
+    }
+    if !parsed.is_some_and(|v| v["ok"] == true) {
+        anyhow::bail!("the daemon refused the command");
+    }
+    Ok(())
+}
+
+fn devices(verbose: bool) -> anyhow::Result<()> {
+    let (list, noise) = duplex::audio::device::capture_stderr(duplex::audio::device::list);
+    for line in noise.iter().filter(|l| !l.trim().is_empty()) {
+        tracing::debug!(target: "duplex::sound_libraries", "{line}");
+    }
+    let mut text = String::new();
+    for d in &list {
+        text.push_str(&format!(
+            "{:<6} {}{}{}\n",
+            d.direction.name(),
+            d.id,
+            if d.description.is_empty() || d.description == d.id {
+                String::new()
+            } else {
+                format!("  ({})", d.description)
+            },
+            if d.is_default { "  [default]" } else { "" }
+        ));
+        if let Some(c) = &d.default_config {
+            text.push_str(&format!("         default: {c}\n"));
+        }
+        if verbose {
+            for c in &d.configs {
+                text.push_str(&format!("         supports: {c}\n"));
+            }
+        }
+    }
+    out(&text)?;
+    // `alsa:null` always opens, and discards or invents everything: not a device.
+    if !list
+        .iter()
+        .any(|d| d.default_config.is_some() && d.id != "alsa:null")
+    {
+        anyhow::bail!(
+            "no usable sound device (none opens, but alsa:null, which plays nothing and records silence){}",
+            duplex::audio::device::server_hint()
+        );
+    }
+    Ok(())
+}
+
+fn doctor(
+    ort_lib: Option<&std::path::Path>,
+    pack: Option<PathBuf>,
+    provider: duplex::model::session::Provider,
+    time: bool,
+    memory_probe: Option<usize>,
+) -> anyhow::Result<()> {
+    use app::doctor as d;
+    if let (Some(slots), Some(dir)) = (memory_probe, &pack) {
+        let (added, kv) = d::memory_probe(dir, provider, slots)
+            .map_err(|e| anyhow::anyhow!("the memory probe: {e}"))?;
+        return out(&format!("memory-probe: {added} {kv}\n"));
+    }
+    let text = d::runtime(ort_lib)?;
+    out(&text)?;
+    let Some(dir) = pack else {
+        return Ok(());
+    };
+    let (pack, report) = d::pack(&dir, provider).map_err(|e| {
+        duplex::config::ConfigError::new(
+            &dir.display().to_string(),
+            duplex::config::ConfigErrorKind::Build,
+            format!("the pack does not load: {e}"),
+        )
+    })?;
+    out(&report)?;
+    if !time {
+        return Ok(());
+    }
+    out(&d::step_times(&pack, provider, &d::TIMED_CONTEXTS)?)?;
+    out(&d::depformer_frame_times(&pack, provider)?)?;
+    out(&d::codec_batch_times(&pack, provider, &d::CODEC_BATCHES)?)?;
+    let all = &d::ENGINE_BATCHES;
+    out(&d::engine_ticks(&pack, provider, all, false)?)?;
+    let drawn = match provider {
+        duplex::model::session::Provider::Cpu => &d::ENGINE_BATCHES_CPU_DRAWN[..],
+        _ => all,
+    };
+    out(&d::engine_ticks(&pack, provider, drawn, true)?)?;
+    out(&d::engine_memory(&dir, provider, d::MEMORY_SLOTS))
 }

@@ -276,6 +276,46 @@ fn endpoint(url: &str, protocol: Protocol) -> anyhow::Result<String> {
     })
 }
 
+impl Level {
+    /// The level of `n` sessions from what its clients saw: a frame later than `late_after`
+    /// (but the first and the last) is late; whether it kept up is for the caller to say.
+    fn of(n: usize, seen: &[Seen], late_after: Duration) -> Level {
+        let served: Vec<&Seen> = seen.iter().filter(|s| s.refused.is_none()).collect();
+        Level {
+            sessions: n,
+            admitted: served.len(),
+            refused: n - served.len(),
+            refusal: seen.iter().find_map(|s| s.refused.clone()),
+            latency_ms: Quantiles::of(
+                served
+                    .iter()
+                    .flat_map(|s| s.latencies.iter().copied())
+                    .collect(),
+            ),
+            first_frame_ms: Quantiles::of(
+                served
+                    .iter()
+                    .filter_map(|s| s.latencies.first().copied())
+                    .collect(),
+            ),
+            late: served
+                .iter()
+                .map(|s| {
+                    let inner = s.latencies.len().saturating_sub(1);
+                    s.latencies[..inner]
+                        .iter()
+                        .skip(1)
+                        .filter(|l| **l > late_after)
+                        .count()
+                })
+                .sum(),
+            missing: served.iter().map(|s| s.missing).sum(),
+            underruns: served.iter().map(|s| s.underruns).sum(),
+            keeps_up: false,
+        }
+    }
+}
+
 /// Runs the load test.
 ///
 /// # Errors
@@ -332,40 +372,7 @@ pub fn run(args: &LoadtestArgs) -> anyhow::Result<Report> {
             }
             v
         });
-        let late_after = Duration::from_millis(args.late_ms);
-        let served: Vec<&Seen> = seen.iter().filter(|s| s.refused.is_none()).collect();
-        let level = Level {
-            sessions: n,
-            admitted: served.len(),
-            refused: n - served.len(),
-            refusal: seen.iter().find_map(|s| s.refused.clone()),
-            latency_ms: Quantiles::of(
-                served
-                    .iter()
-                    .flat_map(|s| s.latencies.iter().copied())
-                    .collect(),
-            ),
-            first_frame_ms: Quantiles::of(
-                served
-                    .iter()
-                    .filter_map(|s| s.latencies.first().copied())
-                    .collect(),
-            ),
-            late: served
-                .iter()
-                .map(|s| {
-                    let inner = s.latencies.len().saturating_sub(1);
-                    s.latencies[..inner]
-                        .iter()
-                        .skip(1)
-                        .filter(|l| **l > late_after)
-                        .count()
-                })
-                .sum(),
-            missing: served.iter().map(|s| s.missing).sum(),
-            underruns: served.iter().map(|s| s.underruns).sum(),
-            keeps_up: false,
-        };
+        let level = Level::of(n, &seen, Duration::from_millis(args.late_ms));
         let keeps_up =
             level.refused == 0 && level.late == 0 && level.missing == 0 && level.underruns == 0;
         let level = Level { keeps_up, ..level };
@@ -401,35 +408,10 @@ async fn client(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Seen {
     }
 }
 
+type WsError = tokio_tungstenite::tungstenite::Error;
+
 async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let mut req = url
-        .into_client_request()
-        .map_err(|e| format!("{url}: {e}"))?;
-    if let Some(k) = &args.key {
-        let v = format!("Bearer {k}")
-            .parse()
-            .map_err(|_| "the key is not a header value".to_string())?;
-        req.headers_mut().insert("authorization", v);
-    }
-    let (ws, _) = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio_tungstenite::connect_async(req),
-    )
-    .await
-    .map_err(|_| "no answer within 30 s".to_string())?
-    .map_err(|e| match e {
-        tokio_tungstenite::tungstenite::Error::Http(r) => {
-            let body = r
-                .body()
-                .as_ref()
-                .map(|b| String::from_utf8_lossy(b).trim().to_string())
-                .unwrap_or_default();
-            format!("HTTP {}: {body}", r.status())
-        }
-        e => e.to_string(),
-    })?;
-    let (mut tx, mut rx) = ws.split();
+    let (mut tx, mut rx) = connect(url, args).await?.split();
     let protocol = args.protocol;
     if protocol == Protocol::Realtime {
         let update = serde_json::json!({
@@ -447,97 +429,22 @@ async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, Strin
             .await
             .map_err(|e| e.to_string())?;
     }
-    // Until the session is ready: Kyutai's handshake, the realtime API's response.created.
-    tokio::time::timeout(Duration::from_secs(120), async {
-        while let Some(m) = rx.next().await {
-            match m.map_err(|e| e.to_string())? {
-                Message::Binary(b) if protocol == Protocol::Kyutai => match b.first() {
-                    Some(0) => return Ok(()),
-                    Some(5) => return Err(String::from_utf8_lossy(&b[1..]).into_owned()),
-                    _ => {}
-                },
-                Message::Text(t) if protocol == Protocol::Realtime => {
-                    let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
-                    match v["type"].as_str() {
-                        Some("response.created") => return Ok(()),
-                        Some("error") => {
-                            return Err(v["error"]["message"].as_str().unwrap_or("error").into())
-                        }
-                        _ => {}
-                    }
-                }
-                Message::Close(c) => {
-                    return Err(c.map_or("closed".into(), |c| c.reason.to_string()));
-                }
-                _ => {}
-            }
-        }
-        Err("closed before the session was ready".to_string())
-    })
-    .await
-    .map_err(|_| "not ready within 120 s".to_string())??;
+    tokio::time::timeout(Duration::from_secs(120), ready(&mut rx, protocol))
+        .await
+        .map_err(|_| "not ready within 120 s".to_string())??;
     let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
     let t0 = Instant::now();
-    // The agent's frames as they come: samples received, at 24 kHz, in arrival order.
-    let reader = tokio::spawn(async move {
-        let mut arrivals: Vec<Instant> = Vec::new();
-        let mut samples = 0usize;
-        let mut ogg = OggClock::default();
-        while let Some(Ok(m)) = rx.next().await {
-            let got = match (protocol, m) {
-                // Ogg pages: the last granule position is the stream's length at 48 kHz.
-                (Protocol::Kyutai, Message::Binary(b)) if b.first() == Some(&1) => {
-                    ogg.samples(&b[1..])
-                }
-                (Protocol::Realtime, Message::Text(t)) => {
-                    let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
-                    let kind = v["type"].as_str().unwrap_or_default();
-                    if kind == "response.output_audio.delta" || kind == "response.audio.delta" {
-                        let bytes = base64::engine::general_purpose::STANDARD
-                            .decode(v["delta"].as_str().unwrap_or_default())
-                            .unwrap_or_default();
-                        Some(samples + bytes.len() / 2)
-                    } else {
-                        None
-                    }
-                }
-                (_, Message::Close(_)) => break,
-                _ => None,
-            };
-            if let Some(total) = got {
-                samples = samples.max(total);
-                let now = Instant::now();
-                while arrivals.len() < samples / FRAME_SAMPLES {
-                    arrivals.push(now);
-                }
-            }
-        }
-        arrivals
-    });
+    let reader = tokio::spawn(arrivals(rx, protocol));
     let mut w = OggOpusWriter::new(1, None).map_err(|e| e.to_string())?;
     for k in 0..frames {
         let at = (k * FRAME_SAMPLES) % pcm.len();
         let mut frame: Vec<f32> = pcm[at..].iter().take(FRAME_SAMPLES).copied().collect();
         frame.resize(FRAME_SAMPLES, 0.0);
-        let m = match protocol {
-            Protocol::Kyutai => {
-                let mut b = vec![1u8];
-                for p in w.push(&frame).map_err(|e| e.to_string())? {
-                    b.extend_from_slice(&p);
-                }
-                Message::Binary(b.into())
-            }
-            Protocol::Realtime => {
-                let bytes: Vec<u8> = frame
-                    .iter()
-                    .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
-                    .collect();
-                let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
-                let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
-                Message::Text(e.to_string().into())
-            }
-        };
-        if tx.send(m).await.is_err() {
+        if tx
+            .send(frame_message(&mut w, protocol, &frame)?)
+            .await
+            .is_err()
+        {
             break;
         }
         tokio::time::sleep_until((t0 + FRAME * (k as u32 + 1)).into()).await;
@@ -553,6 +460,144 @@ async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, Strin
     // of silence that started a realtime session).
     let skip = usize::from(protocol == Protocol::Realtime);
     let arrivals: Vec<Instant> = arrivals.into_iter().skip(skip).collect();
+    Ok(seen(&arrivals, t0, frames, args.buffer_ms))
+}
+
+/// The WebSocket to the server, with the key when there is one.
+async fn connect(
+    url: &str,
+    args: &LoadtestArgs,
+) -> Result<
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+    String,
+> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = url
+        .into_client_request()
+        .map_err(|e| format!("{url}: {e}"))?;
+    if let Some(k) = &args.key {
+        let v = format!("Bearer {k}")
+            .parse()
+            .map_err(|_| "the key is not a header value".to_string())?;
+        req.headers_mut().insert("authorization", v);
+    }
+    let (ws, _) = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio_tungstenite::connect_async(req),
+    )
+    .await
+    .map_err(|_| "no answer within 30 s".to_string())?
+    .map_err(|e| match e {
+        WsError::Http(r) => {
+            let body = r
+                .body()
+                .as_ref()
+                .map(|b| String::from_utf8_lossy(b).trim().to_string())
+                .unwrap_or_default();
+            format!("HTTP {}: {body}", r.status())
+        }
+        e => e.to_string(),
+    })?;
+    Ok(ws)
+}
+
+/// Until the session is ready: Kyutai's handshake, the realtime API's response.created.
+async fn ready<S>(rx: &mut S, protocol: Protocol) -> Result<(), String>
+where
+    S: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
+{
+    while let Some(m) = rx.next().await {
+        match m.map_err(|e| e.to_string())? {
+            Message::Binary(b) if protocol == Protocol::Kyutai => match b.first() {
+                Some(0) => return Ok(()),
+                Some(5) => return Err(String::from_utf8_lossy(&b[1..]).into_owned()),
+                _ => {}
+            },
+            Message::Text(t) if protocol == Protocol::Realtime => {
+                let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
+                match v["type"].as_str() {
+                    Some("response.created") => return Ok(()),
+                    Some("error") => {
+                        return Err(v["error"]["message"].as_str().unwrap_or("error").into())
+                    }
+                    _ => {}
+                }
+            }
+            Message::Close(c) => {
+                return Err(c.map_or("closed".into(), |c| c.reason.to_string()));
+            }
+            _ => {}
+        }
+    }
+    Err("closed before the session was ready".to_string())
+}
+
+/// The agent's frames as they come: when each 80 ms of audio (at 24 kHz) arrived, in order.
+async fn arrivals<S>(mut rx: S, protocol: Protocol) -> Vec<Instant>
+where
+    S: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
+{
+    let mut arrivals: Vec<Instant> = Vec::new();
+    let mut samples = 0usize;
+    let mut ogg = OggClock::default();
+    while let Some(Ok(m)) = rx.next().await {
+        let got = match (protocol, m) {
+            // Ogg pages: the last granule position is the stream's length at 48 kHz.
+            (Protocol::Kyutai, Message::Binary(b)) if b.first() == Some(&1) => ogg.samples(&b[1..]),
+            (Protocol::Realtime, Message::Text(t)) => {
+                let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
+                let kind = v["type"].as_str().unwrap_or_default();
+                if kind == "response.output_audio.delta" || kind == "response.audio.delta" {
+                    let bytes = base64::engine::general_purpose::STANDARD
+                        .decode(v["delta"].as_str().unwrap_or_default())
+                        .unwrap_or_default();
+                    Some(samples + bytes.len() / 2)
+                } else {
+                    None
+                }
+            }
+            (_, Message::Close(_)) => break,
+            _ => None,
+        };
+        if let Some(total) = got {
+            samples = samples.max(total);
+            let now = Instant::now();
+            while arrivals.len() < samples / FRAME_SAMPLES {
+                arrivals.push(now);
+            }
+        }
+    }
+    arrivals
+}
+
+/// One frame of the user's audio as the protocol sends it.
+fn frame_message(
+    w: &mut OggOpusWriter,
+    protocol: Protocol,
+    frame: &[f32],
+) -> Result<Message, String> {
+    Ok(match protocol {
+        Protocol::Kyutai => {
+            let mut b = vec![1u8];
+            for p in w.push(frame).map_err(|e| e.to_string())? {
+                b.extend_from_slice(&p);
+            }
+            Message::Binary(b.into())
+        }
+        Protocol::Realtime => {
+            let bytes: Vec<u8> = frame
+                .iter()
+                .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
+                .collect();
+            let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
+            let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
+            Message::Text(e.to_string().into())
+        }
+    })
+}
+
+/// What a client saw, from when the agent's frames arrived: frame k was sent at t0 + k · 80 ms.
+fn seen(arrivals: &[Instant], t0: Instant, frames: usize, buffer_ms: u64) -> Seen {
     let latencies: Vec<Duration> = arrivals
         .iter()
         .take(frames)
@@ -562,7 +607,7 @@ async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, Strin
     // Playback from the first agent frame plus the buffer, one frame per 80 ms.
     let underruns = match arrivals.first() {
         Some(first) => {
-            let start = *first + Duration::from_millis(args.buffer_ms);
+            let start = *first + Duration::from_millis(buffer_ms);
             // The last frame waits for the server's silence fill (see the module's doc).
             arrivals
                 .iter()
@@ -573,12 +618,12 @@ async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, Strin
         }
         None => 0,
     };
-    Ok(Seen {
+    Seen {
         refused: None,
         missing: frames.saturating_sub(latencies.len()),
         latencies,
         underruns,
-    })
+    }
 }
 
 /// How much of an Ogg/Opus stream has come, from its pages' headers alone (nothing decoded):

@@ -139,35 +139,15 @@ pub fn build_session(
                     .stage(s.name.clone()),
             );
         };
-        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind)
+        let cx = BuildContext::new(&s.name, &spec.file, &plane, kind, resources)
             .with_session(session)
             .with_recording(recording)
             .with_taps(&taps)
-            .with_conversation(&conversation)
-            .with_resources(resources);
+            .with_conversation(&conversation);
         let mut body = (kind.build)(&cx, &s.params)
             .map_err(|e| build_error(&spec.file, &s.name, &s.params, e))?;
         if let Some(p) = &s.inject {
-            body = match body {
-                Body::Stage(st) => Body::Stage(crate::stages::inject_delay::delayed(
-                    st,
-                    crate::stages::inject_delay::Signature::new(p),
-                )),
-                Body::Source(_) => {
-                    return Err(ConfigError::new(
-                        &spec.file,
-                        ConfigErrorKind::Build,
-                        format!(
-                            "`{}` applies to stages with inputs; `{}` is a source (put an \
-                             `inject_delay` stage after it)",
-                            config::INJECT_KEY,
-                            s.kind
-                        ),
-                    )
-                    .stage(s.name.clone())
-                    .key(config::INJECT_KEY))
-                }
-            };
+            body = with_delay(spec, s, body, p)?;
         }
         b = b.node(Node {
             name: s.name.clone(),
@@ -221,6 +201,36 @@ pub fn build_session(
         e
     })?;
     Ok(b)
+}
+
+/// A stage's `inject_delay:` option laid on it (a latency signature, for drills and tests of
+/// the diagnosis); a source has no input to delay.
+fn with_delay(
+    spec: &PipelineSpec,
+    s: &config::StageSpec,
+    body: Body,
+    p: &Params,
+) -> Result<Body, ConfigError> {
+    Ok(match body {
+        Body::Stage(st) => Body::Stage(crate::stages::inject_delay::delayed(
+            st,
+            crate::stages::inject_delay::Signature::new(p),
+        )),
+        Body::Source(_) => {
+            return Err(ConfigError::new(
+                &spec.file,
+                ConfigErrorKind::Build,
+                format!(
+                    "`{}` applies to stages with inputs; `{}` is a source (put an \
+                     `inject_delay` stage after it)",
+                    config::INJECT_KEY,
+                    s.kind
+                ),
+            )
+            .stage(s.name.clone())
+            .key(config::INJECT_KEY))
+        }
+    })
 }
 
 /// A stage builder's error as a configuration error naming the file, the stage, the param and

@@ -157,10 +157,9 @@ fn node_at(
         ));
     };
     let p = params::check(file, name, kind, k.params, &raw)?;
-    let cx = BuildContext::new(name, file, &plane.control, k)
+    let cx = BuildContext::new(name, file, &plane.control, k, &plane.resources)
         .with_recording(recording)
-        .with_conversation(&plane.conversation)
-        .with_resources(&plane.resources);
+        .with_conversation(&plane.conversation);
     let body = (k.build)(&cx, &p).map_err(|e| super::build_error(file, name, &p, e))?;
     Ok(Node {
         name: name.into(),
@@ -427,6 +426,13 @@ fn recorded_params(
     Ok(raw)
 }
 
+/// One LM stage of a recording, replayed: its name, kind and recorded params.
+struct Replayed {
+    name: String,
+    kind: &'static str,
+    raw: Vec<(String, Value)>,
+}
+
 fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
     let dir = a.recording.as_deref().unwrap_or(std::path::Path::new("."));
     let file = dir.join("manifest.json").display().to_string();
@@ -446,85 +452,99 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
             dir.join("lm.jsonl").display()
         )));
     }
-    // The user codes as the model saw them.
-    let out = &a.out;
-    std::fs::create_dir_all(out).map_err(|e| {
-        ConfigError::new(
-            "duplex replay",
-            ConfigErrorKind::Build,
-            format!("`--out` {}: {e}", out.display()),
-        )
-    })?;
+    let codes_path = write_codes(&a.out, &live)?;
+    let overrides = [
+        ("pack", a.pack.as_ref().map(|p| s(&p.display().to_string()))),
+        ("execution_provider", a.provider.as_deref().map(s)),
+    ];
+    let stage = |v: &serde_json::Value, kind: &'static str, default: &str| {
+        Ok::<_, ConfigError>(Replayed {
+            name: v["name"].as_str().unwrap_or(default).to_string(),
+            kind,
+            raw: recorded_params(&file, v, &overrides)?,
+        })
+    };
+    let mut stages = vec![
+        stage(&temporal, "temporal", "temporal")?,
+        stage(&depformer, "depformer", "depformer")?,
+    ];
+    // The agent's codec, when the live run decoded the agent's tokens: the same work per frame.
+    if let Some(d) = live.stage_of_kind("mimi_decode") {
+        stages.push(stage(d, "mimi_decode", "decode")?);
+    }
+    let recording = std::sync::Arc::new(record_replay(a, dir, &file, &codes_path, &stages)?);
+    let builder = replay_pipeline(a, &file, &codes_path, stages, &recording)?;
+    Ok(FromRecording {
+        builder,
+        recording,
+        live,
+    })
+}
+
+/// The user codes as the model saw them, into `out/codes.json`.
+fn write_codes(out: &std::path::Path, live: &Recorded) -> Result<PathBuf, ConfigError> {
+    let failed = |m: String| ConfigError::new("duplex replay", ConfigErrorKind::Build, m);
+    std::fs::create_dir_all(out).map_err(|e| failed(format!("`--out` {}: {e}", out.display())))?;
     let codes_path = out.join("codes.json");
     let codes: Vec<&serde_json::Value> = live.steps.iter().map(|s| &s.user).collect();
     std::fs::write(
         &codes_path,
         serde_json::to_string(&codes).unwrap_or_default(),
     )
-    .map_err(|e| {
-        ConfigError::new(
-            "duplex replay",
-            ConfigErrorKind::Build,
-            format!("{}: {e}", codes_path.display()),
-        )
-    })?;
-    let pack_override = a.pack.as_ref().map(|p| s(&p.display().to_string()));
-    let provider = a.provider.as_deref().map(s);
-    let overrides = [
-        ("pack", pack_override.clone()),
-        ("execution_provider", provider.clone()),
-    ];
-    let t_raw = recorded_params(&file, &temporal, &overrides)?;
-    let d_raw = recorded_params(&file, &depformer, &overrides)?;
-    let pack = t_raw
+    .map_err(|e| failed(format!("{}: {e}", codes_path.display())))?;
+    Ok(codes_path)
+}
+
+/// The replay's own recording in `--out`: its manifest names what it replays, with each
+/// stage's typed params (defaults filled in).
+fn record_replay(
+    a: &ReplayArgs,
+    dir: &std::path::Path,
+    file: &str,
+    codes_path: &std::path::Path,
+    stages: &[Replayed],
+) -> Result<Recording, ConfigError> {
+    let reg = Registry::builtin();
+    let pack = stages[0]
+        .raw
         .iter()
         .find(|(k, _)| k == "pack")
         .and_then(|(_, v)| v.clone().into_string().ok())
         .unwrap_or_default();
-    let reg = Registry::builtin();
-    // Checked here too, for the manifest's typed values (defaults filled in).
-    let typed = |name: &str, kind: &str, raw: &[(String, Value)]| {
-        let specs = reg.get(kind).map(|k| k.params).unwrap_or(&[]);
-        params::check(&file, name, kind, specs, raw).map(|p| p.to_json_map())
-    };
-    let tname = temporal["name"].as_str().unwrap_or("temporal").to_string();
-    let dname = depformer["name"]
-        .as_str()
-        .unwrap_or("depformer")
-        .to_string();
-    // The agent's codec, when the live run decoded the agent's tokens: the same work per frame.
-    let decode = match live.stage_of_kind("mimi_decode") {
-        Some(d) => {
-            let name = d["name"].as_str().unwrap_or("decode").to_string();
-            Some((name, recorded_params(&file, d, &overrides)?))
-        }
-        None => None,
-    };
-    let mut stages = vec![
+    let mut listed = vec![
         serde_json::json!({ "name": "codes", "kind": "codes_source", "params": { "path": codes_path.display().to_string() } }),
-        serde_json::json!({ "name": tname, "kind": "temporal", "params": typed(&tname, "temporal", &t_raw)? }),
-        serde_json::json!({ "name": dname, "kind": "depformer", "params": typed(&dname, "depformer", &d_raw)? }),
     ];
-    let mut replayed = vec![tname.clone(), dname.clone()];
-    if let Some((name, raw)) = &decode {
-        stages.push(serde_json::json!({ "name": name, "kind": "mimi_decode", "params": typed(name, "mimi_decode", raw)? }));
-        replayed.push(name.clone());
+    for st in stages {
+        let specs = reg.get(st.kind).map(|k| k.params).unwrap_or(&[]);
+        let typed = params::check(file, &st.name, st.kind, specs, &st.raw)?.to_json_map();
+        listed.push(serde_json::json!({ "name": st.name, "kind": st.kind, "params": typed }));
     }
     let manifest = serde_json::json!({
         "pipeline": "duplex replay",
         "replay_of": dir.display().to_string(),
         "paced": a.paced,
-        "replayed": replayed,
-        "stages": stages,
+        "replayed": stages.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
+        "stages": listed,
         "packs": { pack.clone(): super::pack_files(&pack) },
     });
-    let recording = std::sync::Arc::new(
-        Recording::create_at(out, manifest, u64::MAX / 2).map_err(|m| {
-            ConfigError::new("duplex replay", ConfigErrorKind::Build, m).key("--out")
-        })?,
-    );
+    Recording::create_at(&a.out, manifest, u64::MAX / 2)
+        .map_err(|m| ConfigError::new("duplex replay", ConfigErrorKind::Build, m).key("--out"))
+}
+
+/// codes → temporal ⇄ depformer → tokens, and the agent's decoder when the live run had one.
+fn replay_pipeline(
+    a: &ReplayArgs,
+    file: &str,
+    codes_path: &std::path::Path,
+    stages: Vec<Replayed>,
+    recording: &Recording,
+) -> Result<PipelineBuilder, ConfigError> {
+    let reg = Registry::builtin();
     let plane = Plane::default();
-    let rec = Some(&*recording);
+    let rec = Some(recording);
+    let node = |name: &str, kind: &str, raw: Vec<(String, Value)>| {
+        node_at(&reg, &plane, file, name, kind, raw, rec)
+    };
     let codes_raw = vec![
         ("path".to_string(), s(&codes_path.display().to_string())),
         (
@@ -534,74 +554,34 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
     ];
     let tokens_raw = vec![(
         "path".to_string(),
-        s(&out.join("tokens.jsonl").display().to_string()),
+        s(&a.out.join("tokens.jsonl").display().to_string()),
     )];
-    let builder = PipelineBuilder::new()
+    let tname = stages[0].name.clone();
+    let dname = stages[1].name.clone();
+    let mut stages = stages.into_iter();
+    let mut lm = || {
+        let st = stages.next().expect("a temporal and a depformer stage");
+        node(&st.name, st.kind, st.raw)
+    };
+    let mut builder = PipelineBuilder::new()
         .origin("duplex replay")
-        .node(node_at(
-            &reg,
-            &plane,
-            &file,
-            "codes",
-            "codes_source",
-            codes_raw,
-            rec,
-        )?)
-        .node(node_at(
-            &reg, &plane, &file, &tname, "temporal", t_raw, rec,
-        )?)
-        .node(node_at(
-            &reg,
-            &plane,
-            &file,
-            &dname,
-            "depformer",
-            d_raw,
-            rec,
-        )?)
-        .node(node_at(
-            &reg,
-            &plane,
-            &file,
-            "tokens",
-            "token_sink",
-            tokens_raw,
-            rec,
-        )?)
+        .node(node("codes", "codes_source", codes_raw)?)
+        .node(lm()?)
+        .node(lm()?)
+        .node(node("tokens", "token_sink", tokens_raw)?)
         .link(Link::new("codes", format!("{tname}.codes")))
         .link(Link::new(format!("{tname}.step"), dname.clone()))
-        .link(Link::new(dname.clone(), format!("{tname}.tokens")).feedback())
+        .link(Link::new(dname, format!("{tname}.tokens")).feedback())
         .link(Link::new(format!("{tname}.agent"), "tokens"));
-    let builder = match decode {
-        Some((name, raw)) => builder
-            .node(node_at(
-                &reg,
-                &plane,
-                &file,
-                &name,
-                "mimi_decode",
-                raw,
-                rec,
-            )?)
-            .node(node_at(
-                &reg,
-                &plane,
-                &file,
-                "decoded",
-                "null_sink",
-                Vec::new(),
-                rec,
-            )?)
-            .link(Link::new(format!("{tname}.agent"), name.clone()))
-            .link(Link::new(name, "decoded")),
-        None => builder,
-    };
-    let builder = builder.control(plane.control);
-    Ok(FromRecording {
-        builder,
-        recording,
-        live,
-    })
+    // The agent's decoder, when the live run had one.
+    for st in stages {
+        builder = builder
+            .node(node(&st.name, st.kind, st.raw)?)
+            .node(node("decoded", "null_sink", Vec::new())?)
+            .link(Link::new(format!("{tname}.agent"), st.name.clone()))
+            .link(Link::new(st.name, "decoded"));
+    }
+    Ok(builder.control(plane.control))
 }
 
 /// Replays `--recording` headless into `--out` and compares the two runs.

@@ -510,39 +510,14 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
                         }
                         st.set(DeviceState::Running);
                         backoff = Duration::from_millis(100);
-                        let opened = Instant::now();
-                        // A stream whose callbacks stop without an error (a sound server that
-                        // stalls it) is as lost as one that reports one.
-                        let (mut beats, mut beat_at) = (st.callbacks.load(Ordering::Relaxed), opened);
-                        let mut first_beat = None;
-                        while !sp.load(Ordering::Acquire) && !lost.load(Ordering::Acquire) {
-                            std::thread::sleep(Duration::from_millis(20));
-                            let now = st.callbacks.load(Ordering::Relaxed);
-                            if now != beats {
-                                (beats, beat_at) = (now, Instant::now());
-                                first_beat.get_or_insert(beat_at);
-                            } else {
-                                let ran = first_beat.is_some_and(|t| {
-                                    beat_at.duration_since(t) >= Duration::from_secs(1)
-                                });
-                                let limit = if settled || ran { STALL } else { STALL_STARTING };
-                                if beat_at.elapsed() >= limit {
-                                    st.error(format!(
-                                        "no audio callback for {:.1} s: the stream stalled",
-                                        beat_at.elapsed().as_secs_f64()
-                                    ));
-                                    break;
-                                }
-                            }
-                        }
+                        let ran = watch(&st, &sp, &lost, settled);
                         drop(stream);
                         if sp.load(Ordering::Acquire) {
                             break;
                         }
                         st.errors.fetch_add(1, Ordering::Relaxed);
                         // Settled: its callbacks ran for a second.
-                        settled |= first_beat
-                            .is_some_and(|t| beat_at.duration_since(t) >= Duration::from_secs(1));
+                        settled |= ran;
                     }
                     Err(e) => {
                         if let Some(tx) = first.take() {
@@ -598,6 +573,40 @@ pub fn spawn(name: String, mut open: Opener, reconnect: bool) -> Result<DeviceHa
             detail: "its thread ended before opening the stream".into(),
         }),
     }
+}
+
+/// Watches a running stream until it is stopped, lost, or stalls (no callback for [`STALL`],
+/// or [`STALL_STARTING`] before it has run and the device has settled): a stream whose
+/// callbacks stop without an error (a sound server that stalls it) is as lost as one that
+/// reports one. Returns whether its callbacks ran for a second.
+fn watch(st: &DeviceStatus, stop: &AtomicBool, lost: &AtomicBool, settled: bool) -> bool {
+    let opened = Instant::now();
+    let (mut beats, mut beat_at) = (st.callbacks.load(Ordering::Relaxed), opened);
+    let mut first_beat = None;
+    while !stop.load(Ordering::Acquire) && !lost.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = st.callbacks.load(Ordering::Relaxed);
+        if now != beats {
+            (beats, beat_at) = (now, Instant::now());
+            first_beat.get_or_insert(beat_at);
+        } else {
+            let ran =
+                first_beat.is_some_and(|t| beat_at.duration_since(t) >= Duration::from_secs(1));
+            let limit = if settled || ran {
+                STALL
+            } else {
+                STALL_STARTING
+            };
+            if beat_at.elapsed() >= limit {
+                st.error(format!(
+                    "no audio callback for {:.1} s: the stream stalled",
+                    beat_at.elapsed().as_secs_f64()
+                ));
+                break;
+            }
+        }
+    }
+    first_beat.is_some_and(|t| beat_at.duration_since(t) >= Duration::from_secs(1))
 }
 
 /// Whether `e` is PulseAudio's ALSA plugin answering a delay query (`snd_pcm_avail_delay`, which

@@ -346,6 +346,86 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// The table `k`, or `empty` (keys still named `k.key`) when `k` is absent or empty.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigErrorKind::WrongType`] when `k` is something else than a map.
+    pub fn table_or(
+        &self,
+        k: &str,
+        empty: &'a Map<String, Value>,
+    ) -> Result<Fields<'a>, ConfigError> {
+        Ok(self
+            .optional_table(k)?
+            .unwrap_or_else(|| self.nested(k, empty)))
+    }
+
+    /// A socket address like `example` (`127.0.0.1:9187`); `None` when empty or absent.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigErrorKind::WrongType`] for anything else.
+    pub fn address(
+        &self,
+        k: &str,
+        example: &str,
+    ) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+        let a = self.string(k)?;
+        match a.trim() {
+            "" => Ok(None),
+            t => t.parse().map(Some).map_err(|err| {
+                self.err(
+                    ConfigErrorKind::WrongType,
+                    k,
+                    format!("{a:?} is not an address like {example} ({err})"),
+                )
+            }),
+        }
+    }
+
+    /// `value` (this table's `k`, as read) when it is one of `choices`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigErrorKind::OutOfRange`] listing the choices.
+    pub fn one_of(&self, k: &str, value: String, choices: &[&str]) -> Result<String, ConfigError> {
+        if choices.contains(&value.as_str()) {
+            Ok(value)
+        } else {
+            Err(self.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!("{value:?} is not one of {}", choices.join(", ")),
+            ))
+        }
+    }
+
+    /// A whole number of at least `min`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigErrorKind::Missing`], [`ConfigErrorKind::WrongType`] (not an integer) or
+    /// [`ConfigErrorKind::OutOfRange`] (`3 is below 4`).
+    pub fn integer(&self, k: &str, min: i64) -> Result<i64, ConfigError> {
+        let v = self.table.get(k).ok_or_else(|| {
+            ConfigError::new(self.fname, ConfigErrorKind::Missing, "missing").key(self.key(k))
+        })?;
+        match as_i64(v) {
+            Some(i) if i >= min => Ok(i),
+            Some(i) => Err(self.err(
+                ConfigErrorKind::OutOfRange,
+                k,
+                format!("{i} is below {min}"),
+            )),
+            None => Err(self.err(
+                ConfigErrorKind::WrongType,
+                k,
+                format!("expected an integer, got {}", describe(v)),
+            )),
+        }
+    }
+
     fn nested(&self, k: &str, t: &'a Map<String, Value>) -> Fields<'a> {
         Fields {
             fname: self.fname,

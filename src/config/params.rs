@@ -357,77 +357,7 @@ pub fn check(
                 v,
             ));
         };
-        let wrong = || {
-            let hint = match spec.ty {
-                ParamType::IntList => " (write a list, like [1, 2, 3], or 1,2,3)",
-                _ => "",
-            };
-            err(
-                key,
-                ConfigErrorKind::WrongType,
-                format!("expected {}, got {}{hint}", spec.ty, describe(v)),
-                v,
-            )
-        };
-        let range = |msg: String| err(key, ConfigErrorKind::OutOfRange, msg, v);
-        let value = match spec.ty {
-            ParamType::Bool => ParamValue::Bool(as_bool(v).ok_or_else(wrong)?),
-            ParamType::Int { min, max } => {
-                let i = as_i64(v).ok_or_else(wrong)?;
-                if i < min || i > max {
-                    return Err(range(format!("{i} is out of range {min}..={max}")));
-                }
-                ParamValue::Int(i)
-            }
-            ParamType::Float { min, max } => {
-                let x = as_f64(v).ok_or_else(wrong)?;
-                if !x.is_finite() || x < min || x > max {
-                    return Err(range(format!("{x} is out of range {min}..={max}")));
-                }
-                ParamValue::Float(x)
-            }
-            ParamType::Str => ParamValue::Str(as_string(v).ok_or_else(wrong)?),
-            ParamType::Path | ParamType::Dir | ParamType::OutPath => {
-                let p = as_string(v).ok_or_else(wrong)?;
-                // An optional path left empty is unset; a required one must name something.
-                if p.trim().is_empty() && matches!(spec.default, ParamDefault::Required) {
-                    return Err(range(format!("an empty path: name the {}", spec.ty)));
-                }
-                ParamValue::Str(p)
-            }
-            ParamType::Choice(choices) => {
-                let s = as_string(v).ok_or_else(wrong)?;
-                if !choices.contains(&s.as_str()) {
-                    return Err(range(format!("{s:?} is not one of {}", choices.join(", "))));
-                }
-                ParamValue::Str(s)
-            }
-            ParamType::IntList => match &v.kind {
-                ValueKind::Array(items) => {
-                    let mut out = Vec::with_capacity(items.len());
-                    for (i, it) in items.iter().enumerate() {
-                        out.push(as_i64(it).ok_or_else(|| {
-                            err(
-                                &format!("{key}[{i}]"),
-                                ConfigErrorKind::WrongType,
-                                format!("expected an integer, got {}", describe(it)),
-                                it,
-                            )
-                        })?);
-                    }
-                    ParamValue::IntList(out)
-                }
-                // "1,2,3" (how a list arrives from an environment variable)
-                ValueKind::String(s) => ParamValue::IntList(
-                    s.split(',')
-                        .filter(|t| !t.trim().is_empty())
-                        .map(|t| t.trim().parse::<i64>())
-                        .collect::<Result<_, _>>()
-                        .map_err(|_| wrong())?,
-                ),
-                _ => return Err(wrong()),
-            },
-        };
+        let value = typed(spec, key, v, &err)?;
         values.insert(key.clone(), value);
         if let Some(o) = super::layers::foreign_origin(v, file) {
             origins.insert(key.clone(), o);
@@ -456,6 +386,90 @@ pub fn check(
         values.insert(spec.name.to_string(), v);
     }
     Ok(Params { values, origins })
+}
+
+/// What error a param's value gets: its key, kind, message and value.
+type ParamErr<'a> = dyn Fn(&str, ConfigErrorKind, String, &Value) -> ConfigError + 'a;
+
+/// `v`, the param `key`, as `spec` types it: of its type, within its range or choices.
+fn typed(
+    spec: &ParamSpec,
+    key: &str,
+    v: &Value,
+    err: &ParamErr<'_>,
+) -> Result<ParamValue, ConfigError> {
+    let wrong = || {
+        let hint = match spec.ty {
+            ParamType::IntList => " (write a list, like [1, 2, 3], or 1,2,3)",
+            _ => "",
+        };
+        err(
+            key,
+            ConfigErrorKind::WrongType,
+            format!("expected {}, got {}{hint}", spec.ty, describe(v)),
+            v,
+        )
+    };
+    let range = |msg: String| err(key, ConfigErrorKind::OutOfRange, msg, v);
+    let value = match spec.ty {
+        ParamType::Bool => ParamValue::Bool(as_bool(v).ok_or_else(wrong)?),
+        ParamType::Int { min, max } => {
+            let i = as_i64(v).ok_or_else(wrong)?;
+            if i < min || i > max {
+                return Err(range(format!("{i} is out of range {min}..={max}")));
+            }
+            ParamValue::Int(i)
+        }
+        ParamType::Float { min, max } => {
+            let x = as_f64(v).ok_or_else(wrong)?;
+            if !x.is_finite() || x < min || x > max {
+                return Err(range(format!("{x} is out of range {min}..={max}")));
+            }
+            ParamValue::Float(x)
+        }
+        ParamType::Str => ParamValue::Str(as_string(v).ok_or_else(wrong)?),
+        ParamType::Path | ParamType::Dir | ParamType::OutPath => {
+            let p = as_string(v).ok_or_else(wrong)?;
+            // An optional path left empty is unset; a required one must name something.
+            if p.trim().is_empty() && matches!(spec.default, ParamDefault::Required) {
+                return Err(range(format!("an empty path: name the {}", spec.ty)));
+            }
+            ParamValue::Str(p)
+        }
+        ParamType::Choice(choices) => {
+            let s = as_string(v).ok_or_else(wrong)?;
+            if !choices.contains(&s.as_str()) {
+                return Err(range(format!("{s:?} is not one of {}", choices.join(", "))));
+            }
+            ParamValue::Str(s)
+        }
+        ParamType::IntList => match &v.kind {
+            ValueKind::Array(items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, it) in items.iter().enumerate() {
+                    out.push(as_i64(it).ok_or_else(|| {
+                        err(
+                            &format!("{key}[{i}]"),
+                            ConfigErrorKind::WrongType,
+                            format!("expected an integer, got {}", describe(it)),
+                            it,
+                        )
+                    })?);
+                }
+                ParamValue::IntList(out)
+            }
+            // "1,2,3" (how a list arrives from an environment variable)
+            ValueKind::String(s) => ParamValue::IntList(
+                s.split(',')
+                    .filter(|t| !t.trim().is_empty())
+                    .map(|t| t.trim().parse::<i64>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| wrong())?,
+            ),
+            _ => return Err(wrong()),
+        },
+    };
+    Ok(value)
 }
 
 #[cfg(test)]

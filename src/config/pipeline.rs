@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use config::{Value, ValueKind};
+use config::{Map, Value, ValueKind};
 
 use super::fields::Fields;
 use super::layers::{self, Override};
@@ -137,7 +137,6 @@ pub fn load(
     catalog: &dyn KindCatalog,
 ) -> Result<PipelineSpec, ConfigError> {
     let fname = file.display().to_string();
-    let e = |k, m: String| ConfigError::new(&fname, k, m);
     let text = yaml::read(file, Limits::FILES)?;
     let root = layers::merge(vec![
         yaml::parse(DEFAULTS_YAML, DEFAULTS_ORIGIN, Limits::FILES)?,
@@ -145,347 +144,284 @@ pub fn load(
         layers::env_layer(opts.env.as_ref()),
         layers::override_layer(&fname, &opts.sets)?,
     ]);
-
-    for k in root.keys() {
-        if !TOP_KEYS.contains(&k.as_str()) {
-            let hint = did_you_mean(k, TOP_KEYS.iter().copied());
-            return Err(e(
-                ConfigErrorKind::UnknownKey,
-                format!(
-                    "unknown top-level key{hint}; expected: {}",
-                    TOP_KEYS.join(", ")
-                ),
-            )
-            .key(k.clone())
-            .from_value(&root[k]));
-        }
+    let empty = Map::new();
+    let f = Fields::new(&fname, DEFAULTS_ORIGIN, &root);
+    if let Some(k) = root.keys().find(|k| !TOP_KEYS.contains(&k.as_str())) {
+        let hint = did_you_mean(k, TOP_KEYS.iter().copied());
+        return Err(f.err(
+            ConfigErrorKind::UnknownKey,
+            k,
+            format!(
+                "unknown top-level key{hint}; expected: {}",
+                TOP_KEYS.join(", ")
+            ),
+        ));
     }
 
-    let section = |name: &str| -> Result<Vec<(String, Value)>, ConfigError> {
-        match root.get(name).map(|v| &v.kind) {
-            None | Some(ValueKind::Nil) => Ok(vec![]),
-            Some(ValueKind::Table(t)) => {
-                Ok(t.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            }
-            Some(_) => Err(e(ConfigErrorKind::WrongType, "expected a map".into())
-                .key(name)
-                .from_value(&root[name])),
-        }
-    };
-    let int_key =
-        |sec: &str, entries: &[(String, Value)], key: &str, min: i64| -> Result<i64, ConfigError> {
-            let Some((_, v)) = entries.iter().find(|(k, _)| k == key) else {
-                return Err(
-                    e(ConfigErrorKind::Missing, "missing".into()).key(format!("{sec}.{key}"))
-                );
-            };
-            match as_i64(v) {
-                Some(i) if i >= min => Ok(i),
-                Some(i) => Err(
-                    e(ConfigErrorKind::OutOfRange, format!("{i} is below {min}"))
-                        .key(format!("{sec}.{key}"))
-                        .from_value(v),
-                ),
-                None => Err(e(
-                    ConfigErrorKind::WrongType,
-                    format!("expected an integer, got {}", describe(v)),
-                )
-                .key(format!("{sec}.{key}"))
-                .from_value(v)),
-            }
-        };
-    let only_keys =
-        |sec: &str, entries: &[(String, Value)], allowed: &[&str]| -> Result<(), ConfigError> {
-            for (k, v) in entries {
-                if !allowed.contains(&k.as_str()) {
-                    let hint = did_you_mean(k, allowed.iter().copied());
-                    return Err(e(
-                        ConfigErrorKind::UnknownKey,
-                        format!("unknown key{hint}; expected: {}", allowed.join(", ")),
-                    )
-                    .key(format!("{sec}.{k}"))
-                    .from_value(v));
-                }
-            }
-            Ok(())
-        };
-
-    // defaults
-    let defaults = section("defaults")?;
-    only_keys("defaults", &defaults, &["capacity", "overflow"])?;
-    let def_capacity = int_key("defaults", &defaults, "capacity", 1)? as usize;
-    let def_overflow = parse_overflow(
-        &fname,
-        "defaults.overflow",
-        defaults
-            .iter()
-            .find(|(k, _)| k == "overflow")
-            .map(|(_, v)| v),
-    )?
-    .unwrap_or_default();
-
-    // runtime
-    let rt = section("runtime")?;
-    only_keys("runtime", &rt, &["drain_timeout_ms", "abort_timeout_ms"])?;
+    let defaults = f.table_or("defaults", &empty)?;
+    defaults.known(&["capacity", "overflow"])?;
+    let link_defaults = (
+        defaults.integer("capacity", 1)? as usize,
+        parse_overflow(&fname, "defaults.overflow", defaults.get("overflow"))?.unwrap_or_default(),
+    );
+    let rt = f.table_or("runtime", &empty)?;
+    rt.known(&["drain_timeout_ms", "abort_timeout_ms"])?;
     let runtime = RuntimeSettings {
-        drain_timeout: Duration::from_millis(int_key("runtime", &rt, "drain_timeout_ms", 0)? as u64),
-        abort_timeout: Duration::from_millis(int_key("runtime", &rt, "abort_timeout_ms", 0)? as u64),
+        drain_timeout: Duration::from_millis(rt.integer("drain_timeout_ms", 0)? as u64),
+        abort_timeout: Duration::from_millis(rt.integer("abort_timeout_ms", 0)? as u64),
     };
-
     // ort: the one reader every settings file shares. Checked here, with the layer it came
     // from: it is loaded before anything else.
-    let ort_library = super::ort::read(&Fields::new(&fname, DEFAULTS_ORIGIN, &root))?;
-
-    // metrics
-    let ms = section("metrics")?;
-    only_keys("metrics", &ms, &["address", "window", "every"])?;
-    let address_v = ms.iter().find(|(k, _)| k == "address").map(|(_, v)| v);
-    let address = match address_v.and_then(|v| Some((v, as_string(v)?))) {
-        None => None,
-        Some((_, a)) if a.trim().is_empty() => None,
-        Some((v, a)) => Some(a.trim().parse::<std::net::SocketAddr>().map_err(|err| {
-            e(
-                ConfigErrorKind::WrongType,
-                format!("{a:?} is not an address like 127.0.0.1:9187 ({err}); empty disables the exporter"),
-            )
-            .key("metrics.address")
-            .from_value(v)
-        })?),
-    };
-    let metrics = MetricsSettings {
-        address,
-        window: int_key("metrics", &ms, "window", 16)? as usize,
-        every: int_key("metrics", &ms, "every", 1)? as usize,
-    };
-
-    // record
-    let rs = section("record")?;
-    only_keys("record", &rs, &["dir", "max_file_kb"])?;
+    let ort_library = super::ort::read(&f)?;
+    let metrics = read_metrics(&f.table_or("metrics", &empty)?)?;
+    let rs = f.table_or("record", &empty)?;
+    rs.known(&["dir", "max_file_kb"])?;
+    let dir = rs.string("dir")?;
     let record = RecordSettings {
-        dir: rs
-            .iter()
-            .find(|(k, _)| k == "dir")
-            .and_then(|(_, v)| as_string(v))
-            .filter(|d| !d.trim().is_empty())
-            .map(PathBuf::from),
-        max_file_bytes: int_key("record", &rs, "max_file_kb", 4)? as u64 * 1024,
+        dir: (!dir.trim().is_empty()).then(|| PathBuf::from(dir)),
+        max_file_bytes: rs.integer("max_file_kb", 4)? as u64 * 1024,
     };
-
-    let description = root.get("description").and_then(as_string);
-
-    // stages
-    let stages_raw = match root.get("stages").map(|v| &v.kind) {
-        Some(ValueKind::Table(t)) if !t.is_empty() => t.clone(),
-        Some(ValueKind::Table(_)) | None | Some(ValueKind::Nil) => {
-            return Err(e(
-                ConfigErrorKind::Missing,
-                "the pipeline has no stages: add a `stages:` map of name → {kind, params}".into(),
-            ))
-        }
-        Some(_) => {
-            return Err(e(
-                ConfigErrorKind::WrongType,
-                "expected a map of stage name → {kind: …, params…}".into(),
-            )
-            .key("stages"))
-        }
-    };
-    let mut stages = Vec::with_capacity(stages_raw.len());
-    for (name, v) in stages_raw.iter() {
-        if !valid_name(name) {
-            return Err(e(
-                ConfigErrorKind::UnknownKey,
-                "stage names use lowercase letters, digits and `_`, starting with a letter (so \
-                 that DUPLEX__STAGES__<NAME>__<PARAM> can override them)"
-                    .into(),
-            )
-            .stage(name.clone())
-            .from_value(v));
-        }
-        let ValueKind::Table(t) = &v.kind else {
-            return Err(e(
-                ConfigErrorKind::WrongType,
-                format!("expected a map with `kind` and params, got {}", describe(v)),
-            )
-            .stage(name.clone())
-            .from_value(v));
-        };
-        let Some(kind_v) = t.get("kind") else {
-            return Err(e(ConfigErrorKind::Missing, "missing `kind`".into())
-                .stage(name.clone())
-                .from_value(v));
-        };
-        let Some(kind) = as_string(kind_v) else {
-            return Err(e(
-                ConfigErrorKind::WrongType,
-                format!("`kind` must be a string, got {}", describe(kind_v)),
-            )
-            .stage(name.clone())
-            .from_value(kind_v));
-        };
-        let Some(specs) = catalog.params(&kind) else {
-            let names = catalog.kind_names();
-            let hint = did_you_mean(&kind, names.iter().copied());
-            return Err(e(
-                ConfigErrorKind::UnknownKind,
-                format!(
-                    "unknown stage kind `{kind}`{hint}; `duplex stages` lists them: {}",
-                    names.join(", ")
-                ),
-            )
-            .stage(name.clone())
-            .key("kind")
-            .from_value(kind_v));
-        };
-        let raw: Vec<(String, Value)> = t
-            .iter()
-            .filter(|(k, _)| k.as_str() != "kind" && k.as_str() != INJECT_KEY)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let params = check(&fname, name, &kind, specs, &raw)?;
-        let inject = match (t.get(INJECT_KEY), catalog.params(INJECT_KEY)) {
-            (None, _) | (_, None) => None,
-            (Some(v), Some(specs)) => {
-                let ValueKind::Table(it) = &v.kind else {
-                    return Err(e(
-                        ConfigErrorKind::WrongType,
-                        format!(
-                            "expected a map of `inject_delay` params (mode, base_ms, …), got {}",
-                            describe(v)
-                        ),
-                    )
-                    .stage(name.clone())
-                    .key(INJECT_KEY)
-                    .from_value(v));
-                };
-                let raw: Vec<(String, Value)> =
-                    it.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                let label = format!("{name}.{INJECT_KEY}");
-                Some(check(&fname, &label, INJECT_KEY, specs, &raw)?)
-            }
-        };
-        stages.push(StageSpec {
-            name: name.clone(),
-            kind,
-            params,
-            inject,
-        });
-    }
-
+    let stages = read_stages(&fname, &root, catalog)?;
     super::paths::check(&fname, &stages, catalog)?;
-
-    // links
-    let links_raw = match root.get("links").map(|v| &v.kind) {
-        Some(ValueKind::Array(a)) => a.clone(),
-        None | Some(ValueKind::Nil) => vec![],
-        Some(_) => {
-            return Err(e(
-                ConfigErrorKind::WrongType,
-                "expected a list of links (`- from: a` / `to: b`, or `- a -> b`)".into(),
-            )
-            .key("links"))
-        }
-    };
-    let mut links = Vec::with_capacity(links_raw.len());
-    for (i, v) in links_raw.iter().enumerate() {
-        let key = format!("links[{i}]");
-        let le = |k, m: String| e(k, m).key(key.clone()).from_value(v);
-        let link = match &v.kind {
-            ValueKind::String(s) => {
-                let Some((a, b)) = s.split_once("->") else {
-                    return Err(le(
-                        ConfigErrorKind::Link,
-                        format!("{s:?} is not a link: write `from -> to`"),
-                    ));
-                };
-                LinkSpec {
-                    from: a.trim().to_string(),
-                    to: b.trim().to_string(),
-                    capacity: def_capacity,
-                    overflow: def_overflow,
-                    feedback: false,
-                }
-            }
-            ValueKind::Table(t) => {
-                for k in t.keys() {
-                    if !["from", "to", "capacity", "overflow", "feedback"].contains(&k.as_str()) {
-                        return Err(le(
-                            ConfigErrorKind::UnknownKey,
-                            format!("unknown key `{k}`; a link has: from, to, capacity, overflow, feedback"),
-                        ));
-                    }
-                }
-                let endpoint = |k: &str| -> Result<String, ConfigError> {
-                    match t.get(k) {
-                        None => Err(le(ConfigErrorKind::Missing, format!("missing `{k}`"))),
-                        Some(v) => as_string(v).filter(|s| !s.is_empty()).ok_or_else(|| {
-                            le(
-                                ConfigErrorKind::WrongType,
-                                format!(
-                                    "`{k}` must be `stage` or `stage.port`, got {}",
-                                    describe(v)
-                                ),
-                            )
-                        }),
-                    }
-                };
-                let capacity = match t.get("capacity") {
-                    None => def_capacity,
-                    Some(v) => match as_i64(v) {
-                        Some(c) if c >= 1 => c as usize,
-                        Some(c) => {
-                            return Err(le(
-                                ConfigErrorKind::OutOfRange,
-                                format!("`capacity` must be at least 1, got {c}"),
-                            ))
-                        }
-                        None => {
-                            return Err(le(
-                                ConfigErrorKind::WrongType,
-                                format!("`capacity` must be an integer, got {}", describe(v)),
-                            ))
-                        }
-                    },
-                };
-                let overflow =
-                    parse_overflow(&fname, &format!("{key}.overflow"), t.get("overflow"))?
-                        .unwrap_or(def_overflow);
-                let feedback = match t.get("feedback") {
-                    None => false,
-                    Some(v) => as_bool(v).ok_or_else(|| {
-                        le(
-                            ConfigErrorKind::WrongType,
-                            format!("`feedback` must be true or false, got {}", describe(v)),
-                        )
-                    })?,
-                };
-                LinkSpec {
-                    from: endpoint("from")?,
-                    to: endpoint("to")?,
-                    capacity,
-                    overflow,
-                    feedback,
-                }
-            }
-            _ => {
-                return Err(le(
-                    ConfigErrorKind::WrongType,
-                    format!("expected a link, got {}", describe(v)),
-                ))
-            }
-        };
-        links.push(link);
-    }
-
+    let links = read_links(&fname, &root, link_defaults)?;
     Ok(PipelineSpec {
+        description: root.get("description").and_then(as_string),
         file: fname,
-        description,
         stages,
         links,
         runtime,
         ort_library,
         metrics,
         record,
+    })
+}
+
+/// The `metrics` section.
+fn read_metrics(ms: &Fields<'_>) -> Result<MetricsSettings, ConfigError> {
+    ms.known(&["address", "window", "every"])?;
+    let address = ms.address("address", "127.0.0.1:9187")?;
+    Ok(MetricsSettings {
+        address,
+        window: ms.integer("window", 16)? as usize,
+        every: ms.integer("every", 1)? as usize,
+    })
+}
+
+/// The `stages` map, each stage's params checked against its kind's.
+fn read_stages(
+    fname: &str,
+    root: &Map<String, Value>,
+    catalog: &dyn KindCatalog,
+) -> Result<Vec<StageSpec>, ConfigError> {
+    let e = |k, m: String| ConfigError::new(fname, k, m);
+    match root.get("stages").map(|v| &v.kind) {
+        Some(ValueKind::Table(t)) if !t.is_empty() => t
+            .iter()
+            .map(|(name, v)| read_stage(fname, name, v, catalog))
+            .collect(),
+        Some(ValueKind::Table(_)) | None | Some(ValueKind::Nil) => Err(e(
+            ConfigErrorKind::Missing,
+            "the pipeline has no stages: add a `stages:` map of name → {kind, params}".into(),
+        )),
+        Some(_) => Err(e(
+            ConfigErrorKind::WrongType,
+            "expected a map of stage name → {kind: …, params…}".into(),
+        )
+        .key("stages")),
+    }
+}
+
+/// One stage: its name, kind, params and `inject_delay` option.
+fn read_stage(
+    fname: &str,
+    name: &str,
+    v: &Value,
+    catalog: &dyn KindCatalog,
+) -> Result<StageSpec, ConfigError> {
+    let e = |k, m: String, at: &Value| {
+        ConfigError::new(fname, k, m)
+            .stage(name.to_string())
+            .from_value(at)
+    };
+    if !valid_name(name) {
+        return Err(e(
+            ConfigErrorKind::UnknownKey,
+            "stage names use lowercase letters, digits and `_`, starting with a letter (so \
+             that DUPLEX__STAGES__<NAME>__<PARAM> can override them)"
+                .into(),
+            v,
+        ));
+    }
+    let ValueKind::Table(t) = &v.kind else {
+        return Err(e(
+            ConfigErrorKind::WrongType,
+            format!("expected a map with `kind` and params, got {}", describe(v)),
+            v,
+        ));
+    };
+    let Some(kind_v) = t.get("kind") else {
+        return Err(e(ConfigErrorKind::Missing, "missing `kind`".into(), v));
+    };
+    let Some(kind) = as_string(kind_v) else {
+        return Err(e(
+            ConfigErrorKind::WrongType,
+            format!("`kind` must be a string, got {}", describe(kind_v)),
+            kind_v,
+        ));
+    };
+    let Some(specs) = catalog.params(&kind) else {
+        let names = catalog.kind_names();
+        let hint = did_you_mean(&kind, names.iter().copied());
+        return Err(e(
+            ConfigErrorKind::UnknownKind,
+            format!(
+                "unknown stage kind `{kind}`{hint}; `duplex stages` lists them: {}",
+                names.join(", ")
+            ),
+            kind_v,
+        )
+        .key("kind"));
+    };
+    let raw: Vec<(String, Value)> = t
+        .iter()
+        .filter(|(k, _)| k.as_str() != "kind" && k.as_str() != INJECT_KEY)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let params = check(fname, name, &kind, specs, &raw)?;
+    let inject = match (t.get(INJECT_KEY), catalog.params(INJECT_KEY)) {
+        (None, _) | (_, None) => None,
+        (Some(v), Some(specs)) => {
+            let ValueKind::Table(it) = &v.kind else {
+                return Err(e(
+                    ConfigErrorKind::WrongType,
+                    format!(
+                        "expected a map of `inject_delay` params (mode, base_ms, …), got {}",
+                        describe(v)
+                    ),
+                    v,
+                )
+                .key(INJECT_KEY));
+            };
+            let raw: Vec<(String, Value)> =
+                it.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let label = format!("{name}.{INJECT_KEY}");
+            Some(check(fname, &label, INJECT_KEY, specs, &raw)?)
+        }
+    };
+    Ok(StageSpec {
+        name: name.to_string(),
+        kind,
+        params,
+        inject,
+    })
+}
+
+/// The `links` list, with the `defaults` section's capacity and overflow policy.
+fn read_links(
+    fname: &str,
+    root: &Map<String, Value>,
+    defaults: (usize, Overflow),
+) -> Result<Vec<LinkSpec>, ConfigError> {
+    match root.get("links").map(|v| &v.kind) {
+        Some(ValueKind::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| read_link(fname, i, v, defaults))
+            .collect(),
+        None | Some(ValueKind::Nil) => Ok(vec![]),
+        Some(_) => Err(ConfigError::new(
+            fname,
+            ConfigErrorKind::WrongType,
+            "expected a list of links (`- from: a` / `to: b`, or `- a -> b`)",
+        )
+        .key("links")),
+    }
+}
+
+/// The `i`-th link: `a -> b`, or a map with `from`, `to` and its own options.
+fn read_link(
+    fname: &str,
+    i: usize,
+    v: &Value,
+    (def_capacity, def_overflow): (usize, Overflow),
+) -> Result<LinkSpec, ConfigError> {
+    let key = format!("links[{i}]");
+    let le = |k, m: String| ConfigError::new(fname, k, m).key(key.clone()).from_value(v);
+    let t = match &v.kind {
+        ValueKind::String(s) => {
+            let Some((a, b)) = s.split_once("->") else {
+                return Err(le(
+                    ConfigErrorKind::Link,
+                    format!("{s:?} is not a link: write `from -> to`"),
+                ));
+            };
+            return Ok(LinkSpec {
+                from: a.trim().to_string(),
+                to: b.trim().to_string(),
+                capacity: def_capacity,
+                overflow: def_overflow,
+                feedback: false,
+            });
+        }
+        ValueKind::Table(t) => t,
+        _ => {
+            return Err(le(
+                ConfigErrorKind::WrongType,
+                format!("expected a link, got {}", describe(v)),
+            ))
+        }
+    };
+    for k in t.keys() {
+        if !["from", "to", "capacity", "overflow", "feedback"].contains(&k.as_str()) {
+            return Err(le(
+                ConfigErrorKind::UnknownKey,
+                format!("unknown key `{k}`; a link has: from, to, capacity, overflow, feedback"),
+            ));
+        }
+    }
+    let endpoint = |k: &str| -> Result<String, ConfigError> {
+        match t.get(k) {
+            None => Err(le(ConfigErrorKind::Missing, format!("missing `{k}`"))),
+            Some(v) => as_string(v).filter(|s| !s.is_empty()).ok_or_else(|| {
+                le(
+                    ConfigErrorKind::WrongType,
+                    format!("`{k}` must be `stage` or `stage.port`, got {}", describe(v)),
+                )
+            }),
+        }
+    };
+    let capacity = match t.get("capacity").map(|v| (v, as_i64(v))) {
+        None => def_capacity,
+        Some((_, Some(c))) if c >= 1 => c as usize,
+        Some((_, Some(c))) => {
+            return Err(le(
+                ConfigErrorKind::OutOfRange,
+                format!("`capacity` must be at least 1, got {c}"),
+            ))
+        }
+        Some((v, None)) => {
+            return Err(le(
+                ConfigErrorKind::WrongType,
+                format!("`capacity` must be an integer, got {}", describe(v)),
+            ))
+        }
+    };
+    let feedback = match t.get("feedback") {
+        None => false,
+        Some(v) => as_bool(v).ok_or_else(|| {
+            le(
+                ConfigErrorKind::WrongType,
+                format!("`feedback` must be true or false, got {}", describe(v)),
+            )
+        })?,
+    };
+    Ok(LinkSpec {
+        from: endpoint("from")?,
+        to: endpoint("to")?,
+        capacity,
+        overflow: parse_overflow(fname, &format!("{key}.overflow"), t.get("overflow"))?
+            .unwrap_or(def_overflow),
+        feedback,
     })
 }
 

@@ -689,7 +689,6 @@ impl DepformerBatch {
                 l.clear();
             }
         }
-        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
         let vocab = self.info.vocab;
         let hd = self.info.hidden_dim as i64;
         let (host, dev) = (&self.alloc, &self.kv_alloc);
@@ -708,69 +707,7 @@ impl DepformerBatch {
         for cb in 0..steps {
             let n = order.iter().filter(|&&i| needed[i] > cb).count();
             if n > 0 {
-                self.bind_rows(n).map_err(e)?;
-                // With device sampling, the draw of the substep before fed this one.
-                let feed = self.draw.is_none() || cb == 0;
-                if feed {
-                    self.host.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
-                }
-                self.host.substep.as_slice::<i64>()[0] = cb as i64;
-                if let Some(io) = self.io.as_mut() {
-                    let (host, dev) = (&self.alloc, &self.kv_alloc);
-                    if feed {
-                        (self.host.prev)
-                            .copy_prefix_to(host, &mut io.prev, dev, &[n as i64, 1])
-                            .map_err(e)?;
-                    }
-                    (self.host.substep)
-                        .copy_prefix_to(host, &mut io.substep, dev, &[])
-                        .map_err(e)?;
-                }
-                self.kv
-                    .bind_batch(
-                        &mut self.binding,
-                        &self.kv_alloc,
-                        cb % 2,
-                        n as i64,
-                        h,
-                        cb as i64,
-                        d,
-                    )
-                    .map_err(e)?;
-                match self.graphs.as_mut() {
-                    // One captured graph per (substep, rows): ids from 1 (0 is the default).
-                    Some(ro) => {
-                        let id = 1 + cb * self.rows + (n - 1);
-                        ro.set("gpu_graph_id", id.to_string()).map_err(e)?;
-                        drop(
-                            self.session
-                                .run_binding_with_options(&self.binding, ro)
-                                .map_err(e)?,
-                        );
-                    }
-                    None => drop(self.session.run_binding(&self.binding).map_err(e)?),
-                }
-                if let Some(io) = self.io.as_mut() {
-                    let (host, dev) = (&self.alloc, &self.kv_alloc);
-                    if let Some(draw) = self.draw.as_mut() {
-                        let logits = io
-                            .logits
-                            .view(dev, &[n as i64, 1, vocab as i64])
-                            .map_err(e)?;
-                        let next = io.prev.view(dev, &[n as i64, 1]).map_err(e)?;
-                        draw.run(cb, n, self.rows, &logits, next).map_err(e)?;
-                    }
-                    if self.draw.is_none() || keeps_logits {
-                        (io.logits)
-                            .copy_prefix_to(
-                                dev,
-                                &mut self.host.logits,
-                                host,
-                                &[n as i64, 1, vocab as i64],
-                            )
-                            .map_err(e)?;
-                    }
-                }
+                self.substep(cb, n, &prev, keeps_logits).map_err(e)?;
             }
             for (r, &i) in order.iter().enumerate() {
                 let j = &mut *rows[i];
@@ -809,6 +746,69 @@ impl DepformerBatch {
                         j.counts.1 += 1;
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Substep `cb`'s graph call for the first `n` rows (in the run's order): their previous
+    /// tokens fed (unless the device's draw fed them), the call, and its logits drawn on the
+    /// device or brought to the host.
+    fn substep(
+        &mut self,
+        cb: usize,
+        n: usize,
+        prev: &[i64],
+        keeps_logits: bool,
+    ) -> Result<(), ort::Error> {
+        let (h, d) = (self.info.heads as i64, self.info.head_dim as i64);
+        let vocab = self.info.vocab;
+        self.bind_rows(n)?;
+        // With device sampling, the draw of the substep before fed this one.
+        let feed = self.draw.is_none() || cb == 0;
+        if feed {
+            self.host.prev.as_slice::<i64>()[..n].copy_from_slice(&prev[..n]);
+        }
+        self.host.substep.as_slice::<i64>()[0] = cb as i64;
+        if let Some(io) = self.io.as_mut() {
+            let (host, dev) = (&self.alloc, &self.kv_alloc);
+            if feed {
+                (self.host.prev).copy_prefix_to(host, &mut io.prev, dev, &[n as i64, 1])?;
+            }
+            (self.host.substep).copy_prefix_to(host, &mut io.substep, dev, &[])?;
+        }
+        self.kv.bind_batch(
+            &mut self.binding,
+            &self.kv_alloc,
+            cb % 2,
+            n as i64,
+            h,
+            cb as i64,
+            d,
+        )?;
+        match self.graphs.as_mut() {
+            // One captured graph per (substep, rows): ids from 1 (0 is the default).
+            Some(ro) => {
+                let id = 1 + cb * self.rows + (n - 1);
+                ro.set("gpu_graph_id", id.to_string())?;
+                drop(self.session.run_binding_with_options(&self.binding, ro)?);
+            }
+            None => drop(self.session.run_binding(&self.binding)?),
+        }
+        if let Some(io) = self.io.as_mut() {
+            let (host, dev) = (&self.alloc, &self.kv_alloc);
+            if let Some(draw) = self.draw.as_mut() {
+                let logits = io.logits.view(dev, &[n as i64, 1, vocab as i64])?;
+                let next = io.prev.view(dev, &[n as i64, 1])?;
+                draw.run(cb, n, self.rows, &logits, next)?;
+            }
+            if self.draw.is_none() || keeps_logits {
+                (io.logits).copy_prefix_to(
+                    dev,
+                    &mut self.host.logits,
+                    host,
+                    &[n as i64, 1, vocab as i64],
+                )?;
             }
         }
         Ok(())

@@ -269,6 +269,104 @@ pub struct StepCodec {
     pub rows: usize,
 }
 
+impl StepManifest {
+    /// Whether this step graph fits `pack`: its direction for `role`, frame size, codebooks.
+    fn check_fits(&self, dir: &Path, pack: &Pack, role: StepRole) -> Result<(), ModelError> {
+        let graph = role.graph();
+        let manifest = self;
+        let m = &pack.manifest;
+        let (want_in, want_out) = match role {
+            StepRole::Encoder => ("pcm", "codes"),
+            StepRole::Decoder => ("codes", "pcm"),
+        };
+        if manifest.input != want_in
+            || manifest.output != want_out
+            || manifest.frame_samples != m.frame_size
+            || manifest.codebooks != m.codebooks
+        {
+            return Err(ModelError::Pack {
+                path: dir.join("state.json"),
+                detail: format!(
+                    "a {graph} of {} samples and {} codebooks ({} -> {}) does not fit this pack \
+                     ({} samples, {} codebooks, {want_in} -> {want_out})",
+                    manifest.frame_samples,
+                    manifest.codebooks,
+                    manifest.input,
+                    manifest.output,
+                    m.frame_size,
+                    m.codebooks
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The graph's inputs and outputs must be the manifest's, no more, no less.
+fn check_names(session: &Session, manifest: &StepManifest, graph: &str) -> Result<(), ModelError> {
+    let inputs: Vec<String> = session
+        .inputs()
+        .iter()
+        .map(|i| i.name().to_string())
+        .collect();
+    let outputs: Vec<String> = session
+        .outputs()
+        .iter()
+        .map(|o| o.name().to_string())
+        .collect();
+    let mut want_inputs: Vec<String> = manifest.states.iter().map(|s| s.input.clone()).collect();
+    want_inputs.push(manifest.input.clone());
+    want_inputs.extend(manifest.active.clone());
+    let mut want_outputs: Vec<String> = manifest.states.iter().map(|s| s.output.clone()).collect();
+    want_outputs.push(manifest.output.clone());
+    for (kind, have, want) in [
+        ("input", &inputs, &want_inputs),
+        ("output", &outputs, &want_outputs),
+    ] {
+        if let Some(missing) = want.iter().find(|n| !have.contains(n)) {
+            return Err(ModelError::contract(
+                graph,
+                format!("state.json names {kind} `{missing}`, which the graph does not have"),
+            ));
+        }
+        if let Some(extra) = have.iter().find(|n| !want.contains(n)) {
+            return Err(ModelError::contract(
+                graph,
+                format!("the graph's {kind} `{extra}` is not in state.json"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every state's buffers (two unless updated in place), `batch` rows each, where the session
+/// reads them (device memory under CUDA: only the frame in and the frame out cross to the
+/// host), at zero.
+fn state_buffers(
+    session: &Session,
+    wanted: &[(String, Placement)],
+    manifest: &StepManifest,
+    batch: i64,
+) -> ort::Result<Vec<State>> {
+    let mut states = Vec::with_capacity(manifest.states.len());
+    for s in &manifest.states {
+        let mut shape = vec![batch];
+        shape.extend(&s.shape);
+        let n = if s.inplace { 1 } else { 2 };
+        let at = allocator_at(session, &placement_of(wanted, &s.input))?;
+        let mut bufs = (0..n)
+            .map(|_| Buffer::zeros(&at, element_of(&s.dtype), &shape))
+            .collect::<ort::Result<Vec<_>>>()?;
+        for b in bufs.iter_mut().filter(|b| !b.on_host()) {
+            // Device memory comes as the device gives it: a state starts at zero.
+            let n = b.capacity;
+            b.zero_at(&at, 0, n)?;
+        }
+        states.push(State { bufs });
+    }
+    Ok(states)
+}
+
 impl StepCodec {
     /// What the graph runs on: `cpu f32 stateful`.
     pub fn runs_on(&self) -> String {
@@ -318,90 +416,14 @@ impl StepCodec {
             });
         };
         let manifest = StepManifest::read(&dir)?;
+        manifest.check_fits(&dir, pack, role)?;
         let m = &pack.manifest;
-        let (want_in, want_out) = match role {
-            StepRole::Encoder => ("pcm", "codes"),
-            StepRole::Decoder => ("codes", "pcm"),
-        };
-        if manifest.input != want_in
-            || manifest.output != want_out
-            || manifest.frame_samples != m.frame_size
-            || manifest.codebooks != m.codebooks
-        {
-            return Err(ModelError::Pack {
-                path: dir.join("state.json"),
-                detail: format!(
-                    "a {graph} of {} samples and {} codebooks ({} -> {}) does not fit this pack \
-                     ({} samples, {} codebooks, {want_in} -> {want_out})",
-                    manifest.frame_samples,
-                    manifest.codebooks,
-                    manifest.input,
-                    manifest.output,
-                    m.frame_size,
-                    m.codebooks
-                ),
-            });
-        }
         let os = open(&dir.join("model.onnx"), graph, opts)?;
         let e = |err: ort::Error| ModelError::ort(graph, err);
-        // The graph's inputs and outputs must be the manifest's, no more, no less.
-        let inputs: Vec<String> = os
-            .session
-            .inputs()
-            .iter()
-            .map(|i| i.name().to_string())
-            .collect();
-        let outputs: Vec<String> = os
-            .session
-            .outputs()
-            .iter()
-            .map(|o| o.name().to_string())
-            .collect();
-        let mut want_inputs: Vec<String> =
-            manifest.states.iter().map(|s| s.input.clone()).collect();
-        want_inputs.push(manifest.input.clone());
-        want_inputs.extend(manifest.active.clone());
-        let mut want_outputs: Vec<String> =
-            manifest.states.iter().map(|s| s.output.clone()).collect();
-        want_outputs.push(manifest.output.clone());
-        for (kind, have, want) in [
-            ("input", &inputs, &want_inputs),
-            ("output", &outputs, &want_outputs),
-        ] {
-            if let Some(missing) = want.iter().find(|n| !have.contains(n)) {
-                return Err(ModelError::contract(
-                    graph,
-                    format!("state.json names {kind} `{missing}`, which the graph does not have"),
-                ));
-            }
-            if let Some(extra) = have.iter().find(|n| !want.contains(n)) {
-                return Err(ModelError::contract(
-                    graph,
-                    format!("the graph's {kind} `{extra}` is not in state.json"),
-                ));
-            }
-        }
+        check_names(&os.session, &manifest, graph)?;
         let alloc = Allocator::default();
-        // Every state where the session reads it (device memory under CUDA: only the frame in
-        // and the frame out cross to the host).
         let wanted = input_placements(&os.session).map_err(e)?;
-        let mut states = Vec::with_capacity(manifest.states.len());
-        for s in &manifest.states {
-            let mut shape = vec![batch];
-            shape.extend(&s.shape);
-            let n = if s.inplace { 1 } else { 2 };
-            let at = allocator_at(&os.session, &placement_of(&wanted, &s.input)).map_err(e)?;
-            let mut bufs = (0..n)
-                .map(|_| Buffer::zeros(&at, element_of(&s.dtype), &shape))
-                .collect::<ort::Result<Vec<_>>>()
-                .map_err(e)?;
-            for b in bufs.iter_mut().filter(|b| !b.on_host()) {
-                // Device memory comes as the device gives it: a state starts at zero.
-                let n = b.capacity;
-                b.zero_at(&at, 0, n).map_err(e)?;
-            }
-            states.push(State { bufs });
-        }
+        let states = state_buffers(&os.session, &wanted, &manifest, batch).map_err(e)?;
         let pcm = (
             TensorElementType::Float32,
             vec![batch, 1, m.frame_size as i64],

@@ -15,6 +15,7 @@ pub mod mimi_step;
 pub mod onnx;
 pub mod ortlib;
 pub mod pack;
+pub mod persona;
 pub mod sampling;
 pub mod session;
 pub mod temporal;

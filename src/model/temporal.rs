@@ -325,6 +325,121 @@ fn ort_err(graph: &str) -> impl Fn(ort::Error) -> ModelError + '_ {
     move |e| ModelError::ort(graph, e)
 }
 
+/// The KV cache's buffers: two sets for the standard graph's window (it moves between them),
+/// one for the GQA graph's (updated in place), none when the cache lives on the host.
+fn cache_buffers(
+    kv: KvMode,
+    info: &LmGraphInfo,
+    kv_alloc: &Allocator,
+    capacity: usize,
+    window: usize,
+) -> Result<[Vec<Buffer>; 2], ModelError> {
+    let e = ort_err("temporal");
+    let (h, d) = (info.heads as i64, info.head_dim as i64);
+    let kv_ty = element(info.kv);
+    let cache_rows = match (kv, info.variant) {
+        (KvMode::Host, _) => 0,
+        (KvMode::Resident, Variant::Gqa) => capacity,
+        (KvMode::Resident, Variant::Standard) => window.min(capacity),
+    };
+    let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
+    let sets = match (kv, info.variant) {
+        (KvMode::Resident, Variant::Standard) => 2,
+        (KvMode::Resident, Variant::Gqa) => 1,
+        (KvMode::Host, _) => 0,
+    };
+    for set in bufs.iter_mut().take(sets) {
+        for _ in 0..2 * info.layers {
+            set.push(Buffer::zeros(kv_alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?);
+        }
+    }
+    Ok(bufs)
+}
+
+/// The host cache's round trip after a step: every present comes back to the host and is
+/// copied into new arrays that become the next step's inputs (the standard graph keeping an
+/// exact window). Returns the rows kept before this step's.
+fn host_presents(
+    past: &mut [Buffer],
+    outputs: &ort::session::SessionOutputs<'_>,
+    info: &LmGraphInfo,
+    alloc: &Allocator,
+    window: usize,
+    total: i64,
+) -> Result<usize, ModelError> {
+    let e = ort_err("temporal");
+    let (h, d) = (info.heads as i64, info.head_dim as i64);
+    // The naive round trip: every present comes back to the host and is copied into new
+    // arrays that become the next step's inputs.
+    let kv_ty = element(info.kv);
+    // The standard graph keeps an exact window: drop the oldest row once full.
+    let keep = match info.variant {
+        Variant::Standard => (total as usize).min(window - 1),
+        Variant::Gqa => total as usize,
+    };
+    let skip = total as usize - keep;
+    let row = info.head_dim;
+    for i in 0..info.layers {
+        for (j, kv) in ["key", "value"].iter().enumerate() {
+            let name = format!("present.{i}.{kv}");
+            let Some(v) = outputs.get(&name) else {
+                return Err(ModelError::contract(
+                    "temporal",
+                    format!("no output `{name}`"),
+                ));
+            };
+            let mut fresh = Buffer::zeros(alloc, kv_ty, &[1, h, keep as i64, d]).map_err(&e)?;
+            for head in 0..info.heads {
+                let from = (head * total as usize + skip) * row
+                    ..(head * total as usize + total as usize) * row;
+                let to = head * keep * row..(head + 1) * keep * row;
+                if kv_ty == TensorElementType::Float16 {
+                    let (_, src) = v.try_extract_tensor::<half::f16>().map_err(&e)?;
+                    fresh.as_slice::<half::f16>()[to].copy_from_slice(&src[from]);
+                } else {
+                    let (_, src) = v.try_extract_tensor::<f32>().map_err(&e)?;
+                    fresh.as_slice::<f32>()[to].copy_from_slice(&src[from]);
+                }
+            }
+            past[2 * i + j] = fresh;
+        }
+    }
+    Ok(keep - 1)
+}
+
+impl DeviceIo {
+    /// The fixed-shape inputs and outputs, where the session reads and writes them.
+    fn new(
+        session: &ort::session::Session,
+        wanted: &[(String, Placement)],
+        kv_alloc: &Allocator,
+        info: &LmGraphInfo,
+        channels: usize,
+        capacity: usize,
+    ) -> Result<Self, ModelError> {
+        let e = ort_err("temporal");
+        let at = |name: &str| allocator_at(session, &placement_of(wanted, name));
+        let (frame_alloc, mask_alloc) = (
+            at("input_frame").map_err(&e)?,
+            at("attention_mask").map_err(&e)?,
+        );
+        let hd = info.hidden_dim as i64;
+        Ok(DeviceIo {
+            frame: Buffer::zeros(
+                &frame_alloc,
+                TensorElementType::Int64,
+                &[1, channels as i64, 1],
+            )
+            .map_err(&e)?,
+            mask: Buffer::zeros(&mask_alloc, TensorElementType::Int64, &[1, capacity as i64])
+                .map_err(&e)?,
+            hidden: Buffer::zeros(kv_alloc, element(info.hidden), &[1, 1, hd]).map_err(&e)?,
+            logits: Buffer::zeros(kv_alloc, element(info.logits), &[1, 1, info.vocab as i64])
+                .map_err(&e)?,
+        })
+    }
+}
+
 impl Temporal {
     /// What the graph runs on: `cpu f32`, `cuda f16`.
     pub fn runs_on(&self) -> String {
@@ -370,58 +485,24 @@ impl Temporal {
             }
             _ => Allocator::default(),
         };
-        let (h, d) = (info.heads as i64, info.head_dim as i64);
         let capacity = opts.max_positions.min(m.max_positions).max(1);
         let window = m.context.max(2);
-        let kv_ty = element(info.kv);
-        let cache_rows = match (opts.kv, info.variant) {
-            (KvMode::Host, _) => 0,
-            (KvMode::Resident, Variant::Gqa) => capacity,
-            (KvMode::Resident, Variant::Standard) => window.min(capacity),
-        };
-        let mut bufs: [Vec<Buffer>; 2] = [Vec::new(), Vec::new()];
-        let sets = match (opts.kv, info.variant) {
-            (KvMode::Resident, Variant::Standard) => 2,
-            (KvMode::Resident, Variant::Gqa) => 1,
-            (KvMode::Host, _) => 0,
-        };
-        for set in bufs.iter_mut().take(sets) {
-            for _ in 0..2 * info.layers {
-                set.push(
-                    Buffer::zeros(&kv_alloc, kv_ty, &[1, h, cache_rows as i64, d]).map_err(&e)?,
-                );
-            }
-        }
-        let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1])
-            .map_err(&e)?;
+        let bufs = cache_buffers(opts.kv, &info, &kv_alloc, capacity, window)?;
         // Growing mask: all ones, viewed one longer each step. Fixed: ones up to the
         // conversation's length, zeros past it.
-        if !fixed {
-            mask.as_slice::<i64>().fill(1);
-        }
-        let io = if fixed {
-            let at = |name: &str| allocator_at(&os.session, &placement_of(&wanted, name));
-            let (frame_alloc, mask_alloc) = (
-                at("input_frame").map_err(&e)?,
-                at("attention_mask").map_err(&e)?,
-            );
-            let hd = info.hidden_dim as i64;
-            let io = DeviceIo {
-                frame: Buffer::zeros(
-                    &frame_alloc,
-                    TensorElementType::Int64,
-                    &[1, channels as i64, 1],
-                )
-                .map_err(&e)?,
-                mask: Buffer::zeros(&mask_alloc, TensorElementType::Int64, &[1, capacity as i64])
-                    .map_err(&e)?,
-                hidden: Buffer::zeros(&kv_alloc, element(info.hidden), &[1, 1, hd]).map_err(&e)?,
-                logits: Buffer::zeros(&kv_alloc, element(info.logits), &[1, 1, info.vocab as i64])
-                    .map_err(&e)?,
-            };
-            Some(io)
-        } else {
-            None
+        let mut mask = Buffer::zeros(&alloc, TensorElementType::Int64, &[1, capacity as i64 + 1])
+            .map_err(&e)?;
+        mask.as_slice::<i64>().fill(i64::from(!fixed));
+        let io = match fixed {
+            true => Some(DeviceIo::new(
+                &os.session,
+                &wanted,
+                &kv_alloc,
+                &info,
+                channels,
+                capacity,
+            )?),
+            false => None,
         };
         let mut t = Temporal {
             binding: os.session.create_binding().map_err(&e)?,
@@ -466,30 +547,40 @@ impl Temporal {
             info,
         };
         t.bind_fixed()?;
-        report(&opts.session, "temporal", t.provider, t.info.kv.name());
-        let on_host = t.cache.sets[0]
+        t.announce(opts, fixed);
+        Ok(t)
+    }
+
+    /// Says what was opened (and warns when a GPU's cache lives in host memory).
+    fn announce(&self, opts: &TemporalOptions, fixed: bool) {
+        report(
+            &opts.session,
+            "temporal",
+            self.provider,
+            self.info.kv.name(),
+        );
+        let on_host = self.cache.sets[0]
             .first()
             .is_none_or(|b| b.placement().device == "Cpu");
-        if matches!(t.provider, Provider::Cuda { .. }) && on_host {
+        if matches!(self.provider, Provider::Cuda { .. }) && on_host {
             tracing::warn!(
-                variant = ?t.info.variant,
+                variant = ?self.info.variant,
                 kv = ?opts.kv,
                 "temporal: the KV cache is in host memory, so every step copies it to the GPU and back (the GQA graph with `kv: resident` keeps it on the device)"
             );
         }
         tracing::info!(
-            variant = ?t.info.variant,
-            layers = t.info.layers,
-            heads = t.info.heads,
-            head_dim = t.info.head_dim,
-            dtype = t.info.kv.name(),
+            variant = ?self.info.variant,
+            layers = self.info.layers,
+            heads = self.info.heads,
+            head_dim = self.info.head_dim,
+            dtype = self.info.kv.name(),
             kv = ?opts.kv,
-            capacity,
+            capacity = self.capacity,
             fixed_shapes = fixed,
             cuda_graph = opts.cuda_graph,
             "temporal transformer ready"
         );
-        Ok(t)
     }
 
     /// Binds what stays bound for the life of the session.
@@ -660,84 +751,55 @@ impl Temporal {
         }
         let outputs = self.session.run_binding(&self.binding).map_err(&e)?;
         if let Kv::Host { past } = &mut self.kv {
-            // The naive round trip: every present comes back to the host and is copied into new
-            // arrays that become the next step's inputs.
-            let kv_ty = element(self.info.kv);
-            // The standard graph keeps an exact window: drop the oldest row once full.
-            let keep = match self.info.variant {
-                Variant::Standard => (total as usize).min(self.window - 1),
-                Variant::Gqa => total as usize,
-            };
-            let skip = total as usize - keep;
-            let row = self.info.head_dim;
-            for i in 0..self.info.layers {
-                for (j, kv) in ["key", "value"].iter().enumerate() {
-                    let name = format!("present.{i}.{kv}");
-                    let Some(v) = outputs.get(&name) else {
-                        return Err(ModelError::contract(
-                            "temporal",
-                            format!("no output `{name}`"),
-                        ));
-                    };
-                    let mut fresh =
-                        Buffer::zeros(&self.alloc, kv_ty, &[1, h, keep as i64, d]).map_err(&e)?;
-                    for head in 0..self.info.heads {
-                        let from = (head * total as usize + skip) * row
-                            ..(head * total as usize + total as usize) * row;
-                        let to = head * keep * row..(head + 1) * keep * row;
-                        if kv_ty == TensorElementType::Float16 {
-                            let (_, src) = v.try_extract_tensor::<half::f16>().map_err(&e)?;
-                            fresh.as_slice::<half::f16>()[to].copy_from_slice(&src[from]);
-                        } else {
-                            let (_, src) = v.try_extract_tensor::<f32>().map_err(&e)?;
-                            fresh.as_slice::<f32>()[to].copy_from_slice(&src[from]);
-                        }
-                    }
-                    past[2 * i + j] = fresh;
-                }
-            }
-            self.len = keep - 1;
+            self.len = host_presents(past, &outputs, &self.info, &self.alloc, self.window, total)?;
         }
         drop(outputs);
         self.len += 1;
         self.pos += 1;
-        if let Kv::PingPong { cur } = &mut self.kv {
-            *cur = 1 - *cur;
-            if self.len > self.window - 1 {
-                // Keep the newest `window - 1` rows: copy them into the other buffer.
-                let keep = self.window - 1;
-                let (a, b) = self.cache.sets.split_at_mut(1);
-                let (src, dst) = if *cur == 0 {
-                    (&mut a[0], &mut b[0])
-                } else {
-                    (&mut b[0], &mut a[0])
-                };
-                let row = self.info.head_dim
-                    * if self.info.kv == super::pack::FloatType::F16 {
-                        2
-                    } else {
-                        4
-                    };
-                for (s, t) in src.iter_mut().zip(dst.iter_mut()) {
-                    let sp = s.tensor.data_ptr_mut().cast::<u8>();
-                    let tp = t.tensor.data_ptr_mut().cast::<u8>();
-                    for head in 0..self.info.heads {
-                        // SAFETY: source rows `[1, len)` of each head and destination rows
-                        // `[0, keep)` lie inside buffers of `window` rows per head.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                sp.add((head * self.len + 1) * row),
-                                tp.add(head * keep * row),
-                                keep * row,
-                            )
-                        };
-                    }
-                }
-                *cur = 1 - *cur;
-                self.len = keep;
-            }
-        }
+        self.flip_window();
         Ok(())
+    }
+
+    /// The standard graph's window after a step: the buffers swap, and once the window is
+    /// full the newest `window - 1` rows are copied into the other buffer.
+    fn flip_window(&mut self) {
+        let Kv::PingPong { cur } = &mut self.kv else {
+            return;
+        };
+        *cur = 1 - *cur;
+        if self.len > self.window - 1 {
+            // Keep the newest `window - 1` rows: copy them into the other buffer.
+            let keep = self.window - 1;
+            let (a, b) = self.cache.sets.split_at_mut(1);
+            let (src, dst) = if *cur == 0 {
+                (&mut a[0], &mut b[0])
+            } else {
+                (&mut b[0], &mut a[0])
+            };
+            let row = self.info.head_dim
+                * if self.info.kv == super::pack::FloatType::F16 {
+                    2
+                } else {
+                    4
+                };
+            for (s, t) in src.iter_mut().zip(dst.iter_mut()) {
+                let sp = s.tensor.data_ptr_mut().cast::<u8>();
+                let tp = t.tensor.data_ptr_mut().cast::<u8>();
+                for head in 0..self.info.heads {
+                    // SAFETY: source rows `[1, len)` of each head and destination rows
+                    // `[0, keep)` lie inside buffers of `window` rows per head.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            sp.add((head * self.len + 1) * row),
+                            tp.add(head * keep * row),
+                            keep * row,
+                        )
+                    };
+                }
+            }
+            *cur = 1 - *cur;
+            self.len = keep;
+        }
     }
 
     /// A fixed-shape step: the frame and the mask copied to where the session reads them, the

@@ -438,34 +438,7 @@ impl Pipeline {
         }
 
         let names: Vec<String> = actors.iter().map(|a| a.name.clone()).collect();
-        let mut handles = Vec::with_capacity(actors.len());
-        let mut spawn_error = None;
-        for a in actors {
-            let tx = ev_tx.clone();
-            let index = a.index;
-            let res = std::thread::Builder::new()
-                .name(format!("duplex:{}", a.name))
-                .spawn(move || {
-                    let exit = match catch_unwind(AssertUnwindSafe(|| run_actor(a))) {
-                        Ok(e) => e,
-                        Err(p) => Exit::Failed {
-                            seq: None,
-                            bad_input: false,
-                            cause: None,
-                            message: format!("panicked: {}", panic_message(&p)),
-                        },
-                    };
-                    let _ = tx.send(Event::Exit(index, exit));
-                });
-            match res {
-                Ok(h) => handles.push(Some(h)),
-                Err(e) => {
-                    spawn_error = Some(e.to_string());
-                    handles.push(None);
-                    stop.abort();
-                }
-            }
-        }
+        let (handles, spawn_error) = spawn(actors, &ev_tx, &stop);
         Running {
             names,
             handles,
@@ -688,6 +661,82 @@ fn run_stage(a: &mut Actor, st: &mut dyn super::Stage) -> Exit {
     }
 }
 
+/// How a run ended, in its order of precedence: threads that could not be spawned, the first
+/// stage that failed, stages left behind, an abort (with what it discarded), or well (`None`).
+fn run_error(
+    spawn_error: Option<String>,
+    failed: Option<Failure>,
+    hung: Vec<String>,
+    aborting: bool,
+    report: &RunReport,
+) -> Option<RunError> {
+    if let Some(e) = spawn_error {
+        Some(RunError::Spawn(e))
+    } else if let Some((stage, seq, message, bad_input, cause)) = failed {
+        Some(RunError::StageFailed {
+            stage,
+            seq,
+            message,
+            bad_input,
+            hung,
+            cause,
+        })
+    } else if !hung.is_empty() {
+        Some(RunError::Hung { stages: hung })
+    } else if aborting {
+        let edges: Vec<(String, u64)> = report
+            .edges
+            .iter()
+            .filter(|e| e.queued > 0)
+            .map(|e| (e.name.clone(), e.queued))
+            .collect();
+        Some(RunError::Aborted {
+            discarded: edges.iter().map(|(_, n)| n).sum(),
+            edges,
+        })
+    } else {
+        None
+    }
+}
+
+/// Each actor on a thread of its own, its exit (or its panic) reported as an event. A thread
+/// that cannot be spawned aborts the run and is said.
+fn spawn(
+    actors: Vec<Actor>,
+    ev_tx: &crossbeam_channel::Sender<Event>,
+    stop: &StopHandle,
+) -> (Vec<Option<std::thread::JoinHandle<()>>>, Option<String>) {
+    let mut handles = Vec::with_capacity(actors.len());
+    let mut spawn_error = None;
+    for a in actors {
+        let tx = ev_tx.clone();
+        let index = a.index;
+        let res = std::thread::Builder::new()
+            .name(format!("duplex:{}", a.name))
+            .spawn(move || {
+                let exit = match catch_unwind(AssertUnwindSafe(|| run_actor(a))) {
+                    Ok(e) => e,
+                    Err(p) => Exit::Failed {
+                        seq: None,
+                        bad_input: false,
+                        cause: None,
+                        message: format!("panicked: {}", panic_message(&p)),
+                    },
+                };
+                let _ = tx.send(Event::Exit(index, exit));
+            });
+        match res {
+            Ok(h) => handles.push(Some(h)),
+            Err(e) => {
+                spawn_error = Some(e.to_string());
+                handles.push(None);
+                stop.abort();
+            }
+        }
+    }
+    (handles, spawn_error)
+}
+
 impl Running {
     /// A handle that can stop the run from another thread (a signal handler, a control socket).
     pub fn stop_handle(&self) -> StopHandle {
@@ -772,24 +821,12 @@ impl Running {
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    if !aborting {
-                        let waiting: Vec<&str> = (0..n)
-                            .filter(|&i| !done[i])
-                            .map(|i| self.names[i].as_str())
-                            .collect();
-                        tracing::warn!(
-                            "pipeline did not drain within {:?} (waiting for {}): aborting",
-                            self.options.drain_timeout,
-                            waiting.join(", ")
-                        );
-                        self.stop.inner.abort();
-                        aborting = true;
-                        deadline = Some(Instant::now() + self.options.abort_timeout);
-                    } else {
-                        hung = (0..n)
-                            .filter(|&i| !done[i])
-                            .map(|i| self.names[i].clone())
-                            .collect();
+                    let waiting: Vec<String> = (0..n)
+                        .filter(|&i| !done[i])
+                        .map(|i| self.names[i].clone())
+                        .collect();
+                    if aborting {
+                        hung = waiting;
                         tracing::error!(
                             "stage(s) {} did not stop within {:?} of the abort; leaving them behind",
                             hung.join(", "),
@@ -797,6 +834,14 @@ impl Running {
                         );
                         break;
                     }
+                    tracing::warn!(
+                        "pipeline did not drain within {:?} (waiting for {}): aborting",
+                        self.options.drain_timeout,
+                        waiting.join(", ")
+                    );
+                    self.stop.inner.abort();
+                    aborting = true;
+                    deadline = Some(Instant::now() + self.options.abort_timeout);
                 }
                 Err(RecvTimeoutError::Disconnected) => break,
             }
@@ -804,33 +849,7 @@ impl Running {
         // Wake anything still blocked on a signal, even after a clean end.
         self.stop.inner.abort();
         let report = self.stats.snapshot(self.started.elapsed());
-        let error = if let Some(e) = self.spawn_error.take() {
-            Some(RunError::Spawn(e))
-        } else if let Some((stage, seq, message, bad_input, cause)) = failed {
-            Some(RunError::StageFailed {
-                stage,
-                seq,
-                message,
-                bad_input,
-                hung,
-                cause,
-            })
-        } else if !hung.is_empty() {
-            Some(RunError::Hung { stages: hung })
-        } else if aborting {
-            let edges: Vec<(String, u64)> = report
-                .edges
-                .iter()
-                .filter(|e| e.queued > 0)
-                .map(|e| (e.name.clone(), e.queued))
-                .collect();
-            Some(RunError::Aborted {
-                discarded: edges.iter().map(|(_, n)| n).sum(),
-                edges,
-            })
-        } else {
-            None
-        };
+        let error = run_error(self.spawn_error.take(), failed, hung, aborting, &report);
         RunOutcome { report, error }
     }
 }

@@ -103,11 +103,7 @@ fn open_step(
         max_wait: std::time::Duration::from_millis(p.int("batch_wait_ms").max(0) as u64),
         ..Default::default()
     };
-    let codec = match cx.resources {
-        Some(r) => r.codec(pack, role, dtype, &opts),
-        None => crate::resources::Resources::new(1).codec(pack, role, dtype, &opts),
-    }
-    .map_err(|e| {
+    let codec = cx.resources.codec(pack, role, dtype, &opts).map_err(|e| {
         let b = BuildError::from(e);
         if b.key.is_none() {
             b.key("engine")

@@ -63,9 +63,9 @@ pub struct BuildContext<'a> {
     /// The pipeline's conversation count (the LM stage starts a new conversation, the codec
     /// stages start new streams); None where the caller builds stages alone.
     pub conversation: Option<&'a Conversation>,
-    /// What the process builds once (packs, tokenizers, voice codes, engines); None where the
-    /// caller builds stages alone (each then opens what it needs for itself).
-    pub resources: Option<&'a crate::resources::Resources>,
+    /// What the process builds once (packs, tokenizers, voice codes, engines, primed states):
+    /// every stage takes them from here (a caller building stages alone makes one).
+    pub resources: &'a crate::resources::Resources,
 }
 
 /// A pipeline's conversation count. The LM stage bumps it when it starts a new conversation
@@ -89,8 +89,14 @@ impl Conversation {
 
 impl<'a> BuildContext<'a> {
     /// The context for building stage `stage` of kind `kind` into the pipeline whose plane is
-    /// `control`.
-    pub fn new(stage: &'a str, file: &'a str, control: &'a ControlPlane, kind: &StageKind) -> Self {
+    /// `control`, in the process whose resources are `resources`.
+    pub fn new(
+        stage: &'a str,
+        file: &'a str,
+        control: &'a ControlPlane,
+        kind: &StageKind,
+        resources: &'a crate::resources::Resources,
+    ) -> Self {
         BuildContext {
             stage,
             file,
@@ -100,26 +106,17 @@ impl<'a> BuildContext<'a> {
             recording: None,
             taps: None,
             conversation: None,
-            resources: None,
+            resources,
         }
     }
 
-    /// The same context for a process whose resources are `resources`.
-    pub fn with_resources(mut self, resources: &'a crate::resources::Resources) -> Self {
-        self.resources = Some(resources);
-        self
-    }
-
-    /// The pack in `dir`: the process's, opened once, or opened here for a stage built alone.
+    /// The pack in `dir`: the process's, opened once per change on disk.
     ///
     /// # Errors
     ///
     /// The pack's error, on the `pack` param.
     pub fn pack(&self, dir: &std::path::Path) -> Result<std::sync::Arc<Pack>, BuildError> {
-        Ok(match self.resources {
-            Some(r) => r.pack(dir)?,
-            None => std::sync::Arc::new(Pack::open(dir)?),
-        })
+        Ok(self.resources.pack(dir)?)
     }
 
     /// The tokenizer at `path`, loaded once per process.
@@ -131,11 +128,9 @@ impl<'a> BuildContext<'a> {
         &self,
         path: &std::path::Path,
     ) -> Result<std::sync::Arc<crate::model::tokenizer::Tokenizer>, BuildError> {
-        match self.resources {
-            Some(r) => r.tokenizer(path),
-            None => crate::model::tokenizer::Tokenizer::open(path).map(std::sync::Arc::new),
-        }
-        .map_err(|e| BuildError::invalid(e.to_string()).key("tokenizer"))
+        self.resources
+            .tokenizer(path)
+            .map_err(|e| BuildError::invalid(e.to_string()).key("tokenizer"))
     }
 
     /// The same context for a pipeline whose conversation count is `conversation`.

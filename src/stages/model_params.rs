@@ -129,8 +129,7 @@ pub(super) const SLOTS_PARAM: crate::config::ParamSpec = crate::config::ParamSpe
     doc: "slots of the shared engine (0 = the conversations the process hosts: `duplex serve`'s `max_sessions`)",
 };
 
-/// The process's shared engine for the stage's pack when `engine: shared`, else `None` (a
-/// stage built alone, outside any process's resources, gets an engine of its own).
+/// The process's shared engine for the stage's pack when `engine: shared`, else `None`.
 pub(super) fn shared_engine(
     cx: &super::BuildContext<'_>,
     pack: &Pack,
@@ -146,19 +145,17 @@ pub(super) fn shared_engine(
         max_positions,
         ..Default::default()
     };
-    match cx.resources {
-        Some(r) => r.engine(pack, &opts),
-        None => crate::resources::Resources::new(1).engine(pack, &opts),
-    }
-    .map(Some)
-    // Its kind kept: a graph the contract refuses is the pack's mistake, ONNX Runtime failing
-    // to make a session (memory, the device) is unavailable.
-    .map_err(|e| {
-        let b = BuildError::from(e);
-        if b.key.is_none() {
-            b.key("engine")
-        } else {
-            b
-        }
-    })
+    cx.resources
+        .engine(pack, &opts)
+        .map(Some)
+        // Its kind kept: a graph the contract refuses is the pack's mistake, ONNX Runtime failing
+        // to make a session (memory, the device) is unavailable.
+        .map_err(|e| {
+            let b = BuildError::from(e);
+            if b.key.is_none() {
+                b.key("engine")
+            } else {
+                b
+            }
+        })
 }

@@ -192,21 +192,10 @@ pub fn load_config(
         }
         _ => 0,
     };
-    let one_of = |k: &str, value: String, choices: &[&str]| {
-        if choices.contains(&value.as_str()) {
-            Ok(value)
-        } else {
-            Err(f.err(
-                ConfigErrorKind::OutOfRange,
-                k,
-                format!("{value:?} is not one of {}", choices.join(", ")),
-            ))
-        }
-    };
     let execution_provider = f
         .provider("execution_provider")?
         .unwrap_or(ExecutionProvider::Cpu);
-    let long_session = one_of(
+    let long_session = f.one_of(
         "long_session",
         f.string("long_session")?,
         &["reset_and_reprime", "stop"],
@@ -217,19 +206,8 @@ pub fn load_config(
         Some(ValueKind::Boolean(b)) => if *b { "on" } else { "off" }.to_string(),
         _ => f.string("echo_cancel")?,
     };
-    let echo_cancel = one_of("echo_cancel", echo_cancel, &["auto", "on", "off"])?;
-    let addr = f.string("metrics_address")?;
-    let metrics_address = if addr.trim().is_empty() {
-        None
-    } else {
-        Some(addr.trim().parse().map_err(|err| {
-            f.err(
-                ConfigErrorKind::WrongType,
-                "metrics_address",
-                format!("{addr:?} is not an address like 127.0.0.1:9187 ({err})"),
-            )
-        })?)
-    };
+    let echo_cancel = f.one_of("echo_cancel", echo_cancel, &["auto", "on", "off"])?;
+    let metrics_address = f.address("metrics_address", "127.0.0.1:9187")?;
     let sock = f.string("control_socket")?;
     let record = f.boolean("record")?;
     let record_dir = match f.string("record_dir")?.trim() {

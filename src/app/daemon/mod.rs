@@ -4,7 +4,10 @@
 //! built-in defaults, the user's file, `DUPLEX__…` variables). This module runs it: it builds
 //! the pipeline (`--check` builds it and stops there), reports readiness once the models are
 //! loaded and warmed up (`READY=1` to systemd when `NOTIFY_SOCKET` is set, with watchdog pings),
-//! answers a control socket, stops gracefully on SIGINT/SIGTERM and reloads on SIGHUP. A reload
+//! answers a control socket, stops gracefully on SIGINT/SIGTERM and reloads on SIGHUP. The
+//! signal hooks only tell the shared state; the main loop acts on it (a stop while a pipeline
+//! is being built, on a thread of its own, ends the wait for it: nothing is left to drain). The
+//! recording switch (`ctl record`) lives in `record.rs`, SIGHUP's checks in `reload.rs`. A reload
 //! is checked whole before anything changes; persona and sampling then apply at the next frame
 //! boundary; a new input or output device moves only the stage that owns it (models and
 //! conversation untouched); a new pack, pipeline, voice, tokenizer, long-session policy or seed
@@ -15,6 +18,7 @@
 
 mod config;
 mod live;
+mod record;
 mod reload;
 
 pub use config::{
@@ -33,6 +37,7 @@ use crate::runtime::Pipeline;
 
 use super::control::{applied, Command, Handler, STAGE_ANSWER};
 use live::Live;
+use record::RecordState;
 use reload::{finish_reload, reload};
 
 /// `duplex daemon --check`: every check start-up makes, start-up included short of running:
@@ -158,27 +163,153 @@ struct Shared {
     paused: AtomicBool,
     /// The daemon is stopping for good.
     shutdown: AtomicBool,
-    /// The control socket, once this process has bound it.
-    socket: Mutex<Option<PathBuf>>,
     /// Whether the user wants conversations recorded, and whether a recorded one is starting.
     /// `ctl record on|off` and the start of every pipeline take this lock, so that an `off`
     /// is never lost between a recording's build and its start.
     record: Mutex<RecordState>,
+    /// The control socket, once this process has bound it (a reload's check does not take it
+    /// for another daemon's).
+    socket: Mutex<Option<PathBuf>>,
     /// Pipelines started so far.
     starts: std::sync::atomic::AtomicU64,
 }
 
-/// See [`Shared::record`].
-#[derive(Debug, Clone, Copy, Default)]
-struct RecordState {
-    /// Conversations are to be recorded: the configuration's `record` at start-up, then the
-    /// last `ctl record on|off`. Every pipeline is built, and started, as it says.
-    wanted: bool,
-    /// A `record on`'s pipeline is being built, or is built and not started yet.
-    starting: bool,
-}
-
 impl Shared {
+    fn new(c: &DaemonConfig) -> Self {
+        Shared {
+            started: Instant::now(),
+            config: Mutex::new(c.clone()),
+            last_good: Mutex::new(c.clone()),
+            current: Mutex::new(None),
+            next: Mutex::new(None),
+            alone: AtomicBool::new(false),
+            reloading: Mutex::new(()),
+            reloads: Mutex::new((0, String::new())),
+            muted: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            record: Mutex::new(RecordState {
+                wanted: c.record,
+                starting: false,
+            }),
+            socket: Mutex::new(None),
+            starts: Default::default(),
+            resources: crate::resources::Resources::new(1),
+        }
+    }
+
+    /// Builds `c` on a thread of its own, waiting for it unless a stop comes first (`None`):
+    /// loading a large pack can take longer than systemd waits for a stop.
+    fn build_unless_stopped(self: &Arc<Self>, c: DaemonConfig) -> Option<anyhow::Result<Built>> {
+        use std::sync::mpsc::RecvTimeoutError;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("duplex:build".into())
+            .spawn(move || {
+                let _ = tx.send(shared.build(&c));
+            });
+        if let Err(e) = spawned {
+            return Some(Err(anyhow::anyhow!("building the pipeline: {e}")));
+        }
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(built) => return Some(built),
+                Err(RecvTimeoutError::Timeout) if self.shutdown.load(Ordering::Acquire) => {
+                    return None
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Some(Err(anyhow::anyhow!(
+                        "building the pipeline: its thread ended with no pipeline"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// The next pipeline when none was built beside the last one: the configuration in force,
+    /// or (a reload's that does not build on its own either) the last one that ran. `None`:
+    /// a stop came meanwhile.
+    fn build_next(self: &Arc<Self>, first: bool) -> anyhow::Result<Option<Built>> {
+        // Not under the lock: loading a large pack takes a while, and `status` and SIGHUP
+        // read the configuration meanwhile.
+        let c = lock(&self.config).ok_or_else(|| anyhow::anyhow!("configuration lock poisoned"))?;
+        let Some(built) = self.build_unless_stopped(c) else {
+            return Ok(None);
+        };
+        match built {
+            Ok(b) => {
+                if !first {
+                    finish_reload(self, Ok("new pipeline built alone".into()));
+                }
+                Ok(Some(b))
+            }
+            // The first start: the configuration was checked, but it does not build.
+            Err(e) if first => Err(e),
+            Err(e) => {
+                let Some(old) = lock(&self.last_good) else {
+                    return Err(e);
+                };
+                finish_reload(
+                    self,
+                    Err(format!(
+                        "the new pipeline could not be built on its own either: {e:#}; going back to the last configuration that ran"
+                    )),
+                );
+                if let Ok(mut g) = self.config.lock() {
+                    *g = old.clone();
+                }
+                self.build_unless_stopped(old).transpose()
+            }
+        }
+    }
+
+    /// Starts `built` and makes it the running pipeline, with the user's switches.
+    fn start(&self, built: Built) -> anyhow::Result<(crate::runtime::Running, Live)> {
+        if let Ok(mut g) = self.last_good.lock() {
+            *g = built.config.clone();
+        }
+        // Started and made current under the recording's lock: an `off` that came while it
+        // was built cancels its recording here, and one that comes now finds it running.
+        let record = self
+            .record
+            .lock()
+            .map_err(|_| anyhow::anyhow!("recording state lock poisoned"))?;
+        let mut recording = built.recording;
+        // (Only a recording the daemon asked for: a pipeline file may record on its own.)
+        if built.config.record && !record.wanted {
+            if let Some(r) = recording.take() {
+                r.discard();
+                tracing::info!("the recording was cancelled before its pipeline started");
+            }
+        }
+        let running = built.pipeline.start();
+        let live = Live {
+            handle: running.handle(),
+            monitor: built.monitor,
+            recording,
+            echo: built.echo,
+        };
+        // The user's switches carry over to the new pipeline.
+        for (flag, command) in [(&self.muted, "mute"), (&self.paused, "pause")] {
+            if flag.load(Ordering::Acquire) {
+                if let Err(e) = live.send(command, "") {
+                    tracing::warn!("{command}: {e}");
+                }
+            }
+        }
+        if let Ok(mut g) = self.current.lock() {
+            *g = Some(live.clone());
+        }
+        self.starts.fetch_add(1, Ordering::AcqRel);
+        drop(record);
+        if self.shutdown.load(Ordering::Acquire) {
+            live.handle.stop();
+        }
+        Ok((running, live))
+    }
+
     fn live(&self) -> Option<Live> {
         lock(&self.current).flatten()
     }
@@ -261,97 +392,6 @@ impl Shared {
         }
     }
 
-    /// `record on`: a new conversation, recorded, on a pipeline built beside the running one
-    /// (a recording starts with the LM's warm-up and priming, so that it replays); `record
-    /// off`: the running conversation's recording stops, the conversation goes on, and a
-    /// recording still starting is cancelled (its folder deleted, nothing kept). Each reply says
-    /// which of these happened.
-    fn record(self: &Arc<Self>, on: bool) -> serde_json::Value {
-        let Ok(mut state) = self.record.lock() else {
-            return serde_json::json!({ "ok": false, "error": "recording state lock poisoned" });
-        };
-        let reply = self.record_locked(&mut state, on);
-        for m in [&self.config, &self.last_good] {
-            if let Ok(mut c) = m.lock() {
-                c.record = state.wanted;
-            }
-        }
-        reply
-    }
-
-    /// [`Shared::record`] under the recording's lock.
-    fn record_locked(self: &Arc<Self>, state: &mut RecordState, on: bool) -> serde_json::Value {
-        match (on, self.recording()) {
-            (true, Some(r)) => {
-                state.wanted = true;
-                serde_json::json!({
-                    "ok": true,
-                    "done": format!("already recording into {}", r.dir().display()),
-                })
-            }
-            (true, None) if state.starting => {
-                state.wanted = true;
-                serde_json::json!({
-                    "ok": true,
-                    "done": "a recording is already starting (its pipeline is being built)",
-                })
-            }
-            (true, None) => {
-                let Some(c) = lock(&self.config) else {
-                    return serde_json::json!({ "ok": false, "error": "configuration lock poisoned" });
-                };
-                // Checked now, so that a folder that cannot be made is said in the reply.
-                if let Err(e) = std::fs::create_dir_all(&c.record_dir) {
-                    return serde_json::json!({
-                        "ok": false,
-                        "error": c.error(
-                            "record_dir",
-                            ConfigErrorKind::Build,
-                            format!("recordings go under {}: {e}", c.record_dir.display()),
-                        ).to_string(),
-                    });
-                }
-                let shared = self.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("duplex:record".into())
-                    .spawn(move || start_recording(&shared));
-                if let Err(e) = spawned {
-                    return serde_json::json!({ "ok": false, "error": format!("record: {e}") });
-                }
-                state.wanted = true;
-                state.starting = true;
-                serde_json::json!({
-                    "ok": true,
-                    "done": format!(
-                        "a new conversation, recorded into a new folder under {}, once its pipeline is built beside the running one",
-                        c.record_dir.display()
-                    ),
-                })
-            }
-            (false, Some(r)) => {
-                state.wanted = false;
-                r.stop();
-                tracing::info!(dir = %r.dir().display(), "recording stopped");
-                serde_json::json!({
-                    "ok": true,
-                    "done": format!("recording stopped: {}", r.dir().display()),
-                })
-            }
-            (false, None) if state.starting => {
-                state.wanted = false;
-                tracing::info!("the recording that was starting is cancelled");
-                serde_json::json!({
-                    "ok": true,
-                    "done": "the recording that was starting is cancelled: nothing is recorded",
-                })
-            }
-            (false, None) => {
-                state.wanted = false;
-                serde_json::json!({ "ok": true, "done": "not recording" })
-            }
-        }
-    }
-
     /// The recording of the running pipeline, while it records.
     fn recording(&self) -> Option<Arc<crate::observe::record::Recording>> {
         self.live()
@@ -372,41 +412,6 @@ impl Shared {
     }
 }
 
-/// The thread of a `record on`: once no reload runs, builds the configuration in force again,
-/// recorded, beside the running pipeline, and hands the new one over unless the recording was
-/// cancelled meanwhile; then waits for the main loop to start it (or another), and says the
-/// recording is no longer starting.
-fn start_recording(shared: &Arc<Shared>) {
-    let done = |shared: &Shared| {
-        if let Ok(mut s) = shared.record.lock() {
-            s.starting = false;
-        }
-    };
-    let Ok(_one) = shared.reloading.lock() else {
-        return done(shared);
-    };
-    // Meanwhile an `off` may have cancelled it, or a reload started a recorded pipeline.
-    let go = shared
-        .record
-        .lock()
-        .is_ok_and(|s| s.wanted && shared.recording().is_none());
-    let Some(mut new) = lock(&shared.config).filter(|_| go) else {
-        return done(shared);
-    };
-    new.record = true;
-    let starts = shared.starts.load(Ordering::Acquire);
-    if reload::rebuild(shared, new, true) {
-        let t0 = Instant::now();
-        while shared.starts.load(Ordering::Acquire) == starts
-            && !shared.shutdown.load(Ordering::Acquire)
-            && t0.elapsed() < Duration::from_secs(600)
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    done(shared);
-}
-
 fn lock<T: Clone>(m: &Mutex<T>) -> Option<T> {
     m.lock().ok().map(|g| g.clone())
 }
@@ -419,76 +424,9 @@ fn lock<T: Clone>(m: &Mutex<T>) -> Option<T> {
 pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     let c = check_all(explicit, None)?;
     tracing::info!(config = %c.file, pipeline = %c.pipeline.display(), "starting");
-    let shared = Arc::new(Shared {
-        started: Instant::now(),
-        config: Mutex::new(c.clone()),
-        last_good: Mutex::new(c.clone()),
-        current: Mutex::new(None),
-        next: Mutex::new(None),
-        alone: AtomicBool::new(false),
-        reloading: Mutex::new(()),
-        reloads: Mutex::new((0, String::new())),
-        muted: AtomicBool::new(false),
-        paused: AtomicBool::new(false),
-        shutdown: AtomicBool::new(false),
-        socket: Mutex::new(None),
-        record: Mutex::new(RecordState {
-            wanted: c.record,
-            starting: false,
-        }),
-        starts: Default::default(),
-        resources: crate::resources::Resources::new(1),
-    });
-    let health_shared = shared.clone();
-    let health: crate::observe::exporter::Health = Arc::new(move || {
-        let live = health_shared.live();
-        let ready = health_shared.ready();
-        let devices = live.as_ref().is_some_and(Live::devices_running);
-        let rtf = live.as_ref().map_or(0.0, |l| l.monitor.realtime_factor());
-        let ok = ready && devices && rtf < 1.0;
-        (
-            ok,
-            serde_json::json!({ "ok": ok, "ready": ready, "devices_alive": devices, "realtime_factor": rtf, "status": health_shared.status() }),
-        )
-    });
-    super::serve_metrics_at(c.metrics_address, Some(health), "metrics_address");
-    let stop_shared = shared.clone();
-    let reload_shared = shared.clone();
-    let explicit = explicit.map(Path::to_path_buf);
-    let _signals = super::SignalGuard::install_hooks(
-        move |count| {
-            stop_shared.shutdown.store(true, Ordering::Release);
-            if count == 1 {
-                sd_notify("STOPPING=1");
-            }
-            match stop_shared.live() {
-                Some(l) if count == 1 => {
-                    tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
-                    l.handle.stop();
-                }
-                Some(l) => l.handle.abort(),
-                None => {
-                    // Still loading models: nothing to drain, and loading a large pack can take
-                    // longer than systemd waits for a stop.
-                    tracing::warn!("stop requested while the pipeline is being built: exiting");
-                    if let Some(path) = stop_shared.socket.lock().ok().and_then(|p| p.clone()) {
-                        let _ = std::fs::remove_file(path);
-                    }
-                    std::process::exit(0);
-                }
-            }
-        },
-        move || {
-            // Off the signal thread: checking a configuration reads files and lists devices.
-            let (sh, ex) = (reload_shared.clone(), explicit.clone());
-            let spawned = std::thread::Builder::new()
-                .name("duplex:reload".into())
-                .spawn(move || reload(&sh, ex));
-            if let Err(e) = spawned {
-                tracing::error!("reload rejected: {e}");
-            }
-        },
-    );
+    let shared = Arc::new(Shared::new(&c));
+    super::serve_metrics_at(c.metrics_address, Some(health(&shared)), "metrics_address");
+    let _signals = install_signals(&shared, explicit);
     // After the signal hooks: a stop that comes as soon as the socket is there is handled.
     let command_shared = shared.clone();
     let handler: Handler = Arc::new(move |c| command_shared.command(c));
@@ -508,136 +446,127 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
         super::load_primed_states(&shared.resources, file, &spec)
             .map_err(|e| c.error("prime_cache_file", ConfigErrorKind::Read, e))?;
     }
-    let mut notified = false;
+    let result = supervise(&shared);
+    drop(control);
+    // The states primed meanwhile, for the next start (`prime_cache_file`), once a pipeline ran.
+    let file = lock(&shared.config).and_then(|c| c.prime_cache_file.clone());
+    if let Some(file) = file.filter(|_| shared.starts.load(Ordering::Acquire) > 0) {
+        super::save_primed_states(&shared.resources, &file);
+    }
+    result
+}
+
+/// `/healthz`: ready, devices running, keeping up with real time.
+fn health(shared: &Arc<Shared>) -> crate::observe::exporter::Health {
+    let shared = shared.clone();
+    Arc::new(move || {
+        let live = shared.live();
+        let ready = shared.ready();
+        let devices = live.as_ref().is_some_and(Live::devices_running);
+        let rtf = live.as_ref().map_or(0.0, |l| l.monitor.realtime_factor());
+        let ok = ready && devices && rtf < 1.0;
+        (
+            ok,
+            serde_json::json!({ "ok": ok, "ready": ready, "devices_alive": devices, "realtime_factor": rtf, "status": shared.status() }),
+        )
+    })
+}
+
+/// SIGINT/SIGTERM stop (drain, then abort at the second); SIGHUP reloads. The hooks only tell
+/// the daemon's state: the main loop does the rest (a stop while a pipeline is being built
+/// ends the build's wait, not the process from the hook).
+fn install_signals(shared: &Arc<Shared>, explicit: Option<&Path>) -> super::SignalGuard {
+    let stop_shared = shared.clone();
+    let reload_shared = shared.clone();
+    let explicit = explicit.map(Path::to_path_buf);
+    super::SignalGuard::install_hooks(
+        move |count| {
+            stop_shared.shutdown.store(true, Ordering::Release);
+            if count == 1 {
+                sd_notify("STOPPING=1");
+            }
+            match stop_shared.live() {
+                Some(l) if count == 1 => {
+                    tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
+                    l.handle.stop();
+                }
+                Some(l) => l.handle.abort(),
+                // Still loading models: nothing to drain, and loading a large pack can take
+                // longer than systemd waits for a stop. The main loop stops waiting for it.
+                None => tracing::warn!("stop requested while the pipeline is being built: exiting"),
+            }
+        },
+        move || {
+            // Off the signal thread: checking a configuration reads files and lists devices.
+            let (sh, ex) = (reload_shared.clone(), explicit.clone());
+            let spawned = std::thread::Builder::new()
+                .name("duplex:reload".into())
+                .spawn(move || reload(&sh, ex));
+            if let Err(e) = spawned {
+                tracing::error!("reload rejected: {e}");
+            }
+        },
+    )
+}
+
+/// The daemon's main loop: build, start, wait; again after a reload, until a stop.
+fn supervise(shared: &Arc<Shared>) -> anyhow::Result<()> {
+    let mut first = true;
     let mut prepared: Option<Built> = None;
-    let result = loop {
+    loop {
         let built = match prepared.take() {
             Some(b) => b,
-            None => {
-                // Not under the lock: loading a large pack takes a while, and `status` and
-                // SIGHUP read the configuration meanwhile.
-                let Some(c) = lock(&shared.config) else {
-                    break Err(anyhow::anyhow!("configuration lock poisoned"));
-                };
-                match shared.build(&c) {
-                    Ok(b) => {
-                        if notified {
-                            finish_reload(&shared, Ok("new pipeline built alone".into()));
-                        }
-                        b
-                    }
-                    // The first start: the configuration was checked, but it does not build.
-                    Err(e) if !notified => return Err(e),
-                    Err(e) => {
-                        let Some(old) = lock(&shared.last_good) else {
-                            break Err(e);
-                        };
-                        finish_reload(
-                            &shared,
-                            Err(format!(
-                                "the new pipeline could not be built on its own either: {e:#}; going back to the last configuration that ran"
-                            )),
-                        );
-                        if let Ok(mut g) = shared.config.lock() {
-                            *g = old.clone();
-                        }
-                        shared.build(&old)?
-                    }
-                }
-            }
+            None => match shared.build_next(first)? {
+                Some(b) => b,
+                None => return Ok(()),
+            },
         };
-        if let Ok(mut g) = shared.last_good.lock() {
-            *g = built.config.clone();
-        }
-        // Started and made current under the recording's lock: an `off` that came while it
-        // was built cancels its recording here, and one that comes now finds it running.
-        let Ok(record) = shared.record.lock() else {
-            break Err(anyhow::anyhow!("recording state lock poisoned"));
-        };
-        let mut recording = built.recording;
-        // (Only a recording the daemon asked for: a pipeline file may record on its own.)
-        if built.config.record && !record.wanted {
-            if let Some(r) = recording.take() {
-                r.discard();
-                tracing::info!("the recording was cancelled before its pipeline started");
-            }
-        }
-        let running = built.pipeline.start();
-        let live = Live {
-            handle: running.handle(),
-            monitor: built.monitor,
-            recording,
-            echo: built.echo,
-        };
-        // The user's switches carry over to the new pipeline.
-        for (flag, command) in [(&shared.muted, "mute"), (&shared.paused, "pause")] {
-            if flag.load(Ordering::Acquire) {
-                if let Err(e) = live.send(command, "") {
-                    tracing::warn!("{command}: {e}");
-                }
-            }
-        }
-        if let Ok(mut g) = shared.current.lock() {
-            *g = Some(live.clone());
-        }
-        shared.starts.fetch_add(1, Ordering::AcqRel);
-        drop(record);
-        if shared.shutdown.load(Ordering::Acquire) {
-            live.handle.stop();
-        }
-        // Readiness: models loaded (build) and warmed up (every stage's start, the LM's
-        // priming included, has returned).
-        let t0 = Instant::now();
-        let ready_shared = shared.clone();
-        let first = !notified;
-        notified = true;
-        let _ = std::thread::Builder::new()
-            .name("duplex:ready".into())
-            .spawn(move || {
-                while !live.handle.is_ready() {
-                    if t0.elapsed() > Duration::from_secs(120) {
-                        tracing::error!("the model did not warm up within 120 s");
-                        return;
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
-                if first {
-                    sd_notify("READY=1");
-                    if let Some(every) = watchdog_interval() {
-                        watchdog(&ready_shared, every);
-                    }
-                }
-            });
+        let (running, live) = shared.start(built)?;
+        spawn_ready(shared, live, first);
+        first = false;
         let outcome = running.wait();
         if let Ok(mut g) = shared.current.lock() {
             *g = None;
         }
+        let failed = |e| Err(anyhow::Error::new(e).context("daemon pipeline"));
         if shared.shutdown.load(Ordering::Acquire) {
-            break outcome.error.map_or(Ok(()), |e| {
-                Err(anyhow::Error::new(e).context("daemon pipeline"))
-            });
+            return outcome.error.map_or(Ok(()), failed);
         }
         // Stopped for a reload: a pipeline built beside this one, or (when it could not be)
         // the new configuration to build alone.
         prepared = shared.next.lock().ok().and_then(|mut n| n.take());
         let alone = shared.alone.swap(false, Ordering::AcqRel);
-        if prepared.is_some() || alone {
-            tracing::info!("restarting the pipeline with the new configuration");
-            continue;
+        if prepared.is_none() && !alone {
+            return outcome.error.map_or(Ok(()), failed);
         }
-        break match outcome.error {
-            Some(e) => Err(anyhow::Error::new(e).context("daemon pipeline")),
-            None => Ok(()),
-        };
-    };
-    drop(control);
-    // The states primed meanwhile, for the next start (`prime_cache_file`).
-    let file = lock(&shared.config).and_then(|c| c.prime_cache_file.clone());
-    if let Some(file) = file {
-        super::save_primed_states(&shared.resources, &file);
+        tracing::info!("restarting the pipeline with the new configuration");
     }
-    result
+}
+
+/// Readiness, off the main loop: models loaded (build) and warmed up (every stage's start, the
+/// LM's priming included, has returned). The first pipeline tells systemd, and feeds its
+/// watchdog from then on.
+fn spawn_ready(shared: &Arc<Shared>, live: Live, first: bool) {
+    let t0 = Instant::now();
+    let shared = shared.clone();
+    let _ = std::thread::Builder::new()
+        .name("duplex:ready".into())
+        .spawn(move || {
+            while !live.handle.is_ready() {
+                if t0.elapsed() > Duration::from_secs(120) {
+                    tracing::error!("the model did not warm up within 120 s");
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            tracing::info!(after_ms = t0.elapsed().as_millis() as u64, "ready");
+            if first {
+                sd_notify("READY=1");
+                if let Some(every) = watchdog_interval() {
+                    watchdog(&shared, every);
+                }
+            }
+        });
 }
 
 /// Builds (models loaded, devices open) the pipeline `c` stands for, without starting it.

@@ -240,8 +240,6 @@ impl Pack {
 
     /// The graphs against the contract and the manifest, from the files themselves.
     fn check_graphs(&self, mf: &Path) -> Result<(), ModelError> {
-        let m = &self.manifest;
-        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
         let read = |g: Graph| -> Result<Option<GraphFile>, ModelError> {
             let path = self.graph_path(g);
             let file = GraphFile::read(&path)?;
@@ -250,204 +248,244 @@ impl Pack {
             }
             Ok(file)
         };
-        let rows =
-            |f: &GraphFile, name: &str| f.initializer(name).and_then(|i| i.dims.first().copied());
-
         if let Some(f) = read(Graph::Temporal)? {
-            let io = Io::from_file(&f, "temporal");
-            let info = check_temporal_io(&io, None)?;
-            let channels = io.find(false, "input_frame")?.shape[1];
-            if channels > 0 && channels as usize != 1 + 2 * m.codebooks {
+            self.check_temporal_file(mf, &f)?;
+        }
+        if let Some(f) = read(Graph::Depformer)? {
+            self.check_depformer_file(mf, &f)?;
+        }
+        for (g, encoder) in [(Graph::MimiEncoder, true), (Graph::MimiDecoder, false)] {
+            if let Some(f) = read(g)? {
+                self.check_mimi_file(mf, g, encoder, &f)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The temporal graph against the manifest: token channels, vocabularies, embedding
+    /// tables, RoPE table, variant, cache type, shape and quantization.
+    fn check_temporal_file(&self, mf: &Path, f: &GraphFile) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        let io = Io::from_file(f, "temporal");
+        let info = check_temporal_io(&io, None)?;
+        let channels = io.find(false, "input_frame")?.shape[1];
+        if channels > 0 && channels as usize != 1 + 2 * m.codebooks {
+            return Err(bad(
+                "codebooks",
+                format!(
+                    "{} codebooks make {} token channels, but the temporal graph takes {channels}",
+                    m.codebooks,
+                    1 + 2 * m.codebooks
+                ),
+            ));
+        }
+        if info.vocab as i64 != m.text_vocab {
+            return Err(bad(
+                "text_vocab",
+                format!(
+                    "{} does not match the temporal graph, whose text logits are {} wide",
+                    m.text_vocab, info.vocab
+                ),
+            ));
+        }
+        self.check_temporal_tables(mf, f)?;
+        if let Some(cos) = f
+            .initializers
+            .iter()
+            .find(|i| i.name.ends_with("rotary_emb.cos_cache"))
+        {
+            let table = cos.dims.first().copied().unwrap_or(0);
+            if m.max_positions as i64 > table {
                 return Err(bad(
-                    "codebooks",
+                    "max_positions",
                     format!(
-                        "{} codebooks make {} token channels, but the temporal graph takes {channels}",
-                        m.codebooks,
-                        1 + 2 * m.codebooks
+                        "{} positions are more than the temporal graph's RoPE table covers ({table})",
+                        m.max_positions
                     ),
                 ));
             }
-            if info.vocab as i64 != m.text_vocab {
+        }
+        if let Some(v) = m.variant.filter(|v| v.attention() != info.variant) {
+            return Err(bad(
+                "variant",
+                format!(
+                    "{:?}, but the temporal graph is the {} variant",
+                    v.name(),
+                    match info.variant {
+                        Variant::Gqa => "gqa",
+                        Variant::Standard => "standard",
+                    }
+                ),
+            ));
+        }
+        if let Some(d) = m.dtype.filter(|d| *d != info.kv) {
+            return Err(bad(
+                "dtype",
+                format!(
+                    "{:?}, but the temporal graph's cache is {}",
+                    d.name(),
+                    info.kv.name()
+                ),
+            ));
+        }
+        check_shape(mf, "temporal", m.temporal.as_ref(), &info)?;
+        check_quantization(mf, "temporal", self.quantized("temporal"), &f.nbits)?;
+        Ok(())
+    }
+
+    /// The temporal graph's embedding tables against the manifest's vocabularies: text and
+    /// audio, each with its initial token.
+    fn check_temporal_tables(&self, mf: &Path, f: &GraphFile) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        if let Some(r) = table_rows(f, "embed.text_emb.weight") {
+            if r != m.text_vocab + 1 {
                 return Err(bad(
                     "text_vocab",
-                    format!(
-                        "{} does not match the temporal graph, whose text logits are {} wide",
-                        m.text_vocab, info.vocab
-                    ),
+                    format!("{} does not match the temporal graph's text embedding table ({r} rows: the vocabulary and the initial token)", m.text_vocab),
                 ));
             }
-            if let Some(r) = rows(&f, "embed.text_emb.weight") {
-                if r != m.text_vocab + 1 {
-                    return Err(bad(
-                        "text_vocab",
-                        format!("{} does not match the temporal graph's text embedding table ({r} rows: the vocabulary and the initial token)", m.text_vocab),
-                    ));
-                }
-            }
-            let audio: Vec<&Initializer> = f
-                .initializers
-                .iter()
-                .filter(|i| i.name.starts_with("embed.emb.") && i.name.ends_with(".weight"))
-                .collect();
-            if !audio.is_empty() && audio.len() != 2 * m.codebooks {
-                return Err(bad(
-                    "codebooks",
-                    format!(
-                        "{} codebooks need {} audio embedding tables; the temporal graph has {}",
-                        m.codebooks,
-                        2 * m.codebooks,
-                        audio.len()
-                    ),
-                ));
-            }
-            if let Some(t) = audio
-                .iter()
-                .find(|t| t.dims.first() != Some(&(m.audio_vocab + 1)))
-            {
+        }
+        let audio: Vec<&Initializer> = f
+            .initializers
+            .iter()
+            .filter(|i| i.name.starts_with("embed.emb.") && i.name.ends_with(".weight"))
+            .collect();
+        if !audio.is_empty() && audio.len() != 2 * m.codebooks {
+            return Err(bad(
+                "codebooks",
+                format!(
+                    "{} codebooks need {} audio embedding tables; the temporal graph has {}",
+                    m.codebooks,
+                    2 * m.codebooks,
+                    audio.len()
+                ),
+            ));
+        }
+        if let Some(t) = audio
+            .iter()
+            .find(|t| t.dims.first() != Some(&(m.audio_vocab + 1)))
+        {
+            return Err(bad(
+                "audio_vocab",
+                format!(
+                    "{} does not match the temporal graph's audio embedding table `{}` ({} rows: the codebook and the initial token)",
+                    m.audio_vocab,
+                    t.name,
+                    t.dims.first().copied().unwrap_or(0)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The depformer graph against the manifest: vocabularies, embedding tables, shape and
+    /// quantization.
+    fn check_depformer_file(&self, mf: &Path, f: &GraphFile) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        let info = check_depformer_io(&Io::from_file(f, "depformer"))?;
+        if info.vocab as i64 != m.audio_vocab {
+            return Err(bad(
+                "audio_vocab",
+                format!(
+                    "{} does not match the depformer graph, whose logits are {} wide",
+                    m.audio_vocab, info.vocab
+                ),
+            ));
+        }
+        if let Some(t) = f.initializer("audio_emb") {
+            if t.dims.get(1) != Some(&(m.audio_vocab + 1)) {
                 return Err(bad(
                     "audio_vocab",
                     format!(
-                        "{} does not match the temporal graph's audio embedding table `{}` ({} rows: the codebook and the initial token)",
+                        "{} does not match the depformer's audio embedding tables ({:?})",
+                        m.audio_vocab, t.dims
+                    ),
+                ));
+            }
+        }
+        if let Some(r) = table_rows(f, "text_emb.weight") {
+            if r != m.text_vocab + 1 {
+                return Err(bad(
+                    "text_vocab",
+                    format!(
+                        "{} does not match the depformer's text embedding table ({r} rows)",
+                        m.text_vocab
+                    ),
+                ));
+            }
+        }
+        check_shape(mf, "depformer", m.depformer.as_ref(), &info)?;
+        check_quantization(mf, "depformer", self.quantized("depformer"), &f.nbits)?;
+        Ok(())
+    }
+
+    /// A Mimi graph against the manifest: codebooks, their size, and (the decoder) the samples
+    /// a frame makes.
+    fn check_mimi_file(
+        &self,
+        mf: &Path,
+        g: Graph,
+        encoder: bool,
+        f: &GraphFile,
+    ) -> Result<(), ModelError> {
+        let m = &self.manifest;
+        let bad = |key: &str, detail: String| manifest_error(mf, key, detail);
+        let io = Io::from_file(f, g.dir());
+        check_mimi_io(&io, encoder)?;
+        let codes = io.find(encoder, "codes")?;
+        if let Some(&n) = codes.shape.get(1).filter(|&&n| n > 0) {
+            if n as usize != m.codebooks {
+                return Err(bad(
+                    "codebooks",
+                    format!(
+                        "{} does not match the {} graph, which has {n}",
+                        m.codebooks,
+                        g.dir()
+                    ),
+                ));
+            }
+        }
+        if let Some(t) = f
+            .initializers
+            .iter()
+            .find(|i| i.name.ends_with("_codebook.embedding.weight"))
+        {
+            if t.dims.first() != Some(&m.audio_vocab) {
+                return Err(bad(
+                    "audio_vocab",
+                    format!(
+                        "{} does not match the {} graph's codebooks ({} entries)",
                         m.audio_vocab,
-                        t.name,
+                        g.dir(),
                         t.dims.first().copied().unwrap_or(0)
                     ),
                 ));
             }
-            if let Some(cos) = f
-                .initializers
-                .iter()
-                .find(|i| i.name.ends_with("rotary_emb.cos_cache"))
-            {
-                let table = cos.dims.first().copied().unwrap_or(0);
-                if m.max_positions as i64 > table {
-                    return Err(bad(
-                        "max_positions",
-                        format!(
-                            "{} positions are more than the temporal graph's RoPE table covers ({table})",
-                            m.max_positions
-                        ),
-                    ));
-                }
-            }
-            if let Some(v) = m.variant.filter(|v| v.attention() != info.variant) {
-                return Err(bad(
-                    "variant",
-                    format!(
-                        "{:?}, but the temporal graph is the {} variant",
-                        v.name(),
-                        match info.variant {
-                            Variant::Gqa => "gqa",
-                            Variant::Standard => "standard",
-                        }
-                    ),
-                ));
-            }
-            if let Some(d) = m.dtype.filter(|d| *d != info.kv) {
-                return Err(bad(
-                    "dtype",
-                    format!(
-                        "{:?}, but the temporal graph's cache is {}",
-                        d.name(),
-                        info.kv.name()
-                    ),
-                ));
-            }
-            check_shape(mf, "temporal", m.temporal.as_ref(), &info)?;
-            check_quantization(mf, "temporal", self.quantized("temporal"), &f.nbits)?;
         }
-        if let Some(f) = read(Graph::Depformer)? {
-            let info = check_depformer_io(&Io::from_file(&f, "depformer"))?;
-            if info.vocab as i64 != m.audio_vocab {
+        // The decoder's output length is written `N*sequence_len`: N samples per frame.
+        if !encoder {
+            let hop = f
+                .outputs
+                .iter()
+                .find(|o| o.name == "waveform")
+                .and_then(|o| o.dims.get(2))
+                .and_then(|d| match d {
+                    super::onnx::Dim::Symbol(s) => {
+                        s.split_once('*')?.0.trim().parse::<usize>().ok()
+                    }
+                    _ => None,
+                });
+            if let Some(hop) = hop.filter(|&h| h != m.frame_size) {
                 return Err(bad(
-                    "audio_vocab",
+                    "frame_size",
                     format!(
-                        "{} does not match the depformer graph, whose logits are {} wide",
-                        m.audio_vocab, info.vocab
+                        "{} samples, but the codec's frames are {hop} samples (one model step)",
+                        m.frame_size
                     ),
                 ));
-            }
-            if let Some(t) = f.initializer("audio_emb") {
-                if t.dims.get(1) != Some(&(m.audio_vocab + 1)) {
-                    return Err(bad(
-                        "audio_vocab",
-                        format!(
-                            "{} does not match the depformer's audio embedding tables ({:?})",
-                            m.audio_vocab, t.dims
-                        ),
-                    ));
-                }
-            }
-            if let Some(r) = rows(&f, "text_emb.weight") {
-                if r != m.text_vocab + 1 {
-                    return Err(bad(
-                        "text_vocab",
-                        format!(
-                            "{} does not match the depformer's text embedding table ({r} rows)",
-                            m.text_vocab
-                        ),
-                    ));
-                }
-            }
-            check_shape(mf, "depformer", m.depformer.as_ref(), &info)?;
-            check_quantization(mf, "depformer", self.quantized("depformer"), &f.nbits)?;
-        }
-        for (g, encoder) in [(Graph::MimiEncoder, true), (Graph::MimiDecoder, false)] {
-            let Some(f) = read(g)? else { continue };
-            let io = Io::from_file(&f, g.dir());
-            check_mimi_io(&io, encoder)?;
-            let codes = io.find(encoder, "codes")?;
-            if let Some(&n) = codes.shape.get(1).filter(|&&n| n > 0) {
-                if n as usize != m.codebooks {
-                    return Err(bad(
-                        "codebooks",
-                        format!(
-                            "{} does not match the {} graph, which has {n}",
-                            m.codebooks,
-                            g.dir()
-                        ),
-                    ));
-                }
-            }
-            if let Some(t) = f
-                .initializers
-                .iter()
-                .find(|i| i.name.ends_with("_codebook.embedding.weight"))
-            {
-                if t.dims.first() != Some(&m.audio_vocab) {
-                    return Err(bad(
-                        "audio_vocab",
-                        format!(
-                            "{} does not match the {} graph's codebooks ({} entries)",
-                            m.audio_vocab,
-                            g.dir(),
-                            t.dims.first().copied().unwrap_or(0)
-                        ),
-                    ));
-                }
-            }
-            // The decoder's output length is written `N*sequence_len`: N samples per frame.
-            if !encoder {
-                let hop = f
-                    .outputs
-                    .iter()
-                    .find(|o| o.name == "waveform")
-                    .and_then(|o| o.dims.get(2))
-                    .and_then(|d| match d {
-                        super::onnx::Dim::Symbol(s) => {
-                            s.split_once('*')?.0.trim().parse::<usize>().ok()
-                        }
-                        _ => None,
-                    });
-                if let Some(hop) = hop.filter(|&h| h != m.frame_size) {
-                    return Err(bad(
-                        "frame_size",
-                        format!(
-                            "{} samples, but the codec's frames are {hop} samples (one model step)",
-                            m.frame_size
-                        ),
-                    ));
-                }
             }
         }
         Ok(())
@@ -574,4 +612,9 @@ impl Graph {
         Graph::Temporal,
         Graph::Depformer,
     ];
+}
+
+/// The rows of initializer `name` (an embedding table's entries), when the graph has it.
+fn table_rows(f: &GraphFile, name: &str) -> Option<i64> {
+    f.initializer(name).and_then(|i| i.dims.first().copied())
 }

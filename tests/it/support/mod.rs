@@ -155,8 +155,9 @@ pub fn build_stage(kind: &str, name: &str, params: &[(&str, &str)]) -> Node {
         .collect();
     let p = duplex::config::params::check("test", name, kind, k.params, &raw).unwrap();
     let plane = duplex::runtime::ControlPlane::new();
+    let resources = duplex::resources::Resources::new(1);
     let body = (k.build)(
-        &duplex::stages::BuildContext::new(name, "test", &plane, k),
+        &duplex::stages::BuildContext::new(name, "test", &plane, k, &resources),
         &p,
     )
     .unwrap();

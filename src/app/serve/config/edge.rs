@@ -99,6 +99,23 @@ pub(super) fn read(
             ),
         ));
     }
+    let (twilio_auth_token, twilio_url) = read_twilio(f)?;
+    Ok(Edge {
+        allowed_hosts,
+        allowed_origins,
+        forwarded_header,
+        trusted_proxies,
+        keys,
+        allow_anonymous,
+        protect_metrics,
+        twilio_auth_token,
+        twilio_url,
+    })
+}
+
+/// Twilio's auth token, and the URL it is given for the stream (wss:// or https://: Twilio
+/// streams over TLS only, and signs that URL).
+fn read_twilio(f: &Fields<'_>) -> Result<(Option<String>, Option<String>), ConfigError> {
     let nonempty = |v: String| Some(v.trim().to_string()).filter(|v| !v.is_empty());
     let twilio_auth_token = nonempty(f.string("twilio_auth_token")?);
     let twilio_url = nonempty(f.string("twilio_url")?);
@@ -121,15 +138,5 @@ pub(super) fn read(
             ));
         }
     }
-    Ok(Edge {
-        allowed_hosts,
-        allowed_origins,
-        forwarded_header,
-        trusted_proxies,
-        keys,
-        allow_anonymous,
-        protect_metrics,
-        twilio_auth_token,
-        twilio_url,
-    })
+    Ok((twilio_auth_token, twilio_url))
 }

@@ -310,12 +310,11 @@ pub fn load(
     f.known(KEYS)?;
     let origins: HashMap<String, String> = f.origins().into_iter().collect();
     let ort_library = crate::config::ort::read(&f)?;
-    let addr = f.string("address")?;
-    let address: SocketAddr = addr.trim().parse().map_err(|e| {
+    let address: SocketAddr = f.address("address", "127.0.0.1:8998")?.ok_or_else(|| {
         f.err(
-            ConfigErrorKind::WrongType,
+            ConfigErrorKind::Missing,
             "address",
-            format!("{addr:?} is not an address like 127.0.0.1:8998 ({e})"),
+            "the address to listen on, like 127.0.0.1:8998",
         )
     })?;
     let pipeline = PathBuf::from(f.string("pipeline")?);

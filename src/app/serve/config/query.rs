@@ -149,7 +149,7 @@ impl ServeConfig {
         catalog: &dyn crate::config::KindCatalog,
         p: &SessionParams,
     ) -> Vec<ParamOverride> {
-        use crate::config::ParamValue::{Bool, Float, Int, Str};
+        use crate::config::ParamValue::Str;
         let mut sets = Vec::new();
         let origin = |query: &str, key: &str| {
             p.chosen
@@ -180,97 +180,123 @@ impl ServeConfig {
             let sm = &p.sampling;
             match s.kind.as_str() {
                 "depformer" => {
-                    for (param, query, value) in [
-                        (
-                            "text_temperature",
-                            "text_temperature",
-                            Float(sm.text_temperature),
-                        ),
-                        ("text_top_k", "text_topk", Int(sm.text_top_k)),
-                        (
-                            "audio_temperature",
-                            "audio_temperature",
-                            Float(sm.audio_temperature),
-                        ),
-                        ("audio_top_k", "audio_topk", Int(sm.audio_top_k)),
-                        ("pad_mult", "pad_mult", Float(sm.pad_mult)),
-                        (
-                            "repetition_penalty",
-                            "repetition_penalty",
-                            Float(sm.repetition_penalty),
-                        ),
-                        (
-                            "repetition_penalty_context",
-                            "repetition_penalty_context",
-                            Int(sm.repetition_penalty_context),
-                        ),
-                    ] {
-                        let key = format!("sampling.{}", query.replace("topk", "top_k"));
-                        set(param, value, origin(query, &key));
-                    }
-                    // `seed` (the configuration's, or fresh per session) is the default of
-                    // both samplers' seeds; a seed of the client's or the configuration's for
-                    // one sampler is that sampler's.
-                    let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
-                    set(
-                        "seed",
-                        Int((seed & SEED_MAX as u64) as i64),
-                        origin("seed", "sampling.seed"),
-                    );
-                    for (param, seed) in
-                        [("text_seed", sm.text_seed), ("audio_seed", sm.audio_seed)]
-                    {
-                        if let Some(seed) = seed {
-                            set(
-                                param,
-                                Int((seed & SEED_MAX as u64) as i64),
-                                origin(param, &format!("sampling.{param}")),
-                            );
-                        }
+                    for (param, value, o) in self.sampling_overrides(sm, &origin) {
+                        set(param, value, o);
                     }
                 }
                 "temporal" => {
-                    if p.max_steps > 0 {
-                        set(
-                            "max_steps",
-                            Int(p.max_steps),
-                            origin("max_steps", "limits.max_steps"),
-                        );
-                    }
-                    set(
-                        "max_persona_tokens",
-                        Int(self.limits.max_prompt_tokens as i64),
-                        self.origin("limits.max_prompt_tokens"),
-                    );
-                    set(
-                        "max_voice_s",
-                        Float(self.limits.max_voice_s),
-                        self.origin("limits.max_voice_s"),
-                    );
-                    set(
-                        "log_transcript",
-                        Bool(self.log_transcripts),
-                        self.origin("log_transcripts"),
-                    );
-                    if !p.text_prompt.trim().is_empty() {
-                        set(
-                            "persona",
-                            Str(p.text_prompt.clone()),
-                            origin("text_prompt", "text_prompt"),
-                        );
-                    }
-                    if let Some(v) = &p.voice {
-                        set(
-                            "voice",
-                            Str(v.display().to_string()),
-                            origin("voice_prompt", "voice_prompt"),
-                        );
+                    for (param, value, o) in self.temporal_overrides(p, &origin) {
+                        set(param, value, o);
                     }
                 }
                 _ => {}
             }
         }
         sets
+    }
+
+    /// The depformer's sampling params: each with its origin.
+    fn sampling_overrides(
+        &self,
+        sm: &Sampling,
+        origin: &dyn Fn(&str, &str) -> String,
+    ) -> Vec<(&'static str, crate::config::ParamValue, String)> {
+        use crate::config::ParamValue::{Float, Int};
+        let mut out = Vec::new();
+        for (param, query, value) in [
+            (
+                "text_temperature",
+                "text_temperature",
+                Float(sm.text_temperature),
+            ),
+            ("text_top_k", "text_topk", Int(sm.text_top_k)),
+            (
+                "audio_temperature",
+                "audio_temperature",
+                Float(sm.audio_temperature),
+            ),
+            ("audio_top_k", "audio_topk", Int(sm.audio_top_k)),
+            ("pad_mult", "pad_mult", Float(sm.pad_mult)),
+            (
+                "repetition_penalty",
+                "repetition_penalty",
+                Float(sm.repetition_penalty),
+            ),
+            (
+                "repetition_penalty_context",
+                "repetition_penalty_context",
+                Int(sm.repetition_penalty_context),
+            ),
+        ] {
+            let key = format!("sampling.{}", query.replace("topk", "top_k"));
+            out.push((param, value, origin(query, &key)));
+        }
+        // `seed` (the configuration's, or fresh per session) is the default of
+        // both samplers' seeds; a seed of the client's or the configuration's for
+        // one sampler is that sampler's.
+        let seed = sm.seed.unwrap_or_else(|| u64::from(rand::random::<u32>()));
+        out.push((
+            "seed",
+            Int((seed & SEED_MAX as u64) as i64),
+            origin("seed", "sampling.seed"),
+        ));
+        for (param, seed) in [("text_seed", sm.text_seed), ("audio_seed", sm.audio_seed)] {
+            if let Some(seed) = seed {
+                out.push((
+                    param,
+                    Int((seed & SEED_MAX as u64) as i64),
+                    origin(param, &format!("sampling.{param}")),
+                ));
+            }
+        }
+        out
+    }
+
+    /// The temporal stage's limits and the client's persona and voice: each with its origin.
+    fn temporal_overrides(
+        &self,
+        p: &SessionParams,
+        origin: &dyn Fn(&str, &str) -> String,
+    ) -> Vec<(&'static str, crate::config::ParamValue, String)> {
+        use crate::config::ParamValue::{Bool, Float, Int, Str};
+        let mut out = Vec::new();
+        if p.max_steps > 0 {
+            out.push((
+                "max_steps",
+                Int(p.max_steps),
+                origin("max_steps", "limits.max_steps"),
+            ));
+        }
+        out.push((
+            "max_persona_tokens",
+            Int(self.limits.max_prompt_tokens as i64),
+            self.origin("limits.max_prompt_tokens"),
+        ));
+        out.push((
+            "max_voice_s",
+            Float(self.limits.max_voice_s),
+            self.origin("limits.max_voice_s"),
+        ));
+        out.push((
+            "log_transcript",
+            Bool(self.log_transcripts),
+            self.origin("log_transcripts"),
+        ));
+        if !p.text_prompt.trim().is_empty() {
+            out.push((
+                "persona",
+                Str(p.text_prompt.clone()),
+                origin("text_prompt", "text_prompt"),
+            ));
+        }
+        if let Some(v) = &p.voice {
+            out.push((
+                "voice",
+                Str(v.display().to_string()),
+                origin("voice_prompt", "voice_prompt"),
+            ));
+        }
+        out
     }
 }
 

@@ -202,43 +202,9 @@ pub(super) async fn offer(
             "WebRTC is off on this server (`webrtc.enabled`)".into(),
         );
     };
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase();
-        if !ct.starts_with("application/sdp") {
-            return bad(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "bad_request",
-                format!("the offer must be sent as application/sdp, not {ct}"),
-            );
-        }
-    }
-    // The body is due within the handshake limit, as the head is: a client sending it a byte
-    // at a time holds nothing longer.
-    let read = tokio::time::timeout(
-        server.cfg.limits.handshake_timeout,
-        axum::body::to_bytes(body, MAX_OFFER_BYTES),
-    )
-    .await;
-    let Ok(read) = read else {
-        return bad(
-            StatusCode::REQUEST_TIMEOUT,
-            "bad_request",
-            "the offer did not arrive within limits.handshake_timeout_s".into(),
-        );
-    };
-    let Ok(body) = read else {
-        return bad(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "bad_request",
-            format!(
-                "the offer is larger than {} KiB (or was cut off)",
-                MAX_OFFER_BYTES / 1024
-            ),
-        );
-    };
-    let offer = match check_offer(&body) {
+    let offer = match read_offer(&server, &headers, body).await {
         Ok(o) => o,
-        Err(m) => return bad(StatusCode::BAD_REQUEST, "bad_request", m),
+        Err(r) => return *r,
     };
     let query = super::doors::query_pairs(query);
     if let Err(m) = server.cfg.session_params(&query) {
@@ -267,30 +233,9 @@ pub(super) async fn offer(
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let mut rtc = str0m::Rtc::builder()
-        .clear_codecs()
-        .enable_opus(true, false)
-        // Every packet as it arrives, in any order: the jitter buffer orders them.
-        .set_reordering_size_audio(0)
-        .set_stats_interval(None)
-        .build(Instant::now());
-    for c in &endpoint.candidates {
-        match str0m::Candidate::host(*c, "udp") {
-            Ok(c) => {
-                rtc.add_local_candidate(c);
-            }
-            Err(e) => tracing::warn!("webrtc: candidate {c}: {e}"),
-        }
-    }
-    let answer = match rtc.sdp_api().accept_offer(offer) {
-        Ok(a) => a.to_sdp_string(),
-        Err(e) => {
-            return bad(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                format!("the offer could not be answered: {e}"),
-            )
-        }
+    let (rtc, answer) = match endpoint.answer(offer) {
+        Ok(a) => a,
+        Err(r) => return *r,
     };
     let Ok(token) = token() else {
         return (
@@ -339,6 +284,83 @@ pub(super) async fn offer(
         answer,
     )
         .into_response()
+}
+
+/// The offer's body: sent as SDP, within the handshake limit and [`MAX_OFFER_BYTES`], and an
+/// offer we can answer (audio, Opus).
+async fn read_offer(
+    server: &Server,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Result<str0m::change::SdpOffer, Box<Response>> {
+    let refuse = |status, m: String| Box::new(bad(status, "bad_request", m));
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = String::from_utf8_lossy(ct.as_bytes()).to_ascii_lowercase();
+        if !ct.starts_with("application/sdp") {
+            return Err(refuse(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("the offer must be sent as application/sdp, not {ct}"),
+            ));
+        }
+    }
+    // The body is due within the handshake limit, as the head is: a client sending it a byte
+    // at a time holds nothing longer.
+    let read = tokio::time::timeout(
+        server.cfg.limits.handshake_timeout,
+        axum::body::to_bytes(body, MAX_OFFER_BYTES),
+    )
+    .await;
+    let Ok(read) = read else {
+        return Err(refuse(
+            StatusCode::REQUEST_TIMEOUT,
+            "the offer did not arrive within limits.handshake_timeout_s".into(),
+        ));
+    };
+    let Ok(body) = read else {
+        return Err(refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the offer is larger than {} KiB (or was cut off)",
+                MAX_OFFER_BYTES / 1024
+            ),
+        ));
+    };
+    check_offer(&body).map_err(|m| refuse(StatusCode::BAD_REQUEST, m))
+}
+
+impl Endpoint {
+    /// A peer connection for `offer` (Opus only, our host candidates) and its SDP answer.
+    fn answer(
+        &self,
+        offer: str0m::change::SdpOffer,
+    ) -> Result<(str0m::Rtc, String), Box<Response>> {
+        let mut rtc = str0m::Rtc::builder()
+            .clear_codecs()
+            .enable_opus(true, false)
+            // Every packet as it arrives, in any order: the jitter buffer orders them.
+            .set_reordering_size_audio(0)
+            .set_stats_interval(None)
+            .build(Instant::now());
+        for c in &self.candidates {
+            match str0m::Candidate::host(*c, "udp") {
+                Ok(c) => {
+                    rtc.add_local_candidate(c);
+                }
+                Err(e) => tracing::warn!("webrtc: candidate {c}: {e}"),
+            }
+        }
+        let answer = match rtc.sdp_api().accept_offer(offer) {
+            Ok(a) => a.to_sdp_string(),
+            Err(e) => {
+                return Err(Box::new(bad(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    format!("the offer could not be answered: {e}"),
+                )))
+            }
+        };
+        Ok((rtc, answer))
+    }
 }
 
 /// `DELETE /api/webrtc/{token}`: the client hangs up.

@@ -1,276 +1,17 @@
-//! `duplex doctor`: which ONNX Runtime library a command would load and why (`--ort-lib`, else
-//! `DUPLEX__ORT__LIBRARY`, else the search of [`ortlib`](crate::model::ortlib)), what it
-//! offers, whether CUDA initialises ([`runtime`]).
-//!
-//! `duplex doctor --pack DIR`: checks that a model pack loads and runs, as a pipeline would use
-//! it: the pack's files and manifest against the graph contract (and each graph's size and
-//! weight quantization, step graphs included), then a session for each graph
-//! on the chosen provider, one codec frame through the encoder and decoder (and through Mimi's
-//! step graphs when the pack has them), and one temporal
-//! step whose outputs must be finite; with `--time`, the temporal step's time at a few
-//! context lengths with the cache resident, fed from the host, and at fixed shapes (a CUDA
-//! graph under CUDA), one conversation's depformer frame (every substep and the user's skipped),
-//! the codec's step graphs (fp32 and fp16) batched as a shared codec runs them (one call
-//! of B rows against B calls of one row), the shared LM engine's frame time for B
-//! conversations stepped together, and the memory a conversation adds to that engine at the
-//! pack's whole context (the device's under CUDA; on the CPU what the process allocates, as
-//! its allocator counts it).
-//! Prints what it found; knows no stages or pipelines.
+//! `duplex doctor --pack DIR --time`: the temporal step's time at a few context lengths, the
+//! depformer's frame, the codec's step graphs batched, the shared LM engine's frame for B
+//! conversations, and the memory a conversation adds to that engine. Measures and prints;
+//! knows no stages or pipelines.
 
 use std::path::Path;
 use std::time::Instant;
 
 use crate::model::depformer::Depformer;
-use crate::model::mimi::{MimiDecoder, MimiEncoder};
 use crate::model::mimi_step::StepCodec;
-use crate::model::pack::{FloatType, Graph, Pack, StepRole};
+use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::session::{Provider, SessionOptions};
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
-use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
-
-/// The command, where messages name a file.
-const COMMAND: &str = "duplex doctor";
-
-/// Loads ONNX Runtime as every command does (the library of `ort_lib`, the `--ort-lib` flag,
-/// else of `DUPLEX__ORT__LIBRARY`, else the search) and reports it: its path and where it came
-/// from, its build, the execution providers it offers, and whether CUDA initialises (and what
-/// is missing when it does not).
-///
-/// # Errors
-///
-/// As [`load_ort_for`](super::load_ort_for): a configuration error (exit 2) for a library a
-/// flag, a variable or `ORT_DYLIB_PATH` names that is missing or does not load; another (exit
-/// 1) when none is installed.
-pub fn runtime(ort_lib: Option<&Path>) -> anyhow::Result<String> {
-    let chosen = match ort_lib {
-        Some(p) => Some(crate::config::OrtChoice::flag("--ort-lib", p)),
-        None => crate::config::ort::from_env(COMMAND, None)?,
-    };
-    let lib = super::load_ort_for(COMMAND, chosen.as_ref())?;
-    let mut text = format!(
-        "onnxruntime: {} (found via {})\n",
-        lib.path.display(),
-        lib.origin
-    );
-    if let Some(info) = crate::model::ortlib::build_info() {
-        text.push_str(&format!("build: {info}\n"));
-    }
-    match crate::model::session::available_providers() {
-        Ok(p) => text.push_str(&format!("providers: {}\n", p.join(", "))),
-        Err(e) => text.push_str(&format!("providers: unknown ({e})\n")),
-    }
-    match crate::model::session::cuda_check(0) {
-        Ok(()) => text.push_str("cuda: available (device 0)\n"),
-        Err(crate::model::ModelError::Provider { detail, .. }) => {
-            text.push_str(&format!("cuda: not available: {detail}\n"))
-        }
-        Err(e) => text.push_str(&format!("cuda: not available: {e}\n")),
-    }
-    Ok(text)
-}
-
-/// Bytes under `dir` (the graph and its external weights).
-fn size_of(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.metadata().ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
-/// The opened pack and the report of it loading and running one frame on `provider`.
-///
-/// # Errors
-///
-/// The first [`ModelError`] met, naming the pack's file, key, graph or input.
-pub fn pack(dir: &Path, provider: Provider) -> Result<(Pack, String), ModelError> {
-    let t0 = Instant::now();
-    let pack = Pack::open(dir)?;
-    let m = &pack.manifest;
-    let mut text = format!("pack: {} ({})\n", dir.display(), m.name);
-    text.push_str(&format!(
-        "manifest: variant {}, dtype {}, mimi {}, context {} frames, max_positions {}\n",
-        m.variant.map_or("-", |v| v.name()),
-        m.dtype.map_or("-", |d| d.name()),
-        m.mimi.as_deref().unwrap_or("-"),
-        m.context,
-        m.max_positions
-    ));
-    // The four graphs, then the step graphs the pack has, each with its size and how its
-    // weights are quantized.
-    let steps = [FloatType::F32, FloatType::F16]
-        .into_iter()
-        .flat_map(|dtype| [StepRole::Encoder, StepRole::Decoder].map(|role| (role, dtype)))
-        .filter(|&(role, dtype)| pack.step_graph(role, dtype).is_some())
-        .map(|(role, dtype)| role.dir(dtype));
-    let folders: Vec<String> = Graph::ALL
-        .iter()
-        .map(|g| g.dir().to_string())
-        .chain(steps)
-        .collect();
-    for folder in folders {
-        let weights = match pack.quantized(&folder) {
-            Some(q) => format!(
-                "  weights {} (blocks of {}{}{}{})",
-                q.name(),
-                q.block_size,
-                q.matmuls
-                    .filter(|&n| n > 0)
-                    .map(|n| format!(", {n} MatMuls"))
-                    .unwrap_or_default(),
-                q.gathers
-                    .filter(|&n| n > 0)
-                    .map(|n| format!(", {n} tables"))
-                    .unwrap_or_default(),
-                match q.accuracy_level {
-                    Some(4) => ", int8 arithmetic on a CPU",
-                    _ => "",
-                }
-            ),
-            None => String::new(),
-        };
-        text.push_str(&format!(
-            "  {:<21} {:>9.1} MiB{weights}\n",
-            folder,
-            size_of(&dir.join(&folder)) as f64 / (1u64 << 20) as f64
-        ));
-    }
-    let session = SessionOptions {
-        provider,
-        ..SessionOptions::default()
-    };
-    let mut enc = MimiEncoder::open(&pack, &session, 1)?;
-    let mut dec = MimiDecoder::open(&pack, &session, 1)?;
-    let codes = enc.push(&vec![0.0; m.frame_size])?;
-    let pcm = dec.push(&codes, m.audio_vocab)?;
-    if pcm.len() != m.frame_size || pcm.iter().any(|v| !v.is_finite()) {
-        return Err(ModelError::contract(
-            "mimi_decoder",
-            format!(
-                "decoding one frame gave {} samples (finite: {}), expected {}",
-                pcm.len(),
-                pcm.iter().all(|v| v.is_finite()),
-                m.frame_size
-            ),
-        ));
-    }
-    text.push_str(&format!(
-        "mimi: encoder on {}, decoder on {}; a silent frame encodes to {codes:?}\n",
-        enc.runs_on(),
-        dec.runs_on()
-    ));
-    // The step graphs the pack has: one frame each way, against the whole-utterance graphs'.
-    for dtype in [FloatType::F32, FloatType::F16] {
-        if pack.step_graph(StepRole::Encoder, dtype).is_none()
-            && pack.step_graph(StepRole::Decoder, dtype).is_none()
-        {
-            continue;
-        }
-        let mut senc = StepCodec::open(&pack, StepRole::Encoder, dtype, &session)?;
-        let mut sdec = StepCodec::open(&pack, StepRole::Decoder, dtype, &session)?;
-        let scodes = senc.encode(&vec![0.0; m.frame_size])?;
-        let spcm = sdec.decode(&codes, m.audio_vocab)?;
-        if spcm.iter().any(|v| !v.is_finite()) {
-            return Err(ModelError::contract(
-                "mimi_decoder_step",
-                "decoding one frame gave samples that are not finite",
-            ));
-        }
-        let worst = spcm
-            .iter()
-            .zip(&pcm)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        // Whether a shared codec can run them: a row left out of a call must keep its state.
-        let rows = if senc.steps_some_rows() && sdec.steps_some_rows() {
-            let mut two = StepCodec::open_rows(&pack, StepRole::Encoder, dtype, &session, 2)?;
-            two.encode_some(&vec![0.25; 2 * m.frame_size], Some(&[true, false]))?;
-            if two.row_state(1).iter().any(|b| *b != 0) {
-                return Err(ModelError::contract(
-                    "mimi_encoder_step",
-                    "a batch row left out of a call (`active` false) changed its state",
-                ));
-            }
-            "batch rows stepped apart (a shared codec can run them)".to_string()
-        } else {
-            format!(
-                "no `active` input: every batch row steps on every call, so a shared codec \
-                 cannot run them (rebuild with python tools/make_mimi_step.py {})",
-                pack.dir.display()
-            )
-        };
-        text.push_str(&format!(
-            "mimi step graphs ({}): encoder on {}, {} states; decoder on {}, {} states; a silent \
-             frame encodes to {scodes:?} ({}), decodes within {worst:.1e} of the decoder's; \
-             {rows}\n",
-            dtype.name(),
-            senc.runs_on(),
-            senc.manifest.states.len(),
-            sdec.runs_on(),
-            sdec.manifest.states.len(),
-            if scodes == codes {
-                "the same"
-            } else {
-                "not the same"
-            },
-        ));
-    }
-    let mut temporal = Temporal::open(
-        &pack,
-        &TemporalOptions {
-            session,
-            ..TemporalOptions::default()
-        },
-    )?;
-    temporal.step(&m.layout().initial)?;
-    let (mut hidden, mut logits) = (Vec::new(), Vec::new());
-    temporal.read_hidden(&mut hidden);
-    temporal.read_logits(&mut logits);
-    if hidden.iter().chain(&logits).any(|v| !v.is_finite()) {
-        return Err(ModelError::contract(
-            "temporal",
-            "the first step's hidden state or text logits are not finite",
-        ));
-    }
-    let i = &temporal.info;
-    text.push_str(&format!(
-        "temporal: on {}, {} layers, {} heads x {}, hidden {}, text vocab {}; one step finite\n",
-        temporal.runs_on(),
-        i.layers,
-        i.heads,
-        i.head_dim,
-        i.hidden_dim,
-        i.vocab
-    ));
-    let dep = Depformer::open(&pack, &session)?;
-    text.push_str(&format!(
-        "depformer: on {}, {} layers, {} substeps\n",
-        dep.runs_on(),
-        dep.info.layers,
-        dep.steps()
-    ));
-    match pack.tokenizer() {
-        Some(p) => {
-            let tok = Tokenizer::open(&p)?;
-            text.push_str(&format!(
-                "tokenizer: {} ({} pieces)\n",
-                p.display(),
-                tok.len()
-            ));
-        }
-        None => text.push_str("tokenizer: none (persona text and transcripts need one)\n"),
-    }
-    text.push_str(&format!(
-        "ok: the pack loads and runs ({:.1} s)\n",
-        t0.elapsed().as_secs_f64()
-    ));
-    Ok((pack, text))
-}
 
 /// Contexts (positions in the cache) at which [`step_times`] reports: 3000 is a Moshi LM's
 /// whole attention context.
@@ -613,11 +354,7 @@ pub fn engine_ticks(
     device_sampling: bool,
 ) -> Result<String, ModelError> {
     use crate::model::engine::{EngineOptions, SharedLm};
-    use crate::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
-    use crate::model::lmgen::LmGen;
     use std::sync::atomic::Ordering;
-    const WARM: usize = 5;
-    const FRAMES: usize = 20;
     let engine = std::sync::Arc::new(SharedLm::open(
         pack,
         &EngineOptions {
@@ -626,13 +363,11 @@ pub fn engine_ticks(
                 ..SessionOptions::default()
             },
             slots: batches.iter().copied().max().unwrap_or(1),
-            max_positions: WARM + FRAMES + 8,
+            max_positions: ENGINE_WARM + ENGINE_FRAMES + 8,
             device_sampling,
             ..EngineOptions::default()
         },
     )?);
-    let codebooks = pack.manifest.codebooks as i64;
-    let vocab = pack.manifest.audio_vocab.max(1);
     let mut cells = Vec::new();
     for &b in batches {
         let ticks0 = engine.stats.temporal_ticks.load(Ordering::Relaxed);
@@ -641,43 +376,7 @@ pub fn engine_ticks(
             let handles: Vec<_> = (0..b)
                 .map(|c| {
                     let (engine, barrier) = (&engine, &barrier);
-                    s.spawn(move || -> Result<f64, ModelError> {
-                        let user = |t: usize| -> Vec<i64> {
-                            (0..codebooks)
-                                .map(|k| ((c * 131 + t * 31) as i64 + k * 97) % vocab)
-                                .collect()
-                        };
-                        // Warmed up apart; every thread reaches the barrier, even one that
-                        // failed (it then leaves, and the engine forgets it).
-                        let warmed = (|| -> Result<LmLoop, ModelError> {
-                            let mut depformer = engine.depformer_client();
-                            depformer.unused = crate::model::depformer::UnusedSubsteps::Skip;
-                            let mut lm = LmLoop {
-                                temporal: TemporalHalf::new(
-                                    LmGen::new(pack.manifest.layout()),
-                                    engine.temporal_slot(WARM + FRAMES + 8)?,
-                                ),
-                                sampling: SamplingHalf::new(
-                                    depformer,
-                                    SamplingConfig {
-                                        seed: c as u64,
-                                        ..Default::default()
-                                    },
-                                ),
-                            };
-                            for t in 0..WARM {
-                                lm.step(&user(t), None, None)?;
-                            }
-                            Ok(lm)
-                        })();
-                        barrier.wait();
-                        let mut lm = warmed?;
-                        let t0 = Instant::now();
-                        for t in WARM..WARM + FRAMES {
-                            lm.step(&user(t), None, None)?;
-                        }
-                        Ok(t0.elapsed().as_secs_f64() * 1e3 / FRAMES as f64)
-                    })
+                    s.spawn(move || timed_conversation(engine, pack, c, barrier))
                 })
                 .collect();
             handles
@@ -699,7 +398,7 @@ pub fn engine_ticks(
         let ticks = engine.stats.temporal_ticks.load(Ordering::Relaxed) - ticks0;
         cells.push(format!(
             "B={b}: {worst:.2} ms per frame of all ({:.1} rows per tick)",
-            (b * (WARM + FRAMES)) as f64 / ticks.max(1) as f64
+            (b * (ENGINE_WARM + ENGINE_FRAMES)) as f64 / ticks.max(1) as f64
         ));
     }
     let drawn = match (device_sampling, engine.draws_on_device()) {
@@ -715,6 +414,58 @@ pub fn engine_ticks(
         provider.name(),
         cells.join(", ")
     ))
+}
+
+/// Frames each conversation of [`engine_ticks`] steps before it is timed, and timed.
+const ENGINE_WARM: usize = 5;
+const ENGINE_FRAMES: usize = 20;
+
+/// One conversation of [`engine_ticks`] (`c`: its seed and its user codes): warmed up apart,
+/// then timed from the barrier all pass together. Every thread reaches the barrier, even one
+/// that failed (it then leaves, and the engine forgets it). Returns ms per frame.
+fn timed_conversation(
+    engine: &std::sync::Arc<crate::model::engine::SharedLm>,
+    pack: &Pack,
+    c: usize,
+    barrier: &std::sync::Barrier,
+) -> Result<f64, ModelError> {
+    use crate::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
+    use crate::model::lmgen::LmGen;
+    let codebooks = pack.manifest.codebooks as i64;
+    let vocab = pack.manifest.audio_vocab.max(1);
+    let user = |t: usize| -> Vec<i64> {
+        (0..codebooks)
+            .map(|k| ((c * 131 + t * 31) as i64 + k * 97) % vocab)
+            .collect()
+    };
+    let warmed = (|| -> Result<LmLoop, ModelError> {
+        let mut depformer = engine.depformer_client();
+        depformer.unused = crate::model::depformer::UnusedSubsteps::Skip;
+        let mut lm = LmLoop {
+            temporal: TemporalHalf::new(
+                LmGen::new(pack.manifest.layout()),
+                engine.temporal_slot(ENGINE_WARM + ENGINE_FRAMES + 8)?,
+            ),
+            sampling: SamplingHalf::new(
+                depformer,
+                SamplingConfig {
+                    seed: c as u64,
+                    ..Default::default()
+                },
+            ),
+        };
+        for t in 0..ENGINE_WARM {
+            lm.step(&user(t), None, None)?;
+        }
+        Ok(lm)
+    })();
+    barrier.wait();
+    let mut lm = warmed?;
+    let t0 = Instant::now();
+    for t in ENGINE_WARM..ENGINE_WARM + ENGINE_FRAMES {
+        lm.step(&user(t), None, None)?;
+    }
+    Ok(t0.elapsed().as_secs_f64() * 1e3 / ENGINE_FRAMES as f64)
 }
 
 /// Slots of the larger engine [`engine_memory`] opens.
