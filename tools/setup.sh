@@ -165,6 +165,17 @@ if [[ -n $wrong ]]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "${TEST_PACKAGES[@]}"
 fi
 
+# Agent frameworks, as their users install them, in a venv of their own (their pins of openai,
+# websockets and onnxruntime are theirs, not the tests'): Pipecat's OpenAI realtime service.
+AGENT_PACKAGES=("pipecat-ai[openai]==1.14.0")
+if ((FOR_TESTS)); then
+  [[ -x .venv-agents/bin/python ]] || "$PYTHON" -m venv .venv-agents
+  if ! .venv-agents/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("pipecat-ai") != "1.14.0")' 2>/dev/null; then
+    say "installing into .venv-agents: ${AGENT_PACKAGES[*]}"
+    .venv-agents/bin/python -m pip install --quiet --disable-pip-version-check "${AGENT_PACKAGES[@]}"
+  fi
+fi
+
 # The stamp records what built the packs: a changed script or pin rebuilds them.
 stamp=models/.tiny-packs.stamp
 want="make_pack.py $(sha256sum tools/make_pack.py | cut -d' ' -f1) make_mimi_step.py $(sha256sum tools/make_mimi_step.py | cut -d' ' -f1) ${EXPORTER_PACKAGES[*]}"

@@ -256,13 +256,16 @@ fn bad_events_get_errors_naming_the_field_while_a_session_beside_streams_on() {
         "this is not JSON".to_string(),
         r#"{"event_id": "e1", "type": "no.such.event"}"#.into(),
         r#"{"event_id": "e2", "session": {}}"#.into(),
-        r#"{"event_id": "e3", "type": "session.update", "session": {"voice": "missing.wav"}}"#
-            .into(),
+        format!(
+            r#"{{"event_id": "e3", "type": "session.update", "session": {{"instructions": "{}"}}}}"#,
+            "x".repeat(5000)
+        ),
         r#"{"event_id": "e4", "type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/mp3"}}}}}"#.into(),
         r#"{"event_id": "e5", "type": "session.update", "session": {"duplex": {"text_temperature": "hot"}}}"#.into(),
         r#"{"event_id": "e6", "type": "input_audio_buffer.append", "audio": "not base64!"}"#.into(),
         r#"{"event_id": "e7", "type": "input_audio_buffer.append", "audio": 12345}"#.into(),
-        r#"{"event_id": "e8", "type": "conversation.item.create", "item": {}}"#.into(),
+        r#"{"event_id": "e8", "type": "conversation.item.retrieve", "item_id": "no_such_item"}"#
+            .into(),
         big,
     ])
     .unwrap();
@@ -293,7 +296,7 @@ fn bad_events_get_errors_naming_the_field_while_a_session_beside_streams_on() {
         ("invalid_json", None, None),
         ("unknown_event", Some("type"), Some("e1")),
         ("missing_type", Some("type"), Some("e2")),
-        ("invalid_value", Some("session.voice"), Some("e3")),
+        ("invalid_value", Some("session.instructions"), Some("e3")),
         (
             "invalid_value",
             Some("session.audio.input.format"),
@@ -306,7 +309,7 @@ fn bad_events_get_errors_naming_the_field_while_a_session_beside_streams_on() {
         ),
         ("invalid_base64", Some("audio"), Some("e6")),
         ("invalid_value", Some("audio"), Some("e7")),
-        ("unsupported_event", Some("type"), Some("e8")),
+        ("item_retrieve_invalid_item_id", Some("item_id"), Some("e8")),
         ("event_too_large", None, None),
     ];
     assert_eq!(errors.len(), expect.len(), "{r}");
@@ -320,9 +323,17 @@ fn bad_events_get_errors_naming_the_field_while_a_session_beside_streams_on() {
         errors[3]["message"]
             .as_str()
             .unwrap()
-            .contains("missing.wav"),
+            .contains("instructions"),
         "{}",
         errors[3]
+    );
+    assert!(
+        errors[8]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no_such_item"),
+        "{}",
+        errors[8]
     );
     // The 10 MB event closed its connection (1009), and only it.
     assert_eq!(r["close"][0], 1009, "{r}");
@@ -442,4 +453,65 @@ fn a_signed_twilio_call_streams_mu_law_both_ways_with_its_marks_echoed() {
         ],
     );
     assert_eq!(r["status"], 403, "{r}");
+}
+
+/// Pipecat's own `OpenAIRealtimeLLMService` (from `.venv-agents`, as its users install it),
+/// pointed at `/v1/realtime` in a headless pipeline: the minimal pipeline with the microphone
+/// open from the start; and the one `pipecat init` generates (a system message in a context,
+/// an `LLMRunFrame`) with a locally driven turn that interrupts the agent. Each holds its call
+/// with audio back for its whole length, no `error` event, and every server event parsed by
+/// Pipecat's own models.
+#[test]
+fn pipecat_holds_conversations_over_v1_realtime() {
+    let server = Server::start("", 240);
+    let wav = server.dir.path().join("in.wav");
+    speech_wav(&wav, 10.0, 200.0);
+    let url = format!("ws://127.0.0.1:{}/v1/realtime", server.port);
+    let run = |extra: &[&str]| {
+        let out = Command::new(daemon::root().join(".venv-agents/bin/python"))
+            .arg(daemon::root().join("tests/clients/pipecat_client.py"))
+            .args(["--url", &url, "--wav", wav.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "pipecat failed: {stdout}\n{}\nserver log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            server.log()
+        );
+        let last = stdout.lines().last().unwrap_or_default();
+        let r: serde_json::Value =
+            serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+        eprintln!("pipecat {extra:?}: {r}");
+        assert_eq!(r["errors"], serde_json::json!([]), "{r}");
+        assert_eq!(r["parse_failures"], serde_json::json!([]), "{r}");
+        r
+    };
+    let minimal = run(&["--seconds", "6"]);
+    // The call's audio, but for the session's start (priming) and what was still on its way.
+    assert!(
+        minimal["audio_seconds"].as_f64().unwrap() >= 4.0,
+        "{minimal}"
+    );
+    assert_eq!(minimal["received"]["response.created"], 1, "{minimal}");
+    let init = run(&["--seconds", "8", "--context", "--interrupt-at", "3"]);
+    assert!(init["audio_seconds"].as_f64().unwrap() >= 6.0, "{init}");
+    // Its `response.create` started the session's response (when it came before the session
+    // was ready), or completed that one and opened another: one is open at the end either
+    // way, and every one that closed said so. The interruption's truncation was answered.
+    assert_eq!(init["sent"]["response.create"], 1, "{init}");
+    let count = |k: &str| init["received"][k].as_u64().unwrap_or(0);
+    assert_eq!(
+        count("response.created"),
+        count("response.done") + 1,
+        "{init}"
+    );
+    assert_eq!(
+        count("response.done"),
+        count("response.output_item.done"),
+        "{init}"
+    );
+    assert_eq!(count("conversation.item.truncated"), 1, "{init}");
 }

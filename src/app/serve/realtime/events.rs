@@ -98,10 +98,25 @@ pub enum ClientEvent {
     Commit,
     /// `input_audio_buffer.clear`.
     Clear,
-    /// `response.create`.
-    CreateResponse,
+    /// `response.create`: its `response.metadata`, echoed in `response.created`.
+    CreateResponse(Option<Value>),
     /// `response.cancel`.
     CancelResponse,
+    /// `conversation.item.create`: the item, and where it goes.
+    CreateItem {
+        /// The item as the client gave it.
+        item: Value,
+        /// `previous_item_id`.
+        previous: Option<String>,
+    },
+    /// `conversation.item.retrieve`.
+    RetrieveItem(String),
+    /// `conversation.item.delete`.
+    DeleteItem(String),
+    /// `conversation.item.truncate`: the item, its content part, and where its audio ends.
+    TruncateItem(String, u64, u64),
+    /// `output_audio_buffer.clear` (WebRTC clients' barge-in).
+    ClearOutput,
 }
 
 /// What a `session.update` asks for, in either spelling.
@@ -182,12 +197,48 @@ pub fn parse_event(text: &str) -> Result<(Option<String>, ClientEvent), EventErr
             }
             "input_audio_buffer.commit" => ClientEvent::Commit,
             "input_audio_buffer.clear" => ClientEvent::Clear,
-            "response.create" => ClientEvent::CreateResponse,
+            "response.create" => ClientEvent::CreateResponse(
+                v.pointer("/response/metadata")
+                    .filter(|m| m.is_object())
+                    .cloned(),
+            ),
             "response.cancel" => ClientEvent::CancelResponse,
+            "conversation.item.create" => {
+                let Some(item) = v.get("item").filter(|i| i.is_object()) else {
+                    let m = "`item` must be an object".to_string();
+                    return Err(fail("bad_event", "invalid_value", m, Some("item"), &id));
+                };
+                ClientEvent::CreateItem {
+                    item: item.clone(),
+                    previous: v
+                        .get("previous_item_id")
+                        .and_then(Value::as_str)
+                        .filter(|p| *p != "root")
+                        .map(shown),
+                }
+            }
+            "conversation.item.retrieve"
+            | "conversation.item.delete"
+            | "conversation.item.truncate" => {
+                let Some(item) = v.get("item_id").and_then(Value::as_str) else {
+                    let m = "`item_id` must be a string".to_string();
+                    return Err(fail("bad_event", "invalid_value", m, Some("item_id"), &id));
+                };
+                let item = item.to_string();
+                match kind {
+                    "conversation.item.retrieve" => ClientEvent::RetrieveItem(item),
+                    "conversation.item.delete" => ClientEvent::DeleteItem(item),
+                    _ => ClientEvent::TruncateItem(
+                        item,
+                        v.get("content_index").and_then(Value::as_u64).unwrap_or(0),
+                        v.get("audio_end_ms").and_then(Value::as_u64).unwrap_or(0),
+                    ),
+                }
+            }
+            "output_audio_buffer.clear" => ClientEvent::ClearOutput,
             k if UNSUPPORTED.iter().any(|u| k.starts_with(u)) => {
                 let m = format!(
-                    "`{}` is not supported: the conversation is one full-duplex response \
-                 (docs/realtime.md)",
+                    "`{}` is not an event of a realtime conversation (docs/realtime.md)",
                     shown(k)
                 );
                 return Err(fail(
@@ -278,15 +329,9 @@ fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
     Ok(u)
 }
 
-/// Client events answered with `unsupported_event`: the conversation is one full-duplex
-/// response, with no items to add, no tools, no separate transcription.
-pub(super) const UNSUPPORTED: [&str; 8] = [
-    "conversation.item.create",
-    "conversation.item.delete",
-    "conversation.item.truncate",
-    "conversation.item.retrieve",
-    "output_audio_buffer.clear",
+/// Client events answered with `unsupported_event`: events of other APIs (a transcription
+/// session), or of the server's that a client has no business sending.
+pub(super) const UNSUPPORTED: [&str; 2] = [
     "transcription_session.update",
-    "session.tools",
     "response.function_call_arguments",
 ];

@@ -4,12 +4,17 @@
 //! `/api/chat`; only the two ends differ ([`Protocol`]): JSON events carrying base64 audio in,
 //! and the template with PCM ends ([`pcm_ends`](super::session::pcm_ends)).
 //!
-//! The conversation is one response that stays open for the whole call: the model listens and
-//! speaks at once, so nothing waits for a commit. The session starts at the client's first
-//! `input_audio_buffer.append` or `response.create`; `session.update` before it sets the persona
-//! (`instructions`), the voice prompt (`voice`, a name of the voices folder) and the sampling
-//! (the `duplex` extension object, the query parameters of `/api/chat`); after it, only the
-//! audio formats may change. Audio is `pcm16` (24 kHz, 16-bit little-endian) or G.711 μ-law /
+//! The model listens and speaks at once, so nothing waits for a commit; responses are
+//! stretches of its output, opened and closed as the clients' bookkeeping expects
+//! ([`conversation`]: items with ids, `response.cancel` and `response.create` as the
+//! boundaries), their closing events sent in order with the deltas by the writer. The session
+//! starts at the client's first `input_audio_buffer.append` or `response.create`, once its
+//! `session.update` has come (or [`UPDATE_GRACE`] after the connection opened);
+//! `session.update` before it sets the persona (`instructions`, and system messages of
+//! `conversation.item.create`), the voice prompt (`voice`, a name of the voices folder: another
+//! name leaves the template's) and the sampling (the `duplex` extension object, the query
+//! parameters of `/api/chat`); after it, only the audio formats change, and a late update is
+//! answered with what is in effect, never refused. Audio is `pcm16` (24 kHz, 16-bit little-endian) or G.711 μ-law /
 //! A-law at 8 kHz, in the beta (`input_audio_format: "g711_ulaw"`) and the GA spelling
 //! (`audio.input.format: {"type": "audio/pcmu"}`), converted by [`phone`](crate::audio::phone) (G.711 tables, resampled to
 //! and from 24 kHz): an append is charged to the connection's audio budget from its base64
@@ -18,8 +23,8 @@
 //! aligned whatever is dropped. Server events use the GA names, or the beta ones (`response.audio.delta`)
 //! when the client spoke beta or asked with `?event_names=beta` (`both` sends both). Every bad
 //! event gets an `error` event with a `code`, the offending `param` and the client's
-//! `event_id` (cut to 40 characters, as every value of a client's repeated); none ends the
-//! session. `docs/realtime.md` maps every event.
+//! `event_id` (cut to 40 characters, as every value of a client's repeated), counted by kind
+//! and logged once per kind and session; none ends the session. `docs/realtime.md` maps every event.
 //!
 //! Knows nothing of the pipeline beyond the session's link; nothing of HTTP beyond the socket's
 //! messages.
@@ -30,6 +35,7 @@ use axum::extract::ws::Message;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+mod conversation;
 mod events;
 
 use super::config::shown;
@@ -39,6 +45,7 @@ use crate::audio::phone::{to_pcm16, PhoneIn, PhoneOut, PHONE_RATE};
 use crate::audio::MODEL_RATE;
 use crate::session::Outbound;
 
+use conversation::Conversation;
 use events::SAMPLING;
 pub use events::{parse_event, ClientEvent, EventError, Format, SessionUpdate};
 
@@ -68,12 +75,29 @@ impl Names {
     }
 }
 
+/// How long a session asked for by audio alone waits for the client's `session.update`: the
+/// frameworks send theirs as soon as `session.created` comes, while their audio may already
+/// flow.
+const UPDATE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// `metadata` with the server's own keys added (the session's id).
+fn merged(mut metadata: Value, own: &Value) -> Value {
+    if let (Value::Object(m), Value::Object(o)) = (&mut metadata, own) {
+        for (k, v) in o {
+            m.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    metadata
+}
+
 /// What the encoder shares with the protocol.
 struct Shared {
     output: Format,
-    names: Names,
-    response: String,
-    item: String,
+    /// The items and the open response, and the names the events use.
+    conv: Conversation,
+    /// Events to send before the agent's next delta (a response closed at the client's
+    /// request, a new one opened): sent in order with the deltas, by the writer.
+    pending: Vec<Value>,
 }
 
 /// The realtime API's side of one connection.
@@ -92,6 +116,15 @@ pub(super) struct Realtime {
     shared: Arc<Mutex<Shared>>,
     /// The client asked for the session to start.
     start: bool,
+    /// When the connection opened: a session asked for by audio alone starts once the client
+    /// has had [`UPDATE_GRACE`] to send its `session.update`.
+    opened: std::time::Instant,
+    /// A `session.update` has come.
+    updated: bool,
+    /// The `metadata` of a `response.create` that came before the session was ready.
+    first_metadata: Option<Value>,
+    /// The session is ready: its first response is open.
+    ready: bool,
     /// The session's pipeline has been built: its persona, voice and sampling are fixed.
     started: bool,
     instructions: String,
@@ -114,11 +147,14 @@ impl Realtime {
             half: Half::None,
             shared: Arc::new(Mutex::new(Shared {
                 output: Format::Pcm16,
-                names: names.unwrap_or(Names::Ga),
-                response: format!("resp_{stamp:x}"),
-                item: format!("item_{stamp:x}"),
+                conv: Conversation::new(names.unwrap_or(Names::Ga), format!("{stamp:x}")),
+                pending: Vec::new(),
             })),
             start: false,
+            opened: std::time::Instant::now(),
+            updated: false,
+            first_metadata: None,
+            ready: false,
             started: false,
             instructions: String::new(),
             voice: None,
@@ -163,7 +199,7 @@ impl Realtime {
         let (output, names) = self
             .shared
             .lock()
-            .map(|s| (s.output, s.names))
+            .map(|s| (s.output, s.conv.names))
             .unwrap_or((Format::Pcm16, Names::Ga));
         let mut s = json!({
             "type": "realtime",
@@ -172,9 +208,11 @@ impl Realtime {
             "output_modalities": ["audio"],
             "instructions": self.instructions,
             "audio": {
-                "input": {"format": self.input.ga(), "turn_detection": null},
+                "input": {"format": self.input.ga(), "turn_detection": null, "transcription": null},
                 "output": {"format": output.ga(), "voice": self.voice},
             },
+            "tools": [],
+            "tool_choice": "none",
             "duplex": self.pairs.iter().filter(|(k, _)| SAMPLING.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.parse::<f64>().map_or(Value::Null, Value::from))).collect::<serde_json::Map<_, _>>(),
         });
         if names != Names::Ga {
@@ -196,70 +234,85 @@ impl Realtime {
         }
     }
 
-    /// Applies a `session.update`: all of it, or nothing and an error naming the field.
-    fn apply(&mut self, u: SessionUpdate, client_event: Option<&str>) -> Message {
+    /// Applies a `session.update`. Before the session starts, its persona, voice and sampling
+    /// apply (a voice the server does not have is not applied, and said); after, they are
+    /// fixed (the model was primed with them) and the update applies its audio formats, its
+    /// answer saying what is in effect. A bad value (a format, a sampling option, instructions
+    /// over the limit) gets an error naming it, and nothing of the update applies.
+    fn apply(
+        &mut self,
+        u: SessionUpdate,
+        client_event: Option<&str>,
+        cx: &mut Taken<'_>,
+    ) -> Message {
+        self.updated = true;
         let mut pairs = self.pairs.clone();
         let mut set = |k: &str, v: String| {
             pairs.retain(|(key, _)| key != k);
             pairs.push((k.to_string(), v));
         };
-        let mut fixed = Vec::new();
         if let Some(t) = &u.instructions {
             set("text_prompt", t.clone());
-            fixed.push("session.instructions");
         }
-        if let Some((param, name)) = &u.voice {
+        if let Some((_, name)) = &u.voice {
             set("voice_prompt", name.clone());
-            fixed.push(*param);
         }
         for (k, v) in &u.sampling {
             set(k, v.clone());
         }
-        if !u.sampling.is_empty() {
-            fixed.push("session.duplex");
+        let fixed = self.started && pairs != self.pairs;
+        if fixed && cx.first("fixed_after_start") {
+            tracing::info!(
+                session = cx.id,
+                "realtime: a session.update after the conversation started keeps its persona, voice and sampling (the model was primed with them); its audio formats apply"
+            );
         }
-        if self.started && pairs != self.pairs {
-            let m = "the conversation has started: its persona, voice and sampling are fixed \
-                     (only the audio formats may change)";
-            return self.error("session_started", m, fixed.first().copied(), client_event);
+        if fixed {
+            pairs = self.pairs.clone();
         }
+        let mut voice = u.voice.as_ref().map(|(_, n)| n.clone()).filter(|_| !fixed);
         if let Err(m) = self.cfg.session_params(&pairs) {
-            // Which field: the one whose value alone makes the difference.
             let without = |key: &str| {
                 let rest: Vec<(String, String)> =
                     pairs.iter().filter(|(k, _)| k != key).cloned().collect();
                 self.cfg.session_params(&rest).is_ok()
             };
-            let (param, message) = match &u.voice {
-                Some((param, name)) if without("voice_prompt") => (
-                    Some(*param),
-                    format!(
-                        "voice `{}` is not a voice of this server (GET /api/voices lists \
-                         them): {}",
-                        shown(name),
-                        m.replace("query parameter ", "")
-                    ),
-                ),
-                _ if without("text_prompt") => (
-                    Some("session.instructions"),
-                    m.replace("query parameter text_prompt", "instructions"),
-                ),
-                _ => (
-                    SAMPLING
-                        .iter()
-                        .find(|k| m.contains(*k))
-                        .map(|_| "session.duplex"),
-                    m.replace("query parameter ", ""),
-                ),
-            };
-            return self.error("invalid_value", &message, param, client_event);
+            if u.voice.is_some() && without("voice_prompt") {
+                // The frameworks send OpenAI's names (`marin`, `alloy`): not this server's
+                // voices, and no reason to refuse the rest. The voice in effect is said.
+                if cx.first("unknown_voice") {
+                    tracing::info!(
+                        session = cx.id,
+                        voice = %shown(voice.as_deref().unwrap_or_default()),
+                        "realtime: not a voice of this server (GET /api/voices lists them); the template's voice stays"
+                    );
+                }
+                pairs.retain(|(k, _)| k != "voice_prompt");
+                voice = None;
+            } else {
+                let (param, message) = if without("text_prompt") {
+                    (
+                        Some("session.instructions"),
+                        m.replace("query parameter text_prompt", "instructions"),
+                    )
+                } else {
+                    (
+                        SAMPLING
+                            .iter()
+                            .find(|k| m.contains(*k))
+                            .map(|_| "session.duplex"),
+                        m.replace("query parameter ", ""),
+                    )
+                };
+                return self.error("invalid_value", &message, param, client_event);
+            }
         }
         self.pairs = pairs;
-        if let Some(t) = u.instructions {
+        if let Some(t) = u.instructions.filter(|_| !fixed) {
             self.instructions = t;
         }
-        if let Some((_, name)) = u.voice {
-            self.voice = Some(name);
+        if voice.is_some() {
+            self.voice = voice;
         }
         if let Some(f) = u.input {
             self.set_input(f);
@@ -269,11 +322,117 @@ impl Realtime {
                 s.output = f;
             }
             if u.beta && !self.names_fixed {
-                s.names = Names::Beta;
+                s.conv.names = Names::Beta;
             }
         }
         let session = self.session();
         self.event(json!({"type": "session.updated", "session": session}))
+    }
+
+    /// An `error` event for a client's mistake, counted by `kind` and logged once per kind
+    /// in the session.
+    fn refuse(
+        &mut self,
+        cx: &mut Taken<'_>,
+        kind: &'static str,
+        code: &str,
+        message: &str,
+        param: Option<&str>,
+        client_event: Option<&str>,
+    ) -> Message {
+        cx.protocol_error(kind);
+        if cx.first(kind) {
+            tracing::info!(
+                session = cx.id,
+                kind,
+                code,
+                "realtime: a client event refused: {message}"
+            );
+        }
+        self.error(code, message, param, client_event)
+    }
+
+    /// The error for an item id this conversation does not have.
+    fn no_item(
+        &mut self,
+        cx: &mut Taken<'_>,
+        code: &str,
+        item_id: &str,
+        client_event: Option<&str>,
+    ) -> Message {
+        let m = format!("Item with item_id not found: {}", shown(item_id));
+        self.refuse(cx, "bad_event", code, &m, Some("item_id"), client_event)
+    }
+
+    /// The events `f` makes of the conversation, as messages.
+    fn conversation(&mut self, f: impl FnOnce(&mut Conversation) -> Vec<Value>) -> Vec<Message> {
+        let events = match self.shared.lock() {
+            Ok(mut s) => f(&mut s.conv),
+            Err(_) => Vec::new(),
+        };
+        events.into_iter().map(|v| self.event(v)).collect()
+    }
+
+    /// `response.create`: before the session is ready, it starts the session (its first
+    /// response echoes `metadata`); after, the open response completes and a new one opens,
+    /// echoing `metadata`, at the model's next frame.
+    fn create_response(&mut self, metadata: Option<Value>) -> Vec<Message> {
+        if !self.ready {
+            self.start = true;
+            self.first_metadata = metadata;
+            return Vec::new();
+        }
+        if let Ok(mut s) = self.shared.lock() {
+            let own = s.conv.metadata.clone();
+            let mut events = s.conv.close("completed");
+            events.extend(
+                s.conv
+                    .open(Some(metadata.map_or(own.clone(), |m| merged(m, &own)))),
+            );
+            s.pending.extend(events);
+        }
+        Vec::new()
+    }
+
+    /// `conversation.item.create`: the item kept with an id, and announced. A system or
+    /// developer message's text joins the persona while the session has not started; after,
+    /// it is kept and said to take no effect (the model was primed). A user's text is kept:
+    /// the model hears audio only.
+    fn create_item(
+        &mut self,
+        item: Value,
+        previous: Option<String>,
+        cx: &mut Taken<'_>,
+    ) -> Vec<Message> {
+        let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
+        if matches!(role, "system" | "developer") {
+            let text: Vec<&str> = item
+                .get("content")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.get("text").and_then(Value::as_str))
+                .collect();
+            let text = text.join("\n");
+            if !text.trim().is_empty() && !self.started {
+                let persona = match self.instructions.trim() {
+                    "" => text,
+                    p => format!("{p}\n{text}"),
+                };
+                let mut pairs = self.pairs.clone();
+                pairs.retain(|(k, _)| k != "text_prompt");
+                pairs.push(("text_prompt".into(), persona.clone()));
+                if self.cfg.session_params(&pairs).is_ok() {
+                    self.pairs = pairs;
+                    self.instructions = persona;
+                } else if cx.first("persona_item_refused") {
+                    tracing::info!(session = cx.id, "realtime: a {role} message would make the persona too long; kept as an item only");
+                }
+            } else if !text.trim().is_empty() && cx.first("persona_item_late") {
+                tracing::info!(session = cx.id, "realtime: a {role} message after the conversation started is kept as an item; the persona stays (the model was primed with it)");
+            }
+        }
+        self.conversation(|c| c.add(item, previous).1)
     }
 
     /// How long `n` bytes of the client's audio play, in its format.
@@ -349,36 +508,22 @@ struct Deltas {
 }
 
 impl Deltas {
-    fn events(&mut self, kind: &str, delta: String) -> Vec<Message> {
-        let (names, response, item) = match self.shared.lock() {
-            Ok(s) => (s.names, s.response.clone(), s.item.clone()),
+    /// The events waiting for the writer, then the delta's (a response opened first when none
+    /// is).
+    fn events(&mut self, audio: bool, delta: String) -> Vec<Message> {
+        let events = match self.shared.lock() {
+            Ok(mut s) => {
+                let mut out = std::mem::take(&mut s.pending);
+                out.extend(s.conv.delta(audio, delta));
+                out
+            }
             Err(_) => return Vec::new(),
         };
-        let (ga, beta) = match kind {
-            "audio" => ("response.output_audio.delta", "response.audio.delta"),
-            _ => (
-                "response.output_audio_transcript.delta",
-                "response.audio_transcript.delta",
-            ),
-        };
-        let types: &[&str] = match names {
-            Names::Ga => &[ga],
-            Names::Beta => &[beta],
-            Names::Both => &[ga, beta],
-        };
-        types
-            .iter()
-            .map(|t| {
+        events
+            .into_iter()
+            .map(|mut v| {
                 self.next_event += 1;
-                let v = json!({
-                    "type": t,
-                    "event_id": format!("event_duplex_out_{}", self.next_event),
-                    "response_id": response,
-                    "item_id": item,
-                    "output_index": 0,
-                    "content_index": 0,
-                    "delta": delta,
-                });
+                v["event_id"] = json!(format!("event_duplex_out_{}", self.next_event));
                 Message::Text(v.to_string().into())
             })
             .collect()
@@ -406,9 +551,9 @@ impl Encoder for Deltas {
                     return Vec::new();
                 }
                 let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
-                self.events("audio", b64)
+                self.events(true, b64)
             }
-            Outbound::Text(t) => self.events("text", t),
+            Outbound::Text(t) => self.events(false, t),
             // Not made by a template with PCM ends.
             Outbound::Audio(_) => Vec::new(),
         }
@@ -422,7 +567,7 @@ impl Protocol for Realtime {
     }
 
     fn may_start(&self) -> bool {
-        self.start
+        self.start && (self.updated || self.opened.elapsed() >= UPDATE_GRACE)
     }
 
     fn params(&mut self, cfg: &ServeConfig) -> Result<super::config::SessionParams, String> {
@@ -431,23 +576,18 @@ impl Protocol for Realtime {
     }
 
     fn ready(&mut self, meta: &Value) -> Vec<Message> {
-        let (response, item) = self
-            .shared
-            .lock()
-            .map(|s| (s.response.clone(), s.item.clone()))
-            .unwrap_or_default();
         let session = meta.get("session").cloned().unwrap_or(Value::Null);
-        vec![self.event(json!({
-            "type": "response.created",
-            "response": {
-                "id": response,
-                "object": "realtime.response",
-                "status": "in_progress",
-                "output": [{"id": item, "type": "message", "role": "assistant", "content": []}],
-                "output_modalities": ["audio"],
-                "metadata": {"duplex_session": session.to_string()},
+        let own = json!({"duplex_session": session.to_string()});
+        let first = self.first_metadata.take().map(|m| merged(m, &own));
+        self.ready = true;
+        let events = match self.shared.lock() {
+            Ok(mut s) => {
+                s.conv.metadata = own;
+                s.conv.open(first)
             }
-        }))]
+            Err(_) => Vec::new(),
+        };
+        events.into_iter().map(|v| self.event(v)).collect()
     }
 
     fn take(&mut self, m: Message, cx: &mut Taken<'_>) {
@@ -467,8 +607,9 @@ impl Protocol for Realtime {
         let (id, event) = match parsed {
             Ok(p) => p,
             Err(e) => {
-                cx.protocol_error(e.kind);
-                let r = self.error(
+                let r = self.refuse(
+                    cx,
+                    e.kind,
                     e.code,
                     &e.message,
                     e.param.as_deref(),
@@ -479,41 +620,101 @@ impl Protocol for Realtime {
             }
         };
         let ce = id.as_deref();
-        let reply = match event {
-            ClientEvent::Update(u) => Some(self.apply(u, ce)),
+        let replies = match event {
+            ClientEvent::Update(u) => vec![self.apply(u, ce, cx)],
             ClientEvent::Append(b64) => match self.audio(&b64, cx) {
                 Ok(pcm) => {
                     self.start = true;
                     if let Some(pcm) = pcm.filter(|p| !p.is_empty()) {
                         cx.offer(pcm);
                     }
-                    None
+                    Vec::new()
                 }
                 Err(m) => {
-                    cx.protocol_error("bad_audio");
                     let code = if m.contains("base64") {
                         "invalid_base64"
                     } else {
                         "invalid_audio"
                     };
-                    Some(self.error(code, &m, Some("audio"), ce))
+                    vec![self.refuse(cx, "bad_audio", code, &m, Some("audio"), ce)]
                 }
             },
-            // Full duplex: the model has heard the audio as it came; there is nothing to commit
-            // or clear, and the one response is under way.
-            ClientEvent::Commit => Some(self.event(json!({
-                "type": "input_audio_buffer.committed",
-                "previous_item_id": null,
-                "item_id": null,
-            }))),
-            ClientEvent::Clear => Some(self.event(json!({"type": "input_audio_buffer.cleared"}))),
-            ClientEvent::CreateResponse => {
-                self.start = true;
-                None
+            // Full duplex: the model has heard the audio as it came; a commit makes it an
+            // item (for the client's bookkeeping), a clear has nothing to drop.
+            ClientEvent::Commit => self.conversation(|c| c.commit()),
+            ClientEvent::Clear => vec![self.event(json!({"type": "input_audio_buffer.cleared"}))],
+            ClientEvent::ClearOutput => {
+                vec![self.event(json!({"type": "output_audio_buffer.cleared"}))]
             }
-            ClientEvent::CancelResponse => None,
+            ClientEvent::CreateResponse(metadata) => self.create_response(metadata),
+            ClientEvent::CancelResponse => {
+                let closed = self
+                    .shared
+                    .lock()
+                    .map(|mut s| {
+                        let done = s.conv.close("cancelled");
+                        let any = !done.is_empty();
+                        s.pending.extend(done);
+                        any
+                    })
+                    .unwrap_or(false);
+                if closed {
+                    Vec::new()
+                } else {
+                    // Pipecat and LiveKit take this code as the answer it is, not a failure.
+                    vec![self.error(
+                        "response_cancel_not_active",
+                        "Cancellation failed: no active response found",
+                        None,
+                        ce,
+                    )]
+                }
+            }
+            ClientEvent::CreateItem { item, previous } => self.create_item(item, previous, cx),
+            ClientEvent::RetrieveItem(item_id) => {
+                let found = self
+                    .shared
+                    .lock()
+                    .ok()
+                    .and_then(|s| s.conv.item(&item_id).cloned());
+                match found {
+                    Some(item) => {
+                        vec![self
+                            .event(json!({"type": "conversation.item.retrieved", "item": item}))]
+                    }
+                    None => vec![self.no_item(cx, "item_retrieve_invalid_item_id", &item_id, ce)],
+                }
+            }
+            ClientEvent::DeleteItem(item_id) => {
+                let deleted = self
+                    .shared
+                    .lock()
+                    .is_ok_and(|mut s| s.conv.delete(&item_id));
+                match deleted {
+                    true => vec![self
+                        .event(json!({"type": "conversation.item.deleted", "item_id": item_id}))],
+                    false => vec![self.no_item(cx, "item_delete_invalid_item_id", &item_id, ce)],
+                }
+            }
+            ClientEvent::TruncateItem(item_id, content_index, audio_end_ms) => {
+                // What the client played of the agent's item: its bookkeeping; the model has
+                // heard the user interrupt it already.
+                let known = self
+                    .shared
+                    .lock()
+                    .is_ok_and(|s| s.conv.item(&item_id).is_some());
+                match known {
+                    true => vec![self.event(json!({
+                        "type": "conversation.item.truncated",
+                        "item_id": item_id,
+                        "content_index": content_index,
+                        "audio_end_ms": audio_end_ms,
+                    }))],
+                    false => vec![self.no_item(cx, "item_truncate_invalid_item_id", &item_id, ce)],
+                }
+            }
         };
-        cx.replies.extend(reply);
+        cx.replies.extend(replies);
     }
 
     fn encoder(&self) -> Box<dyn Encoder> {
