@@ -19,7 +19,12 @@ const PERSONA: &str = "You enjoy a good conversation.";
 
 /// Runs the test client `script` (of `tests/clients`) with `args`; returns its report.
 fn python_client(server: &Server, script: &str, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(daemon::root().join(".venv/bin/python"))
+    python_client_in(".venv", server, script, args)
+}
+
+/// As [`python_client`], with the Python of the virtual environment `venv`.
+fn python_client_in(venv: &str, server: &Server, script: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(daemon::root().join(venv).join("bin/python"))
         .arg(daemon::root().join("tests/clients").join(script))
         .args(args)
         .stdout(Stdio::piped())
@@ -468,22 +473,12 @@ fn pipecat_holds_conversations_over_v1_realtime() {
     speech_wav(&wav, 10.0, 200.0);
     let url = format!("ws://127.0.0.1:{}/v1/realtime", server.port);
     let run = |extra: &[&str]| {
-        let out = Command::new(daemon::root().join(".venv-agents/bin/python"))
-            .arg(daemon::root().join("tests/clients/pipecat_client.py"))
-            .args(["--url", &url, "--wav", wav.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "pipecat failed: {stdout}\n{}\nserver log:\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            server.log()
-        );
-        let last = stdout.lines().last().unwrap_or_default();
-        let r: serde_json::Value =
-            serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+        let args = [
+            &["--url", url.as_str(), "--wav", wav.to_str().unwrap()],
+            extra,
+        ]
+        .concat();
+        let r = python_client_in(".venv-agents", &server, "pipecat_client.py", &args);
         eprintln!("pipecat {extra:?}: {r}");
         assert_eq!(r["errors"], serde_json::json!([]), "{r}");
         assert_eq!(r["parse_failures"], serde_json::json!([]), "{r}");
