@@ -37,6 +37,7 @@ use serde_json::{json, Value};
 
 mod conversation;
 mod events;
+mod items;
 
 use super::config::shown;
 use super::session::{base64_len, Encoder, Protocol, Taken};
@@ -48,6 +49,7 @@ use crate::session::Outbound;
 use conversation::Conversation;
 use events::SAMPLING;
 pub use events::{parse_event, ClientEvent, EventError, Format, SessionUpdate};
+use items::merged;
 
 /// Which names the server's events use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,16 +81,6 @@ impl Names {
 /// frameworks send theirs as soon as `session.created` comes, while their audio may already
 /// flow.
 const UPDATE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
-
-/// `metadata` with the server's own keys added (the session's id).
-fn merged(mut metadata: Value, own: &Value) -> Value {
-    if let (Value::Object(m), Value::Object(o)) = (&mut metadata, own) {
-        for (k, v) in o {
-            m.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-    }
-    metadata
-}
 
 /// What the encoder shares with the protocol.
 struct Shared {
@@ -352,89 +344,6 @@ impl Realtime {
         self.error(code, message, param, client_event)
     }
 
-    /// The error for an item id this conversation does not have.
-    fn no_item(
-        &mut self,
-        cx: &mut Taken<'_>,
-        code: &str,
-        item_id: &str,
-        client_event: Option<&str>,
-    ) -> Message {
-        let m = format!("Item with item_id not found: {}", shown(item_id));
-        self.refuse(cx, "bad_event", code, &m, Some("item_id"), client_event)
-    }
-
-    /// The events `f` makes of the conversation, as messages.
-    fn conversation(&mut self, f: impl FnOnce(&mut Conversation) -> Vec<Value>) -> Vec<Message> {
-        let events = match self.shared.lock() {
-            Ok(mut s) => f(&mut s.conv),
-            Err(_) => Vec::new(),
-        };
-        events.into_iter().map(|v| self.event(v)).collect()
-    }
-
-    /// `response.create`: before the session is ready, it starts the session (its first
-    /// response echoes `metadata`); after, the open response completes and a new one opens,
-    /// echoing `metadata`, at the model's next frame.
-    fn create_response(&mut self, metadata: Option<Value>) -> Vec<Message> {
-        if !self.ready {
-            self.start = true;
-            self.first_metadata = metadata;
-            return Vec::new();
-        }
-        if let Ok(mut s) = self.shared.lock() {
-            let own = s.conv.metadata.clone();
-            let mut events = s.conv.close("completed");
-            events.extend(
-                s.conv
-                    .open(Some(metadata.map_or(own.clone(), |m| merged(m, &own)))),
-            );
-            s.pending.extend(events);
-        }
-        Vec::new()
-    }
-
-    /// `conversation.item.create`: the item kept with an id, and announced. A system or
-    /// developer message's text joins the persona while the session has not started; after,
-    /// it is kept and said to take no effect (the model was primed). A user's text is kept:
-    /// the model hears audio only.
-    fn create_item(
-        &mut self,
-        item: Value,
-        previous: Option<String>,
-        cx: &mut Taken<'_>,
-    ) -> Vec<Message> {
-        let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
-        if matches!(role, "system" | "developer") {
-            let text: Vec<&str> = item
-                .get("content")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c.get("text").and_then(Value::as_str))
-                .collect();
-            let text = text.join("\n");
-            if !text.trim().is_empty() && !self.started {
-                let persona = match self.instructions.trim() {
-                    "" => text,
-                    p => format!("{p}\n{text}"),
-                };
-                let mut pairs = self.pairs.clone();
-                pairs.retain(|(k, _)| k != "text_prompt");
-                pairs.push(("text_prompt".into(), persona.clone()));
-                if self.cfg.session_params(&pairs).is_ok() {
-                    self.pairs = pairs;
-                    self.instructions = persona;
-                } else if cx.first("persona_item_refused") {
-                    tracing::info!(session = cx.id, "realtime: a {role} message would make the persona too long; kept as an item only");
-                }
-            } else if !text.trim().is_empty() && cx.first("persona_item_late") {
-                tracing::info!(session = cx.id, "realtime: a {role} message after the conversation started is kept as an item; the persona stays (the model was primed with it)");
-            }
-        }
-        self.conversation(|c| c.add(item, previous).1)
-    }
-
     /// How long `n` bytes of the client's audio play, in its format.
     fn plays(&self, n: usize) -> std::time::Duration {
         let per_s = match self.input {
@@ -647,71 +556,12 @@ impl Protocol for Realtime {
                 vec![self.event(json!({"type": "output_audio_buffer.cleared"}))]
             }
             ClientEvent::CreateResponse(metadata) => self.create_response(metadata),
-            ClientEvent::CancelResponse => {
-                let closed = self
-                    .shared
-                    .lock()
-                    .map(|mut s| {
-                        let done = s.conv.close("cancelled");
-                        let any = !done.is_empty();
-                        s.pending.extend(done);
-                        any
-                    })
-                    .unwrap_or(false);
-                if closed {
-                    Vec::new()
-                } else {
-                    // Pipecat and LiveKit take this code as the answer it is, not a failure.
-                    vec![self.error(
-                        "response_cancel_not_active",
-                        "Cancellation failed: no active response found",
-                        None,
-                        ce,
-                    )]
-                }
-            }
+            ClientEvent::CancelResponse => self.cancel_response(ce),
             ClientEvent::CreateItem { item, previous } => self.create_item(item, previous, cx),
-            ClientEvent::RetrieveItem(item_id) => {
-                let found = self
-                    .shared
-                    .lock()
-                    .ok()
-                    .and_then(|s| s.conv.item(&item_id).cloned());
-                match found {
-                    Some(item) => {
-                        vec![self
-                            .event(json!({"type": "conversation.item.retrieved", "item": item}))]
-                    }
-                    None => vec![self.no_item(cx, "item_retrieve_invalid_item_id", &item_id, ce)],
-                }
-            }
-            ClientEvent::DeleteItem(item_id) => {
-                let deleted = self
-                    .shared
-                    .lock()
-                    .is_ok_and(|mut s| s.conv.delete(&item_id));
-                match deleted {
-                    true => vec![self
-                        .event(json!({"type": "conversation.item.deleted", "item_id": item_id}))],
-                    false => vec![self.no_item(cx, "item_delete_invalid_item_id", &item_id, ce)],
-                }
-            }
-            ClientEvent::TruncateItem(item_id, content_index, audio_end_ms) => {
-                // What the client played of the agent's item: its bookkeeping; the model has
-                // heard the user interrupt it already.
-                let known = self
-                    .shared
-                    .lock()
-                    .is_ok_and(|s| s.conv.item(&item_id).is_some());
-                match known {
-                    true => vec![self.event(json!({
-                        "type": "conversation.item.truncated",
-                        "item_id": item_id,
-                        "content_index": content_index,
-                        "audio_end_ms": audio_end_ms,
-                    }))],
-                    false => vec![self.no_item(cx, "item_truncate_invalid_item_id", &item_id, ce)],
-                }
+            ClientEvent::RetrieveItem(item_id) => self.retrieve_item(&item_id, cx, ce),
+            ClientEvent::DeleteItem(item_id) => self.delete_item(&item_id, cx, ce),
+            ClientEvent::TruncateItem(item_id, index, end_ms) => {
+                self.truncate_item(&item_id, index, end_ms, cx, ce)
             }
         };
         cx.replies.extend(replies);
