@@ -4,7 +4,7 @@
 //! API, Twilio, a SIP gateway). Knows nothing of protocols or sockets.
 
 use super::g711::{self, Law};
-use super::{StreamResampler, MODEL_RATE};
+use super::{AudioError, StreamResampler, MODEL_RATE};
 
 /// G.711's sample rate.
 pub const PHONE_RATE: u32 = 8_000;
@@ -21,19 +21,23 @@ impl PhoneIn {
     /// # Errors
     ///
     /// The resampler's, when it cannot be made.
-    pub fn new(law: Law) -> Result<Self, String> {
-        let up = StreamResampler::new(PHONE_RATE, MODEL_RATE, 160).map_err(|e| e.to_string())?;
+    pub fn new(law: Law) -> Result<Self, AudioError> {
+        let up = StreamResampler::new(PHONE_RATE, MODEL_RATE, 160)?;
         Ok(PhoneIn { law, up })
     }
 
     /// The PCM16 bytes of the next G.711 bytes of the stream.
-    pub fn pcm16(&mut self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+    ///
+    /// # Errors
+    ///
+    /// The resampler's.
+    pub fn pcm16(&mut self, bytes: &[u8]) -> Result<Vec<u8>, AudioError> {
         let pcm: Vec<f32> = bytes
             .iter()
             .map(|b| g711::decode(self.law, *b) as f32 / 32768.0)
             .collect();
         let mut up = Vec::with_capacity(pcm.len() * 3 + 512);
-        self.up.process(&pcm, &mut up).map_err(|e| e.to_string())?;
+        self.up.process(&pcm, &mut up)?;
         Ok(to_pcm16(&up))
     }
 }
@@ -51,8 +55,8 @@ impl PhoneOut {
     /// # Errors
     ///
     /// The resampler's, when it cannot be made.
-    pub fn new(law: Law) -> Result<Self, String> {
-        let down = StreamResampler::new(MODEL_RATE, PHONE_RATE, 1920).map_err(|e| e.to_string())?;
+    pub fn new(law: Law) -> Result<Self, AudioError> {
+        let down = StreamResampler::new(MODEL_RATE, PHONE_RATE, 1920)?;
         Ok(PhoneOut { law, down })
     }
 

@@ -186,7 +186,7 @@ impl<'a> BuildContext<'a> {
 /// Why a stage could not be built, so that the caller can tell a mistake in the configuration
 /// (fix it; exit code 2) from something that is not available now (memory, a busy device: it
 /// may work later, or built alone).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct BuildError {
     /// Which of the two.
     pub kind: BuildErrorKind,
@@ -194,7 +194,18 @@ pub struct BuildError {
     pub key: Option<&'static str>,
     /// What is wrong and what to do.
     pub message: String,
+    /// The error it came from (the model's, an audio device's), when it came from one.
+    cause: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
 }
+
+/// Equal when they say the same (kind, key, message), whatever they came from.
+impl PartialEq for BuildError {
+    fn eq(&self, other: &Self) -> bool {
+        (self.kind, self.key, &self.message) == (other.kind, other.key, &other.message)
+    }
+}
+
+impl Eq for BuildError {}
 
 /// What a [`BuildError`] means for the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,6 +230,7 @@ impl BuildError {
             kind: BuildErrorKind::Invalid,
             key: None,
             message: message.into(),
+            cause: None,
         }
     }
 
@@ -228,6 +240,7 @@ impl BuildError {
             kind: BuildErrorKind::Unavailable,
             key: None,
             message: message.into(),
+            cause: None,
         }
     }
 
@@ -235,6 +248,20 @@ impl BuildError {
     pub fn key(mut self, key: &'static str) -> Self {
         self.key = Some(key);
         self
+    }
+
+    /// The same error, come from `cause`.
+    fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.cause = Some(std::sync::Arc::new(cause));
+        self
+    }
+
+    /// The error it came from (a [`ModelError`](crate::model::ModelError), an
+    /// [`AudioError`](crate::audio::AudioError)), for a caller that tells them apart. Its
+    /// message is this error's already, so it is not also [`source`](std::error::Error::source):
+    /// a chain printed whole would say it twice.
+    pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.cause.as_deref()
     }
 }
 
@@ -266,19 +293,22 @@ impl From<crate::model::ModelError> for BuildError {
             },
             key,
             message: e.to_string(),
+            cause: None,
         }
+        .caused_by(e)
     }
 }
 
 impl From<crate::audio::AudioError> for BuildError {
     fn from(e: crate::audio::AudioError) -> Self {
         use crate::audio::AudioError as A;
-        match e {
+        let b = match e {
             // Found but not opened: busy, or the server is restarting.
             A::Device { .. } => BuildError::unavailable(e.to_string()).key("device"),
             A::NoDevice { .. } => BuildError::invalid(e.to_string()).key("device"),
-            e => BuildError::invalid(e.to_string()),
-        }
+            _ => BuildError::invalid(e.to_string()),
+        };
+        b.caused_by(e)
     }
 }
 
@@ -637,5 +667,27 @@ pub(crate) mod pacing {
             let due = start + Duration::from_secs_f64(self.samples as f64 / self.rate as f64);
             cx.sleep_until(due).then_some(due)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_build_error_keeps_the_error_it_came_from() {
+        let e = BuildError::from(crate::model::ModelError::contract(
+            "temporal",
+            "no `hidden`",
+        ));
+        assert_eq!(e.kind, BuildErrorKind::Invalid);
+        assert_eq!(e.key, Some("pack"));
+        let cause = e.cause().expect("a cause");
+        assert!(cause.downcast_ref::<crate::model::ModelError>().is_some());
+        assert_eq!(cause.to_string(), e.message);
+        // Said once: the cause is not also the source of a chain.
+        assert!(std::error::Error::source(&e).is_none());
+        assert!(BuildError::invalid("x").cause().is_none());
+        assert_eq!(e.clone(), e);
     }
 }

@@ -220,7 +220,7 @@ impl Protocol for Twilio {
                 match phone.pcm16(&bytes) {
                     Ok(pcm) if !pcm.is_empty() => cx.offer(pcm),
                     Ok(_) => {}
-                    Err(e) => Self::bad(cx, "audio", &e),
+                    Err(e) => Self::bad(cx, "audio", &e.to_string()),
                 }
             }
             "mark" => {

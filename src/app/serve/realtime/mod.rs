@@ -389,7 +389,7 @@ impl Realtime {
                 // PCM16 that ended mid-sample before the format changed: its half is dropped.
                 self.half = Half::None;
                 match self.phone.as_mut() {
-                    Some(p) => p.pcm16(&bytes).map(Some),
+                    Some(p) => p.pcm16(&bytes).map(Some).map_err(|e| e.to_string()),
                     None => Err("the G.711 decoder could not be made".into()),
                 }
             }
