@@ -408,7 +408,8 @@ pub fn record(
     let r =
         crate::observe::record::Recording::create(dir, manifest(spec), spec.record.max_file_bytes)
             .map_err(|m| {
-                ConfigError::new(&spec.file, ConfigErrorKind::Build, m).key("record.dir")
+                ConfigError::new(&spec.file, ConfigErrorKind::Build, m.to_string())
+                    .key("record.dir")
             })?;
     Ok(Some(std::sync::Arc::new(r)))
 }

@@ -382,10 +382,9 @@ fn load_ort() -> anyhow::Result<()> {
 /// The command, where messages name a file.
 const COMMAND: &str = "duplex replay";
 
-/// A recording reader's message (`PATH: what`) as a configuration error naming that file.
-pub(crate) fn recording_error(m: &str) -> ConfigError {
-    let (file, what) = m.split_once(": ").unwrap_or(("recording", m));
-    ConfigError::new(file, ConfigErrorKind::Build, what)
+/// A recording's error as a configuration error naming its file.
+pub(crate) fn recording_error(e: &crate::observe::record::RecordError) -> ConfigError {
+    ConfigError::new(&e.at, ConfigErrorKind::Build, e.what.clone())
 }
 
 /// A replay of a recording: the pipeline to run, the replay's own recording, and the live run.
@@ -527,8 +526,9 @@ fn record_replay(
         "stages": listed,
         "packs": { pack.clone(): super::pack_files(&pack) },
     });
-    Recording::create_at(&a.out, manifest, u64::MAX / 2)
-        .map_err(|m| ConfigError::new("duplex replay", ConfigErrorKind::Build, m).key("--out"))
+    Recording::create_at(&a.out, manifest, u64::MAX / 2).map_err(|e| {
+        ConfigError::new("duplex replay", ConfigErrorKind::Build, e.to_string()).key("--out")
+    })
 }
 
 /// codes → temporal ⇄ depformer → tokens, and the agent's decoder when the live run had one.

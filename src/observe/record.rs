@@ -22,6 +22,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Why a recording could not be made or read back: where (a folder, a file, or a file's line
+/// as `FILE:LINE`) and what was wrong there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{at}: {what}")]
+pub struct RecordError {
+    /// The folder, file or `FILE:LINE` at fault.
+    pub at: String,
+    /// What was wrong there.
+    pub what: String,
+}
+
+impl RecordError {
+    fn new(at: impl std::fmt::Display, what: impl std::fmt::Display) -> Self {
+        RecordError {
+            at: at.to_string(),
+            what: what.to_string(),
+        }
+    }
+}
+
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use crate::runtime::Observer;
@@ -76,12 +96,12 @@ impl Recording {
     ///
     /// # Errors
     ///
-    /// A message naming the folder or file that could not be created.
+    /// A [`RecordError`] naming the folder or file that could not be created.
     pub fn create(
         root: &Path,
         manifest: serde_json::Value,
         max_file_bytes: u64,
-    ) -> Result<Recording, String> {
+    ) -> Result<Recording, RecordError> {
         Self::create_tagged(root, "", manifest, max_file_bytes)
     }
 
@@ -95,7 +115,7 @@ impl Recording {
         tag: &str,
         manifest: serde_json::Value,
         max_file_bytes: u64,
-    ) -> Result<Recording, String> {
+    ) -> Result<Recording, RecordError> {
         let now = now_us();
         let stamp = format!(
             "{}.{:03}-{}",
@@ -103,7 +123,7 @@ impl Recording {
             now / 1000 % 1000,
             std::process::id()
         );
-        std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
+        std::fs::create_dir_all(root).map_err(|e| RecordError::new(root.display(), e))?;
         // Made here, one name at a time: two recordings never share a folder.
         for n in 0..1000 {
             let mut name = stamp.clone();
@@ -117,12 +137,12 @@ impl Recording {
             match std::fs::create_dir(&dir) {
                 Ok(()) => return Self::start(dir, true, manifest, max_file_bytes),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(format!("{}: {e}", dir.display())),
+                Err(e) => return Err(RecordError::new(dir.display(), e)),
             }
         }
-        Err(format!(
-            "{}: 1000 recordings named {stamp} already: no new folder",
-            root.display()
+        Err(RecordError::new(
+            root.display(),
+            format!("1000 recordings named {stamp} already: no new folder"),
         ))
     }
 
@@ -135,15 +155,15 @@ impl Recording {
         dir: &Path,
         manifest: serde_json::Value,
         max_file_bytes: u64,
-    ) -> Result<Recording, String> {
+    ) -> Result<Recording, RecordError> {
         if dir.join("manifest.json").exists() {
-            return Err(format!(
-                "{}: already holds a recording (give a new folder)",
-                dir.display()
+            return Err(RecordError::new(
+                dir.display(),
+                "already holds a recording (give a new folder)",
             ));
         }
         let fresh = !dir.exists();
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| RecordError::new(dir.display(), e))?;
         Self::start(dir.to_path_buf(), fresh, manifest, max_file_bytes)
     }
 
@@ -153,7 +173,7 @@ impl Recording {
         fresh: bool,
         mut manifest: serde_json::Value,
         max_file_bytes: u64,
-    ) -> Result<Recording, String> {
+    ) -> Result<Recording, RecordError> {
         let started = now_us();
         manifest["format"] = FORMAT.into();
         manifest["version"] = VERSION.into();
@@ -161,7 +181,7 @@ impl Recording {
         manifest["started_unix_us"] = started.into();
         let m = dir.join("manifest.json");
         let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
-        std::fs::write(&m, text + "\n").map_err(|e| format!("{}: {e}", m.display()))?;
+        std::fs::write(&m, text + "\n").map_err(|e| RecordError::new(m.display(), e))?;
         let (tx, rx) = crossbeam_channel::bounded(QUEUE);
         let w = Writer {
             dir: dir.clone(),
@@ -175,7 +195,7 @@ impl Recording {
         let writer = std::thread::Builder::new()
             .name("duplex:record".into())
             .spawn(move || w.run(rx))
-            .map_err(|e| format!("recording thread: {e}"))?;
+            .map_err(|e| RecordError::new(dir.display(), format!("its writer thread: {e}")))?;
         Ok(Recording {
             dir,
             fresh,
@@ -541,8 +561,8 @@ pub struct RecordedStep {
 
 /// Lines of a JSON Lines file; a bad last line is dropped (cut short by a kill), any other is an
 /// error.
-fn json_lines(path: &Path) -> Result<Vec<serde_json::Value>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn json_lines(path: &Path) -> Result<Vec<serde_json::Value>, RecordError> {
+    let text = std::fs::read_to_string(path).map_err(|e| RecordError::new(path.display(), e))?;
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::with_capacity(lines.len());
     for (i, l) in lines.iter().enumerate() {
@@ -550,10 +570,9 @@ fn json_lines(path: &Path) -> Result<Vec<serde_json::Value>, String> {
             Ok(v) => out.push(v),
             Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
             Err(e) => {
-                return Err(format!(
-                    "{}:{}: not a recording line ({e}); was the file edited?",
-                    path.display(),
-                    i + 1
+                return Err(RecordError::new(
+                    format!("{}:{}", path.display(), i + 1),
+                    format!("not a recording line ({e}); was the file edited?"),
                 ))
             }
         }
@@ -566,40 +585,40 @@ impl Recorded {
     ///
     /// # Errors
     ///
-    /// A message naming the folder or file: not a recording, written by another format version,
+    /// A [`RecordError`] naming the folder or file: not a recording, written by another format version,
     /// a line that does not parse, an index that names no stage.
-    pub fn open(dir: &Path) -> Result<Recorded, String> {
+    pub fn open(dir: &Path) -> Result<Recorded, RecordError> {
         let mpath = dir.join("manifest.json");
         if !dir.is_dir() {
-            return Err(format!("{}: no such recording folder", dir.display()));
+            return Err(RecordError::new(dir.display(), "no such recording folder"));
         }
         let text = std::fs::read_to_string(&mpath).map_err(|e| {
-            format!(
-                "{}: not a recording ({}: {e})",
+            RecordError::new(
                 dir.display(),
-                mpath.display()
+                format!("not a recording ({}: {e})", mpath.display()),
             )
         })?;
         let manifest: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: not valid JSON ({e})", mpath.display()))?;
+            .map_err(|e| RecordError::new(mpath.display(), format!("not valid JSON ({e})")))?;
         if manifest["format"] != FORMAT {
-            return Err(format!(
-                "{}: not a duplex recording (format {})",
+            return Err(RecordError::new(
                 mpath.display(),
-                manifest["format"]
+                format!("not a duplex recording (format {})", manifest["format"]),
             ));
         }
         let version = manifest["version"].as_u64().unwrap_or(0);
         if version != u64::from(VERSION) {
-            return Err(format!(
-                "{}: recording format version {version} (duplex {}); this build reads version \
-                 {VERSION}",
+            return Err(RecordError::new(
                 mpath.display(),
-                manifest["duplex"].as_str().unwrap_or("?")
+                format!(
+                    "recording format version {version} (duplex {}); this build reads version \
+                     {VERSION}",
+                    manifest["duplex"].as_str().unwrap_or("?")
+                ),
             ));
         }
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| format!("{}: {e}", dir.display()))?
+            .map_err(|e| RecordError::new(dir.display(), e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| {
                 p.file_name()
@@ -620,7 +639,9 @@ impl Recorded {
             };
             let stages: Vec<String> = header["stages"]
                 .as_array()
-                .ok_or_else(|| format!("{}:1: no header naming the stages", f.display()))?
+                .ok_or_else(|| {
+                    RecordError::new(format!("{}:1", f.display()), "no header naming the stages")
+                })?
                 .iter()
                 .map(|s| s.as_str().unwrap_or("").to_string())
                 .collect();
@@ -630,7 +651,10 @@ impl Recorded {
                     continue;
                 };
                 let name = stages.get(st as usize).ok_or_else(|| {
-                    format!("{}:{}: stage {st} is not in the header", f.display(), i + 1)
+                    RecordError::new(
+                        format!("{}:{}", f.display(), i + 1),
+                        format!("stage {st} is not in the header"),
+                    )
                 })?;
                 r.service
                     .entry(name.clone())
