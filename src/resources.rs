@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 
 pub mod primed;
 
-pub use self::primed::{PrimeCache, PrimeRecipe};
+pub use self::primed::{PrimeCache, PrimeFileError, PrimeRecipe};
 use crate::model::engine::{CodecOptions, EngineOptions, SharedCodec, SharedLm};
 use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::tokenizer::Tokenizer;

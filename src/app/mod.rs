@@ -69,7 +69,7 @@ pub(crate) fn load_primed_states(
     resources: &crate::resources::Resources,
     file: &Path,
     spec: &PipelineSpec,
-) -> Result<usize, String> {
+) -> Result<usize, crate::resources::PrimeFileError> {
     let packs: Vec<std::path::PathBuf> = spec
         .stages
         .iter()

@@ -32,6 +32,26 @@ const MAGIC: &str = "duplex-primed-states 1";
 /// The longest description line read (the frames of every state are in it).
 const MAX_HEADER: u64 = 64 << 20;
 
+/// Why a file of primed states could not be written or read: where (the file, or a pack whose
+/// temporal graph could not be identified) and what was wrong there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{at}: {what}")]
+pub struct PrimeFileError {
+    /// The file or pack folder at fault.
+    pub at: String,
+    /// What was wrong there.
+    pub what: String,
+}
+
+impl PrimeFileError {
+    fn new(at: impl std::fmt::Display, what: impl std::fmt::Display) -> Self {
+        PrimeFileError {
+            at: at.to_string(),
+            what: what.to_string(),
+        }
+    }
+}
+
 /// What a primed state was computed from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrimeRecipe {
@@ -191,7 +211,7 @@ impl PrimeCache {
     /// # Errors
     ///
     /// The file cannot be written, or a state's pack cannot be read (naming it).
-    pub fn save(&self, path: &Path) -> Result<usize, String> {
+    pub fn save(&self, path: &Path) -> Result<usize, PrimeFileError> {
         let entries: Vec<(Arc<TemporalState>, Arc<PrimeRecipe>)> = self
             .inner
             .lock()
@@ -213,7 +233,7 @@ impl PrimeCache {
                 Some(id) => id,
                 None => {
                     let id = temporal_identity(&r.pack)
-                        .map_err(|e| format!("{}: {e}", r.pack.display()))?;
+                        .map_err(|e| PrimeFileError::new(r.pack.display(), e))?;
                     identities.entry(r.pack.clone()).or_insert(id)
                 }
             };
@@ -250,7 +270,7 @@ impl PrimeCache {
         };
         write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("{}: {e}", path.display())
+            PrimeFileError::new(path.display(), e)
         })?;
         Ok(entries.len())
     }
@@ -264,8 +284,8 @@ impl PrimeCache {
     /// A file that is not a state file or is cut short, and a state of a temporal graph none of
     /// `packs` has (naming the pack it was primed on and those it was offered), each naming the
     /// file.
-    pub fn load(&self, path: &Path, packs: &[PathBuf]) -> Result<usize, String> {
-        let at = |e: String| format!("{}: {e}", path.display());
+    pub fn load(&self, path: &Path, packs: &[PathBuf]) -> Result<usize, PrimeFileError> {
+        let at = |e: String| PrimeFileError::new(path.display(), e);
         let f = std::fs::File::open(path).map_err(|e| at(e.to_string()))?;
         let file_len = f.metadata().map_err(|e| at(e.to_string()))?.len();
         let mut r = std::io::BufReader::new(f);
@@ -308,7 +328,7 @@ impl PrimeCache {
         let mut ids: Vec<(PathBuf, String)> = Vec::new();
         for p in packs {
             if !ids.iter().any(|(q, _)| q == p) {
-                let id = temporal_identity(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let id = temporal_identity(p).map_err(|e| PrimeFileError::new(p.display(), e))?;
                 ids.push((p.clone(), id));
             }
         }
@@ -454,7 +474,8 @@ mod tests {
             std::fs::write(&damaged, &bytes[..cut]).unwrap();
             let e = PrimeCache::new(1 << 20).load(&damaged, std::slice::from_ref(&pack));
             assert!(e.is_err(), "cut at {cut}");
-            assert!(e.unwrap_err().contains("damaged"));
+            // The file at fault, named.
+            assert!(e.unwrap_err().at.contains("damaged"));
         }
         for at in 0..bytes.len() {
             let mut b = bytes.clone();
@@ -475,14 +496,14 @@ mod tests {
         let e = PrimeCache::new(1 << 20)
             .load(&damaged, std::slice::from_ref(&pack))
             .unwrap_err();
-        assert!(e.contains("graph abcdefghijké"), "{e}");
+        assert!(e.what.contains("graph abcdefghijké"), "{e}");
         // Another pack's graph.
         let other = dir.path().join("other");
         std::fs::create_dir_all(other.join("temporal")).unwrap();
         std::fs::write(other.join("temporal/model.onnx"), b"another graph").unwrap();
         let e = PrimeCache::new(1 << 20).load(&file, &[other]).unwrap_err();
         assert!(
-            e.contains("primed on pack pack") && e.contains("other"),
+            e.what.contains("primed on pack pack") && e.what.contains("other"),
             "{e}"
         );
     }

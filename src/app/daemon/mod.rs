@@ -444,7 +444,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     if let Some(file) = c.prime_cache_file.as_ref().filter(|f| f.exists()) {
         let spec = c.pipeline_spec_with(&c.echo_decision())?;
         super::load_primed_states(&shared.resources, file, &spec)
-            .map_err(|e| c.error("prime_cache_file", ConfigErrorKind::Read, e))?;
+            .map_err(|e| c.error("prime_cache_file", ConfigErrorKind::Read, e.to_string()))?;
     }
     let result = supervise(&shared);
     drop(control);

