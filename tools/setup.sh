@@ -10,6 +10,7 @@
 # Always (the main job):
 #   - Debian packages (installed when running as root, otherwise the exact command is printed)
 #   - .venv with onnxruntime (the ONNX Runtime library duplex loads at run time)
+#   - models/vad/silero_vad.onnx: the voice-activity detector of `/v1/realtime` (Silero VAD)
 #   - cmake and g++ (libopus and aws-lc are built from source by their crates)
 #   - the model-pack exporter in .venv (mobius-onnx and its pinned graph-building dependencies)
 #     and the tiny test packs it builds: models/tiny, models/tiny-gqa, models/tiny-gqa-fp16,
@@ -113,6 +114,32 @@ if [[ -z $lib ]]; then
   exit 1
 fi
 
+# --- The voice-activity detector of `/v1/realtime` ------------------------------------------------
+# Silero VAD's ONNX model (MIT), from its PyPI wheel (whose Python side needs torch: only the
+# file is taken), checked against its digest.
+VAD_VERSION=6.2.3
+VAD_SHA256=1a153a22f4509e292a94e67d6f9b85e8deb25b4988682b7e174c65279d8788e3
+vad=models/vad/silero_vad.onnx
+if [[ ! -f $vad ]] || ! echo "$VAD_SHA256  $vad" | sha256sum --check --status; then
+  say "fetching Silero VAD's model (silero-vad==$VAD_VERSION) into $vad"
+  tmp=$(mktemp -d)
+  .venv/bin/python -m pip download --quiet --disable-pip-version-check --no-deps \
+    "silero-vad==$VAD_VERSION" -d "$tmp"
+  mkdir -p "$(dirname "$vad")"
+  .venv/bin/python - "$tmp"/silero_vad-*.whl "$vad.part" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], "wb") as out:
+    out.write(z.read("silero_vad/data/silero_vad.onnx"))
+PY
+  rm -rf "$tmp"
+  if ! echo "$VAD_SHA256  $vad.part" | sha256sum --check --status; then
+    say "silero-vad==$VAD_VERSION's model does not have the digest this script expects"
+    rm -f "$vad.part"
+    exit 1
+  fi
+  mv "$vad.part" "$vad"
+fi
+
 # --- Model-pack exporter and the tiny test packs -------------------------------------------------
 # tools/make_pack.py builds packs with the real exporter (mobius-onnx) and random weights. The
 # exporter is installed without its dependencies (it would pull in torch, which it only needs to
@@ -166,12 +193,25 @@ if [[ -n $wrong ]]; then
 fi
 
 # Agent frameworks, as their users install them, in a venv of their own (their pins of openai,
-# websockets and onnxruntime are theirs, not the tests'): Pipecat's OpenAI realtime service.
-AGENT_PACKAGES=("pipecat-ai[openai]==1.14.0")
+# websockets and onnxruntime are theirs, not the tests'): Pipecat's OpenAI realtime service and
+# LiveKit Agents' OpenAI realtime plugin (the two share one venv: their requirements agree).
+AGENT_PACKAGES=("pipecat-ai[openai]==1.14.0" livekit-agents==1.8.9 livekit-plugins-openai==1.8.9)
 if ((FOR_TESTS)); then
   [[ -x .venv-agents/bin/python ]] || "$PYTHON" -m venv .venv-agents
-  if ! .venv-agents/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("pipecat-ai") != "1.14.0")' 2>/dev/null; then
-    say "installing into .venv-agents: ${AGENT_PACKAGES[*]}"
+  wrong=$(.venv-agents/bin/python - "${AGENT_PACKAGES[@]}" <<'PY'
+import importlib.metadata as m, sys
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    try:
+        ok = m.version(name.split("[")[0]) == version
+    except m.PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(pin)
+PY
+)
+  if [[ -n $wrong ]]; then
+    say "installing into .venv-agents: $(echo $wrong)"
     .venv-agents/bin/python -m pip install --quiet --disable-pip-version-check "${AGENT_PACKAGES[@]}"
   fi
 fi

@@ -108,6 +108,11 @@ impl<'a> Fields<'a> {
         out
     }
 
+    /// The keys of this table, in the order written.
+    pub fn keys(&self) -> Vec<String> {
+        self.table.keys().cloned().collect()
+    }
+
     /// Refuses a key that is not one of `keys`, suggesting the closest.
     ///
     /// # Errors

@@ -21,6 +21,7 @@ pub mod session;
 pub mod temporal;
 mod tensors;
 pub mod tokenizer;
+pub mod vad;
 
 pub use tensors::{buffer_allocations, Placement};
 

@@ -2,7 +2,8 @@
 
 `sdk` mode is the official `openai` SDK's realtime client (`AsyncOpenAI(base_url=…)`): it sends
 `session.update` (instructions, voice, formats in the GA spelling, the `duplex` sampling
-extension), streams a WAV in real time (20 ms appends), listens on, and reports what came back.
+extension, `turn_detection` when given), streams a WAV in real time (20 ms appends), listens on,
+and reports what came back (the user's turns the server detected among it).
 G.711 is made and read with Python's own `audioop` (`lin2ulaw`, `ulaw2lin`, `ratecv`), never
 with duplex's code. `raw` mode speaks the WebSocket itself (`websockets`), to send what the SDK
 would refuse to: bad events, one by one, each answered by an `error` event.
@@ -61,7 +62,7 @@ async def sdk(args):
     rate, pcm = read_wav(args.wav)
     assert rate == 24000, rate
     data, step = wire_audio(pcm, args.input)
-    out = {"events": {}, "errors": [], "audio_b64": "", "text": "", "session_id": None}
+    out = {"events": {}, "errors": [], "audio_b64": "", "text": "", "session_id": None, "turns": []}
     audio = bytearray()
     async with client.realtime.connect(model="duplex") as conn:
         session = {
@@ -76,6 +77,8 @@ async def sdk(args):
             session["audio"]["output"]["voice"] = args.voice
         if args.greedy:
             session["duplex"] = {"text_temperature": 0, "audio_temperature": 0}
+        if args.turn_detection is not None:
+            session["audio"]["input"]["turn_detection"] = json.loads(args.turn_detection)
         await conn.session.update(session=session)
 
         async def send():
@@ -111,6 +114,16 @@ async def sdk(args):
                 out["text"] += ev.delta
             elif t == "response.created":
                 out["session_id"] = (ev.response.metadata or {}).get("duplex_session")
+            elif t == "input_audio_buffer.speech_started":
+                out["turns"].append([t, ev.audio_start_ms, ev.item_id])
+            elif t == "input_audio_buffer.speech_stopped":
+                out["turns"].append([t, ev.audio_end_ms, ev.item_id])
+            elif t == "input_audio_buffer.committed":
+                out["turns"].append([t, None, ev.item_id])
+            elif t == "response.done":
+                out.setdefault("done", []).append(
+                    [ev.response.status, (ev.response.status_details.reason if ev.response.status_details else None)]
+                )
             elif t == "session.updated":
                 out["updated"] = ev.session.model_dump(exclude_none=True)
             elif t == "error":
@@ -183,6 +196,7 @@ def main():
     p.add_argument("--instructions", default="")
     p.add_argument("--voice")
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--turn-detection", help="the session's audio.input.turn_detection, as JSON")
     p.add_argument("--key")
     p.add_argument("--listen", type=float, default=2.0)
     p.add_argument("--save")

@@ -54,7 +54,7 @@ pub(super) async fn realtime_chat(
             return (StatusCode::BAD_REQUEST, format!("{m}\n")).into_response();
         }
     };
-    let proto = realtime::Realtime::new(server.cfg.clone(), names);
+    let proto = realtime::Realtime::new(server.cfg.clone(), names, server.vad.clone());
     // Browsers name the API's subprotocol (and pass their key in another one).
     let ws = ws.protocols(["realtime"]);
     open_session(server, peer, client, conn, &headers, ws, proto)

@@ -114,6 +114,8 @@ pub(crate) struct Server {
     active: metrics::Gauge,
     /// The WebRTC endpoint (`None`: `webrtc.enabled: false`).
     webrtc: Option<webrtc::Endpoint>,
+    /// The voice-activity detector of `/v1/realtime` (`None`: none).
+    vad: Option<Arc<crate::model::vad::Vad>>,
 }
 
 impl Server {
@@ -218,6 +220,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let engines = session::check_template(&cfg, &template, &registry, &resources)?;
     let capacity = capacity(&cfg, &engines);
+    // On the ONNX Runtime the template loaded.
+    let vad = realtime::open_detector(&cfg)?;
     if args.check {
         println!(
             "ok: {} (session template {}, {} stages, checked in {:.1} s); would serve {} sessions on {}",
@@ -263,6 +267,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         template: std::sync::RwLock::new(Templates::of(template, &registry)),
         resources,
         engines: Mutex::new(engines),
+        vad,
     };
     rt.block_on(serve(cfg, held, registry, capacity))
 }
@@ -273,6 +278,7 @@ struct Held {
     template: std::sync::RwLock<Templates>,
     resources: Resources,
     engines: Mutex<crate::resources::Engines>,
+    vad: Option<Arc<crate::model::vad::Vad>>,
 }
 
 /// The session template, and its form with PCM ends (or why it has none), derived together.
@@ -355,6 +361,7 @@ async fn serve(
         active: metrics::gauge!(names::SESSIONS_ACTIVE),
         capacity,
         webrtc,
+        vad: held.vad,
         cfg: Arc::new(cfg),
     });
     server.active.set(0.0);

@@ -529,6 +529,22 @@ fn settings_that_cannot_be_meant_are_refused_before_start() {
             2,
             &["forwarded_header", "x-forwarded-for"],
         ),
+        // A detector the user named must be there, and be Silero VAD's.
+        (
+            format!("realtime: {{vad_model: {}/no-vad.onnx}}", d.display()),
+            2,
+            &["realtime.vad_model", "no-vad.onnx"],
+        ),
+        (
+            "realtime: {vad_model: models/tiny/mimi_encoder/model.onnx}".into(),
+            2,
+            &["realtime.vad_model", "not Silero VAD"],
+        ),
+        (
+            "realtime: {voices: {marin: calm.wav}}".into(),
+            2,
+            &["realtime.voices.marin", "no voices folder"],
+        ),
     ];
     let cfg = d.join("serve.yaml");
     for (extra, code, needles) in cases {

@@ -45,6 +45,19 @@ pub fn write_keys(path: &Path, text: &str) {
 
 /// A 24 kHz WAV of `seconds` of a speech-like signal (a tone with a syllable-rate envelope).
 pub fn speech_wav(path: &Path, seconds: f64, pitch: f64) {
+    let n = (seconds * 24_000.0) as usize;
+    let x: Vec<f32> = (0..n)
+        .map(|i| {
+            let t = i as f64 / 24_000.0;
+            let env = 0.5 + 0.5 * (std::f64::consts::TAU * 3.0 * t).sin();
+            (0.3 * env * (std::f64::consts::TAU * pitch * t).sin()) as f32
+        })
+        .collect();
+    write_wav_24k(path, &x);
+}
+
+/// `samples` (in [-1, 1]) as a 16-bit mono WAV at 24 kHz.
+pub fn write_wav_24k(path: &Path, samples: &[f32]) {
     let spec = hound::WavSpec {
         channels: 1,
         sample_rate: 24_000,
@@ -52,12 +65,9 @@ pub fn speech_wav(path: &Path, seconds: f64, pitch: f64) {
         sample_format: hound::SampleFormat::Int,
     };
     let mut w = hound::WavWriter::create(path, spec).unwrap();
-    let n = (seconds * 24_000.0) as usize;
-    for i in 0..n {
-        let t = i as f64 / 24_000.0;
-        let env = 0.5 + 0.5 * (std::f64::consts::TAU * 3.0 * t).sin();
-        let x = 0.3 * env * (std::f64::consts::TAU * pitch * t).sin();
-        w.write_sample((x * 32767.0) as i16).unwrap();
+    for v in samples {
+        w.write_sample((f64::from(v.clamp(-1.0, 1.0)) * 32767.0) as i16)
+            .unwrap();
     }
     w.finalize().unwrap();
 }
@@ -135,10 +145,22 @@ impl Server {
         mut cmd: Command,
     ) -> Server {
         let cfg = dir.path().join("serve.yaml");
+        // The server runs in its own folder: the default detector's relative path is the
+        // checkout's.
+        let detector = if config.contains("realtime:") {
+            String::new()
+        } else {
+            format!(
+                "realtime: {{vad_model: {}}}\n",
+                super::daemon::root()
+                    .join("models/vad/silero_vad.onnx")
+                    .display()
+            )
+        };
         std::fs::write(
             &cfg,
             format!(
-                "address: \"{host}:0\"\npipeline: {}\n{config}",
+                "address: \"{host}:0\"\npipeline: {}\n{detector}{config}",
                 template.display()
             ),
         )

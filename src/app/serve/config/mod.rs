@@ -7,10 +7,11 @@
 //! and key (or the variable) it came from: the keys are read through the configuration layer's
 //! one typed reader ([`Fields`]), the `ort:` section (the ONNX Runtime library) through its
 //! shared reader ([`ort`](crate::config::ort)). A client's choices of its session are
-//! [`query`]'s, the `webrtc:` section [`webrtc`]'s. Knows nothing of sockets.
+//! [`query`]'s, the `webrtc:` section [`webrtc`]'s, the `realtime:` section [`realtime`]'s. Knows nothing of sockets.
 
 mod edge;
 mod query;
+mod realtime;
 mod webrtc;
 
 use std::collections::HashMap;
@@ -58,6 +59,7 @@ const KEYS: &[&str] = &[
     "twilio_auth_token",
     "twilio_url",
     "webrtc",
+    "realtime",
     crate::config::ort::SECTION,
 ];
 const RECORD_KEYS: &[&str] = &["dir", "max_file_kb", "max_total_mb"];
@@ -157,6 +159,8 @@ pub struct ServeConfig {
     pub instance_name: String,
     /// WebRTC (`None`: `webrtc.enabled: false`).
     pub webrtc: Option<WebRtcSettings>,
+    /// What `/v1/realtime` adds: the voice-activity detector, OpenAI's voice names.
+    pub realtime: RealtimeSettings,
     /// Twilio's auth token: `/twilio/media` then needs Twilio's signature.
     pub twilio_auth_token: Option<String>,
     /// The stream's URL as the TwiML gives it to Twilio (what Twilio signs); `None`: `wss://`,
@@ -198,6 +202,19 @@ pub struct ServeConfig {
     /// search of [`ortlib`](crate::model::ortlib)).
     pub ort_library: Option<crate::config::OrtChoice>,
     origins: HashMap<String, String>,
+}
+
+/// The `realtime:` section.
+#[derive(Debug, Clone, Default)]
+pub struct RealtimeSettings {
+    /// Silero VAD's ONNX model (`None`: no detector).
+    pub vad_model: Option<PathBuf>,
+    /// The user named the model: a server that cannot open it does not start (the built-in
+    /// default's absence only leaves the detector off, said at start).
+    pub vad_required: bool,
+    /// A voice name a client may send (OpenAI's `marin`, `alloy` …) → a voice prompt of
+    /// `voices`.
+    pub voices: Vec<(String, String)>,
 }
 
 fn seconds(x: f64) -> Duration {
@@ -358,8 +375,10 @@ pub fn load(
         n => n.to_string(),
     };
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
+    let realtime = realtime::read_realtime(&f.table("realtime")?)?;
     let config = ServeConfig {
         webrtc,
+        realtime,
         twilio_auth_token: edge.twilio_auth_token,
         twilio_url: edge.twilio_url,
         allowed_hosts: edge.allowed_hosts,
@@ -405,6 +424,13 @@ pub fn load(
         config
             .voice_path(&voice_prompt)
             .map_err(|m| f.err(ConfigErrorKind::Read, "voice_prompt", m))?;
+    }
+    let rt = f.table("realtime")?;
+    let mapped = rt.table("voices").ok();
+    for (name, to) in &config.realtime.voices {
+        if let (Err(m), Some(v)) = (config.voice_path(to), &mapped) {
+            return Err(v.err(ConfigErrorKind::Read, name, m));
+        }
     }
     // The library the settings choose is loaded now, before the session template (whose models
     // would otherwise find one of their own): a template's own `ort.library` must then name

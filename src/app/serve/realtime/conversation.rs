@@ -1,9 +1,12 @@
 //! The realtime API's conversation as its clients keep it: items with ids, and responses that
 //! open and close around the agent's audio. A full-duplex model speaks when it chooses, so a
 //! response is a stretch of its output: one opens when the session is ready, or at the model's
-//! next frame after the last one closed; it closes `cancelled` at the client's `response.cancel`
-//! (a barge-in), `completed` when the client asks for a new one (`response.create`) or the call
-//! ends. Each response has one assistant message item with one audio part, announced as
+//! next frame after the last one closed; it closes `completed` when the agent's utterance in
+//! it has ended ([`TURN_END_FRAMES`] without a word after one; [`LISTEN_MAX_FRAMES`] when it
+//! said none: the agent listens) or the client asks for a new one (`response.create`), and
+//! `cancelled` at an interruption (the client's `response.cancel`, the user's speech). The
+//! frameworks run one response at a time and queue what they ask for behind it, so every
+//! response ends. Each response has one assistant message item with one audio part, announced as
 //! OpenAI's server announces it (`response.created`, `response.output_item.added`,
 //! `conversation.item.added`, `response.content_part.added`, the deltas, then the `…done`
 //! events and `response.done` with its status and usage), so that the frameworks' bookkeeping
@@ -19,6 +22,11 @@ use super::Names;
 /// Items kept for `conversation.item.retrieve`, `.delete` and `.truncate`: the newest.
 const KEPT_ITEMS: usize = 256;
 
+/// The agent's frames (80 ms) without a word that end its utterance, and its response.
+pub(super) const TURN_END_FRAMES: u32 = 8;
+/// The frames of a response in which the agent says nothing (it listens) before it closes.
+pub(super) const LISTEN_MAX_FRAMES: u32 = 25;
+
 /// An open response.
 #[derive(Debug, Clone)]
 struct Open {
@@ -30,6 +38,10 @@ struct Open {
     metadata: Value,
     /// Audio deltas sent.
     frames: u64,
+    /// Audio deltas since the last word (or since the start).
+    quiet: u32,
+    /// A word has been said in it.
+    said: bool,
 }
 
 /// The conversation of one connection. See the module doc.
@@ -43,6 +55,8 @@ pub(super) struct Conversation {
     response: Option<Open>,
     /// The metadata of every response the server opens of its own accord.
     pub(super) metadata: Value,
+    /// When the last response closed.
+    pub(super) closed_at: Option<std::time::Instant>,
 }
 
 impl Conversation {
@@ -54,6 +68,7 @@ impl Conversation {
             items: Vec::new(),
             response: None,
             metadata: json!({}),
+            closed_at: None,
         }
     }
 
@@ -119,10 +134,10 @@ impl Conversation {
     }
 
     /// The user's audio up to now, committed as an item (`input_audio_buffer.committed` and the
-    /// item's events).
-    pub(super) fn commit(&mut self) -> Vec<Value> {
+    /// item's events), with the id given (the one the detector announced) or a fresh one.
+    pub(super) fn commit(&mut self, id: Option<String>) -> Vec<Value> {
         let previous = self.last_item();
-        let id = self.id("item");
+        let id = id.unwrap_or_else(|| self.id("item"));
         let item = json!({
             "id": id, "object": "realtime.item", "type": "message", "status": "completed",
             "role": "user", "content": [{"type": "input_audio", "transcript": null}],
@@ -179,16 +194,19 @@ impl Conversation {
             transcript: String::new(),
             metadata,
             frames: 0,
+            quiet: 0,
+            said: false,
         });
         out
     }
 
-    /// Closes the open response with `status` (`completed`, `cancelled`); nothing when none is
-    /// open.
-    pub(super) fn close(&mut self, status: &str) -> Vec<Value> {
+    /// Closes the open response with `status` (`completed`, `cancelled` for `reason`:
+    /// `client_cancelled`, `turn_detected`); nothing when none is open.
+    pub(super) fn close(&mut self, status: &str, reason: Option<&str>) -> Vec<Value> {
         let Some(r) = self.response.take() else {
             return Vec::new();
         };
+        self.closed_at = Some(std::time::Instant::now());
         let (id, item) = (&r.id, &r.item);
         let part = json!({"type": "audio", "transcript": r.transcript});
         let done = json!({
@@ -229,7 +247,9 @@ impl Conversation {
             out.push(json!({"type": "conversation.item.done", "previous_item_id": previous, "item": done}));
         }
         let details = match status {
-            "cancelled" => json!({"type": "cancelled", "reason": "client_cancelled"}),
+            "cancelled" => {
+                json!({"type": "cancelled", "reason": reason.unwrap_or("client_cancelled")})
+            }
             _ => Value::Null,
         };
         // Audio tokens: the agent's frames (one per 80 ms, a token per codebook in the model;
@@ -270,9 +290,18 @@ impl Conversation {
         };
         if audio {
             r.frames += 1;
+            r.quiet += 1;
         } else {
             r.transcript.push_str(&delta);
+            r.quiet = 0;
+            r.said = true;
         }
+        let ended = audio
+            && if r.said {
+                r.quiet >= TURN_END_FRAMES
+            } else {
+                r.quiet >= LISTEN_MAX_FRAMES
+            };
         let (id, item) = (r.id.clone(), r.item.clone());
         let (ga, beta) = if audio {
             ("response.output_audio.delta", "response.audio.delta")
@@ -287,6 +316,10 @@ impl Conversation {
                 "type": t, "response_id": id, "item_id": item, "output_index": 0,
                 "content_index": 0, "delta": delta,
             }));
+        }
+        // The agent's turn ended with this frame: the next one opens the next response.
+        if ended {
+            out.extend(self.close("completed", None));
         }
         out
     }
@@ -319,7 +352,7 @@ mod tests {
         c.delta(false, "hel".into());
         c.delta(false, "lo".into());
         assert!(c.responding());
-        let done = c.close("cancelled");
+        let done = c.close("cancelled", Some("turn_detected"));
         assert_eq!(
             types(&done),
             [
@@ -336,15 +369,39 @@ mod tests {
         assert_eq!(r["id"], rid.as_str());
         assert_eq!(r["status"], "cancelled");
         assert_eq!(r["status_details"]["type"], "cancelled");
+        assert_eq!(r["status_details"]["reason"], "turn_detected");
         assert_eq!(r["usage"]["output_tokens"], 1);
         assert!(!c.responding());
         assert!(
-            c.close("completed").is_empty(),
+            c.close("completed", None).is_empty(),
             "nothing open: nothing closed"
         );
         // The next delta opens a new response, with a new id.
         let next = c.delta(true, "AAAA".into());
         assert_ne!(next[0]["response"]["id"], rid.as_str());
+    }
+
+    #[test]
+    fn a_response_completes_when_the_agents_utterance_ends_or_it_has_listened_long() {
+        let mut c = Conversation::new(Names::Ga, "t".into());
+        let done = |c: &mut Conversation, audio: bool| {
+            c.delta(audio, "x".into())
+                .iter()
+                .any(|e| e["type"] == "response.done")
+        };
+        // A word, then frames without one: the response completes with the last of them.
+        assert!(!done(&mut c, true));
+        assert!(!done(&mut c, false));
+        for _ in 1..TURN_END_FRAMES {
+            assert!(!done(&mut c, true));
+        }
+        assert!(done(&mut c, true));
+        assert!(!c.responding());
+        // A word keeps it going; with none at all it ends after the listening stretch.
+        for _ in 1..LISTEN_MAX_FRAMES {
+            assert!(!done(&mut c, true));
+        }
+        assert!(done(&mut c, true));
     }
 
     #[test]
@@ -362,7 +419,7 @@ mod tests {
         );
         assert_eq!(own, "mine");
         assert_eq!(ev[0]["previous_item_id"], id.as_str());
-        let committed = c.commit();
+        let committed = c.commit(None);
         assert_eq!(committed[0]["type"], "input_audio_buffer.committed");
         assert!(committed[0]["item_id"].is_string());
         assert_eq!(committed[0]["previous_item_id"], "mine");

@@ -134,6 +134,24 @@ pub struct SessionUpdate {
     pub sampling: Vec<(String, String)>,
     /// Spelled the beta way (`input_audio_format`, `output_audio_format`, `modalities`).
     pub beta: bool,
+    /// `turn_detection`: `Some(None)` when the client turned it off (`null`).
+    pub turn_detection: Option<Option<TurnDetection>>,
+}
+
+/// What a `session.update`'s `turn_detection` object asks of the voice-activity detector;
+/// what it leaves out stays as it was.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TurnDetection {
+    /// `server_vad` or `semantic_vad` (taken as `server_vad`).
+    pub kind: String,
+    /// `threshold` (0..1).
+    pub threshold: Option<f32>,
+    /// `prefix_padding_ms`.
+    pub prefix_padding_ms: Option<u32>,
+    /// `silence_duration_ms`.
+    pub silence_duration_ms: Option<u32>,
+    /// `interrupt_response`.
+    pub interrupt_response: Option<bool>,
 }
 
 /// Why a client's event was refused: the fields of the `error` event that answers it.
@@ -307,6 +325,24 @@ fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
         })?;
         u.voice = Some((param, name.to_string()));
     }
+    let td = match (
+        obj.get("turn_detection"),
+        session.pointer("/audio/input/turn_detection"),
+    ) {
+        (Some(v), _) => Some(("session.turn_detection", v)),
+        (None, Some(v)) => Some(("session.audio.input.turn_detection", v)),
+        (None, None) => None,
+    };
+    if let Some((param, v)) = td {
+        u.turn_detection = Some(turn_detection(v).map_err(|(f, m)| {
+            let field = if f.is_empty() {
+                param.to_string()
+            } else {
+                format!("{param}.{f}")
+            };
+            (field, m)
+        })?);
+    }
     if let Some(d) = pick(&["duplex"]) {
         let d = d.as_object().ok_or_else(|| {
             (
@@ -327,6 +363,57 @@ fn parse_update(session: &Value) -> Result<SessionUpdate, (String, String)> {
         }
     }
     Ok(u)
+}
+
+/// A `turn_detection` value: `null` (off) or an object; a refusal names the field within it.
+fn turn_detection(v: &Value) -> Result<Option<TurnDetection>, (String, String)> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let Some(o) = v.as_object() else {
+        return Err((
+            String::new(),
+            "`turn_detection` must be an object or null".into(),
+        ));
+    };
+    let kind = match o
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("server_vad")
+    {
+        k @ ("server_vad" | "semantic_vad") => k.to_string(),
+        k => {
+            let m = format!("`{}`: one of server_vad, semantic_vad", shown(k));
+            return Err(("type".into(), m));
+        }
+    };
+    let number = |k: &str, max: f64| -> Result<Option<f64>, (String, String)> {
+        match o.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(x) if (0.0..=max).contains(&x) => Ok(Some(x)),
+                _ => Err((
+                    k.to_string(),
+                    format!("`{k}` must be a number from 0 to {max}"),
+                )),
+            },
+        }
+    };
+    let interrupt_response = match o.get("interrupt_response") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            let m = "`interrupt_response` must be true or false";
+            return Err(("interrupt_response".into(), m.into()));
+        }
+    };
+    Ok(Some(TurnDetection {
+        kind,
+        threshold: number("threshold", 1.0)?.map(|x| x as f32),
+        prefix_padding_ms: number("prefix_padding_ms", 10_000.0)?.map(|x| x as u32),
+        silence_duration_ms: number("silence_duration_ms", 10_000.0)?.map(|x| x as u32),
+        interrupt_response,
+    }))
 }
 
 /// Client events answered with `unsupported_event`: events of other APIs (a transcription

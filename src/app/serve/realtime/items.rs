@@ -9,6 +9,11 @@ use super::super::config::shown;
 use super::super::session::Taken;
 use super::{Conversation, Realtime};
 
+/// How long after a response closed a `response.cancel` is taken as meant for it: the
+/// frameworks cancel at a barge-in, sometimes twice, while the server may have closed the
+/// response already (the user's speech, the agent's turn's end).
+const CANCEL_LATE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `metadata` with the server's own keys added (the session's id).
 pub(super) fn merged(mut metadata: Value, own: &Value) -> Value {
     if let (Value::Object(m), Value::Object(o)) = (&mut metadata, own) {
@@ -55,7 +60,7 @@ impl Realtime {
         }
         if let Ok(mut s) = self.shared.lock() {
             let own = s.conv.metadata.clone();
-            let mut events = s.conv.close("completed");
+            let mut events = s.conv.close("completed", None);
             events.extend(
                 s.conv
                     .open(Some(metadata.map_or(own.clone(), |m| merged(m, &own)))),
@@ -107,19 +112,21 @@ impl Realtime {
     }
 
     /// `response.cancel`: the open response closes `cancelled` (its events sent in order
-    /// with the deltas); with none open, the error the frameworks take as the answer it is.
+    /// with the deltas), and the rest of the agent's utterance is held back. With none open
+    /// because one has just closed (an interruption under way, or within [`CANCEL_LATE`]), the
+    /// cancel meant that one, which its `response.done` answers; with none at all, the error
+    /// the frameworks take as the answer it is.
     pub(super) fn cancel_response(&mut self, client_event: Option<&str>) -> Vec<Message> {
-        let closed = self
+        let answered = self
             .shared
             .lock()
             .map(|mut s| {
-                let done = s.conv.close("cancelled");
-                let any = !done.is_empty();
-                s.pending.extend(done);
-                any
+                s.interrupt("client_cancelled")
+                    || s.hold.is_some()
+                    || s.conv.closed_at.is_some_and(|t| t.elapsed() < CANCEL_LATE)
             })
             .unwrap_or(false);
-        if closed {
+        if answered {
             return Vec::new();
         }
         vec![self.error(
