@@ -4,12 +4,34 @@
 //! some writer appears, so a pipeline would hang with no message), a directory, a device, or a
 //! file far larger than expected. [`open_regular`] opens without blocking and refuses anything
 //! but a regular file, naming what it found; [`read_limited`] adds a size bound. Every layer
-//! that reads a user's file goes through here. Knows nothing of what the files hold.
+//! that reads a user's file goes through here, and a file's content found wrong is told as a
+//! [`FileError`] (where, and what). Knows nothing of what the files hold.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
+
+/// Why a file (or folder) could not be written or read back: where (the file, a folder, or a
+/// file's line as `FILE:LINE`) and what was wrong there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{at}: {what}")]
+pub struct FileError {
+    /// The file, folder or `FILE:LINE` at fault.
+    pub at: String,
+    /// What was wrong there.
+    pub what: String,
+}
+
+impl FileError {
+    /// `what` was wrong at `at`.
+    pub fn new(at: impl std::fmt::Display, what: impl std::fmt::Display) -> Self {
+        FileError {
+            at: at.to_string(),
+            what: what.to_string(),
+        }
+    }
+}
 
 /// What a file that is not a regular file is, in words (`a FIFO (named pipe)`, …).
 pub fn kind_of(ft: std::fs::FileType) -> &'static str {

@@ -22,29 +22,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Why a recording could not be made or read back: where (a folder, a file, or a file's line
-/// as `FILE:LINE`) and what was wrong there.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{at}: {what}")]
-pub struct RecordError {
-    /// The folder, file or `FILE:LINE` at fault.
-    pub at: String,
-    /// What was wrong there.
-    pub what: String,
-}
-
-impl RecordError {
-    fn new(at: impl std::fmt::Display, what: impl std::fmt::Display) -> Self {
-        RecordError {
-            at: at.to_string(),
-            what: what.to_string(),
-        }
-    }
-}
-
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use crate::runtime::Observer;
+
+/// Why a recording could not be made or read back: where (a folder, a file, or a file's line
+/// as `FILE:LINE`) and what was wrong there.
+pub type RecordError = crate::files::FileError;
 
 /// Events that may wait for the writer.
 const QUEUE: usize = 65_536;

@@ -34,23 +34,7 @@ const MAX_HEADER: u64 = 64 << 20;
 
 /// Why a file of primed states could not be written or read: where (the file, or a pack whose
 /// temporal graph could not be identified) and what was wrong there.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{at}: {what}")]
-pub struct PrimeFileError {
-    /// The file or pack folder at fault.
-    pub at: String,
-    /// What was wrong there.
-    pub what: String,
-}
-
-impl PrimeFileError {
-    fn new(at: impl std::fmt::Display, what: impl std::fmt::Display) -> Self {
-        PrimeFileError {
-            at: at.to_string(),
-            what: what.to_string(),
-        }
-    }
-}
+pub type PrimeFileError = crate::files::FileError;
 
 /// What a primed state was computed from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::super::config::shown;
 use super::super::session::Taken;
-use super::{Conversation, Realtime};
+use super::{Conversation, Phase, Realtime};
 
 /// How long after a response closed a `response.cancel` is taken as meant for it: the
 /// frameworks cancel at a barge-in, sometimes twice, while the server may have closed the
@@ -53,8 +53,8 @@ impl Realtime {
     /// response echoes `metadata`); after, the open response completes and a new one opens,
     /// echoing `metadata`, at the model's next frame.
     pub(super) fn create_response(&mut self, metadata: Option<Value>) -> Vec<Message> {
-        if !self.ready {
-            self.start = true;
+        if self.phase != Phase::Ready {
+            self.ask();
             self.first_metadata = metadata;
             return Vec::new();
         }
@@ -90,7 +90,7 @@ impl Realtime {
                 .filter_map(|c| c.get("text").and_then(Value::as_str))
                 .collect();
             let text = text.join("\n");
-            if !text.trim().is_empty() && !self.started {
+            if !text.trim().is_empty() && self.waiting() {
                 let persona = match self.instructions.trim() {
                     "" => text,
                     p => format!("{p}\n{text}"),

@@ -176,6 +176,18 @@ struct Turns {
     turn: usize,
 }
 
+/// Where a connection's session stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Not started: `asked` once the client asked for it (its first append or
+    /// `response.create`), `updated` once its `session.update` came.
+    Waiting { asked: bool, updated: bool },
+    /// Its pipeline is built (its persona, voice and sampling are fixed), and priming.
+    Started,
+    /// Primed and ready: its first response is open.
+    Ready,
+}
+
 /// The realtime API's side of one connection.
 pub(super) struct Realtime {
     /// The server's settings: a client's choices are checked as they come.
@@ -190,19 +202,12 @@ pub(super) struct Realtime {
     /// Where the PCM16 stream stands within a sample.
     half: Half,
     shared: Arc<Mutex<Shared>>,
-    /// The client asked for the session to start.
-    start: bool,
+    phase: Phase,
     /// When the connection opened: a session asked for by audio alone starts once the client
     /// has had [`UPDATE_GRACE`] to send its `session.update`.
     opened: std::time::Instant,
-    /// A `session.update` has come.
-    updated: bool,
     /// The `metadata` of a `response.create` that came before the session was ready.
     first_metadata: Option<Value>,
-    /// The session is ready: its first response is open.
-    ready: bool,
-    /// The session's pipeline has been built: its persona, voice and sampling are fixed.
-    started: bool,
     instructions: String,
     voice: Option<String>,
     next_event: u64,
@@ -231,12 +236,12 @@ impl Realtime {
                 pending: Vec::new(),
                 hold: None,
             })),
-            start: false,
+            phase: Phase::Waiting {
+                asked: false,
+                updated: false,
+            },
             opened: std::time::Instant::now(),
-            updated: false,
             first_metadata: None,
-            ready: false,
-            started: false,
             instructions: String::new(),
             voice: None,
             next_event: 0,
@@ -249,6 +254,18 @@ impl Realtime {
                 item: None,
                 turn: NEXT_TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             },
+        }
+    }
+
+    /// The session has not started: its persona, voice and sampling may still change.
+    fn waiting(&self) -> bool {
+        matches!(self.phase, Phase::Waiting { .. })
+    }
+
+    /// The client asks for the session to start.
+    fn ask(&mut self) {
+        if let Phase::Waiting { asked, .. } = &mut self.phase {
+            *asked = true;
         }
     }
 
@@ -335,7 +352,7 @@ impl Realtime {
                 VadEvent::Started { ms } => {
                     let item = s.conv.id("item");
                     self.turns.item = Some(item.clone());
-                    if self.turns.interrupt && self.ready {
+                    if self.turns.interrupt && self.phase == Phase::Ready {
                         s.interrupt("turn_detected");
                     }
                     drop(s);
@@ -445,7 +462,9 @@ impl Realtime {
         client_event: Option<&str>,
         cx: &mut Taken<'_>,
     ) -> Message {
-        self.updated = true;
+        if let Phase::Waiting { updated, .. } = &mut self.phase {
+            *updated = true;
+        }
         let mut pairs = self.pairs.clone();
         let mut set = |k: &str, v: String| {
             pairs.retain(|(key, _)| key != k);
@@ -468,7 +487,7 @@ impl Realtime {
         for (k, v) in &u.sampling {
             set(k, v.clone());
         }
-        let fixed = self.started && pairs != self.pairs;
+        let fixed = !self.waiting() && pairs != self.pairs;
         if fixed && cx.first("fixed_after_start") {
             tracing::info!(
                 session = cx.id,
@@ -717,11 +736,16 @@ impl Protocol for Realtime {
     }
 
     fn may_start(&self) -> bool {
-        self.start && (self.updated || self.opened.elapsed() >= UPDATE_GRACE)
+        match self.phase {
+            Phase::Waiting { asked, updated } => {
+                asked && (updated || self.opened.elapsed() >= UPDATE_GRACE)
+            }
+            _ => false,
+        }
     }
 
     fn params(&mut self, cfg: &ServeConfig) -> Result<super::config::SessionParams, String> {
-        self.started = true;
+        self.phase = Phase::Started;
         cfg.session_params(&self.pairs)
     }
 
@@ -729,7 +753,7 @@ impl Protocol for Realtime {
         let session = meta.get("session").cloned().unwrap_or(Value::Null);
         let own = json!({"duplex_session": session.to_string()});
         let first = self.first_metadata.take().map(|m| merged(m, &own));
-        self.ready = true;
+        self.phase = Phase::Ready;
         let events = match self.shared.lock() {
             Ok(mut s) => {
                 s.conv.metadata = own;
@@ -774,7 +798,7 @@ impl Protocol for Realtime {
             ClientEvent::Update(u) => vec![self.apply(u, ce, cx)],
             ClientEvent::Append(b64) => match self.audio(&b64, cx) {
                 Ok(pcm) => {
-                    self.start = true;
+                    self.ask();
                     match pcm.filter(|p| !p.is_empty()) {
                         Some(pcm) => {
                             let turns = self.detect(&pcm, cx);
