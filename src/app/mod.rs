@@ -73,7 +73,7 @@ pub(crate) fn load_primed_states(
     let packs: Vec<std::path::PathBuf> = spec
         .stages
         .iter()
-        .filter(|s| s.kind == "temporal")
+        .filter(|s| s.kind == crate::stages::kind::TEMPORAL)
         .map(|s| std::path::PathBuf::from(s.params.str("pack")))
         .collect();
     let n = resources.primed().load(file, &packs)?;
@@ -161,7 +161,7 @@ pub fn build_session(
         let known = spec
             .stages
             .iter()
-            .filter(|s| s.kind == "playback")
+            .filter(|s| s.kind == crate::stages::kind::PLAYBACK)
             .map(|s| s.name.as_str())
             .collect::<Vec<_>>();
         return Err(ConfigError::new(

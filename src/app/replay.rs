@@ -14,7 +14,7 @@ use crate::observe::compare::{self, Comparison};
 use crate::observe::record::{Recorded, Recording};
 use crate::resources::Resources;
 use crate::runtime::{ControlPlane, Link, Node, PipelineBuilder, RunReport};
-use crate::stages::{BuildContext, Registry};
+use crate::stages::{kind, BuildContext, Registry};
 use std::sync::Arc;
 
 /// Flags of `duplex replay`.
@@ -296,8 +296,8 @@ fn build_one(
             "codes_source",
             vec![("path", s(&codes.display().to_string()))],
         )?)
-        .node(node(&reg, &plane, "temporal", "temporal", temporal)?)
-        .node(node(&reg, &plane, "depformer", "depformer", depformer)?)
+        .node(node(&reg, &plane, "temporal", kind::TEMPORAL, temporal)?)
+        .node(node(&reg, &plane, "depformer", kind::DEPFORMER, depformer)?)
         .node(node(
             &reg,
             &plane,
@@ -444,7 +444,7 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
             ))
         })
     };
-    let (temporal, depformer) = (lm_stage("temporal")?, lm_stage("depformer")?);
+    let (temporal, depformer) = (lm_stage(kind::TEMPORAL)?, lm_stage(kind::DEPFORMER)?);
     if live.steps.is_empty() {
         return Err(bad(format!(
             "{}: no LM steps recorded (the conversation had not started); nothing to replay",
@@ -464,8 +464,8 @@ fn build_from_recording(a: &ReplayArgs) -> Result<FromRecording, ConfigError> {
         })
     };
     let mut stages = vec![
-        stage(&temporal, "temporal", "temporal")?,
-        stage(&depformer, "depformer", "depformer")?,
+        stage(&temporal, kind::TEMPORAL, "temporal")?,
+        stage(&depformer, kind::DEPFORMER, "depformer")?,
     ];
     // The agent's codec, when the live run decoded the agent's tokens: the same work per frame.
     if let Some(d) = live.stage_of_kind("mimi_decode") {

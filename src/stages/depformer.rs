@@ -28,7 +28,7 @@ use super::model_params::{
 use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
-    name: "depformer",
+    name: super::kind::DEPFORMER,
     doc: "samples the text token and the 16 audio codebooks of each step (seeded)",
     params: model_params![
         ParamSpec {

@@ -32,6 +32,29 @@ mod wav_sink;
 mod wav_source;
 
 pub use codes_source::read_codes;
+
+/// The names of the kinds the apps look for in a template (each is that kind's `KIND.name`):
+/// an app finds a stage by one of these, never by a string of its own.
+pub mod kind {
+    /// The LM's temporal transformer.
+    pub const TEMPORAL: &str = "temporal";
+    /// The LM's depformer (the sampler).
+    pub const DEPFORMER: &str = "depformer";
+    /// A sound device's output.
+    pub const PLAYBACK: &str = "playback";
+    /// Ogg/Opus in.
+    pub const OPUS_DECODE: &str = "opus_decode";
+    /// Ogg/Opus out.
+    pub const OPUS_ENCODE: &str = "opus_encode";
+    /// A served session's network input.
+    pub const SESSION_IN: &str = "session_in";
+    /// A served session's network audio output.
+    pub const SESSION_AUDIO_OUT: &str = "session_audio_out";
+    /// A served session's network input of PCM (the realtime API, phones, WebRTC).
+    pub const SESSION_PCM_IN: &str = "session_pcm_in";
+    /// A served session's network output of PCM.
+    pub const SESSION_PCM_OUT: &str = "session_pcm_out";
+}
 pub(crate) use temporal::check_voice;
 
 use std::fmt::Write;

@@ -56,7 +56,7 @@ pub(super) fn budget(p: &Params) -> Box<dyn Budget + Send> {
 }
 
 pub(super) const DECODE: StageKind = StageKind {
-    name: "opus_decode",
+    name: super::kind::OPUS_DECODE,
     doc: "a client's Ogg/Opus stream (chunks split anywhere) -> 24 kHz mono PCM; gaps -> silence; paced",
     params: &[MAX_SPEED, CATCH_UP],
     inputs: || vec![PortSpec::new::<OggOpus>("in")],
@@ -70,7 +70,7 @@ pub(super) const DECODE: StageKind = StageKind {
 };
 
 pub(super) const ENCODE: StageKind = StageKind {
-    name: "opus_encode",
+    name: super::kind::OPUS_ENCODE,
     doc: "24 kHz mono PCM -> an Ogg/Opus stream: header pages, then one page per 40 ms packet",
     params: &[ParamSpec {
         name: "bitrate",

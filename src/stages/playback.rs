@@ -32,7 +32,7 @@ use crate::runtime::{
 use super::{caps, device_status, BuildContext, BuildError, OutputFile, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
-    name: "playback",
+    name: super::kind::PLAYBACK,
     doc: "plays audio on a sound device (or `virtual`) through an adaptive jitter buffer",
     params: &[
         ParamSpec {

@@ -31,7 +31,7 @@ const FILL_PERIOD: Duration = Duration::from_millis(80);
 const POLL: Duration = Duration::from_millis(50);
 
 pub(super) const INPUT: StageKind = StageKind {
-    name: "session_in",
+    name: super::kind::SESSION_IN,
     doc: "the client's Ogg/Opus stream as it arrives (network sessions only); silence while it is quiet",
     params: &[FILL_AFTER],
     inputs: Vec::new,
@@ -52,7 +52,7 @@ const FILL_AFTER: ParamSpec = ParamSpec {
 };
 
 pub(super) const PCM_INPUT: StageKind = StageKind {
-    name: "session_pcm_in",
+    name: super::kind::SESSION_PCM_IN,
     doc: "the client's audio as 16-bit 24 kHz PCM from a transport that decodes its own wire format (network sessions only); paced; silence while it is quiet",
     params: &[
         FILL_AFTER,
@@ -67,7 +67,7 @@ pub(super) const PCM_INPUT: StageKind = StageKind {
 };
 
 pub(super) const PCM_OUT: StageKind = StageKind {
-    name: "session_pcm_out",
+    name: super::kind::SESSION_PCM_OUT,
     doc: "sends the agent's 24 kHz PCM to a transport that encodes its own wire format (network sessions only); never blocks",
     params: &[],
     inputs: || vec![PortSpec::new::<Pcm>("in")],
@@ -78,7 +78,7 @@ pub(super) const PCM_OUT: StageKind = StageKind {
 };
 
 pub(super) const AUDIO_OUT: StageKind = StageKind {
-    name: "session_audio_out",
+    name: super::kind::SESSION_AUDIO_OUT,
     doc: "sends the agent's Ogg/Opus pages to the client (network sessions only); never blocks",
     params: &[],
     inputs: || vec![PortSpec::new::<OggOpus>("in")],

@@ -21,10 +21,20 @@ pub use crate::config::sampling::Sampling;
 use crate::config::{
     layers, ConfigError, ConfigErrorKind, LoadOptions, OrtChoice, Override, PipelineSpec,
 };
-use crate::stages::Registry;
+use crate::stages::{kind, Registry};
 
 /// The echo canceller's stage in the daemon's pipeline file (`echo_cancel` switches it).
 pub const AEC_STAGE: &str = "aec";
+/// The stages of the daemon's pipeline file its settings reach: the microphone
+/// (`input_device`), the speaker (`output_device`), the LM (persona, voice, `max_steps`,
+/// `long_session`; its status), and every model stage (`pack`, `execution_provider`).
+pub const MIC_STAGE: &str = "mic";
+/// See [`MIC_STAGE`].
+pub const SPEAKER_STAGE: &str = "speaker";
+/// See [`MIC_STAGE`].
+pub const LM_STAGE: &str = "temporal";
+/// See [`MIC_STAGE`].
+pub const MODEL_STAGES: [&str; 4] = ["encode", LM_STAGE, "depformer", "decode"];
 
 /// The defaults (the text of `configs/daemon.yaml`).
 pub const DEFAULTS_YAML: &str = include_str!("../../../configs/daemon.yaml");
@@ -187,7 +197,7 @@ pub fn load_config(
     let sampling = Sampling::read(&f.table("sampling")?, &Registry::builtin(), false)?;
     let max_steps = match f.get("max_steps") {
         Some(v) if f.is_set("max_steps") => {
-            param_value(&f, "temporal", "max_steps", v)?;
+            param_value(&f, kind::TEMPORAL, "max_steps", v)?;
             as_i64(v).unwrap_or_default()
         }
         _ => 0,
@@ -327,28 +337,28 @@ impl DaemonConfig {
         let mut v = vec![
             set(
                 "input_device",
-                "stages.mic.device",
+                &format!("stages.{MIC_STAGE}.device"),
                 self.input_device.clone(),
             ),
             set(
                 "output_device",
-                "stages.speaker.device",
+                &format!("stages.{SPEAKER_STAGE}.device"),
                 self.output_device.clone(),
             ),
             set(
                 "long_session",
-                "stages.temporal.long_session",
+                &format!("stages.{LM_STAGE}.long_session"),
                 self.long_session.clone(),
             ),
             set(
                 "max_steps",
-                "stages.temporal.max_steps",
+                &format!("stages.{LM_STAGE}.max_steps"),
                 self.max_steps.to_string(),
             ),
             // The daemon serves metrics itself.
             Override::by("duplex daemon", "metrics.address", String::new()),
         ];
-        for s in ["encode", "temporal", "depformer", "decode"] {
+        for s in MODEL_STAGES {
             v.push(set("pack", &format!("stages.{s}.pack"), self.pack.clone()));
             v.push(set(
                 "execution_provider",
@@ -364,14 +374,14 @@ impl DaemonConfig {
             if !val.is_empty() {
                 // Quoted: a persona text is text, whatever YAML would make of it.
                 let quoted = format!("'{}'", val.replace('\'', "''"));
-                v.push(set(k, &format!("stages.temporal.{k}"), quoted));
+                v.push(set(k, &format!("stages.{LM_STAGE}.{k}"), quoted));
             }
         }
         if !self.persona_tokens.is_empty() {
             let t: Vec<String> = self.persona_tokens.iter().map(|t| t.to_string()).collect();
             v.push(set(
                 "persona_tokens",
-                "stages.temporal.persona_tokens",
+                &format!("stages.{LM_STAGE}.persona_tokens"),
                 format!("[{}]", t.join(", ")),
             ));
         }
@@ -583,6 +593,24 @@ pub fn check_all(
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_stages_the_settings_reach_are_in_the_daemons_pipeline_with_their_kinds() {
+        let text = std::fs::read_to_string("pipelines/daemon.yaml").unwrap();
+        let doc = &yaml_rust2::YamlLoader::load_from_str(&text).unwrap()[0];
+        let kind_of = |stage: &str| doc["stages"][stage]["kind"].as_str().map(str::to_string);
+        for (stage, want) in [
+            (MIC_STAGE, "mic"),
+            (SPEAKER_STAGE, kind::PLAYBACK),
+            (LM_STAGE, kind::TEMPORAL),
+            (AEC_STAGE, "aec"),
+            (MODEL_STAGES[0], "mimi_encode"),
+            (MODEL_STAGES[2], kind::DEPFORMER),
+            (MODEL_STAGES[3], "mimi_decode"),
+        ] {
+            assert_eq!(kind_of(stage).as_deref(), Some(want), "stage {stage}");
+        }
+    }
+
     fn env(pairs: &[(&str, &str)]) -> Option<HashMap<String, String>> {
         Some(
             pairs
@@ -671,7 +699,7 @@ mod tests {
         let c = load_config(None, env(&[("DUPLEX__EXECUTION_PROVIDER", "cuda")])).unwrap();
         let sets: HashMap<String, Override> =
             c.sets().into_iter().map(|o| (o.key.clone(), o)).collect();
-        for s in ["encode", "temporal", "depformer", "decode"] {
+        for s in MODEL_STAGES {
             let o = &sets[&format!("stages.{s}.execution_provider")];
             assert_eq!(o.value, "cuda");
             assert_eq!(o.origin, "environment variable DUPLEX__EXECUTION_PROVIDER");

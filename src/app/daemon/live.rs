@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::config::AEC_STAGE as AEC;
+use super::config::{AEC_STAGE as AEC, LM_STAGE, MIC_STAGE, SPEAKER_STAGE};
 use crate::observe::monitor::Monitor;
 use crate::runtime::{ControlError, Handle, Pending, Value};
 
@@ -37,7 +37,7 @@ impl Live {
 
     /// The LM's agent frames so far.
     pub fn frames(&self) -> Option<u64> {
-        match self.handle.control().get("temporal", "agent_frames") {
+        match self.handle.control().get(LM_STAGE, "agent_frames") {
             Some(Value::Int(i)) => u64::try_from(i).ok(),
             _ => None,
         }
@@ -105,12 +105,12 @@ impl Live {
             .map(|(n, p)| (n, p.name().into()))
             .collect();
         serde_json::json!({
-            "frames": get("temporal", "agent_frames"),
-            "context": get("temporal", "context"),
+            "frames": get(LM_STAGE, "agent_frames"),
+            "context": get(LM_STAGE, "context"),
             "realtime_factor": (self.monitor.realtime_factor() * 1000.0).round() / 1000.0,
             "devices": {
-                "input": { "name": get("mic", "name"), "state": get("mic", "device") },
-                "output": { "name": get("speaker", "name"), "state": get("speaker", "device") },
+                "input": { "name": get(MIC_STAGE, "name"), "state": get(MIC_STAGE, "device") },
+                "output": { "name": get(SPEAKER_STAGE, "name"), "state": get(SPEAKER_STAGE, "device") },
             },
             "echo_cancel": {
                 "state": get(AEC, "state"),

@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::config::{MIC_STAGE, SPEAKER_STAGE};
 use super::{build_pipeline, check_all, lock, may_build_alone, DaemonConfig, Shared};
 
 /// Ends a reload: logs how, and counts it for `status`.
@@ -179,8 +180,13 @@ pub(super) fn reload(shared: &Arc<Shared>, explicit: Option<PathBuf>) {
     // A new device: only the stage that owns it moves, at its next frame; the models and the
     // conversation are untouched.
     for (what, stage, old, spec) in [
-        ("input", "mic", &cur.input_device, &new.input_device),
-        ("output", "speaker", &cur.output_device, &new.output_device),
+        ("input", MIC_STAGE, &cur.input_device, &new.input_device),
+        (
+            "output",
+            SPEAKER_STAGE,
+            &cur.output_device,
+            &new.output_device,
+        ),
     ] {
         if old != spec {
             tracing::info!("reload: {what} device {old:?} -> {spec:?} at the next frame");

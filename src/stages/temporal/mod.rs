@@ -49,7 +49,7 @@ use super::model_params::{
 use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
-    name: "temporal",
+    name: super::kind::TEMPORAL,
     doc: "the LM's temporal transformer and token bookkeeping (cycle with `depformer`)",
     params: model_params![
         ParamSpec {

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use super::{Sampling, ServeConfig};
 use crate::config::{ParamOverride, PipelineSpec};
+use crate::stages::kind;
 
 /// The largest seed (integers up to 2^53 are exact in every JSON reader).
 const SEED_MAX: f64 = 9_007_199_254_740_991.0;
@@ -179,12 +180,12 @@ impl ServeConfig {
             }
             let sm = &p.sampling;
             match s.kind.as_str() {
-                "depformer" => {
+                kind::DEPFORMER => {
                     for (param, value, o) in self.sampling_overrides(sm, &origin) {
                         set(param, value, o);
                     }
                 }
-                "temporal" => {
+                kind::TEMPORAL => {
                     for (param, value, o) in self.temporal_overrides(p, &origin) {
                         set(param, value, o);
                     }

@@ -61,7 +61,7 @@ pub(super) fn metadata(server: &Server, params: &SessionParams, id: u64) -> serd
             .template()
             .stages
             .iter()
-            .find(|s| s.kind == "temporal")
+            .find(|s| s.kind == crate::stages::kind::TEMPORAL)
             .and_then(|s| s.params.opt_str("pack").map(str::to_string))
     });
     let lm_model_file = pack.map_or_else(

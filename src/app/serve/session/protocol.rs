@@ -157,7 +157,10 @@ impl AudioBudget {
     /// catch-up allowed ahead of it. `None`: unpaced (`max_speed: 0`, streams the operator
     /// trusts). A template without one (a check's): real time and a second.
     pub(crate) fn pacing(template: &PipelineSpec) -> Option<(f64, Duration)> {
-        let decoder = template.stages.iter().find(|s| s.kind == "opus_decode");
+        let decoder = template
+            .stages
+            .iter()
+            .find(|s| s.kind == crate::stages::kind::OPUS_DECODE);
         match decoder.map(|s| (s.params.float("max_speed"), s.params.int("catch_up_ms"))) {
             Some((speed, catch_up)) if speed > 0.0 => {
                 Some((speed, Duration::from_millis(catch_up.max(0) as u64)))

@@ -5,7 +5,7 @@
 
 use crate::app::serve::config::{ServeConfig, SessionParams};
 use crate::config::{self as cfg, ConfigError, PipelineSpec};
-use crate::stages::Registry;
+use crate::stages::{kind, Registry};
 
 /// The session pipeline's spec for one client: the template the server holds, with the
 /// configuration's and the client's params set over it (typed, checked as the file's are; the
@@ -111,7 +111,7 @@ pub(crate) fn pcm_ends(
     let input = template
         .stages
         .iter()
-        .find(|s| s.kind == "session_in")
+        .find(|s| s.kind == kind::SESSION_IN)
         .map(|s| s.name.clone())
         .ok_or_else(|| missing("`session_in` stage"))?;
     let decoder = template
@@ -121,11 +121,11 @@ pub(crate) fn pcm_ends(
         .map(|l| stage_of(&l.to))
         .filter(|d| kind_of(template, d) == "opus_decode")
         .ok_or_else(|| missing("`session_in` feeding an `opus_decode` stage"))?;
-    let spec = template.merge_pair(registry, &input, &decoder, &decoder, "session_pcm_in")?;
+    let spec = template.merge_pair(registry, &input, &decoder, &decoder, kind::SESSION_PCM_IN)?;
     let output = spec
         .stages
         .iter()
-        .find(|s| s.kind == "session_audio_out")
+        .find(|s| s.kind == kind::SESSION_AUDIO_OUT)
         .map(|s| s.name.clone())
         .ok_or_else(|| missing("`session_audio_out` stage"))?;
     let encoder = spec
@@ -133,9 +133,9 @@ pub(crate) fn pcm_ends(
         .iter()
         .find(|l| stage_of(&l.to) == output)
         .map(|l| stage_of(&l.from))
-        .filter(|e| kind_of(&spec, e) == "opus_encode")
+        .filter(|e| kind_of(&spec, e) == kind::OPUS_ENCODE)
         .ok_or_else(|| missing("`opus_encode` stage feeding `session_audio_out`"))?;
-    let spec = spec.merge_pair(registry, &encoder, &output, &encoder, "session_pcm_out")?;
+    let spec = spec.merge_pair(registry, &encoder, &output, &encoder, kind::SESSION_PCM_OUT)?;
     // The transport paces what it takes (the connection's `AudioBudget`, charged before it
     // decodes anything, with the decoder's `max_speed` and `catch_up_ms`): pacing the same
     // audio twice would refuse a chunk as large as the allowance at the second budget, a
@@ -157,7 +157,7 @@ pub(crate) fn primes_cached(template: &PipelineSpec) -> bool {
     template
         .stages
         .iter()
-        .any(|s| s.kind == "temporal" && s.params.str("priming") == "cached")
+        .any(|s| s.kind == kind::TEMPORAL && s.params.str("priming") == "cached")
 }
 
 /// Runs one session of the template with the defaults, headless (no client: nothing comes in,
