@@ -26,6 +26,7 @@
 #   - podman, runc and mmdebstrap: the image test builds the Containerfile on a Debian base it
 #     makes (no registry needed) and serves from it
 #   - iproute2 and nftables: a lossy network namespace for WebRTC's loss test
+#   - haproxy: replicas behind a real load balancer (deploy/haproxy/haproxy.cfg)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,10 +43,11 @@ ORT_VERSION=1.31.1
 # What building duplex and running the main job need.
 APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++)
 # What the tests need besides: the private sound server and its voices, Prometheus, systemd's
-# unit checker, the independent clients' libopus, Chromium, the image tools, network namespaces.
+# unit checker, the independent clients' libopus, Chromium, the image tools, network namespaces,
+# a load balancer.
 TEST_APT_PACKAGES=(pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0
   chromium espeak-ng podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl
-  iproute2 nftables)
+  iproute2 nftables haproxy)
 ((FOR_TESTS)) && APT_PACKAGES+=("${TEST_APT_PACKAGES[@]}")
 PYTHON=${PYTHON:-python3}
 

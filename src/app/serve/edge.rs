@@ -41,10 +41,15 @@ pub(crate) struct Client {
     pub(super) key: Option<usize>,
 }
 
-/// Whether `path` needs a key (when keys are configured): the API (`/api/`, `/v1/`), and
-/// `/metrics` with `protect_metrics`. The page's files, `/healthz` and `/readyz` never do, nor
+/// Whether `path` needs a key (when keys are configured): the API (`/api/`, `/v1/`, and a
+/// call's resource under `webrtc.location_base`'s path), and `/metrics` with `protect_metrics`. The page's files, `/healthz` and `/readyz` never do, nor
 /// `/twilio/media`, which Twilio's signature guards instead.
 pub(super) fn protected(path: &str, cfg: &ServeConfig) -> bool {
+    // A call's resource under this replica's prefix (`webrtc.location_base`) is the API too.
+    let path = match cfg.webrtc.as_ref().and_then(|w| w.location_path()) {
+        Some(p) => path.strip_prefix(p).unwrap_or(path),
+        None => path,
+    };
     path.starts_with("/api/")
         || path.starts_with("/v1/")
         || (path == "/metrics" && cfg.protect_metrics)

@@ -389,17 +389,19 @@ async fn serve(
                 webrtc::MAX_OFFER_BYTES,
             )),
         )
-        .route(
-            "/api/webrtc/{token}",
-            axum::routing::delete(webrtc::hangup)
-                .post(webrtc::again)
-                .patch(webrtc::again),
-        )
+        .route("/api/webrtc/{token}", webrtc::resource())
         .route("/readyz", get(readyz))
         .route("/api/sessions", get(sessions))
         .route("/api/defaults", get(defaults))
         .route("/api/voices", get(voices))
-        .merge(web::routes())
+        .merge(web::routes());
+    // A call's resource under this replica's own prefix too (`webrtc.location_base`), for a
+    // proxy that routes the prefix here without stripping it.
+    let app = match server.cfg.webrtc.as_ref().and_then(|w| w.location_path()) {
+        Some(p) => app.route(&format!("{p}/api/webrtc/{{token}}"), webrtc::resource()),
+        None => app,
+    };
+    let app = app
         .with_state(server.clone())
         .merge(crate::observe::exporter::routes(handle, Some(health)))
         .fallback(crate::observe::exporter::not_found)

@@ -22,6 +22,7 @@ mod serve;
 mod serve_access;
 mod serve_faults;
 mod serve_realtime;
+mod serve_replicas;
 mod serve_resources;
 mod serve_webrtc;
 mod webrtc_loss;

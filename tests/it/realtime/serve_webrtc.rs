@@ -224,6 +224,14 @@ fn a_server_with_webrtc_off_says_so_and_a_bad_webrtc_setting_names_its_key() {
             "webrtc.max_jitter_ms",
         ),
         ("webrtc:\n  bogus: 1\n", "bogus"),
+        (
+            "webrtc:\n  location_base: \"replica a\"\n",
+            "webrtc.location_base",
+        ),
+        (
+            "webrtc:\n  location_base: \"ftp://a.example.com\"\n",
+            "webrtc.location_base",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("serve.yaml");

@@ -317,23 +317,8 @@ impl Server {
         self.exchange(&format!("{head}\r\nConnection: close\r\n\r\n"))
     }
 
-    /// Writes `raw` (a whole request) and reads the response to its end: the status, the head
-    /// and the body.
     fn exchange(&self, raw: &str) -> (u16, String, String) {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect((self.host.as_str(), self.port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(raw.as_bytes()).unwrap();
-        let mut bytes = Vec::new();
-        let _ = s.read_to_end(&mut bytes);
-        let text = String::from_utf8_lossy(&bytes).into_owned();
-        let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let code = h
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (code, h.to_string(), b.to_string())
+        exchange(&self.host, self.port, raw)
     }
 
     /// POSTs `body` as `content_type` to `path`; returns the status, the head and the body.
@@ -349,17 +334,50 @@ impl Server {
         content_type: &str,
         body: &str,
     ) -> (u16, String, String) {
-        let key = self
-            .key
-            .as_ref()
-            .map(|k| format!("kyutai-api-key: {k}\r\n"))
-            .unwrap_or_default();
-        self.exchange(&format!(
+        send_to(
+            &self.host,
+            self.port,
+            self.key.as_deref(),
+            [method, path, content_type, body],
+        )
+    }
+}
+
+/// Writes `raw` (a whole request) to `host:port` and reads the response to its end: the
+/// status, the head and the body.
+pub fn exchange(host: &str, port: u16, raw: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect((host, port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(raw.as_bytes()).unwrap();
+    let mut bytes = Vec::new();
+    let _ = s.read_to_end(&mut bytes);
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = h
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, h.to_string(), b.to_string())
+}
+
+/// Sends `[method, path, content type, body]` (an empty body: none) to `host:port`, with `key`
+/// when given; returns the status, the head and the body.
+pub fn send_to(host: &str, port: u16, key: Option<&str>, req: [&str; 4]) -> (u16, String, String) {
+    let [method, path, content_type, body] = req;
+    let key = key
+        .map(|k| format!("kyutai-api-key: {k}\r\n"))
+        .unwrap_or_default();
+    exchange(
+        host,
+        port,
+        &format!(
             "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{key}Content-Type: {content_type}\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
-        ))
-    }
+        ),
+    )
 }
 
 /// Runs the page in headless Chromium (`tests/clients/browser.py` with `args`) and returns

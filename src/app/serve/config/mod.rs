@@ -129,6 +129,19 @@ pub struct WebRtcSettings {
     pub jitter: Duration,
     /// The jitter buffer's largest delay.
     pub max_jitter: Duration,
+    /// Where this replica's call resources are reached through a proxy: a path prefix
+    /// (`/replica/a`) or an absolute URL (`https://a.example.com`) the `Location` of an answer
+    /// starts with (empty: `/api/webrtc/TOKEN` as it is).
+    pub location_base: String,
+}
+
+impl WebRtcSettings {
+    /// The path under which this replica also answers its call resources
+    /// (`PATH/api/webrtc/TOKEN`), so that a proxy routing the prefix to it need not strip it:
+    /// `location_base`'s path, `None` when it has none.
+    pub fn location_path(&self) -> Option<&str> {
+        Some(webrtc::path_of(&self.location_base)).filter(|p| !p.is_empty())
+    }
 }
 
 /// A checked server configuration.

@@ -17,7 +17,53 @@ const WEBRTC_KEYS: &[&str] = &[
     "turn_credential",
     "jitter_ms",
     "max_jitter_ms",
+    "location_base",
 ];
+
+/// The path of a `location_base` (itself when it is a path; a URL's path, `""` when it has
+/// none).
+pub(crate) fn path_of(base: &str) -> &str {
+    match base.split_once("://") {
+        Some((_, rest)) => rest.find('/').map_or("", |i| &rest[i..]),
+        None => base,
+    }
+}
+
+/// `location_base`: a path prefix (`/replica/a`) or an absolute `http(s)://` URL, without a
+/// trailing slash, a query or a fragment.
+fn read_location_base(w: &Fields<'_>) -> Result<String, ConfigError> {
+    let base = w
+        .string("location_base")?
+        .trim()
+        .trim_end_matches('/')
+        .to_string();
+    if base.is_empty() {
+        return Ok(base);
+    }
+    let path = match base.split_once("://") {
+        Some(("http" | "https", rest)) if !rest.is_empty() => path_of(&base),
+        Some(_) => "/",
+        None => base.as_str(),
+    };
+    let ok = path.is_empty()
+        || (path.starts_with('/')
+            && path.len() > 1
+            && !path.contains("//")
+            && path
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "/-_.~".contains(c)));
+    if !ok {
+        return Err(w.err(
+            ConfigErrorKind::WrongType,
+            "location_base",
+            format!(
+                "{base:?} is neither a path like /replica/a nor a URL like https://a.example.com \
+                 (letters, digits and / - _ . ~ in its path, no query)"
+            ),
+        ));
+    }
+    Ok(base)
+}
 
 /// The `webrtc:` section.
 pub(super) fn read_webrtc(
@@ -95,7 +141,9 @@ pub(super) fn read_webrtc(
             format!("{max_jitter} is less than jitter_ms ({jitter})"),
         ));
     }
+    let location_base = read_location_base(w)?;
     Ok(Some(WebRtcSettings {
+        location_base,
         address,
         public_addresses,
         ice_servers,

@@ -279,7 +279,10 @@ pub(super) async fn offer(
         StatusCode::CREATED,
         [
             (header::CONTENT_TYPE, "application/sdp".to_string()),
-            (header::LOCATION, format!("/api/webrtc/{token}")),
+            (
+                header::LOCATION,
+                format!("{}/api/webrtc/{token}", endpoint.settings.location_base),
+            ),
         ],
         answer,
     )
@@ -361,6 +364,11 @@ impl Endpoint {
         };
         Ok((rtc, answer))
     }
+}
+
+/// The routes of a call's resource: `DELETE` hangs up, a second offer is refused.
+pub(super) fn resource() -> axum::routing::MethodRouter<Arc<Server>> {
+    axum::routing::delete(hangup).post(again).patch(again)
 }
 
 /// `DELETE /api/webrtc/{token}`: the client hangs up.
@@ -538,6 +546,7 @@ a=fmtp:111 minptime=10;useinbandfec=1\r\na=rtpmap:0 PCMU/8000\r\na=ssrc:1 cname:
             ice_servers: Vec::new(),
             jitter: std::time::Duration::from_millis(40),
             max_jitter: std::time::Duration::from_millis(200),
+            location_base: String::new(),
         };
         let local: SocketAddr = "0.0.0.0:5000".parse().unwrap();
         let nat = s(vec![
