@@ -3,7 +3,9 @@
 //! least connections. WebRTC calls offered through the proxy spread over the replicas, and
 //! each hang-up sent through the proxy to the answer's `Location` (the replica's own prefix,
 //! `webrtc.location_base`) frees the slot of the replica that holds the call at once; the same
-//! hang-up at the other replica finds nothing (404): what the prefix is for.
+//! hang-up at the other replica finds nothing (404): what the prefix is for. A replica drained
+//! (SIGTERM) behind the proxy is not ready at once, lets its live conversation run to its end,
+//! then exits 0, while a newcomer through the proxy is admitted by the other replica.
 
 use crate::support::daemon;
 use crate::support::serve;
@@ -50,6 +52,9 @@ impl Proxy {
             .stderr(std::fs::File::create(dir.join("haproxy.log")).unwrap())
             .spawn()
             .expect("haproxy (run `make setup`)");
+        crate::support::wait::wait_until(Duration::from_secs(10), "haproxy listening", || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
         Proxy { child, port }
     }
 
@@ -136,4 +141,65 @@ fn a_webrtc_call_answered_behind_haproxy_is_hung_up_at_the_replica_that_holds_it
     }
     a.wait_sessions(0, 5);
     b.wait_sessions(0, 5);
+}
+
+#[test]
+fn a_replica_drained_behind_haproxy_finishes_its_conversations_while_the_other_takes_new_ones() {
+    let mut a = Server::start(
+        "max_sessions: 2\nwebrtc: {location_base: /replica/a}\n",
+        240,
+    );
+    let b = Server::start(
+        "max_sessions: 2\nwebrtc: {location_base: /replica/b}\n",
+        240,
+    );
+    let proxy = Proxy::start(a.dir.path(), a.port, b.port);
+    crate::support::wait::wait_until(Duration::from_secs(20), "the proxy up", || {
+        proxy.send("GET", "/readyz", "").0 == 200
+    });
+    let wav = a.dir.path().join("in.wav");
+    serve::speech_wav(&wav, 6.0, 190.0);
+    let url = format!("ws://127.0.0.1:{}/api/chat", proxy.port);
+    // One live conversation through the proxy on each replica (least connections).
+    let live: Vec<_> = (0..2)
+        .map(|_| {
+            let (u, w) = (url.clone(), wav.to_str().unwrap().to_string());
+            let c = std::thread::spawn(move || {
+                serve::client(&u, &["--mode", "kyutai", "--wav", &w, "--tail", "0.5"])
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            c
+        })
+        .collect();
+    a.wait_sessions_aged(1, 0.5, 20);
+    b.wait_sessions_aged(1, 0.5, 20);
+    // Replica a drains: not ready at once, and the proxy sends it nothing new.
+    let t0 = std::time::Instant::now();
+    a.signal("TERM");
+    crate::support::wait::wait_until(Duration::from_secs(5), "a not ready", || {
+        a.get("/readyz").0 == 503
+    });
+    let not_ready = t0.elapsed();
+    // A new conversation through the proxy while b has its free slot: admitted, by b.
+    let newcomer = serve::client(&url, &["--silent", "1"]);
+    assert!(newcomer.get("refused").is_none(), "{newcomer}");
+    // a's live conversation goes on to its end; then a exits 0.
+    let status = a
+        .wait_exit(Duration::from_secs(30))
+        .expect("a exits after its drain");
+    let drained = t0.elapsed();
+    assert!(status.success(), "{status:?}");
+    for c in live {
+        let r = c.join().unwrap();
+        assert!(r.get("refused").is_none(), "{r}");
+        // The whole call's audio came back (6 s sent; the agent answers each 80 ms frame).
+        assert!(r["samples"].as_i64().unwrap() > 5 * 24_000, "{r}");
+    }
+    eprintln!(
+        "a not ready {:.2} s after SIGTERM; its last conversation ended and it exited {:.2} s after",
+        not_ready.as_secs_f64(),
+        drained.as_secs_f64()
+    );
+    let log = std::fs::read_to_string(&a.log).unwrap();
+    assert!(log.contains("draining"), "{log}");
 }
