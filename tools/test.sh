@@ -50,11 +50,13 @@ LONG=(
   realtime::record::live_contention_replayed_headless_is_blamed_on_the_environment
 )
 # Measurements of real-time quality that other tests' load would spoil (the browser's
-# concealment under packet loss, the echo canceller's double talk on a real echo path): after
-# the rest, one at a time.
+# concealment under packet loss, the echo canceller's double talk on a real echo path and its
+# search for a half-second path, whose sound-server timing a busy machine shifts): after the
+# rest, one at a time.
 APART=(
   realtime::webrtc_loss::under_packet_loss_webrtc_conceals_blips_where_the_websocket_stalls
   realtime::aec::echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives
+  realtime::aec::a_half_second_echo_path_is_cancelled_once_the_reference_is_delayed
 )
 # DUPLEX_TEST_TIMES=1: each integration test's time (libtest's --report-time, an unstable
 # option: allowed for the test binary alone, which cargo does not see, so nothing is rebuilt).
