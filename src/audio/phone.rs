@@ -78,6 +78,13 @@ impl PhoneOut {
     }
 }
 
+/// 16-bit little-endian PCM as samples in [-1, 1) (an odd last byte is left out).
+pub fn from_pcm16(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(2)
+        .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32768.0)
+}
+
 /// Samples as 16-bit little-endian PCM, clipped.
 pub fn to_pcm16(samples: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(samples.len() * 2);

@@ -83,27 +83,36 @@ impl Vad {
     /// The file cannot be loaded as a graph, or its inputs and outputs are not Silero VAD's
     /// (v5 or later); ONNX Runtime is not loaded.
     pub fn open(path: &Path) -> Result<Vad, ModelError> {
-        let graph = format!("voice activity detector ({})", path.display());
         let opts = SessionOptions::default();
-        let mut sessions = Vec::with_capacity(POOL);
-        for _ in 0..POOL {
-            let s = open(path, "voice activity detector", &opts)?.session;
-            let inputs: Vec<String> = s.inputs().iter().map(|i| i.name().to_string()).collect();
-            let outputs: Vec<String> = s.outputs().iter().map(|o| o.name().to_string()).collect();
-            for (kind, have, want) in [
-                ("input", &inputs, &["input", "state", "sr"][..]),
-                ("output", &outputs, &["output", "stateN"][..]),
-            ] {
-                if let Some(m) = want.iter().find(|w| !have.iter().any(|h| h == *w)) {
-                    return Err(ModelError::contract(
-                        &graph,
-                        format!(
-                            "no {kind} `{m}` (it has {}): not Silero VAD v5 or later",
-                            have.join(", ")
-                        ),
-                    ));
-                }
+        let first = open(path, "voice activity detector", &opts)?.session;
+        let inputs: Vec<String> = first
+            .inputs()
+            .iter()
+            .map(|i| i.name().to_string())
+            .collect();
+        let outputs: Vec<String> = first
+            .outputs()
+            .iter()
+            .map(|o| o.name().to_string())
+            .collect();
+        for (kind, have, want) in [
+            ("input", &inputs, &["input", "state", "sr"][..]),
+            ("output", &outputs, &["output", "stateN"][..]),
+        ] {
+            if let Some(m) = want.iter().find(|w| !have.iter().any(|h| h == *w)) {
+                return Err(ModelError::contract(
+                    &format!("voice activity detector ({})", path.display()),
+                    format!(
+                        "no {kind} `{m}` (it has {}): not Silero VAD v5 or later",
+                        have.join(", ")
+                    ),
+                ));
             }
+        }
+        // The same graph: the others need no check.
+        let mut sessions = vec![Mutex::new(first)];
+        for _ in 1..POOL {
+            let s = open(path, "voice activity detector", &opts)?.session;
             sessions.push(Mutex::new(s));
         }
         let vad = Vad {
@@ -114,11 +123,6 @@ impl Vad {
         let mut state = vec![0.0; 2 * 128];
         vad.probability(&[0.0; CONTEXT + CHUNK], &mut state, 0)?;
         Ok(vad)
-    }
-
-    /// The file it was opened from.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// The probability of speech in `window` (the context, then a chunk), updating `state`;
@@ -206,18 +210,14 @@ impl VadStream {
         })
     }
 
-    /// The settings in effect.
-    pub fn settings(&self) -> VadSettings {
-        self.settings
-    }
-
     /// New settings, from the next chunk on.
     pub fn set(&mut self, settings: VadSettings) {
         self.settings = settings;
     }
 
     /// Whether speech is under way.
-    pub fn speaking(&self) -> bool {
+    #[cfg(test)]
+    fn speaking(&self) -> bool {
         self.speaking
     }
 

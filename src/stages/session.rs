@@ -222,14 +222,9 @@ impl SessionPcmIn {
             self.odd = None;
             rest = tail;
         }
-        let mut pairs = rest.chunks_exact(2);
-        out.extend(
-            pairs
-                .by_ref()
-                .map(|b| i16::from_le_bytes([b[0], b[1]]) as f32 / 32768.0),
-        );
-        if let [b] = pairs.remainder() {
-            self.odd = Some(*b);
+        out.extend(crate::audio::phone::from_pcm16(rest));
+        if !rest.len().is_multiple_of(2) {
+            self.odd = rest.last().copied();
         }
         out
     }

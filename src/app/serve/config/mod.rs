@@ -388,7 +388,8 @@ pub fn load(
         n => n.to_string(),
     };
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
-    let realtime = realtime::read_realtime(&f.table("realtime")?)?;
+    let rt = f.table("realtime")?;
+    let realtime = realtime::read_realtime(&rt)?;
     let config = ServeConfig {
         webrtc,
         realtime,
@@ -438,13 +439,7 @@ pub fn load(
             .voice_path(&voice_prompt)
             .map_err(|m| f.err(ConfigErrorKind::Read, "voice_prompt", m))?;
     }
-    let rt = f.table("realtime")?;
-    let mapped = rt.table("voices").ok();
-    for (name, to) in &config.realtime.voices {
-        if let (Err(m), Some(v)) = (config.voice_path(to), &mapped) {
-            return Err(v.err(ConfigErrorKind::Read, name, m));
-        }
-    }
+    realtime::check_voices(&rt, &config)?;
     // The library the settings choose is loaded now, before the session template (whose models
     // would otherwise find one of their own): a template's own `ort.library` must then name
     // the same one (one library per process).

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::{RealtimeSettings, DEFAULTS_ORIGIN};
+use super::{RealtimeSettings, ServeConfig, DEFAULTS_ORIGIN};
 use crate::config::fields::Fields;
 use crate::config::{ConfigError, ConfigErrorKind};
 
@@ -39,4 +39,19 @@ pub(super) fn read_realtime(r: &Fields<'_>) -> Result<RealtimeSettings, ConfigEr
         vad_required,
         voices,
     })
+}
+
+/// Each voice `voices` maps a name to is one of the server's (`config`'s voices folder): an
+/// error names the mapped name's key.
+pub(super) fn check_voices(r: &Fields<'_>, config: &ServeConfig) -> Result<(), ConfigError> {
+    if config.realtime.voices.is_empty() {
+        return Ok(());
+    }
+    let v = r.table("voices")?;
+    for (name, to) in &config.realtime.voices {
+        config
+            .voice_path(to)
+            .map_err(|m| v.err(ConfigErrorKind::Read, name, m))?;
+    }
+    Ok(())
 }

@@ -46,7 +46,7 @@ mod items;
 use super::config::shown;
 use super::session::{base64_len, Encoder, Protocol, Taken};
 use super::ServeConfig;
-use crate::audio::phone::{to_pcm16, PhoneIn, PhoneOut, PHONE_RATE};
+use crate::audio::phone::{from_pcm16, to_pcm16, PhoneIn, PhoneOut, PHONE_RATE};
 use crate::audio::MODEL_RATE;
 use crate::config::{ConfigError, ConfigErrorKind};
 use crate::model::vad::{Vad, VadEvent, VadSettings, VadStream};
@@ -328,10 +328,7 @@ impl Realtime {
         let Some(stream) = self.turns.stream.as_mut() else {
             return Vec::new();
         };
-        let samples: Vec<f32> = pcm
-            .chunks_exact(2)
-            .map(|b| f32::from(i16::from_le_bytes([b[0], b[1]])) / 32768.0)
-            .collect();
+        let samples: Vec<f32> = from_pcm16(pcm).collect();
         let found = match stream.push(&vad, &samples) {
             Ok(f) => f,
             Err(e) => {
@@ -343,8 +340,8 @@ impl Realtime {
             }
         };
         let mut out = Vec::new();
+        let shared = self.shared.clone();
         for event in found {
-            let shared = self.shared.clone();
             let Ok(mut s) = shared.lock() else {
                 break;
             };
@@ -470,19 +467,18 @@ impl Realtime {
             pairs.retain(|(key, _)| key != k);
             pairs.push((k.to_string(), v));
         };
-        if let Some(t) = &u.instructions {
-            set("text_prompt", t.clone());
-        }
-        if let Some((_, name)) = &u.voice {
-            set("voice_prompt", name.clone());
-        }
         let mut u = u;
         if let Some((_, name)) = u.voice.as_mut() {
             // OpenAI's names, mapped by the operator to voices of theirs.
             if let Some((_, to)) = self.cfg.realtime.voices.iter().find(|(n, _)| n == name) {
                 *name = to.clone();
-                set("voice_prompt", to.clone());
             }
+        }
+        if let Some(t) = &u.instructions {
+            set("text_prompt", t.clone());
+        }
+        if let Some((_, name)) = &u.voice {
+            set("voice_prompt", name.clone());
         }
         for (k, v) in &u.sampling {
             set(k, v.clone());
