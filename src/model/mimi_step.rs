@@ -304,16 +304,7 @@ impl StepManifest {
 
 /// The graph's inputs and outputs must be the manifest's, no more, no less.
 fn check_names(session: &Session, manifest: &StepManifest, graph: &str) -> Result<(), ModelError> {
-    let inputs: Vec<String> = session
-        .inputs()
-        .iter()
-        .map(|i| i.name().to_string())
-        .collect();
-    let outputs: Vec<String> = session
-        .outputs()
-        .iter()
-        .map(|o| o.name().to_string())
-        .collect();
+    let (inputs, outputs) = super::session::io_names(session);
     let mut want_inputs: Vec<String> = manifest.states.iter().map(|s| s.input.clone()).collect();
     want_inputs.push(manifest.input.clone());
     want_inputs.extend(manifest.active.clone());

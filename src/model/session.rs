@@ -269,6 +269,12 @@ fn configured(
     Ok((b, provider))
 }
 
+/// The names of a session's inputs and of its outputs, in the graph's order.
+pub(crate) fn io_names(session: &Session) -> (Vec<String>, Vec<String>) {
+    let names = |v: &[ort::value::Outlet]| v.iter().map(|o| o.name().to_string()).collect();
+    (names(session.inputs()), names(session.outputs()))
+}
+
 /// Opens a graph built in memory (`bytes`; `graph` names it in messages) with `opts`.
 ///
 /// # Errors

@@ -15,7 +15,7 @@ use ort::session::Session;
 use ort::value::Tensor;
 
 use super::error::ModelError;
-use super::session::{open, SessionOptions};
+use super::session::{io_names, open, SessionOptions};
 use crate::audio::resample::StreamResampler;
 
 /// The rate the model hears (it also takes 8 kHz; 16 kHz is the better one).
@@ -85,16 +85,7 @@ impl Vad {
     pub fn open(path: &Path) -> Result<Vad, ModelError> {
         let opts = SessionOptions::default();
         let first = open(path, "voice activity detector", &opts)?.session;
-        let inputs: Vec<String> = first
-            .inputs()
-            .iter()
-            .map(|i| i.name().to_string())
-            .collect();
-        let outputs: Vec<String> = first
-            .outputs()
-            .iter()
-            .map(|o| o.name().to_string())
-            .collect();
+        let (inputs, outputs) = io_names(&first);
         for (kind, have, want) in [
             ("input", &inputs, &["input", "state", "sr"][..]),
             ("output", &outputs, &["output", "stateN"][..]),
