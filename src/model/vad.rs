@@ -4,7 +4,7 @@
 //! start and the end of each stretch of speech.
 //!
 //! [`Vad`] is the model, opened once per process and shared: a few ONNX Runtime sessions used
-//! in turn (a call is about a tenth of a millisecond for 32 ms of audio). [`VadStream`] is one
+//! in turn (one small call per 32 ms of audio). [`VadStream`] is one
 //! conversation's detector: its recurrent state, a 24 → 16 kHz resampler, and where it stands.
 //! Knows nothing of the protocols that report what it finds.
 
