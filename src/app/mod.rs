@@ -9,6 +9,7 @@ pub mod loadtest;
 pub mod logging;
 mod replay;
 mod report;
+mod rtc;
 pub mod serve;
 
 use std::path::Path;

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use axum::extract::ws::Message;
 use str0m::channel::ChannelId;
-use str0m::media::{MediaKind, MediaTime, Mid};
+use str0m::media::{MediaKind, Mid};
 use str0m::net::{Protocol, Receive};
-use str0m::{Event, IceConnectionState, Input, Output, Rtc};
+use str0m::{Event, IceConnectionState, Input, Rtc};
 
 use super::super::session::AudioBudget;
 use super::jitter::{JitterBuffer, Play, CLOCK};
@@ -434,19 +434,11 @@ impl Peer {
                 let Some(packet) = self.send_queue.pop_front() else {
                     break;
                 };
-                if let Some(w) = self.rtc.writer(mid) {
-                    let pt = w
-                        .payload_params()
-                        .find(|p| p.spec().codec == str0m::format::Codec::Opus)
-                        .map(|p| p.pt());
-                    if let Some(pt) = pt {
-                        let t =
-                            MediaTime::new(self.rtp_ts, str0m::media::Frequency::FORTY_EIGHT_KHZ);
-                        if w.write(pt, now, t, packet).is_ok() {
-                            self.stats.sent.fetch_add(1, Ordering::Relaxed);
-                            c.sent.increment(1);
-                        }
-                    }
+                if let Ok(true) =
+                    crate::app::rtc::write_opus(&mut self.rtc, mid, now, self.rtp_ts, &packet)
+                {
+                    self.stats.sent.fetch_add(1, Ordering::Relaxed);
+                    c.sent.increment(1);
                 }
                 self.rtp_ts += PACKET_TICKS;
                 let step = if self.send_queue.len() > PACE_CATCH_UP {
@@ -460,24 +452,25 @@ impl Peer {
             // Nobody to send to yet: what the agent said meanwhile is not kept.
             self.send_queue.clear();
         }
-        // The state machine: transmits, events, its next timeout.
+        // The state machine: transmits, events (what they make it write goes out at once), its
+        // next timeout.
         let mut wake = now + Duration::from_millis(100);
         loop {
-            match self.rtc.poll_output() {
-                Ok(Output::Timeout(t)) => {
-                    wake = wake.min(t);
-                    break;
-                }
-                Ok(Output::Transmit(t)) => {
-                    let _ = socket.try_send_to(&t.contents, t.destination);
-                }
-                Ok(Output::Event(e)) => self.event(e, now),
+            let mut events = Vec::new();
+            match crate::app::rtc::poll(&mut self.rtc, socket, wake, |e| events.push(e)) {
+                Ok(w) => wake = w,
                 Err(e) => {
                     tracing::info!(peer = %self.token, "webrtc: {e}");
                     self.rtc.disconnect();
                     self.client_gone(now, "the peer failed");
                     break;
                 }
+            }
+            if events.is_empty() {
+                break;
+            }
+            for e in events {
+                self.event(e, now);
             }
         }
         if !self.connected && now.duration_since(self.created) > self.connect_timeout {
@@ -505,7 +498,7 @@ impl Peer {
             }
             Event::Connected => {
                 self.connected = true;
-                self.stats.connected.store(1, Ordering::Relaxed);
+                self.stats.connected.store(1, Ordering::Release);
                 tracing::info!(peer = %self.token, "webrtc: connected");
             }
             Event::MediaAdded(m) if m.kind == MediaKind::Audio && self.audio.is_none() => {

@@ -5,9 +5,11 @@
 //! WebSocket's ([`session::run`]) in the [`WebRtc`] protocol, with PCM ends: the same
 //! admission, limits, keys and template.
 //!
-//! The data channel carries JSON: `{"type": "ready", "session": {…metadata…}}` once primed,
-//! `{"type": "text", "text": "…"}` per transcript piece, `{"type": "error", "message": "…"}`,
-//! and `{"type": "end", "code": …, "reason": "…"}` before the server hangs up.
+//! A session starts once its peer has connected (ICE and DTLS), not at the offer: its model's
+//! clock does not run before anyone can hear it. The data channel carries JSON:
+//! `{"type": "ready", "session": {…metadata…}}` once primed, `{"type": "text", "text": "…"}`
+//! per transcript piece, `{"type": "error", "message": "…"}`, and `{"type": "end", "code": …,
+//! "reason": "…"}` before the server hangs up.
 //!
 //! Knows nothing of RTP or codecs (the driver's) nor of the pipeline (the session's).
 
@@ -446,6 +448,15 @@ impl Encoder for WebRtcEncoder {
 }
 
 impl Protocol for WebRtc {
+    /// Once the peer has connected (ICE and DTLS): the model's clock does not run, nor does the
+    /// agent speak, before anyone can hear it.
+    fn may_start(&self) -> bool {
+        self.stats
+            .connected
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 1
+    }
+
     fn params(&mut self, cfg: &super::ServeConfig) -> Result<super::config::SessionParams, String> {
         cfg.session_params(&self.query)
     }

@@ -1,8 +1,9 @@
 //! `duplex loadtest URL`: how many real-time conversations a running `duplex serve` keeps up
 //! with, measured as its clients see it. N clients at once (a fixed level, or levels raised
 //! until one falls behind), each streaming audio in real time (a WAV, or a speech-like tone)
-//! over Kyutai's protocol (`/api/chat`, Ogg/Opus) or the realtime API (`/v1/realtime`, PCM16),
-//! from the moment its session is ready.
+//! over Kyutai's protocol (`/api/chat`, Ogg/Opus), the realtime API (`/v1/realtime`, PCM16)
+//! ([`ws`]) or WebRTC (`/api/webrtc`, Opus over RTP, [`webrtc`]), from the moment its session
+//! is ready.
 //!
 //! Per level: sessions admitted and refused; the latency of each agent frame as the client sees
 //! it (its k-th 80 ms frame sent → the agent's k-th frame received: the model steps once per
@@ -10,20 +11,17 @@
 //! client jitter buffer (playback starts `buffer_ms` after the first agent frame, one frame per
 //! 80 ms). A level keeps up when every session was admitted and none had a late or missing
 //! frame or an underrun. A session's first frame is reported on its own (`first_frame_ms`), and
-//! neither it nor the last is counted as late: over Ogg/Opus the codec's look-ahead makes the
+//! neither it nor the last is counted as late: over Opus the codec's look-ahead makes the
 //! first wait for the session's start and the last for the server's silence fill after the
 //! client stops, which says nothing of the server's load. Knows nothing of the server's
 //! insides: only the wire.
 
+mod webrtc;
+mod ws;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use base64::Engine as _;
-use futures_util::{SinkExt, StreamExt};
-use tokio_tungstenite::tungstenite::Message;
-
-use crate::audio::opus::OggOpusWriter;
-use crate::audio::FRAME_SAMPLES;
 use crate::config::{ConfigError, ConfigErrorKind};
 
 /// One model frame.
@@ -36,12 +34,26 @@ pub enum Protocol {
     Kyutai,
     /// The OpenAI realtime API (`/v1/realtime`): PCM16 in base64 JSON events.
     Realtime,
+    /// WebRTC (`/api/webrtc`): an SDP offer over HTTP, then Opus over RTP in 20 ms packets.
+    #[value(name = "webrtc")]
+    WebRtc,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::Kyutai => "kyutai",
+            Protocol::Realtime => "realtime",
+            Protocol::WebRtc => "webrtc",
+        }
+    }
 }
 
 /// `duplex loadtest`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadtestArgs {
-    /// The server: `ws://host:port` or `http://host:port` (the endpoint follows `--protocol`).
+    /// The server (or its proxy): `http://host:port` or `ws://host:port`, the endpoint following
+    /// `--protocol`.
     pub url: String,
     /// The protocol the clients speak.
     #[arg(long, value_enum, default_value = "kyutai")]
@@ -147,7 +159,7 @@ impl Quantiles {
 pub struct Report {
     /// The endpoint.
     pub url: String,
-    /// `kyutai` or `realtime`.
+    /// `kyutai`, `realtime` or `webrtc`.
     pub protocol: &'static str,
     /// Seconds per client.
     pub seconds: f64,
@@ -256,23 +268,44 @@ fn audio(args: &LoadtestArgs) -> anyhow::Result<Vec<f32>> {
 /// The endpoint's URL for `protocol`.
 fn endpoint(url: &str, protocol: Protocol) -> anyhow::Result<String> {
     let base = url.trim_end_matches('/');
-    let base = if let Some(rest) = base.strip_prefix("http://") {
-        format!("ws://{rest}")
-    } else if let Some(rest) = base.strip_prefix("https://") {
-        format!("wss://{rest}")
-    } else if base.starts_with("ws://") || base.starts_with("wss://") {
-        base.to_string()
-    } else {
+    let (plain, secure) = match protocol {
+        Protocol::Kyutai | Protocol::Realtime => ("ws", "wss"),
+        // The offer is an HTTP request.
+        Protocol::WebRtc => ("http", "https"),
+    };
+    let rest = ["http://", "ws://"]
+        .iter()
+        .find_map(|s| base.strip_prefix(s))
+        .map(|r| (plain, r))
+        .or_else(|| {
+            ["https://", "wss://"]
+                .iter()
+                .find_map(|s| base.strip_prefix(s))
+                .map(|r| (secure, r))
+        });
+    let Some((scheme, rest)) = rest else {
         let m = format!("{url}: not a ws://, wss://, http:// or https:// address");
         return Err(bad("URL", ConfigErrorKind::WrongType, m));
     };
+    if scheme == "https" {
+        let m = format!(
+            "{url}: the WebRTC client offers over plain HTTP only (run it against the \
+             server's or the proxy's http:// address)"
+        );
+        return Err(bad("URL", ConfigErrorKind::WrongType, m));
+    }
+    let base = format!("{scheme}://{rest}");
     // A full endpoint is taken as given.
-    if base.ends_with("/api/chat") || base.ends_with("/v1/realtime") {
+    if ["/api/chat", "/v1/realtime", "/api/webrtc"]
+        .iter()
+        .any(|e| base.ends_with(e))
+    {
         return Ok(base);
     }
     Ok(match protocol {
         Protocol::Kyutai => format!("{base}/api/chat"),
         Protocol::Realtime => format!("{base}/v1/realtime"),
+        Protocol::WebRtc => format!("{base}/api/webrtc"),
     })
 }
 
@@ -347,10 +380,7 @@ pub fn run(args: &LoadtestArgs) -> anyhow::Result<Report> {
         .build()?;
     let mut report = Report {
         url: url.clone(),
-        protocol: match args.protocol {
-            Protocol::Kyutai => "kyutai",
-            Protocol::Realtime => "realtime",
-        },
+        protocol: args.protocol.name(),
         seconds: args.seconds,
         levels: Vec::new(),
         keeps_up_with: 0,
@@ -399,201 +429,18 @@ pub fn run(args: &LoadtestArgs) -> anyhow::Result<Report> {
 /// One client: connects, waits for its session to be ready, streams `seconds` of `pcm` in real
 /// time, and times the agent's frames as they come.
 async fn client(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Seen {
-    match talk(url, pcm, args).await {
+    let talked = match args.protocol {
+        Protocol::Kyutai => ws::talk(url, ws::Wire::Kyutai, pcm, args).await,
+        Protocol::Realtime => ws::talk(url, ws::Wire::Realtime, pcm, args).await,
+        Protocol::WebRtc => webrtc::talk(url, pcm, args).await,
+    };
+    match talked {
         Ok(s) => s,
         Err(e) => Seen {
             refused: Some(e),
             ..Seen::default()
         },
     }
-}
-
-type WsError = tokio_tungstenite::tungstenite::Error;
-
-async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
-    let (mut tx, mut rx) = connect(url, args).await?.split();
-    let protocol = args.protocol;
-    if protocol == Protocol::Realtime {
-        let update = serde_json::json!({
-            "type": "session.update",
-            "session": {"type": "realtime"},
-        });
-        tx.send(Message::Text(update.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
-        // The session starts at the first audio: one frame of silence asks for it.
-        let silence =
-            base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * FRAME_SAMPLES]);
-        let append = serde_json::json!({"type": "input_audio_buffer.append", "audio": silence});
-        tx.send(Message::Text(append.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    tokio::time::timeout(Duration::from_secs(120), ready(&mut rx, protocol))
-        .await
-        .map_err(|_| "not ready within 120 s".to_string())??;
-    let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
-    let t0 = Instant::now();
-    let reader = tokio::spawn(arrivals(rx, protocol));
-    let mut w = OggOpusWriter::new(1, None).map_err(|e| e.to_string())?;
-    for k in 0..frames {
-        let at = (k * FRAME_SAMPLES) % pcm.len();
-        let mut frame: Vec<f32> = pcm[at..].iter().take(FRAME_SAMPLES).copied().collect();
-        frame.resize(FRAME_SAMPLES, 0.0);
-        if tx
-            .send(frame_message(&mut w, protocol, &frame)?)
-            .await
-            .is_err()
-        {
-            break;
-        }
-        tokio::time::sleep_until((t0 + FRAME * (k as u32 + 1)).into()).await;
-    }
-    // The last frames' answers, then the end.
-    tokio::time::sleep(Duration::from_millis(args.late_ms.max(500))).await;
-    let _ = tx.send(Message::Close(None)).await;
-    let arrivals = tokio::time::timeout(Duration::from_secs(10), reader)
-        .await
-        .map_err(|_| "the server did not close".to_string())?
-        .map_err(|e| e.to_string())?;
-    // Frame k was sent at t0 + k · 80 ms; the agent's k-th frame answers it (after the frame
-    // of silence that started a realtime session).
-    let skip = usize::from(protocol == Protocol::Realtime);
-    let arrivals: Vec<Instant> = arrivals.into_iter().skip(skip).collect();
-    Ok(seen(&arrivals, t0, frames, args.buffer_ms))
-}
-
-/// The WebSocket to the server, with the key when there is one.
-async fn connect(
-    url: &str,
-    args: &LoadtestArgs,
-) -> Result<
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
-    String,
-> {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let mut req = url
-        .into_client_request()
-        .map_err(|e| format!("{url}: {e}"))?;
-    if let Some(k) = &args.key {
-        let v = format!("Bearer {k}")
-            .parse()
-            .map_err(|_| "the key is not a header value".to_string())?;
-        req.headers_mut().insert("authorization", v);
-    }
-    let (ws, _) = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio_tungstenite::connect_async(req),
-    )
-    .await
-    .map_err(|_| "no answer within 30 s".to_string())?
-    .map_err(|e| match e {
-        WsError::Http(r) => {
-            let body = r
-                .body()
-                .as_ref()
-                .map(|b| String::from_utf8_lossy(b).trim().to_string())
-                .unwrap_or_default();
-            format!("HTTP {}: {body}", r.status())
-        }
-        e => e.to_string(),
-    })?;
-    Ok(ws)
-}
-
-/// Until the session is ready: Kyutai's handshake, the realtime API's response.created.
-async fn ready<S>(rx: &mut S, protocol: Protocol) -> Result<(), String>
-where
-    S: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
-{
-    while let Some(m) = rx.next().await {
-        match m.map_err(|e| e.to_string())? {
-            Message::Binary(b) if protocol == Protocol::Kyutai => match b.first() {
-                Some(0) => return Ok(()),
-                Some(5) => return Err(String::from_utf8_lossy(&b[1..]).into_owned()),
-                _ => {}
-            },
-            Message::Text(t) if protocol == Protocol::Realtime => {
-                let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
-                match v["type"].as_str() {
-                    Some("response.created") => return Ok(()),
-                    Some("error") => {
-                        return Err(v["error"]["message"].as_str().unwrap_or("error").into())
-                    }
-                    _ => {}
-                }
-            }
-            Message::Close(c) => {
-                return Err(c.map_or("closed".into(), |c| c.reason.to_string()));
-            }
-            _ => {}
-        }
-    }
-    Err("closed before the session was ready".to_string())
-}
-
-/// The agent's frames as they come: when each 80 ms of audio (at 24 kHz) arrived, in order.
-async fn arrivals<S>(mut rx: S, protocol: Protocol) -> Vec<Instant>
-where
-    S: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
-{
-    let mut arrivals: Vec<Instant> = Vec::new();
-    let mut samples = 0usize;
-    let mut ogg = OggClock::default();
-    while let Some(Ok(m)) = rx.next().await {
-        let got = match (protocol, m) {
-            // Ogg pages: the last granule position is the stream's length at 48 kHz.
-            (Protocol::Kyutai, Message::Binary(b)) if b.first() == Some(&1) => ogg.samples(&b[1..]),
-            (Protocol::Realtime, Message::Text(t)) => {
-                let v: serde_json::Value = serde_json::from_str(&t).unwrap_or_default();
-                let kind = v["type"].as_str().unwrap_or_default();
-                if kind == "response.output_audio.delta" || kind == "response.audio.delta" {
-                    let bytes = base64::engine::general_purpose::STANDARD
-                        .decode(v["delta"].as_str().unwrap_or_default())
-                        .unwrap_or_default();
-                    Some(samples + bytes.len() / 2)
-                } else {
-                    None
-                }
-            }
-            (_, Message::Close(_)) => break,
-            _ => None,
-        };
-        if let Some(total) = got {
-            samples = samples.max(total);
-            let now = Instant::now();
-            while arrivals.len() < samples / FRAME_SAMPLES {
-                arrivals.push(now);
-            }
-        }
-    }
-    arrivals
-}
-
-/// One frame of the user's audio as the protocol sends it.
-fn frame_message(
-    w: &mut OggOpusWriter,
-    protocol: Protocol,
-    frame: &[f32],
-) -> Result<Message, String> {
-    Ok(match protocol {
-        Protocol::Kyutai => {
-            let mut b = vec![1u8];
-            for p in w.push(frame).map_err(|e| e.to_string())? {
-                b.extend_from_slice(&p);
-            }
-            Message::Binary(b.into())
-        }
-        Protocol::Realtime => {
-            let bytes: Vec<u8> = frame
-                .iter()
-                .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
-                .collect();
-            let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
-            let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
-            Message::Text(e.to_string().into())
-        }
-    })
 }
 
 /// What a client saw, from when the agent's frames arrived: frame k was sent at t0 + k · 80 ms.
@@ -626,37 +473,6 @@ fn seen(arrivals: &[Instant], t0: Instant, frames: usize, buffer_ms: u64) -> See
     }
 }
 
-/// How much of an Ogg/Opus stream has come, from its pages' headers alone (nothing decoded):
-/// the granule position of the last page, less the stream's pre-skip (from `OpusHead`).
-#[derive(Default)]
-struct OggClock {
-    pre_skip: u64,
-}
-
-impl OggClock {
-    /// Samples at 24 kHz the stream holds once `bytes` (whole pages, as the server sends them)
-    /// have come; `None` when no page of them ends audio.
-    fn samples(&mut self, bytes: &[u8]) -> Option<usize> {
-        let mut at = 0;
-        let mut last = None;
-        while at + 27 <= bytes.len() && &bytes[at..at + 4] == b"OggS" {
-            let granule = u64::from_le_bytes(bytes[at + 6..at + 14].try_into().ok()?);
-            let segments = bytes[at + 26] as usize;
-            let table = bytes.get(at + 27..at + 27 + segments)?;
-            let len: usize = table.iter().map(|&s| s as usize).sum();
-            let body = bytes.get(at + 27 + segments..at + 27 + segments + len)?;
-            if body.starts_with(b"OpusHead") && body.len() >= 12 {
-                self.pre_skip = u16::from_le_bytes([body[10], body[11]]) as u64;
-            } else if granule != u64::MAX && granule > 0 {
-                last = Some(granule);
-            }
-            at += 27 + segments + len;
-        }
-        // Opus granules count at 48 kHz.
-        last.map(|g| (g.saturating_sub(self.pre_skip) / 2) as usize)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -675,22 +491,16 @@ mod tests {
             endpoint("https://h/api/chat", Protocol::Realtime).unwrap(),
             "wss://h/api/chat"
         );
+        assert_eq!(
+            endpoint("ws://h:1", Protocol::WebRtc).unwrap(),
+            "http://h:1/api/webrtc"
+        );
+        assert_eq!(
+            endpoint("http://proxy/replica/a/api/webrtc/", Protocol::WebRtc).unwrap(),
+            "http://proxy/replica/a/api/webrtc"
+        );
+        assert!(endpoint("https://h", Protocol::WebRtc).is_err());
         assert!(endpoint("h:1", Protocol::Kyutai).is_err());
-    }
-
-    #[test]
-    fn the_ogg_clock_counts_the_samples_sent_without_decoding() {
-        let mut w = OggOpusWriter::new(3, None).unwrap();
-        let mut clock = OggClock::default();
-        assert_eq!(clock.samples(&w.headers().unwrap().concat()), None);
-        let mut last = None;
-        for _ in 0..3 {
-            last = clock
-                .samples(&w.push(&vec![0.0; FRAME_SAMPLES]).unwrap().concat())
-                .or(last);
-        }
-        // 3 frames of 80 ms in 40 ms pages: 5760 samples at 24 kHz, the pre-skip taken off.
-        assert_eq!(last, Some(3 * FRAME_SAMPLES));
     }
 
     #[test]

@@ -1,0 +1,354 @@
+//! The load test's WebRTC client, on str0m (the server's own WebRTC stack, here in the offering
+//! role): the offer (`POST /api/webrtc`: one audio track each way and a data channel), ICE and
+//! DTLS to the answer's candidates, the user's audio as 20 ms Opus packets in real time from the
+//! `ready` on the data channel, the agent's audio counted as its packets come (each packet's
+//! length read from its table of contents, nothing decoded), and the hang-up (`DELETE` on the
+//! answer's `Location`, through the address the offer went to: a proxy routes it back to the
+//! replica that holds the call). Knows nothing of the server's insides: only the wire.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::http::{header, HeaderMap, Method, Request, StatusCode, Uri};
+use str0m::change::{SdpAnswer, SdpPendingOffer};
+use str0m::media::{Direction, MediaKind, Mid};
+use str0m::net::{Protocol as Net, Receive};
+use str0m::{Candidate, Event, Input, Rtc};
+
+use super::{seen, LoadtestArgs, Seen, FRAME};
+use crate::audio::FRAME_SAMPLES;
+
+/// Samples of one 20 ms packet at 24 kHz.
+const PACKET_SAMPLES: usize = 480;
+/// RTP ticks of one packet (Opus's 48 kHz clock).
+const PACKET_TICKS: u64 = 960;
+/// One packet's time.
+const PACKET_TIME: Duration = Duration::from_millis(20);
+/// Packets of one model frame.
+const PACKETS_PER_FRAME: u32 = (FRAME_SAMPLES / PACKET_SAMPLES) as u32;
+/// The user's audio bitrate (a browser's voice: 32 kb/s).
+const BITRATE: i32 = 32_000;
+/// The longest a session may take to be ready (as over the WebSockets).
+const READY_WITHIN: Duration = Duration::from_secs(120);
+/// The largest answer or error body read.
+const MAX_BODY: usize = 64 * 1024;
+
+/// One client over WebRTC: offers, waits for its session to be ready, streams `seconds` of
+/// `pcm` in real time and times the agent's frames; hangs up whatever happened once answered.
+pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
+    let endpoint: Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let mut rtc = Rtc::builder()
+        .clear_codecs()
+        .enable_opus(true, false)
+        .set_stats_interval(None)
+        .build(Instant::now());
+    let mut sdp = rtc.sdp_api();
+    let mid = sdp.add_media(MediaKind::Audio, Direction::SendRecv, None, None, None);
+    sdp.add_channel("duplex".into());
+    let (offer, pending) = sdp.apply().ok_or("str0m made no offer")?;
+    let (status, headers, body) =
+        http(Method::POST, &endpoint, offer.to_sdp_string(), args).await?;
+    if status != StatusCode::CREATED {
+        return Err(format!("HTTP {status}: {}", body.trim()));
+    }
+    let resource = headers
+        .get(header::LOCATION)
+        .and_then(|l| l.to_str().ok())
+        .ok_or_else(|| "the answer has no Location".to_string())
+        .and_then(|l| resolve(&endpoint, l))?;
+    let call = Call::new(rtc, mid, pending, &body).await;
+    let seen = match call {
+        Ok(call) => call.run(pcm, args).await,
+        Err(e) => Err(e),
+    };
+    // Hung up through the same address, whatever happened: the slot is freed at once.
+    let hangup = http(Method::DELETE, &resource, String::new(), args).await;
+    let seen = seen?;
+    match hangup {
+        Ok((StatusCode::OK, _, _)) => Ok(seen),
+        Ok((status, _, body)) => Err(format!("the hang-up: HTTP {status}: {}", body.trim())),
+        Err(e) => Err(format!("the hang-up: {e}")),
+    }
+}
+
+/// The call's resource: `location` (a path, or an absolute URL) against the offer's address.
+fn resolve(endpoint: &Uri, location: &str) -> Result<Uri, String> {
+    let uri: Uri = location
+        .parse()
+        .map_err(|e| format!("the answer's Location {location:?}: {e}"))?;
+    if uri.authority().is_some() {
+        return Ok(uri);
+    }
+    let mut parts = endpoint.clone().into_parts();
+    parts.path_and_query = uri.into_parts().path_and_query;
+    Uri::from_parts(parts).map_err(|e| format!("the answer's Location {location:?}: {e}"))
+}
+
+/// One HTTP/1.1 request (the key as `Authorization: Bearer`): its status, headers and body.
+async fn http(
+    method: Method,
+    uri: &Uri,
+    body: String,
+    args: &LoadtestArgs,
+) -> Result<(StatusCode, HeaderMap, String), String> {
+    let authority = uri.authority().ok_or_else(|| format!("{uri}: no host"))?;
+    let address = format!(
+        "{}:{}",
+        authority.host(),
+        authority.port_u16().unwrap_or(80)
+    );
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(&address)
+            .await
+            .map_err(|e| format!("{address}: {e}"))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri.path_and_query().map_or("/", |p| p.as_str()))
+            .header(header::HOST, authority.as_str())
+            .header(header::CONTENT_TYPE, "application/sdp");
+        if let Some(k) = &args.key {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let req = req
+            .body(axum::body::Body::from(body))
+            .map_err(|e| e.to_string())?;
+        let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        let (head, incoming) = resp.into_parts();
+        let bytes = axum::body::to_bytes(axum::body::Body::new(incoming), MAX_BODY)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((
+            head.status,
+            head.headers,
+            String::from_utf8_lossy(&bytes).into_owned(),
+        ))
+    };
+    tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .map_err(|_| "no answer within 30 s".to_string())?
+}
+
+/// The first host candidate of an answer: where the server's media is.
+fn candidate(answer: &str) -> Option<SocketAddr> {
+    answer.lines().find_map(|l| {
+        // a=candidate:FOUNDATION COMPONENT udp PRIORITY ADDRESS PORT typ host
+        let f: Vec<&str> = l.strip_prefix("a=candidate:")?.split_whitespace().collect();
+        if f.len() < 8 || !f[2].eq_ignore_ascii_case("udp") {
+            return None;
+        }
+        Some(SocketAddr::new(f[4].parse().ok()?, f[5].parse().ok()?))
+    })
+}
+
+/// A connected call: the peer, its socket and its audio track.
+struct Call {
+    rtc: Rtc,
+    socket: tokio::net::UdpSocket,
+    local: SocketAddr,
+    mid: Mid,
+}
+
+impl Call {
+    /// Takes the answer: a socket on the address that reaches the server's candidate, announced
+    /// as this peer's own.
+    async fn new(
+        mut rtc: Rtc,
+        mid: Mid,
+        pending: SdpPendingOffer,
+        answer: &str,
+    ) -> Result<Call, String> {
+        let remote = candidate(answer).ok_or("the answer names no UDP candidate")?;
+        // The address the system routes to the server's candidate from (no packet is sent).
+        let probe = std::net::UdpSocket::bind(SocketAddr::new(
+            if remote.is_ipv4() {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            } else {
+                std::net::Ipv6Addr::UNSPECIFIED.into()
+            },
+            0,
+        ))
+        .and_then(|s| s.connect(remote).and_then(|()| s.local_addr()))
+        .map_err(|e| format!("no route to the server's media at {remote}: {e}"))?;
+        let socket = tokio::net::UdpSocket::bind(SocketAddr::new(probe.ip(), 0))
+            .await
+            .map_err(|e| format!("a UDP socket: {e}"))?;
+        let local = socket.local_addr().map_err(|e| e.to_string())?;
+        let host = Candidate::host(local, "udp").map_err(|e| format!("candidate {local}: {e}"))?;
+        rtc.add_local_candidate(host);
+        let answer =
+            SdpAnswer::from_sdp_string(answer).map_err(|e| format!("the server's answer: {e}"))?;
+        rtc.sdp_api()
+            .accept_answer(pending, answer)
+            .map_err(|e| format!("the server's answer: {e}"))?;
+        Ok(Call {
+            rtc,
+            socket,
+            local,
+            mid,
+        })
+    }
+
+    /// Streams `seconds` of `pcm` from the session's `ready`, then waits for the last answers.
+    async fn run(mut self, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
+        let mut encoder = opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
+            .map_err(|e| format!("an Opus encoder: {e}"))?;
+        let _ = encoder.set_bitrate(opus::Bitrate::Bits(BITRATE));
+        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+        let packets = frames * PACKETS_PER_FRAME as usize;
+        let tail = Duration::from_millis(args.late_ms.max(500));
+        let offered = Instant::now();
+        // When the session said it was ready: the first packet's time.
+        let mut t0: Option<Instant> = None;
+        let mut sent = 0usize;
+        let mut samples = 0usize;
+        let mut arrivals: Vec<Instant> = Vec::new();
+        let mut buf = vec![0u8; 2048];
+        let mut packet = [0u8; 1500];
+        loop {
+            let now = Instant::now();
+            // The user's packets due now.
+            if let Some(t0) = t0 {
+                while sent < packets && t0 + PACKET_TIME * sent as u32 <= now {
+                    let at = (sent * PACKET_SAMPLES) % pcm.len();
+                    let mut chunk: Vec<f32> =
+                        pcm[at..].iter().take(PACKET_SAMPLES).copied().collect();
+                    chunk.resize(PACKET_SAMPLES, 0.0);
+                    let n = encoder
+                        .encode_float(&chunk, &mut packet)
+                        .map_err(|e| format!("Opus: {e}"))?;
+                    self.write(&packet[..n], sent as u64 * PACKET_TICKS, now)?;
+                    sent += 1;
+                }
+            }
+            // The peer's state machine: what it sends, what happened, when to wake it.
+            let mut events = Vec::new();
+            let mut wake = crate::app::rtc::poll(
+                &mut self.rtc,
+                &self.socket,
+                now + Duration::from_millis(100),
+                |e| events.push(e),
+            )
+            .map_err(|e| format!("WebRTC: {e}"))?;
+            for e in events {
+                match e {
+                    // What the agent said before the user's first packet answers none of them.
+                    Event::MediaData(d) if d.mid == self.mid && t0.is_some() => {
+                        let n = opus::packet::get_nb_samples(&d.data, 24_000).unwrap_or(0);
+                        samples += n;
+                        let now = Instant::now();
+                        while arrivals.len() < samples / FRAME_SAMPLES {
+                            arrivals.push(now);
+                        }
+                    }
+                    Event::ChannelData(d) if !d.binary => {
+                        let v: serde_json::Value =
+                            serde_json::from_slice(&d.data).unwrap_or_default();
+                        match v["type"].as_str() {
+                            Some("ready") if t0.is_none() => t0 = Some(Instant::now()),
+                            Some("error") if t0.is_none() => {
+                                return Err(v["message"].as_str().unwrap_or("error").into());
+                            }
+                            // The server ended the session: what came, came.
+                            Some("end") if t0.is_some() => return self.seen(t0, arrivals, args),
+                            Some("end") => {
+                                let r = v["reason"].as_str().unwrap_or("ended");
+                                return Err(format!("ended before it was ready: {r}"));
+                            }
+                            _ => {}
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if !self.rtc.is_alive() {
+                return match t0 {
+                    Some(_) => self.seen(t0, arrivals, args),
+                    None => Err("the connection failed before the session was ready".into()),
+                };
+            }
+            match t0 {
+                None if now.duration_since(offered) > READY_WITHIN => {
+                    return Err(format!("not ready within {} s", READY_WITHIN.as_secs()));
+                }
+                Some(t0) if sent == packets && now >= t0 + PACKET_TIME * sent as u32 + tail => {
+                    return self.seen(Some(t0), arrivals, args);
+                }
+                Some(t0) if sent < packets => wake = wake.min(t0 + PACKET_TIME * sent as u32),
+                _ => {}
+            }
+            tokio::select! {
+                r = self.socket.recv_from(&mut buf) => {
+                    if let Ok((n, source)) = r {
+                        if let Ok(contents) = buf[..n].try_into() {
+                            let input = Input::Receive(Instant::now(), Receive {
+                                proto: Net::Udp,
+                                source,
+                                destination: self.local,
+                                contents,
+                            });
+                            let _ = self.rtc.handle_input(input);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(wake.into()) => {}
+            }
+            let _ = self.rtc.handle_input(Input::Timeout(Instant::now()));
+        }
+    }
+
+    /// Sends one packet of the user's audio, stamped `ticks` on the RTP clock.
+    fn write(&mut self, data: &[u8], ticks: u64, now: Instant) -> Result<(), String> {
+        match crate::app::rtc::write_opus(&mut self.rtc, self.mid, now, ticks, data) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err("the answer took no Opus".into()),
+            Err(e) => Err(format!("WebRTC: {e}")),
+        }
+    }
+
+    /// What the client saw: frame k is whole once its last packet has gone, at
+    /// t0 + k · 80 ms + 60 ms.
+    fn seen(
+        &mut self,
+        t0: Option<Instant>,
+        arrivals: Vec<Instant>,
+        args: &LoadtestArgs,
+    ) -> Result<Seen, String> {
+        self.rtc.disconnect();
+        let t0 = t0.ok_or("the session was never ready")?;
+        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+        let whole = t0 + PACKET_TIME * (PACKETS_PER_FRAME - 1);
+        Ok(seen(&arrivals, whole, frames, args.buffer_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_location_is_resolved_against_the_offers_address() {
+        let offer: Uri = "http://proxy:8080/api/webrtc".parse().unwrap();
+        assert_eq!(
+            resolve(&offer, "/replica/a/api/webrtc/abc").unwrap(),
+            "http://proxy:8080/replica/a/api/webrtc/abc"
+        );
+        assert_eq!(
+            resolve(&offer, "http://a:8998/api/webrtc/abc").unwrap(),
+            "http://a:8998/api/webrtc/abc"
+        );
+    }
+
+    #[test]
+    fn the_answers_first_udp_candidate_is_where_its_media_goes() {
+        let answer = "v=0\r\na=candidate:1 1 tcp 2130706431 10.0.0.9 9 typ host\r\n\
+                      a=candidate:2 1 udp 2130706431 127.0.0.1 40000 typ host\r\n\
+                      a=candidate:3 1 udp 2130706431 10.0.0.1 40000 typ host\r\n";
+        assert_eq!(candidate(answer), Some("127.0.0.1:40000".parse().unwrap()));
+        assert_eq!(candidate("v=0\r\n"), None);
+    }
+}
