@@ -73,6 +73,10 @@ pub const RELOADS: &str = "duplex_template_reloads_total";
 pub const SESSIONS_ACTIVE: &str = "duplex_sessions_active";
 /// Gauge: sessions the server admits at most (`max_sessions`).
 pub const SESSIONS_CAPACITY: &str = "duplex_sessions_capacity";
+/// Gauge: 1 while the server takes new sessions at all (its models loaded, not draining, no
+/// shared engine failed), whatever its free slots; 0 otherwise. A fleet's free slots are its
+/// instances' `capacity - active` where this is 1.
+pub const SESSIONS_ACCEPTING: &str = "duplex_sessions_accepting";
 /// Counter: sessions admitted.
 pub const SESSIONS_ADMITTED: &str = "duplex_sessions_admitted_total";
 /// Counter, label `reason` (`full|draining|per_ip|not_ready|rate`): connections refused before

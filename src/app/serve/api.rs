@@ -19,7 +19,7 @@ pub(super) async fn readyz(State(server): State<Arc<Server>>) -> Response {
     let draining = server.draining.load(Ordering::Acquire);
     let free = server.free_slots();
     let failed = server.engine_failed();
-    let ok = ready && !draining && free > 0 && !failed;
+    let ok = server.accepting() && free > 0;
     let body = json!({
         "ready": ok,
         "engine_failed": failed,

@@ -119,6 +119,14 @@ pub(crate) struct Server {
 }
 
 impl Server {
+    /// Whether new sessions are taken at all (the models loaded, not draining, no shared engine
+    /// failed), whatever the free slots.
+    fn accepting(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+            && !self.draining.load(Ordering::Acquire)
+            && !self.engine_failed()
+    }
+
     /// Whether a shared engine the server holds has failed (until a fresh one replaces it).
     fn engine_failed(&self) -> bool {
         self.engines.lock().map(|e| e.any_failed()).unwrap_or(false)

@@ -109,11 +109,14 @@ pub(super) fn register_series() {
 
 /// A shared engine that failed is replaced: its sessions have ended with an error, `/healthz`
 /// and `/readyz` say 503 meanwhile, and one session of the template is built again to open a
-/// fresh engine (the next client's session would open one too).
+/// fresh engine (the next client's session would open one too). Also keeps
+/// [`names::SESSIONS_ACCEPTING`] up to date (every half second; at once when a drain begins).
 pub(super) async fn recover_engines(server: Arc<Server>) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let accepting = metrics::gauge!(names::SESSIONS_ACCEPTING);
     loop {
         tick.tick().await;
+        accepting.set(if server.accepting() { 1.0 } else { 0.0 });
         if !server.engine_failed() {
             continue;
         }
@@ -182,6 +185,7 @@ pub(super) async fn drain_on_signal(server: Arc<Server>, done: tokio::sync::ones
         _ = term.recv() => {}
     }
     server.draining.store(true, Ordering::Release);
+    metrics::gauge!(names::SESSIONS_ACCEPTING).set(0.0);
     let live = server.taken.load(Ordering::Acquire);
     let timeout = server.cfg.drain_timeout;
     tracing::warn!(

@@ -145,7 +145,7 @@ fn expressions() -> (Vec<String>, Vec<String>, Vec<String>) {
             }
         }
     }
-    assert!(records.len() >= 7 && alerts.len() == 6);
+    assert!(records.len() >= 9 && alerts.len() == 7);
     (panels, records, alerts)
 }
 
@@ -451,7 +451,7 @@ fn the_kubernetes_manifests_pass_the_schema_and_a_broken_one_does_not() {
         String::from_utf8_lossy(&out.stderr)
     );
     // The probes, the drain and the autoscaler agree with the server's configuration.
-    let deployment = std::fs::read_to_string(dir.join("deployment.yaml")).unwrap();
+    let deployment = std::fs::read_to_string(dir.join("statefulset.yaml")).unwrap();
     let configmap = std::fs::read_to_string(dir.join("configmap.yaml")).unwrap();
     assert!(deployment.contains("path: /readyz") && deployment.contains("path: /healthz"));
     let drain: u64 = configmap
@@ -470,9 +470,28 @@ fn the_kubernetes_manifests_pass_the_schema_and_a_broken_one_does_not() {
         grace > drain + 5,
         "grace {grace} s does not cover a {drain} s drain"
     );
+    // Each pod the autoscaler may run has its route (its calls' hang-ups reach it), and each
+    // pod names its own path.
+    let hpa = std::fs::read_to_string(dir.join("hpa.yaml")).unwrap();
+    let most: usize = hpa
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("maxReplicas: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let routes = std::fs::read_to_string(dir.join("replicas.yaml")).unwrap();
+    for pod in 0..most {
+        assert!(
+            routes.contains(&format!(
+                "statefulset.kubernetes.io/pod-name: duplex-{pod}\n"
+            )) && routes.contains(&format!("path: /replica/duplex-{pod}/\n")),
+            "no route to pod duplex-{pod} of {most}"
+        );
+    }
+    assert!(deployment.contains("value: \"/replica/$(POD_NAME)\""));
     // A typo is caught.
     let scratch = tempfile::tempdir().unwrap();
-    let broken = scratch.path().join("deployment.yaml");
+    let broken = scratch.path().join("statefulset.yaml");
     std::fs::write(&broken, deployment.replace("replicas: 1", "replica: 1")).unwrap();
     assert!(!run(&[broken]).status.success(), "a misspelt field passed");
 }
@@ -508,7 +527,7 @@ fn the_compose_file_mounts_files_that_exist_and_its_prometheus_scrapes_the_serve
         .is_file());
     let image = format!("duplex:{}", env!("CARGO_PKG_VERSION"));
     assert_eq!(duplex["image"].as_str(), Some(image.as_str()));
-    let deployment = std::fs::read_to_string(deploy.join("kubernetes/deployment.yaml")).unwrap();
+    let deployment = std::fs::read_to_string(deploy.join("kubernetes/statefulset.yaml")).unwrap();
     assert!(
         deployment.contains(&format!("image: {image}")),
         "the Deployment runs another image than {image}"
