@@ -28,7 +28,8 @@
 //! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
 //! operators can see what a session cost. The engines report to the process's observer
 //! (`observe::engine`), which records their metrics and diagnosis off their threads. Knows
-//! nothing of stages, pipelines or the network.
+//! nothing of stages, pipelines or the network, and reads no environment: the process's settings
+//! (a cache's size, a fault drill) are set by the command that makes it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -268,7 +269,7 @@ pub struct Resources {
     voices: Mutex<HashMap<VoiceKey, VoiceCodes>>,
     engines: Mutex<HashMap<EngineKey, Weak<SharedLm>>>,
     codecs: Mutex<HashMap<CodecKey, Weak<SharedCodec>>>,
-    /// The fault drill (`DUPLEX_DRILL_ENGINE_PANIC_AT_TICK`), for the first engine opened.
+    /// The fault drill ([`Resources::set_engine_drill`]), for the first engine opened.
     drill: Mutex<Option<u64>>,
     /// Who hears the engines (their metrics and diagnosis, off their threads): made with the
     /// first engine.
@@ -343,6 +344,9 @@ impl Default for Resources {
     }
 }
 
+/// The primed states a process keeps unless told otherwise (`duplex serve`'s `prime_cache_mb`).
+const DEFAULT_PRIME_CACHE_BYTES: usize = 256 << 20;
+
 fn canonical(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
@@ -350,7 +354,8 @@ fn canonical(p: &Path) -> PathBuf {
 impl Resources {
     /// Resources for a process that hosts `conversations` at once: the slot count of a shared
     /// engine a stage opens without one (`duplex serve`'s `max_sessions`, the number of
-    /// `duplex replay --codes` files; 1 for a single pipeline).
+    /// `duplex replay --codes` files; 1 for a single pipeline). Nothing is read from the
+    /// environment: what the process's settings say is set by its caller.
     pub fn new(conversations: usize) -> Self {
         Resources {
             slots: conversations.max(1),
@@ -359,22 +364,18 @@ impl Resources {
             voices: Mutex::default(),
             engines: Mutex::default(),
             codecs: Mutex::default(),
-            drill: Mutex::new(
-                std::env::var("DUPLEX_DRILL_ENGINE_PANIC_AT_TICK")
-                    .ok()
-                    .and_then(|v| v.parse().ok()),
-            ),
+            drill: Mutex::new(None),
             observer: std::sync::OnceLock::new(),
-            primed: Arc::new(PrimeCache::new(
-                std::env::var("DUPLEX_PRIME_CACHE_MB")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .unwrap_or(256)
-                    << 20,
-            )),
+            primed: Arc::new(PrimeCache::new(DEFAULT_PRIME_CACHE_BYTES)),
             start_gate: None,
             loads: Loads::default(),
         }
+    }
+
+    /// The fault drill: the first engine opened from now on fails at its `tick`-th temporal
+    /// tick (`None`: no drill).
+    pub fn set_engine_drill(&mut self, tick: Option<u64>) {
+        self.drill = Mutex::new(tick);
     }
 
     /// The pipelines built from now on wait for each other, primed, before their first frame

@@ -26,6 +26,20 @@ use crate::stages::{BuildContext, BuildError, BuildErrorKind, Registry};
 
 pub use replay::{run as replay, run_recording as replay_recording, ReplayArgs};
 
+/// The process's shared resources for `conversations` at once, with what its environment asks
+/// of them: `DUPLEX_PRIME_CACHE_MB` (the primed states kept; `duplex serve` has its own
+/// `prime_cache_mb`) and `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK=N` (a fault drill: the first
+/// shared engine fails at its N-th temporal tick).
+pub(crate) fn process_resources(conversations: usize) -> crate::resources::Resources {
+    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let mut r = crate::resources::Resources::new(conversations);
+    if let Some(mb) = var("DUPLEX_PRIME_CACHE_MB") {
+        r.set_prime_cache_bytes((mb as usize).saturating_mul(1 << 20));
+    }
+    r.set_engine_drill(var("DUPLEX_DRILL_ENGINE_PANIC_AT_TICK"));
+    r
+}
+
 /// `duplex compare`: reads two recordings and compares them.
 ///
 /// # Errors
@@ -100,13 +114,7 @@ pub fn build_spec(
     spec: &PipelineSpec,
     registry: &Registry,
 ) -> Result<PipelineBuilder, ConfigError> {
-    build_session(
-        spec,
-        registry,
-        None,
-        None,
-        &crate::resources::Resources::new(1),
-    )
+    build_session(spec, registry, None, None, &process_resources(1))
 }
 
 /// Builds (but does not start) the pipeline of an already loaded spec that serves the network
@@ -365,7 +373,7 @@ pub fn run_file(file: &Path, sets: &[Override]) -> anyhow::Result<RunReport> {
     let spec = config::load(file, &opts, &registry)?;
     serve_metrics(&spec.metrics);
     let recording = record(&spec)?;
-    let resources = crate::resources::Resources::new(1);
+    let resources = process_resources(1);
     let builder = build_session(&spec, &registry, None, recording.as_deref(), &resources)?;
     let (builder, monitor) = observe(builder, &spec.metrics);
     let builder = match &recording {

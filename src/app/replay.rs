@@ -326,7 +326,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<Vec<RunReport>> {
     let outs = outputs(a)?;
     // The shared engine holds one slot per conversation; they are fed together, once all have
     // primed (a batch of every conversation, whatever each one's priming took).
-    let mut resources = Resources::new(outs.len());
+    let mut resources = super::process_resources(outs.len());
     resources.start_together(outs.len());
     let resources = Arc::new(resources);
     let mut built = Vec::new();

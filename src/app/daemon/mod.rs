@@ -49,7 +49,7 @@ use reload::{finish_reload, reload};
 /// A [`ConfigError`] (in the chain) naming the daemon's file or variable and key.
 pub fn check(explicit: Option<&Path>) -> anyhow::Result<DaemonConfig> {
     let c = check_all(explicit, None)?;
-    let built = build_pipeline(&c, &crate::resources::Resources::new(1))?;
+    let built = build_pipeline(&c, &crate::app::process_resources(1))?;
     // Built to be checked, not run: its recording's folder is not kept.
     if let Some(r) = &built.recording {
         r.discard();
@@ -194,7 +194,7 @@ impl Shared {
             }),
             socket: Mutex::new(None),
             starts: Default::default(),
-            resources: crate::resources::Resources::new(1),
+            resources: crate::app::process_resources(1),
         }
     }
 

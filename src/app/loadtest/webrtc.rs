@@ -195,36 +195,13 @@ impl Call {
 
     /// Streams `seconds` of `pcm` from the session's `ready`, then waits for the last answers.
     async fn run(mut self, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
-        let mut encoder = opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
-            .map_err(|e| format!("an Opus encoder: {e}"))?;
-        let _ = encoder.set_bitrate(opus::Bitrate::Bits(BITRATE));
-        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
-        let packets = frames * PACKETS_PER_FRAME as usize;
+        let mut s = Stream::new(pcm, args)?;
         let tail = Duration::from_millis(args.late_ms.max(500));
         let offered = Instant::now();
-        // When the session said it was ready: the first packet's time.
-        let mut t0: Option<Instant> = None;
-        let mut sent = 0usize;
-        let mut samples = 0usize;
-        let mut arrivals: Vec<Instant> = Vec::new();
         let mut buf = vec![0u8; 2048];
-        let mut packet = [0u8; 1500];
         loop {
             let now = Instant::now();
-            // The user's packets due now.
-            if let Some(t0) = t0 {
-                while sent < packets && t0 + PACKET_TIME * sent as u32 <= now {
-                    let at = (sent * PACKET_SAMPLES) % pcm.len();
-                    let mut chunk: Vec<f32> =
-                        pcm[at..].iter().take(PACKET_SAMPLES).copied().collect();
-                    chunk.resize(PACKET_SAMPLES, 0.0);
-                    let n = encoder
-                        .encode_float(&chunk, &mut packet)
-                        .map_err(|e| format!("Opus: {e}"))?;
-                    self.write(&packet[..n], sent as u64 * PACKET_TICKS, now)?;
-                    sent += 1;
-                }
-            }
+            s.send_due(&mut self, now)?;
             // The peer's state machine: what it sends, what happened, when to wake it.
             let mut events = Vec::new();
             let mut wake = crate::app::rtc::poll(
@@ -235,70 +212,47 @@ impl Call {
             )
             .map_err(|e| format!("WebRTC: {e}"))?;
             for e in events {
-                match e {
-                    // What the agent said before the user's first packet answers none of them.
-                    Event::MediaData(d) if d.mid == self.mid && t0.is_some() => {
-                        let n = opus::packet::get_nb_samples(&d.data, 24_000).unwrap_or(0);
-                        samples += n;
-                        let now = Instant::now();
-                        while arrivals.len() < samples / FRAME_SAMPLES {
-                            arrivals.push(now);
-                        }
-                    }
-                    Event::ChannelData(d) if !d.binary => {
-                        let v: serde_json::Value =
-                            serde_json::from_slice(&d.data).unwrap_or_default();
-                        match v["type"].as_str() {
-                            Some("ready") if t0.is_none() => t0 = Some(Instant::now()),
-                            Some("error") if t0.is_none() => {
-                                return Err(v["message"].as_str().unwrap_or("error").into());
-                            }
-                            // The server ended the session: what came, came.
-                            Some("end") if t0.is_some() => return self.seen(t0, arrivals, args),
-                            Some("end") => {
-                                let r = v["reason"].as_str().unwrap_or("ended");
-                                return Err(format!("ended before it was ready: {r}"));
-                            }
-                            _ => {}
-                        }
-                    }
-                    _ => {}
+                if s.event(e, self.mid)? {
+                    return self.seen(s, args);
                 }
             }
-            if !self.rtc.is_alive() {
-                return match t0 {
-                    Some(_) => self.seen(t0, arrivals, args),
-                    None => Err("the connection failed before the session was ready".into()),
-                };
-            }
-            match t0 {
+            let over = match s.t0 {
+                _ if !self.rtc.is_alive() => true,
                 None if now.duration_since(offered) > READY_WITHIN => {
                     return Err(format!("not ready within {} s", READY_WITHIN.as_secs()));
                 }
-                Some(t0) if sent == packets && now >= t0 + PACKET_TIME * sent as u32 + tail => {
-                    return self.seen(Some(t0), arrivals, args);
-                }
-                Some(t0) if sent < packets => wake = wake.min(t0 + PACKET_TIME * sent as u32),
-                _ => {}
+                None => false,
+                Some(t0) => s.sent == s.packets && now >= s.due(t0) + tail,
+            };
+            if over {
+                return self.seen(s, args);
             }
-            tokio::select! {
-                r = self.socket.recv_from(&mut buf) => {
-                    if let Ok((n, source)) = r {
-                        if let Ok(contents) = buf[..n].try_into() {
-                            let input = Input::Receive(Instant::now(), Receive {
-                                proto: Net::Udp,
-                                source,
-                                destination: self.local,
-                                contents,
-                            });
-                            let _ = self.rtc.handle_input(input);
-                        }
+            if let Some(at) = s.next_packet() {
+                wake = wake.min(at);
+            }
+            self.wait(wake, &mut buf).await;
+        }
+    }
+
+    /// Until a datagram comes (handed to the peer) or `wake`; then the peer's timeouts.
+    async fn wait(&mut self, wake: Instant, buf: &mut [u8]) {
+        tokio::select! {
+            r = self.socket.recv_from(buf) => {
+                if let Ok((n, source)) = r {
+                    if let Ok(contents) = buf[..n].try_into() {
+                        let input = Input::Receive(Instant::now(), Receive {
+                            proto: Net::Udp,
+                            source,
+                            destination: self.local,
+                            contents,
+                        });
+                        let _ = self.rtc.handle_input(input);
                     }
                 }
-                _ = tokio::time::sleep_until(wake.into()) => {}
             }
-            let _ = self.rtc.handle_input(Input::Timeout(Instant::now()));
+            _ = tokio::time::sleep_until(wake.into()) => {}
         }
+        let _ = self.rtc.handle_input(Input::Timeout(Instant::now()));
     }
 
     /// Sends one packet of the user's audio, stamped `ticks` on the RTP clock.
@@ -310,19 +264,114 @@ impl Call {
         }
     }
 
-    /// What the client saw: frame k is whole once its last packet has gone, at
-    /// t0 + k · 80 ms + 60 ms.
-    fn seen(
-        &mut self,
-        t0: Option<Instant>,
-        arrivals: Vec<Instant>,
-        args: &LoadtestArgs,
-    ) -> Result<Seen, String> {
+    /// What the client saw, once the session was ready (else why it was not).
+    fn seen(&mut self, s: Stream<'_>, args: &LoadtestArgs) -> Result<Seen, String> {
         self.rtc.disconnect();
-        let t0 = t0.ok_or("the session was never ready")?;
-        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+        let t0 =
+            s.t0.ok_or("the connection failed before the session was ready")?;
+        // Frame k is whole once its last packet has gone, at t0 + k · 80 ms + 60 ms.
         let whole = t0 + PACKET_TIME * (PACKETS_PER_FRAME - 1);
-        Ok(seen(&arrivals, whole, frames, args.buffer_ms))
+        Ok(seen(&s.arrivals, whole, s.frames, args.buffer_ms))
+    }
+}
+
+/// The user's side of a call: its audio, sent in real time from the session's `ready`, and the
+/// agent's, counted as it comes.
+struct Stream<'a> {
+    pcm: &'a [f32],
+    encoder: opus::Encoder,
+    /// Model frames to send, and their packets.
+    frames: usize,
+    packets: usize,
+    /// When the session said it was ready: the first packet's time.
+    t0: Option<Instant>,
+    sent: usize,
+    /// The agent's samples so far (at 24 kHz), and when each of its frames was whole.
+    samples: usize,
+    arrivals: Vec<Instant>,
+}
+
+impl<'a> Stream<'a> {
+    fn new(pcm: &'a [f32], args: &LoadtestArgs) -> Result<Stream<'a>, String> {
+        let mut encoder = opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
+            .map_err(|e| format!("an Opus encoder: {e}"))?;
+        let _ = encoder.set_bitrate(opus::Bitrate::Bits(BITRATE));
+        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+        Ok(Stream {
+            pcm,
+            encoder,
+            frames,
+            packets: frames * PACKETS_PER_FRAME as usize,
+            t0: None,
+            sent: 0,
+            samples: 0,
+            arrivals: Vec::new(),
+        })
+    }
+
+    /// When the next packet is due after `t0`.
+    fn due(&self, t0: Instant) -> Instant {
+        t0 + PACKET_TIME * self.sent as u32
+    }
+
+    /// When the next packet is due, while some are left to send.
+    fn next_packet(&self) -> Option<Instant> {
+        self.t0
+            .filter(|_| self.sent < self.packets)
+            .map(|t0| self.due(t0))
+    }
+
+    /// Sends the packets due at `now` on `call`.
+    fn send_due(&mut self, call: &mut Call, now: Instant) -> Result<(), String> {
+        let mut packet = [0u8; 1500];
+        while self.next_packet().is_some_and(|at| at <= now) {
+            let at = (self.sent * PACKET_SAMPLES) % self.pcm.len();
+            let mut chunk: Vec<f32> = self.pcm[at..]
+                .iter()
+                .take(PACKET_SAMPLES)
+                .copied()
+                .collect();
+            chunk.resize(PACKET_SAMPLES, 0.0);
+            let n = self
+                .encoder
+                .encode_float(&chunk, &mut packet)
+                .map_err(|e| format!("Opus: {e}"))?;
+            call.write(&packet[..n], self.sent as u64 * PACKET_TICKS, now)?;
+            self.sent += 1;
+        }
+        Ok(())
+    }
+
+    /// Takes one of the peer's events; `true` when the server ended the session after it was
+    /// ready (what came, came), an error when it refused or ended it before.
+    fn event(&mut self, e: Event, mid: Mid) -> Result<bool, String> {
+        match e {
+            // What the agent said before the user's first packet answers none of them.
+            Event::MediaData(d) if d.mid == mid && self.t0.is_some() => {
+                self.samples += opus::packet::get_nb_samples(&d.data, 24_000).unwrap_or(0);
+                let now = Instant::now();
+                while self.arrivals.len() < self.samples / FRAME_SAMPLES {
+                    self.arrivals.push(now);
+                }
+            }
+            Event::ChannelData(d) if !d.binary => {
+                let v: serde_json::Value = serde_json::from_slice(&d.data).unwrap_or_default();
+                match (v["type"].as_str(), self.t0) {
+                    (Some("ready"), None) => self.t0 = Some(Instant::now()),
+                    (Some("error"), None) => {
+                        return Err(v["message"].as_str().unwrap_or("error").into());
+                    }
+                    (Some("end"), Some(_)) => return Ok(true),
+                    (Some("end"), None) => {
+                        let r = v["reason"].as_str().unwrap_or("ended");
+                        return Err(format!("ended before it was ready: {r}"));
+                    }
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+        Ok(false)
     }
 }
 

@@ -210,7 +210,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // The recorder first: what the check loads is counted.
     crate::observe::exporter::recorder()?;
     crate::resources::Loads::register_series();
-    let mut resources = Resources::new(1);
+    let mut resources = crate::app::process_resources(1);
     let (cfg, template, registry) = prepare(args, &resources)?;
     resources.set_prime_cache_bytes(cfg.prime_cache_bytes);
     // A shared LM engine (`engine: shared`) holds one slot per session the server admits.
@@ -484,7 +484,7 @@ pub struct PrimeArgs {
 /// prime `cached`, or an `--out` of another pack; another error (exit 1) when the priming or
 /// the writing fails.
 pub fn prime(args: &PrimeArgs) -> anyhow::Result<String> {
-    let resources = Resources::new(1);
+    let resources = crate::app::process_resources(1);
     let serve_args = ServeArgs {
         config: args.config.clone(),
         check: false,

@@ -160,8 +160,8 @@ pub struct EngineOptions {
     /// How long a tick waits for the sessions it expects.
     pub max_wait: Duration,
     /// A fault drill: the engine's thread panics at this temporal tick (see
-    /// [`Resources`](crate::resources::Resources), which sets it from
-    /// `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK` for the first engine a process opens).
+    /// [`Resources::set_engine_drill`](crate::resources::Resources::set_engine_drill), for the
+    /// first engine a process opens).
     pub panic_at_tick: Option<u64>,
     /// Who hears what the engine does.
     pub observer: Arc<dyn EngineObserver>,

@@ -8,8 +8,8 @@
 //! stretches of its output, one utterance each, opened and closed as the clients' bookkeeping
 //! expects ([`conversation`]: items with ids; the agent's turn's end, `response.create` and
 //! the interruptions as the boundaries), their closing events sent in order with the deltas by
-//! the writer, which holds back the rest of an interrupted utterance ([`Hold`]). The user's
-//! turns come from the server's voice-activity detector ([`Vad`], OpenAI's `server_vad`
+//! the writer ([`deltas`]), which holds back the rest of an interrupted utterance. The user's
+//! turns come from the server's voice-activity detector ([`turns`], OpenAI's `server_vad`
 //! semantics; `turn_detection: null` turns it off): `speech_started` ends the agent's open
 //! response (`interrupt_response`), `speech_stopped` commits the turn as an item. The session
 //! starts at the client's first `input_audio_buffer.append` or `response.create`, once its
@@ -40,22 +40,25 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 mod conversation;
+mod deltas;
 mod events;
 mod items;
+mod turns;
 
 use super::config::shown;
 use super::session::{base64_len, Encoder, Protocol, Taken};
 use super::ServeConfig;
-use crate::audio::phone::{from_pcm16, to_pcm16, PhoneIn, PhoneOut, PHONE_RATE};
+use crate::audio::phone::{PhoneIn, PHONE_RATE};
 use crate::audio::MODEL_RATE;
-use crate::config::{ConfigError, ConfigErrorKind};
-use crate::model::vad::{Vad, VadEvent, VadSettings, VadStream};
-use crate::session::Outbound;
+use crate::model::vad::Vad;
 
 use conversation::Conversation;
+use deltas::{Deltas, Shared};
 use events::SAMPLING;
 pub use events::{parse_event, ClientEvent, EventError, Format, SessionUpdate, TurnDetection};
 use items::merged;
+pub(super) use turns::open_detector;
+use turns::Turns;
 
 /// Which names the server's events use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,94 +90,6 @@ impl Names {
 /// frameworks send theirs as soon as `session.created` comes, while their audio may already
 /// flow.
 const UPDATE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
-
-/// After an interruption (`response.cancel`, `output_audio_buffer.clear`, or the user's speech
-/// when `interrupt_response` is on), the agent's audio is held back until its utterance ends:
-/// this many frames (80 ms each) without a word of its transcript ...
-const HOLD_QUIET_FRAMES: u32 = 3;
-/// ... or this many frames at most (the model, which heard the user, usually stops on its own).
-const HOLD_MAX_FRAMES: u32 = 25;
-
-/// Conversations spread over the detector's sessions.
-static NEXT_TURN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Opens the voice-activity detector `realtime.vad_model` names, once per server.
-///
-/// # Errors
-///
-/// A [`ConfigError`] naming the key when the user named the file and it cannot be opened (the
-/// built-in default's absence only leaves the detector off, logged).
-pub(super) fn open_detector(cfg: &ServeConfig) -> Result<Option<Arc<Vad>>, ConfigError> {
-    let Some(path) = &cfg.realtime.vad_model else {
-        tracing::info!("realtime: no voice-activity detector (`realtime.vad_model` is empty): clients get no speech events");
-        return Ok(None);
-    };
-    match Vad::open(path) {
-        Ok(v) => {
-            tracing::info!(model = %path.display(), "realtime: voice-activity detector loaded");
-            Ok(Some(Arc::new(v)))
-        }
-        Err(e) if cfg.realtime.vad_required => Err(ConfigError::new(
-            &cfg.file,
-            ConfigErrorKind::Read,
-            format!("the voice-activity detector: {e}"),
-        )
-        .key("realtime.vad_model")),
-        Err(e) => {
-            tracing::warn!("realtime: no voice-activity detector ({e}; `tools/setup.sh` installs it): clients get no speech events");
-            Ok(None)
-        }
-    }
-}
-
-/// The agent's audio held back after an interruption: frames held, and frames since its last
-/// word.
-#[derive(Debug, Default)]
-struct Hold {
-    frames: u32,
-    quiet: u32,
-}
-
-/// What the encoder shares with the protocol.
-struct Shared {
-    output: Format,
-    /// The items and the open response, and the names the events use.
-    conv: Conversation,
-    /// Events to send before the agent's next delta (a response closed at the client's
-    /// request, a new one opened): sent in order with the deltas, by the writer.
-    pending: Vec<Value>,
-    /// The agent's audio held back after an interruption.
-    hold: Option<Hold>,
-}
-
-impl Shared {
-    /// Closes the open response as `cancelled` for `reason`, and holds the agent's audio back
-    /// until its utterance ends; whether a response was open.
-    fn interrupt(&mut self, reason: &str) -> bool {
-        let done = self.conv.close("cancelled", Some(reason));
-        let any = !done.is_empty();
-        self.pending.extend(done);
-        if any {
-            self.hold = Some(Hold::default());
-        }
-        any
-    }
-}
-
-/// The user's turns as the voice-activity detector hears them (OpenAI's `server_vad`).
-struct Turns {
-    /// The client's `turn_detection` is not `null` (on by default, as OpenAI's).
-    on: bool,
-    settings: VadSettings,
-    /// The user's speech ends the agent's response.
-    interrupt: bool,
-    /// This connection's detector, made at the first audio while on.
-    stream: Option<VadStream>,
-    /// The item the user's speech under way will be.
-    item: Option<String>,
-    /// Spreads conversations over the detector's sessions.
-    turn: usize,
-}
 
 /// Where a connection's session stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,8 +126,7 @@ pub(super) struct Realtime {
     instructions: String,
     voice: Option<String>,
     next_event: u64,
-    /// The server's voice-activity detector (`None`: none).
-    vad: Option<Arc<Vad>>,
+    /// The user's turns, from the server's voice-activity detector.
     turns: Turns,
 }
 
@@ -245,15 +159,7 @@ impl Realtime {
             instructions: String::new(),
             voice: None,
             next_event: 0,
-            vad,
-            turns: Turns {
-                on: true,
-                settings: VadSettings::default(),
-                interrupt: true,
-                stream: None,
-                item: None,
-                turn: NEXT_TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            },
+            turns: Turns::new(vad),
         }
     }
 
@@ -267,112 +173,6 @@ impl Realtime {
         if let Phase::Waiting { asked, .. } = &mut self.phase {
             *asked = true;
         }
-    }
-
-    /// The `turn_detection` in effect: `server_vad` with its settings, or `null` (turned off,
-    /// or the server has no detector).
-    fn turn_detection(&self) -> Value {
-        if !self.turns.on || self.vad.is_none() {
-            return Value::Null;
-        }
-        let s = self.turns.settings;
-        json!({
-            "type": "server_vad",
-            "threshold": s.threshold,
-            "prefix_padding_ms": s.prefix_padding_ms,
-            "silence_duration_ms": s.silence_duration_ms,
-            // The model answers on its own: a response opens at its next frame.
-            "create_response": true,
-            "interrupt_response": self.turns.interrupt,
-            "idle_timeout_ms": null,
-        })
-    }
-
-    /// Applies a `session.update`'s `turn_detection` (checked as it was parsed).
-    fn set_turns(&mut self, td: Option<TurnDetection>, cx: &mut Taken<'_>) {
-        let Some(td) = td else {
-            self.turns.on = false;
-            self.turns.stream = None;
-            self.turns.item = None;
-            return;
-        };
-        if self.vad.is_none() && cx.first("no_detector") {
-            tracing::info!(
-                session = cx.id,
-                "realtime: turn_detection asked for; this server has no voice-activity detector (`realtime.vad_model`)"
-            );
-        }
-        self.turns.on = true;
-        let s = &mut self.turns.settings;
-        s.threshold = td.threshold.unwrap_or(s.threshold);
-        s.prefix_padding_ms = td.prefix_padding_ms.unwrap_or(s.prefix_padding_ms);
-        s.silence_duration_ms = td.silence_duration_ms.unwrap_or(s.silence_duration_ms);
-        self.turns.interrupt = td.interrupt_response.unwrap_or(self.turns.interrupt);
-        let settings = *s;
-        if let Some(stream) = self.turns.stream.as_mut() {
-            stream.set(settings);
-        }
-    }
-
-    /// The user's turns in `pcm` (16-bit 24 kHz, as the session gets it), as events: the
-    /// speech's start (the agent's response then ends, with `interrupt_response`) and its end
-    /// (the turn then committed as an item).
-    fn detect(&mut self, pcm: &[u8], cx: &mut Taken<'_>) -> Vec<Message> {
-        let Some(vad) = self.vad.clone().filter(|_| self.turns.on) else {
-            return Vec::new();
-        };
-        if self.turns.stream.is_none() {
-            self.turns.stream =
-                VadStream::new(MODEL_RATE, self.turns.settings, self.turns.turn).ok();
-        }
-        let Some(stream) = self.turns.stream.as_mut() else {
-            return Vec::new();
-        };
-        let samples: Vec<f32> = from_pcm16(pcm).collect();
-        let found = match stream.push(&vad, &samples) {
-            Ok(f) => f,
-            Err(e) => {
-                if cx.first("detector_failed") {
-                    tracing::warn!(session = cx.id, "realtime: the voice-activity detector failed ({e}); this session's turns go unreported");
-                }
-                self.turns.on = false;
-                return Vec::new();
-            }
-        };
-        let mut out = Vec::new();
-        let shared = self.shared.clone();
-        for event in found {
-            let Ok(mut s) = shared.lock() else {
-                break;
-            };
-            match event {
-                VadEvent::Started { ms } => {
-                    let item = s.conv.id("item");
-                    self.turns.item = Some(item.clone());
-                    if self.turns.interrupt && self.phase == Phase::Ready {
-                        s.interrupt("turn_detected");
-                    }
-                    drop(s);
-                    out.push(self.event(json!({
-                        "type": "input_audio_buffer.speech_started",
-                        "audio_start_ms": ms,
-                        "item_id": item,
-                    })));
-                }
-                VadEvent::Stopped { ms } => {
-                    let item = self.turns.item.take().unwrap_or_else(|| s.conv.id("item"));
-                    let committed = s.conv.commit(Some(item.clone()));
-                    drop(s);
-                    out.push(self.event(json!({
-                        "type": "input_audio_buffer.speech_stopped",
-                        "audio_end_ms": ms,
-                        "item_id": item,
-                    })));
-                    out.extend(committed.into_iter().map(|v| self.event(v)));
-                }
-            }
-        }
-        out
     }
 
     fn event_id(&mut self) -> String {
@@ -421,7 +221,7 @@ impl Realtime {
             "output_modalities": ["audio"],
             "instructions": self.instructions,
             "audio": {
-                "input": {"format": self.input.ga(), "turn_detection": self.turn_detection(), "transcription": null},
+                "input": {"format": self.input.ga(), "turn_detection": self.turns.detection(), "transcription": null},
                 "output": {"format": output.ga(), "voice": self.voice},
             },
             "tools": [],
@@ -433,7 +233,7 @@ impl Realtime {
             s["output_audio_format"] = json!(output.beta());
             s["voice"] = json!(self.voice);
             s["modalities"] = json!(["audio", "text"]);
-            s["turn_detection"] = self.turn_detection();
+            s["turn_detection"] = self.turns.detection();
         }
         s
     }
@@ -462,37 +262,8 @@ impl Realtime {
         if let Phase::Waiting { updated, .. } = &mut self.phase {
             *updated = true;
         }
-        let mut pairs = self.pairs.clone();
-        let mut set = |k: &str, v: String| {
-            pairs.retain(|(key, _)| key != k);
-            pairs.push((k.to_string(), v));
-        };
         let mut u = u;
-        if let Some((_, name)) = u.voice.as_mut() {
-            // OpenAI's names, mapped by the operator to voices of theirs.
-            if let Some((_, to)) = self.cfg.realtime.voices.iter().find(|(n, _)| n == name) {
-                *name = to.clone();
-            }
-        }
-        if let Some(t) = &u.instructions {
-            set("text_prompt", t.clone());
-        }
-        if let Some((_, name)) = &u.voice {
-            set("voice_prompt", name.clone());
-        }
-        for (k, v) in &u.sampling {
-            set(k, v.clone());
-        }
-        let fixed = !self.waiting() && pairs != self.pairs;
-        if fixed && cx.first("fixed_after_start") {
-            tracing::info!(
-                session = cx.id,
-                "realtime: a session.update after the conversation started keeps its persona, voice and sampling (the model was primed with them); its audio formats apply"
-            );
-        }
-        if fixed {
-            pairs = self.pairs.clone();
-        }
+        let (mut pairs, fixed) = self.asked_pairs(&mut u, cx);
         let mut voice = u.voice.as_ref().map(|(_, n)| n.clone()).filter(|_| !fixed);
         if let Err(m) = self.cfg.session_params(&pairs) {
             let without = |key: &str| {
@@ -541,7 +312,7 @@ impl Realtime {
             self.set_input(f);
         }
         if let Some(td) = u.turn_detection {
-            self.set_turns(td, cx);
+            self.turns.set(td, cx);
         }
         if let Ok(mut s) = self.shared.lock() {
             if let Some(f) = u.output {
@@ -553,6 +324,46 @@ impl Realtime {
         }
         let session = self.session();
         self.event(json!({"type": "session.updated", "session": session}))
+    }
+
+    /// The session's params as `u` asks for them (its voice's OpenAI name mapped to the
+    /// operator's), and whether they are fixed already (the session started: they stay).
+    fn asked_pairs(
+        &self,
+        u: &mut SessionUpdate,
+        cx: &mut Taken<'_>,
+    ) -> (Vec<(String, String)>, bool) {
+        let mut pairs = self.pairs.clone();
+        let mut set = |k: &str, v: String| {
+            pairs.retain(|(key, _)| key != k);
+            pairs.push((k.to_string(), v));
+        };
+        if let Some((_, name)) = u.voice.as_mut() {
+            // OpenAI's names, mapped by the operator to voices of theirs.
+            if let Some((_, to)) = self.cfg.realtime.voices.iter().find(|(n, _)| n == name) {
+                *name = to.clone();
+            }
+        }
+        if let Some(t) = &u.instructions {
+            set("text_prompt", t.clone());
+        }
+        if let Some((_, name)) = &u.voice {
+            set("voice_prompt", name.clone());
+        }
+        for (k, v) in &u.sampling {
+            set(k, v.clone());
+        }
+        let fixed = !self.waiting() && pairs != self.pairs;
+        if fixed && cx.first("fixed_after_start") {
+            tracing::info!(
+                session = cx.id,
+                "realtime: a session.update after the conversation started keeps its persona, voice and sampling (the model was primed with them); its audio formats apply"
+            );
+        }
+        if fixed {
+            pairs = self.pairs.clone();
+        }
+        (pairs, fixed)
     }
 
     /// An `error` event for a client's mistake, counted by `kind` and logged once per kind
@@ -642,89 +453,6 @@ enum Half {
     Skip,
 }
 
-/// The writer's side: the agent's audio and transcript as delta events.
-struct Deltas {
-    shared: Arc<Mutex<Shared>>,
-    /// G.711 output's encoder, and the format it was made for.
-    phone: Option<(Format, PhoneOut)>,
-    next_event: u64,
-}
-
-impl Deltas {
-    /// The events waiting for the writer, then the delta's (a response opened first when none
-    /// is).
-    fn events(&mut self, audio: bool, delta: String) -> Vec<Message> {
-        let events = match self.shared.lock() {
-            Ok(mut s) => {
-                let mut out = std::mem::take(&mut s.pending);
-                let held = match s.hold.as_mut() {
-                    Some(h) => {
-                        if audio {
-                            h.frames += 1;
-                            h.quiet += 1;
-                        } else {
-                            h.quiet = 0;
-                        }
-                        h.quiet <= HOLD_QUIET_FRAMES && h.frames < HOLD_MAX_FRAMES
-                    }
-                    None => false,
-                };
-                // The rest of the interrupted utterance is not sent.
-                if held {
-                    return messages(&mut self.next_event, out);
-                }
-                s.hold = None;
-                out.extend(s.conv.delta(audio, delta));
-                out
-            }
-            Err(_) => return Vec::new(),
-        };
-        messages(&mut self.next_event, events)
-    }
-}
-
-/// The writer's `events` as messages, each with an `event_id` from its count `next`.
-fn messages(next: &mut u64, events: Vec<Value>) -> Vec<Message> {
-    events
-        .into_iter()
-        .map(|mut v| {
-            *next += 1;
-            v["event_id"] = json!(format!("event_duplex_out_{next}"));
-            Message::Text(v.to_string().into())
-        })
-        .collect()
-}
-
-impl Encoder for Deltas {
-    fn encode(&mut self, m: Outbound) -> Vec<Message> {
-        match m {
-            Outbound::Pcm(samples) => {
-                let format = self.shared.lock().map_or(Format::Pcm16, |s| s.output);
-                let bytes = match format {
-                    Format::Pcm16 => to_pcm16(&samples),
-                    Format::G711(law) => {
-                        if self.phone.as_ref().map(|(f, _)| *f) != Some(format) {
-                            self.phone = PhoneOut::new(law).ok().map(|p| (format, p));
-                        }
-                        match self.phone.as_mut() {
-                            Some((_, p)) => p.encode(&samples),
-                            None => return Vec::new(),
-                        }
-                    }
-                };
-                if bytes.is_empty() {
-                    return Vec::new();
-                }
-                let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
-                self.events(true, b64)
-            }
-            Outbound::Text(t) => self.events(false, t),
-            // Not made by a template with PCM ends.
-            Outbound::Audio(_) => Vec::new(),
-        }
-    }
-}
-
 impl Protocol for Realtime {
     fn hello(&mut self) -> Vec<Message> {
         let session = self.session();
@@ -797,7 +525,9 @@ impl Protocol for Realtime {
                     self.ask();
                     match pcm.filter(|p| !p.is_empty()) {
                         Some(pcm) => {
-                            let turns = self.detect(&pcm, cx);
+                            let ready = self.phase == Phase::Ready;
+                            let found = self.turns.detect(&pcm, &self.shared, ready, cx);
+                            let turns = found.into_iter().map(|v| self.event(v)).collect();
                             cx.offer(pcm);
                             turns
                         }
@@ -837,11 +567,7 @@ impl Protocol for Realtime {
     }
 
     fn encoder(&self) -> Box<dyn Encoder> {
-        Box::new(Deltas {
-            shared: self.shared.clone(),
-            phone: None,
-            next_event: 0,
-        })
+        Box::new(Deltas::new(self.shared.clone()))
     }
 
     fn refusal(&self, text: &str) -> Vec<Message> {
@@ -875,85 +601,5 @@ impl Protocol for Realtime {
 
     fn pcm(&self) -> bool {
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn deltas() -> Deltas {
-        Deltas {
-            shared: Arc::new(Mutex::new(Shared {
-                output: Format::Pcm16,
-                conv: Conversation::new(Names::Ga, "t".into()),
-                pending: Vec::new(),
-                hold: None,
-            })),
-            phone: None,
-            next_event: 0,
-        }
-    }
-
-    fn types(messages: &[Message]) -> Vec<String> {
-        messages
-            .iter()
-            .filter_map(|m| match m {
-                Message::Text(t) => serde_json::from_str::<Value>(t.as_str()).ok(),
-                _ => None,
-            })
-            .filter_map(|v| v["type"].as_str().map(str::to_string))
-            .collect()
-    }
-
-    #[test]
-    fn an_interruption_holds_the_agents_audio_back_until_its_utterance_ends() {
-        let mut d = deltas();
-        assert!(types(&d.events(true, "AA".into())).contains(&"response.output_audio.delta".into()));
-        assert!(d.shared.lock().unwrap().interrupt("client_cancelled"));
-        // The cancelled response's close goes out with the next frame, which is held back.
-        let next = types(&d.events(true, "AA".into()));
-        assert_eq!(next.last().map(String::as_str), Some("response.done"));
-        assert!(!next.iter().any(|t| t.ends_with(".delta")));
-        // Words keep the utterance going: held.
-        for _ in 0..3 {
-            assert!(types(&d.events(false, "word".into())).is_empty());
-            assert!(types(&d.events(true, "AA".into())).is_empty());
-        }
-        // Then frames without a word (the one after the last word was the first): the
-        // utterance ended; the next frame opens a response.
-        for _ in 1..HOLD_QUIET_FRAMES {
-            assert!(types(&d.events(true, "AA".into())).is_empty());
-        }
-        let back = types(&d.events(true, "AA".into()));
-        assert_eq!(back.first().map(String::as_str), Some("response.created"));
-        assert_eq!(
-            back.last().map(String::as_str),
-            Some("response.output_audio.delta")
-        );
-        // Nothing open: nothing to interrupt, nothing held.
-        let mut idle = deltas();
-        assert!(!idle.shared.lock().unwrap().interrupt("turn_detected"));
-        assert!(!types(&idle.events(true, "AA".into())).is_empty());
-    }
-
-    #[test]
-    fn a_hold_ends_after_its_longest_even_while_the_agent_talks_on() {
-        let mut d = deltas();
-        d.events(true, "AA".into());
-        d.shared.lock().unwrap().interrupt("turn_detected");
-        let mut held = 0;
-        loop {
-            d.events(false, "word".into());
-            if types(&d.events(true, "AA".into()))
-                .iter()
-                .any(|t| t.ends_with("audio.delta"))
-            {
-                break;
-            }
-            held += 1;
-            assert!(held <= HOLD_MAX_FRAMES, "held for ever");
-        }
-        assert_eq!(held + 1, HOLD_MAX_FRAMES);
     }
 }

@@ -239,12 +239,39 @@ pub(super) async fn offer(
         Ok(a) => a,
         Err(r) => return *r,
     };
+    let token = match start_call(&server, endpoint, rtc, query, peer, (conn, admission)) {
+        Ok(t) => t,
+        Err(r) => return *r,
+    };
+    tracing::info!(client = %peer, peer = %token, "webrtc: answered an offer");
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/sdp".to_string()),
+            (
+                header::LOCATION,
+                format!("{}/api/webrtc/{token}", endpoint.settings.location_base),
+            ),
+        ],
+        answer,
+    )
+        .into_response()
+}
+
+/// Hands a peer answered for `peer` to the driver and runs its session (holding the
+/// connection's count and the admission's slot while it lasts); its token, or why not.
+fn start_call(
+    server: &Arc<Server>,
+    endpoint: &Endpoint,
+    rtc: str0m::Rtc,
+    query: Vec<(String, String)>,
+    peer: SocketAddr,
+    (conn, admission): (super::Connection, super::Admission),
+) -> Result<String, Box<Response>> {
+    let internal =
+        |m: &'static str| Box::new((StatusCode::INTERNAL_SERVER_ERROR, m).into_response());
     let Ok(token) = token() else {
-        return (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "no randomness for the session's name\n",
-        )
-            .into_response();
+        return Err(internal("no randomness for the session's name\n"));
     };
     let stats = Arc::new(driver::PeerStats::default());
     let (to_session, from_peer) = tokio::sync::mpsc::channel(TO_SESSION_QUEUE);
@@ -259,11 +286,7 @@ pub(super) async fn offer(
         pacing: session::AudioBudget::pacing(&server.template()),
     });
     if !added {
-        return (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the WebRTC driver has stopped\n",
-        )
-            .into_response();
+        return Err(internal("the WebRTC driver has stopped\n"));
     }
     let stream: session::ClientStream = Box::pin(futures_util::stream::unfold(
         from_peer,
@@ -276,19 +299,7 @@ pub(super) async fn offer(
         session::run(s, (sink, stream), peer, proto, admission).await;
         drop(conn);
     });
-    tracing::info!(client = %peer, peer = %token, "webrtc: answered an offer");
-    (
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/sdp".to_string()),
-            (
-                header::LOCATION,
-                format!("{}/api/webrtc/{token}", endpoint.settings.location_base),
-            ),
-        ],
-        answer,
-    )
-        .into_response()
+    Ok(token)
 }
 
 /// The offer's body: sent as SDP, within the handshake limit and [`MAX_OFFER_BYTES`], and an
