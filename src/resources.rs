@@ -26,8 +26,8 @@
 //!   none is fed (and finished) while another still primes.
 //!
 //! Each load is counted ([`Loads`], and `duplex_resources_loaded_total{what}`), so tests and
-//! operators can see what a session cost. The engines report to the process's observer
-//! (`observe::engine`), which records their metrics and diagnosis off their threads. Knows
+//! operators can see what a session cost. The engines report to the observer the process hands
+//! in (its metrics and diagnosis, `observe::engine`, recorded off their threads). Knows
 //! nothing of stages, pipelines or the network, and reads no environment: the process's settings
 //! (a cache's size, a fault drill) are set by the command that makes it.
 
@@ -42,7 +42,7 @@ use sha2::{Digest, Sha256};
 pub mod primed;
 
 pub use self::primed::{PrimeCache, PrimeFileError, PrimeRecipe};
-use crate::model::engine::{CodecOptions, EngineOptions, SharedCodec, SharedLm};
+use crate::model::engine::{CodecOptions, EngineObserver, EngineOptions, SharedCodec, SharedLm};
 use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
@@ -272,8 +272,9 @@ pub struct Resources {
     /// The fault drill ([`Resources::set_engine_drill`]), for the first engine opened.
     drill: Mutex<Option<u64>>,
     /// Who hears the engines (their metrics and diagnosis, off their threads): made with the
-    /// first engine.
-    observer: std::sync::OnceLock<Arc<dyn crate::model::engine::EngineObserver>>,
+    /// first engine, by what the process handed in ([`Resources::set_observer`]; none: nobody).
+    observer: std::sync::OnceLock<Arc<dyn EngineObserver>>,
+    make_observer: fn() -> Arc<dyn EngineObserver>,
     /// Primed conversation states, shared by every pipeline of the process.
     primed: Arc<PrimeCache>,
     /// Conversations that start feeding together, once all have primed.
@@ -366,10 +367,18 @@ impl Resources {
             codecs: Mutex::default(),
             drill: Mutex::new(None),
             observer: std::sync::OnceLock::new(),
+            make_observer: || Arc::new(crate::model::engine::Unobserved),
             primed: Arc::new(PrimeCache::new(DEFAULT_PRIME_CACHE_BYTES)),
             start_gate: None,
             loads: Loads::default(),
         }
+    }
+
+    /// Who hears the engines and codecs: `make` is called once, with the first one opened (the
+    /// commands hand in the metrics' observer, `observe::engine`; without one nobody hears
+    /// them).
+    pub fn set_observer(&mut self, make: fn() -> Arc<dyn EngineObserver>) {
+        self.make_observer = make;
     }
 
     /// The fault drill: the first engine opened from now on fails at its `tick`-th temporal
@@ -471,10 +480,8 @@ impl Resources {
     }
 
     /// Who hears the engines and codecs (made with the first one).
-    fn observer(&self) -> Arc<dyn crate::model::engine::EngineObserver> {
-        self.observer
-            .get_or_init(crate::observe::engine::EngineMetrics::start)
-            .clone()
+    fn observer(&self) -> Arc<dyn EngineObserver> {
+        self.observer.get_or_init(self.make_observer).clone()
     }
 
     /// A stage's slot count, or the process's when it asks for none (0).

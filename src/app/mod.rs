@@ -26,13 +26,14 @@ use crate::stages::{BuildContext, BuildError, BuildErrorKind, Registry};
 
 pub use replay::{run as replay, run_recording as replay_recording, ReplayArgs};
 
-/// The process's shared resources for `conversations` at once, with what its environment asks
-/// of them: `DUPLEX_PRIME_CACHE_MB` (the primed states kept; `duplex serve` has its own
+/// The process's shared resources for `conversations` at once: its engines heard by the metrics'
+/// observer, and what its environment asks of them: `DUPLEX_PRIME_CACHE_MB` (the primed states kept; `duplex serve` has its own
 /// `prime_cache_mb`) and `DUPLEX_DRILL_ENGINE_PANIC_AT_TICK=N` (a fault drill: the first
 /// shared engine fails at its N-th temporal tick).
 pub(crate) fn process_resources(conversations: usize) -> crate::resources::Resources {
     let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
     let mut r = crate::resources::Resources::new(conversations);
+    r.set_observer(crate::observe::engine::EngineMetrics::start);
     if let Some(mb) = var("DUPLEX_PRIME_CACHE_MB") {
         r.set_prime_cache_bytes((mb as usize).saturating_mul(1 << 20));
     }
@@ -479,25 +480,25 @@ pub(crate) fn manifest(spec: &PipelineSpec) -> serde_json::Value {
     })
 }
 
-/// Serves `/metrics` on the configured address, once per process (later calls do nothing). A
-/// busy address is logged, not fatal: the pipeline runs without an exporter.
+/// Serves `/metrics` on the configured address (each command calls it once, before its
+/// pipeline). A busy address is logged, not fatal: the pipeline runs without an exporter.
 pub fn serve_metrics(m: &config::MetricsSettings) {
     serve_metrics_at(m.address, None, "metrics.address");
 }
 
-/// Serves `/metrics` and `/healthz` (with `health`) on `address`, once per process; a failure
-/// names `key`, the setting that chose the address.
+/// Serves `/metrics` and `/healthz` (with `health`) on `address`; a failure names `key`, the
+/// setting that chose the address. The exporter's thread lives as long as the process: a
+/// second call binds a second address (or fails on the same one, logged).
 pub fn serve_metrics_at(
     address: Option<std::net::SocketAddr>,
     health: Option<crate::observe::exporter::Health>,
     key: &str,
 ) {
-    static EXPORTER: std::sync::Once = std::sync::Once::new();
     if let Some(addr) = address {
-        EXPORTER.call_once(|| match crate::observe::exporter::install(addr, health) {
+        match crate::observe::exporter::install(addr, health) {
             Ok(()) => tracing::info!("metrics on http://{addr}/metrics"),
             Err(e) => tracing::warn!("{e}: metrics are not exported (set `{key}`)"),
-        });
+        }
     }
 }
 
