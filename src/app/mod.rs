@@ -222,10 +222,13 @@ fn with_delay(
     p: &Params,
 ) -> Result<Body, ConfigError> {
     Ok(match body {
-        Body::Stage(st) => Body::Stage(crate::stages::inject_delay::delayed(
-            st,
-            crate::stages::inject_delay::Signature::new(p),
-        )),
+        Body::Stage(st) => {
+            let sig = crate::stages::inject_delay::Signature::new(p).map_err(|e| {
+                ConfigError::new(&spec.file, ConfigErrorKind::Build, e.to_string())
+                    .key(format!("stages.{}.inject_delay", s.name))
+            })?;
+            Body::Stage(crate::stages::inject_delay::delayed(st, sig))
+        }
         Body::Source(_) => {
             return Err(ConfigError::new(
                 &spec.file,

@@ -17,25 +17,25 @@ use crate::runtime::{
     Body, Caps, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult, StatusSpec,
 };
 
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "aec",
-    doc: "cancels the speaker's echo in the microphone signal (AEC3; reference: a playback stage)",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `aec`'s params.
+    struct AecParams {
+        reference: String = ParamSpec {
             name: "reference",
             ty: T::Str,
             default: D::Str("speaker"),
             doc: "the playback stage whose output is the echo's source",
         },
-        ParamSpec {
+        enabled: bool = ParamSpec {
             name: "enabled",
             ty: T::Bool,
             default: D::Bool(true),
             doc: "false: pass the microphone through untouched",
         },
-        ParamSpec {
+        rate: u32 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 8000,
@@ -44,7 +44,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(24_000),
             doc: "input rate, Hz (a multiple of 100: 10 ms blocks)",
         },
-        ParamSpec {
+        lead_ms: f64 = ParamSpec {
             name: "lead_ms",
             ty: T::Float {
                 min: 0.0,
@@ -53,7 +53,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "margin for timestamp errors: the reference handed with a block was played this much later",
         },
-        ParamSpec {
+        extra_delay_ms: f64 = ParamSpec {
             name: "extra_delay_ms",
             ty: T::Float {
                 min: 0.0,
@@ -62,7 +62,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(0.0),
             doc: "a known echo delay the devices do not report (a Bluetooth speaker)",
         },
-        ParamSpec {
+        max_delay_ms: f64 = ParamSpec {
             name: "max_delay_ms",
             ty: T::Float {
                 min: 0.0,
@@ -71,7 +71,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(1500.0),
             doc: "the longest echo path searched for (beyond AEC3's own ~0.5 s the reference is delayed)",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "aec",
+    doc: "cancels the speaker's echo in the microphone signal (AEC3; reference: a playback stage)",
+    params: AecParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -97,7 +103,8 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let rate = p.int("rate") as u32;
+    let p = AecParams::from_params(p)?;
+    let rate = p.rate;
     if !rate.is_multiple_of(100) {
         return Err(BuildError::invalid(format!(
             "{rate} Hz has no whole 10 ms block: give a multiple of 100 (24000)"
@@ -105,7 +112,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         .key("rate"));
     }
     let control = cx.endpoint();
-    let enabled = p.bool("enabled");
+    let enabled = p.enabled;
     control.set(
         "state",
         if enabled {
@@ -114,7 +121,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             "off"
         },
     );
-    let reference = p.str("reference");
+    let reference = p.reference.as_str();
     let reader = match (enabled, cx.taps) {
         (false, _) => None,
         (true, Some(t)) => Some(t.read(reference, cx.stage).reader(rate)),
@@ -125,12 +132,12 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
             .key("reference"))
         }
     };
-    let ms = |k| Duration::from_secs_f64(p.float(k) / 1000.0);
+    let ms = |v: f64| Duration::from_secs_f64(v / 1000.0);
     let cfg = CancellerConfig {
         rate,
-        lead: ms("lead_ms"),
-        extra_delay: ms("extra_delay_ms"),
-        max_delay: ms("max_delay_ms"),
+        lead: ms(p.lead_ms),
+        extra_delay: ms(p.extra_delay_ms),
+        max_delay: ms(p.max_delay_ms),
     };
     let m = AecMetrics::new(cx.stage);
     Ok(Body::Stage(Box::new(Aec {

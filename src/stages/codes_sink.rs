@@ -9,17 +9,25 @@ use std::io::{BufWriter, Write};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
+use super::params::stage_params;
 use super::{BuildContext, BuildError, Codes, OutputFile, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "codes_sink",
-    doc: "writes audio codes as JSON Lines, one frame per line: [c0, c1, ...]",
-    params: &[ParamSpec {
+stage_params! {
+    /// `codes_sink`'s params.
+    struct CodesSinkParams {
+        path: String = ParamSpec {
         name: "path",
         ty: T::OutPath,
         default: D::Required,
         doc: "output file (parent directories are created)",
-    }],
+    },
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "codes_sink",
+    doc: "writes audio codes as JSON Lines, one frame per line: [c0, c1, ...]",
+    params: CodesSinkParams::SPECS,
     inputs: || vec![PortSpec::new::<Codes>("in")],
     outputs: Vec::new,
     commands: &[],
@@ -28,8 +36,9 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = CodesSinkParams::from_params(p)?;
     Ok(Body::Stage(Box::new(CodesSink {
-        file: OutputFile::check(p.str("path"), "path")?,
+        file: OutputFile::check(p.path.as_str(), "path")?,
         out: None,
     })))
 }

@@ -7,25 +7,25 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, Codes, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "codes_source",
-    doc: "user codes from a JSON file: [[8 ints], ...], one frame per 80 ms step",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `codes_source`'s params.
+    struct CodesSourceParams {
+        path: String = ParamSpec {
             name: "path",
             ty: T::Path,
             default: D::Required,
             doc: "JSON file",
         },
-        ParamSpec {
+        codebooks: usize = ParamSpec {
             name: "codebooks",
             ty: T::Int { min: 1, max: 64 },
             default: D::Int(8),
             doc: "codes per frame",
         },
-        ParamSpec {
+        vocab: i64 = ParamSpec {
             name: "vocab",
             ty: T::Int {
                 min: 1,
@@ -34,13 +34,19 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(2048),
             doc: "codes must be below this",
         },
-        ParamSpec {
+        realtime: bool = ParamSpec {
             name: "realtime",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "pace frames at 12.5 Hz (else as fast as possible)",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "codes_source",
+    doc: "user codes from a JSON file: [[8 ints], ...], one frame per 80 ms step",
+    params: CodesSourceParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Codes>("out")],
     commands: &[],
@@ -110,18 +116,15 @@ pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i
 }
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let frames = read_codes(
-        Path::new(p.str("path")),
-        p.int("codebooks") as usize,
-        p.int("vocab"),
-    )
-    .map_err(|m| BuildError::invalid(m).key("path"))?;
+    let p = CodesSourceParams::from_params(p)?;
+    let frames = read_codes(Path::new(p.path.as_str()), p.codebooks, p.vocab)
+        .map_err(|m| BuildError::invalid(m).key("path"))?;
     Ok(Body::Source(Box::new(CodesSource {
-        codebooks: p.int("codebooks") as usize,
-        vocab: p.int("vocab"),
+        codebooks: p.codebooks,
+        vocab: p.vocab,
         frames: frames.into_iter(),
         // One code frame stands for 1920 samples at 24 kHz.
-        pacer: Pacer::new(p.bool("realtime"), 24_000),
+        pacer: Pacer::new(p.realtime, 24_000),
     })))
 }
 

@@ -7,13 +7,13 @@ use crate::audio::{Framer, Pcm, FRAME_SAMPLES, MODEL_RATE};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "framer",
-    doc: "cuts audio into exact frames (1920 samples = 80 ms at 24 kHz); pads and flags the last",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `framer`'s params.
+    struct FramerParams {
+        size: usize = ParamSpec {
             name: "size",
             ty: T::Int {
                 min: 1,
@@ -22,7 +22,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(FRAME_SAMPLES as i64),
             doc: "samples per frame",
         },
-        ParamSpec {
+        rate: u32 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 0,
@@ -31,7 +31,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(MODEL_RATE as i64),
             doc: "required input rate, Hz (0 = any)",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "framer",
+    doc: "cuts audio into exact frames (1920 samples = 80 ms at 24 kHz); pads and flags the last",
+    params: FramerParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -40,9 +46,10 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = FramerParams::from_params(p)?;
     Ok(Body::Stage(Box::new(FramerStage {
-        framer: Framer::new(p.int("size") as usize),
-        rate: p.int("rate") as u32,
+        framer: Framer::new(p.size),
+        rate: p.rate,
         seen_rate: 0,
         origin: None,
     })))

@@ -14,19 +14,19 @@ use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
+use super::params::stage_params;
 use super::{BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "inject_delay",
-    doc: "delays each frame: `bimodal` (contention) or `ramp` (growth) latency signatures",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `inject_delay`'s params (a stage's, or a stage's `inject_delay:` option).
+    pub(crate) struct DelayParams {
+        mode: String = ParamSpec {
             name: "mode",
             ty: T::Choice(&["none", "bimodal", "ramp"]),
             default: D::Str("none"),
             doc: "the signature to inject",
         },
-        ParamSpec {
+        base_ms: f64 = ParamSpec {
             name: "base_ms",
             ty: T::Float {
                 min: 0.0,
@@ -35,7 +35,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "delay of a normal frame",
         },
-        ParamSpec {
+        jitter_ms: f64 = ParamSpec {
             name: "jitter_ms",
             ty: T::Float {
                 min: 0.0,
@@ -44,7 +44,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(1.0),
             doc: "uniform noise added to every delay",
         },
-        ParamSpec {
+        slow_ms: f64 = ParamSpec {
             name: "slow_ms",
             ty: T::Float {
                 min: 0.0,
@@ -53,13 +53,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(60.0),
             doc: "bimodal: delay of a slow frame",
         },
-        ParamSpec {
+        slow_fraction: f64 = ParamSpec {
             name: "slow_fraction",
             ty: T::Float { min: 0.0, max: 1.0 },
             default: D::Float(0.05),
             doc: "bimodal: share of slow frames",
         },
-        ParamSpec {
+        ramp_to_ms: f64 = ParamSpec {
             name: "ramp_to_ms",
             ty: T::Float {
                 min: 0.0,
@@ -68,7 +68,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(60.0),
             doc: "ramp: delay reached after `ramp_frames`",
         },
-        ParamSpec {
+        ramp_frames: u64 = ParamSpec {
             name: "ramp_frames",
             ty: T::Int {
                 min: 1,
@@ -77,7 +77,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(1500),
             doc: "ramp: frames to go from base to ramp_to",
         },
-        ParamSpec {
+        seed: u64 = ParamSpec {
             name: "seed",
             ty: T::Int {
                 min: 0,
@@ -86,7 +86,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(1),
             doc: "random seed",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "inject_delay",
+    doc: "delays each frame: `bimodal` (contention) or `ramp` (growth) latency signatures",
+    params: DelayParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -96,7 +102,7 @@ pub(super) const KIND: StageKind = StageKind {
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Stage(Box::new(InjectDelay {
-        sig: Signature::new(p),
+        sig: Signature::new(p)?,
     })))
 }
 
@@ -115,18 +121,23 @@ pub struct Signature {
 
 impl Signature {
     /// From checked `inject_delay` params.
-    pub fn new(p: &Params) -> Self {
-        Signature {
-            mode: p.str("mode").to_string(),
-            base: p.float("base_ms") / 1e3,
-            jitter: p.float("jitter_ms") / 1e3,
-            slow: p.float("slow_ms") / 1e3,
-            slow_fraction: p.float("slow_fraction"),
-            ramp_to: p.float("ramp_to_ms") / 1e3,
-            ramp_frames: p.int("ramp_frames") as f64,
-            rng: crate::model::sampling::Rng::new(p.int("seed") as u64),
+    ///
+    /// # Errors
+    ///
+    /// A param its declaration does not give (see [`super::params`]).
+    pub fn new(p: &Params) -> Result<Self, BuildError> {
+        let p = DelayParams::from_params(p)?;
+        Ok(Signature {
+            mode: p.mode,
+            base: p.base_ms / 1e3,
+            jitter: p.jitter_ms / 1e3,
+            slow: p.slow_ms / 1e3,
+            slow_fraction: p.slow_fraction,
+            ramp_to: p.ramp_to_ms / 1e3,
+            ramp_frames: p.ramp_frames as f64,
+            rng: crate::model::sampling::Rng::new(p.seed),
             n: 0,
-        }
+        })
     }
 
     /// The next frame's delay.

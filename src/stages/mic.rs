@@ -22,19 +22,19 @@ use crate::runtime::{
     StatusSpec,
 };
 
+use super::params::stage_params;
 use super::{caps, device_status, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "mic",
-    doc: "captures a sound device (mono, native rate); stamps frames with their capture instant",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `mic`'s params.
+    struct MicParams {
+        device: String = ParamSpec {
             name: "device",
             ty: T::Str,
             default: D::Str("default"),
             doc: "`default`, a device name, or a regular expression",
         },
-        ParamSpec {
+        rate: i64 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 0,
@@ -43,7 +43,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(0),
             doc: "sample rate to ask for (0 = the device's)",
         },
-        ParamSpec {
+        chunk_ms: f64 = ParamSpec {
             name: "chunk_ms",
             ty: T::Float {
                 min: 1.0,
@@ -52,19 +52,25 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "samples per frame, in ms",
         },
-        ParamSpec {
+        reconnect: bool = ParamSpec {
             name: "reconnect",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "reopen the device with backoff when it is lost",
         },
-        ParamSpec {
+        duration: f64 = ParamSpec {
             name: "duration",
             ty: T::Float { min: 0.0, max: 1e9 },
             default: D::Float(0.0),
             doc: "stop after this many seconds (0 = run until stopped)",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "mic",
+    doc: "captures a sound device (mono, native rate); stamps frames with their capture instant",
+    params: MicParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[
@@ -98,7 +104,8 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let rate = match p.int("rate") {
+    let p = MicParams::from_params(p)?;
+    let rate = match p.rate {
         0 => None,
         r if r < 8000 => {
             return Err(BuildError::invalid(format!(
@@ -108,7 +115,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         }
         r => Some(r as u32),
     };
-    let cap = open(p.str("device"), rate, p.bool("reconnect"))?;
+    let cap = open(p.device.as_str(), rate, p.reconnect)?;
     tracing::info!(
         device = %cap.handle.status().name,
         rate = cap.rate,
@@ -116,7 +123,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         "microphone open"
     );
     // Seconds, not samples: a device switch may change the rate.
-    let limit = (p.float("duration") > 0.0).then(|| p.float("duration"));
+    let limit = (p.duration > 0.0).then_some(p.duration);
     let labels = [("device", cap.handle.status().name.clone())];
     let control = cx.endpoint();
     control.set("name", cap.handle.status().name.clone());
@@ -124,11 +131,11 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Source(Box::new(Mic {
         control,
         muted: false,
-        reconnect: p.bool("reconnect"),
+        reconnect: p.reconnect,
         position: 0,
         ring: None,
         skip_startup: true,
-        chunk_ms: p.float("chunk_ms"),
+        chunk_ms: p.chunk_ms,
         consumed: 0,
         consumed_before: 0.0,
         limit,

@@ -21,6 +21,7 @@ mod mimi_encode;
 mod model_params;
 mod null_sink;
 mod opus;
+pub(crate) mod params;
 mod playback;
 mod resample;
 mod session;

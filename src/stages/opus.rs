@@ -20,6 +20,7 @@ use crate::runtime::{
     Body, Caps, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult, StatusSpec,
 };
 
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, OggOpus, StageKind};
 
 /// How fast a client's audio is taken (`opus_decode`, `session_pcm_in`).
@@ -44,11 +45,34 @@ pub(super) const CATCH_UP: ParamSpec = ParamSpec {
     doc: "audio that may come ahead of real time at once (a burst after a network stall); more is skipped and counted",
 };
 
-/// The pacing of [`MAX_SPEED`] and [`CATCH_UP`] as a stage's params set them.
-pub(super) fn budget(p: &Params) -> Box<dyn Budget + Send> {
-    let speed = p.float("max_speed");
+stage_params! {
+    /// `opus_decode`'s params: how fast it takes a client's audio.
+    struct DecodeParams {
+        max_speed: f64 = MAX_SPEED,
+        catch_up_ms: u64 = CATCH_UP,
+    }
+}
+
+stage_params! {
+    /// `opus_encode`'s params.
+    struct EncodeParams {
+        bitrate: i32 = ParamSpec {
+            name: "bitrate",
+            ty: T::Int {
+                min: 0,
+                max: 512_000,
+            },
+            default: D::Int(0),
+            doc: "bits per second (0 = libopus's choice)",
+        },
+    }
+}
+
+/// The pacing of [`MAX_SPEED`] (`speed`) and [`CATCH_UP`] (`catch_up_ms`) as a stage's params
+/// set them.
+pub(super) fn budget(speed: f64, catch_up_ms: u64) -> Box<dyn Budget + Send> {
     if speed > 0.0 {
-        let catch_up = Duration::from_millis(p.int("catch_up_ms") as u64);
+        let catch_up = Duration::from_millis(catch_up_ms);
         Box::new(RealTime::new(RATE, speed, catch_up))
     } else {
         Box::new(Unlimited)
@@ -58,7 +82,7 @@ pub(super) fn budget(p: &Params) -> Box<dyn Budget + Send> {
 pub(super) const DECODE: StageKind = StageKind {
     name: super::kind::OPUS_DECODE,
     doc: "a client's Ogg/Opus stream (chunks split anywhere) -> 24 kHz mono PCM; gaps -> silence; paced",
-    params: &[MAX_SPEED, CATCH_UP],
+    params: DecodeParams::SPECS,
     inputs: || vec![PortSpec::new::<OggOpus>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -72,15 +96,7 @@ pub(super) const DECODE: StageKind = StageKind {
 pub(super) const ENCODE: StageKind = StageKind {
     name: super::kind::OPUS_ENCODE,
     doc: "24 kHz mono PCM -> an Ogg/Opus stream: header pages, then one page per 40 ms packet",
-    params: &[ParamSpec {
-        name: "bitrate",
-        ty: T::Int {
-            min: 0,
-            max: 512_000,
-        },
-        default: D::Int(0),
-        doc: "bits per second (0 = libopus's choice)",
-    }],
+    params: EncodeParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<OggOpus>("out")],
     commands: &[],
@@ -89,7 +105,8 @@ pub(super) const ENCODE: StageKind = StageKind {
 };
 
 fn build_decode(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let budget = budget(p);
+    let p = DecodeParams::from_params(p)?;
+    let budget = budget(p.max_speed, p.catch_up_ms);
     let control = cx.endpoint();
     control.set("refused_ms", 0u64);
     Ok(Body::Stage(Box::new(Decode {
@@ -170,9 +187,9 @@ impl Stage for Decode {
 }
 
 fn build_encode(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let bitrate = match p.int("bitrate") {
+    let bitrate = match EncodeParams::from_params(p)?.bitrate {
         0 => None,
-        b => Some(b as i32),
+        b => Some(b),
     };
     // A serial of the stage's own, so that two streams of one process differ.
     let serial = {

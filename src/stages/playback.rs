@@ -29,19 +29,19 @@ use crate::runtime::{
     StageError, StageResult, StatusSpec,
 };
 
+use super::params::stage_params;
 use super::{caps, device_status, BuildContext, BuildError, OutputFile, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: super::kind::PLAYBACK,
-    doc: "plays audio on a sound device (or `virtual`) through an adaptive jitter buffer",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `device`'s params.
+    struct PlaybackParams {
+        device: String = ParamSpec {
             name: "device",
             ty: T::Str,
             default: D::Str("default"),
             doc: "`default`, a device name, a regular expression, or `virtual`",
         },
-        ParamSpec {
+        rate: i64 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 0,
@@ -50,7 +50,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(0),
             doc: "sample rate (0 = the device's; `virtual`: 24000)",
         },
-        ParamSpec {
+        target_ms: f64 = ParamSpec {
             name: "target_ms",
             ty: T::Float {
                 min: 0.0,
@@ -59,7 +59,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(120.0),
             doc: "jitter buffer target depth",
         },
-        ParamSpec {
+        max_target_ms: f64 = ParamSpec {
             name: "max_target_ms",
             ty: T::Float {
                 min: 0.0,
@@ -68,7 +68,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(480.0),
             doc: "cap of the adaptive target",
         },
-        ParamSpec {
+        period_ms: f64 = ParamSpec {
             name: "period_ms",
             ty: T::Float {
                 min: 1.0,
@@ -77,19 +77,25 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(10.0),
             doc: "`virtual`: the clock's period",
         },
-        ParamSpec {
+        capture: Option<String> = ParamSpec {
             name: "capture",
             ty: T::OutPath,
             default: D::None,
             doc: "`virtual`: write what is played to this WAV file",
         },
-        ParamSpec {
+        reconnect: bool = ParamSpec {
             name: "reconnect",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "reopen the device with backoff when it is lost",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: super::kind::PLAYBACK,
+    doc: "plays audio on a sound device (or `virtual`) through an adaptive jitter buffer",
+    params: PlaybackParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: Vec::new,
     commands: &[CommandSpec {
@@ -115,22 +121,22 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = PlaybackParams::from_params(p)?;
     let mut cfg = JitterConfig::new(24_000);
-    cfg.target = Duration::from_secs_f64(p.float("target_ms") / 1000.0);
-    if p.float("max_target_ms") < p.float("target_ms") {
+    cfg.target = Duration::from_secs_f64(p.target_ms / 1000.0);
+    if p.max_target_ms < p.target_ms {
         return Err(BuildError::invalid(format!(
             "{} ms is below `target_ms` ({} ms): the jitter buffer may grow from its target up \
              to this, not shrink",
-            p.float("max_target_ms"),
-            p.float("target_ms")
+            p.max_target_ms, p.target_ms
         ))
         .key("max_target_ms"));
     }
-    cfg.max_target = Duration::from_secs_f64(p.float("max_target_ms") / 1000.0);
+    cfg.max_target = Duration::from_secs_f64(p.max_target_ms / 1000.0);
     cfg.max_depth = cfg
         .max_depth
         .max(cfg.max_target + Duration::from_millis(120));
-    let rate = match p.int("rate") {
+    let rate = match p.rate {
         0 => None,
         r if r < 8000 => {
             return Err(BuildError::invalid(format!(
@@ -142,23 +148,23 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     };
     let opener = Opener {
         jitter: cfg,
-        reconnect: p.bool("reconnect"),
-        period: Duration::from_secs_f64(p.float("period_ms") / 1000.0),
+        reconnect: p.reconnect,
+        period: Duration::from_secs_f64(p.period_ms / 1000.0),
         tap: cx.taps.map(|t| t.provide(cx.stage)),
     };
-    let capture = match p.opt_str("capture") {
-        Some(_) if p.str("device") != "virtual" => {
+    let capture = match p.capture.as_deref() {
+        Some(_) if p.device.as_str() != "virtual" => {
             return Err(BuildError::invalid(format!(
                 "only the virtual player writes what it plays: set `device: virtual`, or remove \
                  `capture` (device is {:?})",
-                p.str("device")
+                p.device.as_str()
             ))
             .key("capture"))
         }
         Some(path) => Some(OutputFile::check(path, "capture")?),
         None => None,
     };
-    let player = opener.open(p.str("device"), rate)?;
+    let player = opener.open(p.device.as_str(), rate)?;
     let m = PlaybackMetrics::new(&player.name);
     let control = cx.endpoint();
     control.set("name", player.name.clone());

@@ -10,13 +10,13 @@ use crate::audio::{Pcm, StreamResampler};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "resample",
-    doc: "converts the sample rate (any rate to `to`; FFT, delay-compensated)",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `resample`'s params.
+    struct ResampleParams {
+        to: u32 = ParamSpec {
             name: "to",
             ty: T::Int {
                 min: 1000,
@@ -25,7 +25,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(24_000),
             doc: "output rate, Hz",
         },
-        ParamSpec {
+        chunk_ms: f64 = ParamSpec {
             name: "chunk_ms",
             ty: T::Float {
                 min: 1.0,
@@ -34,7 +34,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "input processed per FFT, in ms",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "resample",
+    doc: "converts the sample rate (any rate to `to`; FFT, delay-compensated)",
+    params: ResampleParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -43,9 +49,10 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = ResampleParams::from_params(p)?;
     Ok(Body::Stage(Box::new(Resample {
-        to: p.int("to") as u32,
-        chunk_ms: p.float("chunk_ms"),
+        to: p.to,
+        chunk_ms: p.chunk_ms,
         inner: None,
         last_origin: None,
     })))

@@ -22,6 +22,7 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Flow, Input, PortSpec, Source, Stage, StageResult};
 use crate::session::{Inbound, Outbound, Output, Received};
 
+use super::params::stage_params;
 use super::{caps, AgentTokens, BuildContext, BuildError, OggOpus, StageKind};
 
 /// Samples of silence per fed frame: one model frame (80 ms at 24 kHz).
@@ -33,7 +34,7 @@ const POLL: Duration = Duration::from_millis(50);
 pub(super) const INPUT: StageKind = StageKind {
     name: super::kind::SESSION_IN,
     doc: "the client's Ogg/Opus stream as it arrives (network sessions only); silence while it is quiet",
-    params: &[FILL_AFTER],
+    params: InputParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<OggOpus>("out")],
     commands: &[],
@@ -51,14 +52,26 @@ const FILL_AFTER: ParamSpec = ParamSpec {
     doc: "feed silence (one frame per 80 ms) once the client has sent nothing for this long",
 };
 
+stage_params! {
+    /// `session_in`'s params.
+    struct InputParams {
+        fill_after_ms: u64 = FILL_AFTER,
+    }
+}
+
+stage_params! {
+    /// `session_pcm_in`'s params: its silence and its pacing (as `opus_decode`'s).
+    struct PcmInputParams {
+        fill_after_ms: u64 = FILL_AFTER,
+        max_speed: f64 = super::opus::MAX_SPEED,
+        catch_up_ms: u64 = super::opus::CATCH_UP,
+    }
+}
+
 pub(super) const PCM_INPUT: StageKind = StageKind {
     name: super::kind::SESSION_PCM_IN,
     doc: "the client's audio as 16-bit 24 kHz PCM from a transport that decodes its own wire format (network sessions only); paced; silence while it is quiet",
-    params: &[
-        FILL_AFTER,
-        super::opus::MAX_SPEED,
-        super::opus::CATCH_UP,
-    ],
+    params: PcmInputParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -100,6 +113,7 @@ pub(super) const TEXT_OUT: StageKind = StageKind {
 };
 
 fn build_input(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = InputParams::from_params(p)?;
     let input = cx.session(INPUT.name)?.take_input().ok_or_else(|| {
         BuildError::invalid(
             "a second `session_in`: a session has one input stream, so one `session_in` stage",
@@ -107,7 +121,7 @@ fn build_input(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     })?;
     Ok(Body::Source(Box::new(SessionIn {
         input,
-        fill_after: Duration::from_millis(p.int("fill_after_ms") as u64),
+        fill_after: Duration::from_millis(p.fill_after_ms),
         last: None,
         next_fill: None,
     })))
@@ -179,16 +193,17 @@ impl Source for SessionIn {
 }
 
 fn build_pcm_input(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = PcmInputParams::from_params(p)?;
     let input = cx.session(PCM_INPUT.name)?.take_input().ok_or_else(|| {
         BuildError::invalid(
             "a second session input: a session has one input stream, so one `session_pcm_in` stage",
         )
     })?;
-    let budget = super::opus::budget(p);
+    let budget = super::opus::budget(p.max_speed, p.catch_up_ms);
     Ok(Body::Source(Box::new(SessionPcmIn {
         clock: SessionIn {
             input,
-            fill_after: Duration::from_millis(p.int("fill_after_ms") as u64),
+            fill_after: Duration::from_millis(p.fill_after_ms),
             last: None,
             next_fill: None,
         },

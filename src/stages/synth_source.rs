@@ -5,31 +5,31 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "synth_source",
-    doc: "generates silence, a sine or white noise (mono f32)",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `synth_source`'s params.
+    struct SynthParams {
+        waveform: String = ParamSpec {
             name: "waveform",
             ty: T::Choice(&["silence", "sine", "noise"]),
             default: D::Str("sine"),
             doc: "what to generate",
         },
-        ParamSpec {
+        freq: f64 = ParamSpec {
             name: "freq",
             ty: T::Float { min: 0.0, max: 1e6 },
             default: D::Float(440.0),
             doc: "sine frequency, Hz",
         },
-        ParamSpec {
+        amplitude: f32 = ParamSpec {
             name: "amplitude",
             ty: T::Float { min: 0.0, max: 1.0 },
             default: D::Float(0.5),
             doc: "peak amplitude",
         },
-        ParamSpec {
+        rate: u32 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 1000,
@@ -38,13 +38,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(24_000),
             doc: "sample rate, Hz",
         },
-        ParamSpec {
+        duration: f64 = ParamSpec {
             name: "duration",
             ty: T::Float { min: 0.0, max: 1e7 },
             default: D::Float(5.0),
             doc: "seconds",
         },
-        ParamSpec {
+        chunk_ms: f64 = ParamSpec {
             name: "chunk_ms",
             ty: T::Float {
                 min: 0.1,
@@ -53,13 +53,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "samples per frame, in ms",
         },
-        ParamSpec {
+        realtime: bool = ParamSpec {
             name: "realtime",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "pace frames at real time (else as fast as possible)",
         },
-        ParamSpec {
+        seed: u64 = ParamSpec {
             name: "seed",
             ty: T::Int {
                 min: 0,
@@ -68,7 +68,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(0),
             doc: "noise seed",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "synth_source",
+    doc: "generates silence, a sine or white noise (mono f32)",
+    params: SynthParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -77,26 +83,27 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let rate = p.int("rate") as u32;
-    let amplitude = p.float("amplitude") as f32;
-    let waveform = match p.str("waveform") {
+    let p = SynthParams::from_params(p)?;
+    let rate = p.rate;
+    let amplitude = p.amplitude;
+    let waveform = match p.waveform.as_str() {
         "silence" => Waveform::Silence,
         "noise" => Waveform::Noise {
             amplitude,
-            seed: p.int("seed") as u64,
+            seed: p.seed,
         },
         _ => Waveform::Sine {
-            freq: p.float("freq"),
+            freq: p.freq,
             amplitude,
         },
     };
-    let chunk = ((p.float("chunk_ms") / 1000.0 * rate as f64).round() as usize).max(1);
+    let chunk = ((p.chunk_ms / 1000.0 * rate as f64).round() as usize).max(1);
     Ok(Body::Source(Box::new(SynthSource {
         synth: Synth::new(waveform, rate),
         rate,
-        remaining: (p.float("duration") * rate as f64).round() as u64,
+        remaining: (p.duration * rate as f64).round() as u64,
         chunk,
-        pacer: Pacer::new(p.bool("realtime"), rate),
+        pacer: Pacer::new(p.realtime, rate),
     })))
 }
 

@@ -9,17 +9,25 @@ use std::io::{BufWriter, Write};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageResult};
 
+use super::params::stage_params;
 use super::{AgentTokens, BuildContext, BuildError, OutputFile, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "token_sink",
-    doc: "writes the agent's tokens as JSON Lines: {\"frame\", \"text\", \"audio\"}",
-    params: &[ParamSpec {
+stage_params! {
+    /// `token_sink`'s params.
+    struct TokenSinkParams {
+        path: String = ParamSpec {
         name: "path",
         ty: T::OutPath,
         default: D::Required,
         doc: "output file (parent directories are created)",
-    }],
+    },
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "token_sink",
+    doc: "writes the agent's tokens as JSON Lines: {\"frame\", \"text\", \"audio\"}",
+    params: TokenSinkParams::SPECS,
     inputs: || vec![PortSpec::new::<AgentTokens>("in")],
     outputs: Vec::new,
     commands: &[],
@@ -28,8 +36,9 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = TokenSinkParams::from_params(p)?;
     Ok(Body::Stage(Box::new(TokenSink {
-        file: OutputFile::check(p.str("path"), "path")?,
+        file: OutputFile::check(p.path.as_str(), "path")?,
         out: None,
         lines: 0,
     })))

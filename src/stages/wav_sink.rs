@@ -12,25 +12,25 @@ use crate::audio::{Pcm, WavFormat, WavWriter};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Context, Input, PortSpec, Stage, StageError, StageResult};
 
+use super::params::stage_params;
 use super::{BuildContext, BuildError, OutputFile, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "wav_sink",
-    doc: "writes a mono WAV file (header kept valid while writing)",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `wav_sink`'s params.
+    struct WavSinkParams {
+        path: String = ParamSpec {
             name: "path",
             ty: T::OutPath,
             default: D::Required,
             doc: "output file (parent directories are created)",
         },
-        ParamSpec {
+        format: String = ParamSpec {
             name: "format",
             ty: T::Choice(&WavFormat::NAMES),
             default: D::Str("i16"),
             doc: "sample encoding",
         },
-        ParamSpec {
+        rate: u32 = ParamSpec {
             name: "rate",
             ty: T::Int {
                 min: 0,
@@ -39,7 +39,7 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(0),
             doc: "required input rate, Hz (0 = take the input's)",
         },
-        ParamSpec {
+        flush_ms: u64 = ParamSpec {
             name: "flush_ms",
             ty: T::Int {
                 min: 0,
@@ -48,7 +48,13 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Int(200),
             doc: "rewrite the header at most this often",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "wav_sink",
+    doc: "writes a mono WAV file (header kept valid while writing)",
+    params: WavSinkParams::SPECS,
     inputs: || vec![PortSpec::new::<Pcm>("in")],
     outputs: Vec::new,
     commands: &[],
@@ -57,14 +63,15 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let path = OutputFile::check(p.str("path"), "path")?
+    let p = WavSinkParams::from_params(p)?;
+    let path = OutputFile::check(p.path.as_str(), "path")?
         .path()
         .to_path_buf();
     Ok(Body::Stage(Box::new(WavSink {
         path,
-        format: WavFormat::parse(p.str("format")).unwrap_or_default(),
-        rate: p.int("rate") as u32,
-        flush_every: Duration::from_millis(p.int("flush_ms") as u64),
+        format: WavFormat::parse(p.format.as_str()).unwrap_or_default(),
+        rate: p.rate,
+        flush_every: Duration::from_millis(p.flush_ms),
         writer: None,
         last_flush: Instant::now(),
     })))

@@ -11,19 +11,19 @@ use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{Body, Caps, Context, Flow, PortSpec, Source, StageResult};
 
 use super::pacing::Pacer;
+use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: "wav_source",
-    doc: "reads a WAV file as mono f32 at its own rate",
-    params: &[
-        ParamSpec {
+stage_params! {
+    /// `wav_source`'s params.
+    struct WavSourceParams {
+        path: String = ParamSpec {
             name: "path",
             ty: T::Path,
             default: D::Required,
             doc: "WAV file (relative to the working directory)",
         },
-        ParamSpec {
+        chunk_ms: f64 = ParamSpec {
             name: "chunk_ms",
             ty: T::Float {
                 min: 0.1,
@@ -32,13 +32,19 @@ pub(super) const KIND: StageKind = StageKind {
             default: D::Float(20.0),
             doc: "samples per frame, in ms",
         },
-        ParamSpec {
+        realtime: bool = ParamSpec {
             name: "realtime",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "pace frames at real time (else as fast as possible)",
         },
-    ],
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: "wav_source",
+    doc: "reads a WAV file as mono f32 at its own rate",
+    params: WavSourceParams::SPECS,
     inputs: Vec::new,
     outputs: || vec![PortSpec::new::<Pcm>("out")],
     commands: &[],
@@ -50,23 +56,24 @@ pub(super) const KIND: StageKind = StageKind {
 const RATES: std::ops::RangeInclusive<u32> = 1000..=768_000;
 
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let p = WavSourceParams::from_params(p)?;
     // Opened here, so a missing or bad file is reported before the pipeline starts.
     let reader =
-        WavReader::open(Path::new(p.str("path"))).map_err(|e| BuildError::from(e).key("path"))?;
+        WavReader::open(Path::new(p.path.as_str())).map_err(|e| BuildError::from(e).key("path"))?;
     let rate = reader.rate();
     if !RATES.contains(&rate) {
         return Err(BuildError::invalid(format!(
             "{}: the header says {rate} Hz, outside {}..={} Hz: not audio this pipeline can \
              carry (resample the file, or fix its header)",
-            p.str("path"),
+            p.path.as_str(),
             RATES.start(),
             RATES.end()
         ))
         .key("path"));
     }
-    let chunk = ((p.float("chunk_ms") / 1000.0 * rate as f64).round() as usize).max(1);
+    let chunk = ((p.chunk_ms / 1000.0 * rate as f64).round() as usize).max(1);
     tracing::debug!(
-        path = p.str("path"),
+        path = p.path.as_str(),
         rate,
         channels = reader.channels(),
         frames = reader.frames(),
@@ -75,7 +82,7 @@ fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     Ok(Body::Source(Box::new(WavSource {
         reader,
         chunk,
-        pacer: Pacer::new(p.bool("realtime"), rate),
+        pacer: Pacer::new(p.realtime, rate),
     })))
 }
 
