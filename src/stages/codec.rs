@@ -3,14 +3,13 @@
 //! last `window` frames), chosen by the `streaming` param and logged; and, for `stateful`, a
 //! step graph of the stage's own or a slot of the process's shared codec (`engine: shared`).
 
-use crate::config::Params;
 use crate::model::engine::{CodecOptions, CodecSlot};
 use crate::model::mimi::{MimiDecoder, MimiEncoder};
 use crate::model::mimi_step::StepCodec;
 use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::ModelError;
 
-use super::model_params::session_options;
+use super::model_params::{session_options, CodecParams, ModelParams};
 use super::{BuildContext, BuildError};
 
 /// A stateful codec: a step graph of the stage's own, or a slot of the shared codec.
@@ -20,8 +19,8 @@ pub(super) enum Step {
 }
 
 /// The step graph's precision a stage's params ask for.
-fn step_dtype(p: &Params) -> FloatType {
-    match p.str("step_dtype") {
+fn step_dtype(c: &CodecParams) -> FloatType {
+    match c.step_dtype.as_str() {
         "f16" => FloatType::F16,
         _ => FloatType::F32,
     }
@@ -32,14 +31,14 @@ fn step_dtype(p: &Params) -> FloatType {
 fn open_step(
     cx: &BuildContext<'_>,
     pack: &Pack,
-    p: &Params,
+    (m, c): (&ModelParams, &CodecParams),
     role: StepRole,
 ) -> Result<Option<Step>, BuildError> {
     let stage = cx.stage;
-    let dtype = step_dtype(p);
+    let dtype = step_dtype(c);
     let have = pack.step_graph(role, dtype).is_some();
-    let shared = p.str("engine") == "shared";
-    let chosen = match p.str("streaming") {
+    let shared = c.engine == "shared";
+    let chosen = match c.streaming.as_str() {
         "window" if shared => {
             return Err(BuildError::invalid(
                 "`engine: shared` needs `streaming: stateful` (or auto): the shared codec steps \
@@ -73,7 +72,7 @@ fn open_step(
         "stateful" => true,
         _ => have,
     };
-    let why = match (p.str("streaming"), chosen) {
+    let why = match (c.streaming.as_str(), chosen) {
         ("auto", true) => "the pack has step graphs",
         ("auto", false) => "the pack has no step graphs",
         _ => "asked for",
@@ -83,7 +82,7 @@ fn open_step(
         strategy = if chosen { "stateful" } else { "window" },
         dtype = if chosen { dtype.name() } else { "f32" },
         why,
-        engine = p.str("engine"),
+        engine = c.engine.as_str(),
         "codec streaming"
     );
     if !chosen {
@@ -94,13 +93,13 @@ fn open_step(
             pack,
             role,
             dtype,
-            &session_options(p),
+            &session_options(m),
         )?))));
     }
     let opts = CodecOptions {
-        session: session_options(p),
-        slots: p.int("slots") as usize,
-        max_wait: std::time::Duration::from_millis(p.int("batch_wait_ms").max(0) as u64),
+        session: session_options(m),
+        slots: c.slots,
+        max_wait: std::time::Duration::from_millis(c.batch_wait_ms),
         ..Default::default()
     };
     let codec = cx.resources.codec(pack, role, dtype, &opts).map_err(|e| {
@@ -148,14 +147,14 @@ pub(super) enum Encoder {
 }
 
 impl Encoder {
-    pub fn open(cx: &BuildContext<'_>, pack: &Pack, p: &Params) -> Result<Encoder, BuildError> {
-        Ok(match open_step(cx, pack, p, StepRole::Encoder)? {
+    pub fn open(
+        cx: &BuildContext<'_>,
+        pack: &Pack,
+        (m, c): (&ModelParams, &CodecParams),
+    ) -> Result<Encoder, BuildError> {
+        Ok(match open_step(cx, pack, (m, c), StepRole::Encoder)? {
             Some(s) => Encoder::Stateful(s),
-            None => Encoder::Window(MimiEncoder::open(
-                pack,
-                &session_options(p),
-                p.int("window") as usize,
-            )?),
+            None => Encoder::Window(MimiEncoder::open(pack, &session_options(m), c.window)?),
         })
     }
 
@@ -200,14 +199,14 @@ pub(super) enum Decoder {
 }
 
 impl Decoder {
-    pub fn open(cx: &BuildContext<'_>, pack: &Pack, p: &Params) -> Result<Decoder, BuildError> {
-        Ok(match open_step(cx, pack, p, StepRole::Decoder)? {
+    pub fn open(
+        cx: &BuildContext<'_>,
+        pack: &Pack,
+        (m, c): (&ModelParams, &CodecParams),
+    ) -> Result<Decoder, BuildError> {
+        Ok(match open_step(cx, pack, (m, c), StepRole::Decoder)? {
             Some(s) => Decoder::Stateful(s),
-            None => Decoder::Window(MimiDecoder::open(
-                pack,
-                &session_options(p),
-                p.int("window") as usize,
-            )?),
+            None => Decoder::Window(MimiDecoder::open(pack, &session_options(m), c.window)?),
         })
     }
 
@@ -250,14 +249,19 @@ impl Decoder {
 /// call. Whole frames only.
 pub(super) fn encode_clip(
     pack: &Pack,
-    p: &Params,
+    m: &ModelParams,
     pcm: &[f32],
 ) -> Result<Vec<Vec<i64>>, ModelError> {
     let frame = pack.manifest.frame_size;
-    if pack.step_graph(StepRole::Encoder, FloatType::F32).is_some() && pcm.len() >= frame {
+    if clip_is_stepped(pack) && pcm.len() >= frame {
         let mut enc =
-            StepCodec::open(pack, StepRole::Encoder, FloatType::F32, &session_options(p))?;
+            StepCodec::open(pack, StepRole::Encoder, FloatType::F32, &session_options(m))?;
         return pcm.chunks_exact(frame).map(|f| enc.encode(f)).collect();
     }
-    MimiEncoder::open(pack, &session_options(p), 1)?.encode(pcm)
+    MimiEncoder::open(pack, &session_options(m), 1)?.encode(pcm)
+}
+
+/// Whether [`encode_clip`] takes the pack's stateful f32 encoder (else the whole-clip graph).
+pub(super) fn clip_is_stepped(pack: &Pack) -> bool {
+    pack.step_graph(StepRole::Encoder, FloatType::F32).is_some()
 }

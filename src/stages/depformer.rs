@@ -23,77 +23,80 @@ use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stag
 
 use super::model_params::{
     cuda_graph_needs_own_engine, model_params, open_pack, session_options, shared_engine,
-    ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
+    EngineParams, ModelParams, ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
 };
+use super::params::stage_params;
 use super::{BuildContext, BuildError, LmStep, Sampled, StageKind};
 
-pub(super) const KIND: StageKind = StageKind {
-    name: super::kind::DEPFORMER,
-    doc: "samples the text token and the 16 audio codebooks of each step (seeded)",
-    params: model_params![
-        ParamSpec {
-            name: "text_temperature",
-            ty: T::Float {
-                min: 0.0,
-                max: 100.0
-            },
-            default: D::Float(0.7),
-            doc: "0 = greedy"
-        },
-        ParamSpec {
-            name: "text_top_k",
-            ty: T::Int {
-                min: 0,
-                max: 1 << 20
-            },
-            default: D::Int(25),
-            doc: "0 = all"
-        },
-        ParamSpec {
-            name: "audio_temperature",
-            ty: T::Float {
-                min: 0.0,
-                max: 100.0
-            },
-            default: D::Float(0.8),
-            doc: "0 = greedy"
-        },
-        ParamSpec {
-            name: "audio_top_k",
-            ty: T::Int {
-                min: 0,
-                max: 1 << 20
-            },
-            default: D::Int(250),
-            doc: "0 = all"
-        },
-        ParamSpec {
+const TEXT_TEMPERATURE: ParamSpec = ParamSpec {
+    name: "text_temperature",
+    ty: T::Float {
+        min: 0.0,
+        max: 100.0,
+    },
+    default: D::Float(0.7),
+    doc: "0 = greedy",
+};
+
+const TEXT_TOP_K: ParamSpec = ParamSpec {
+    name: "text_top_k",
+    ty: T::Int {
+        min: 0,
+        max: 1 << 20,
+    },
+    default: D::Int(25),
+    doc: "0 = all",
+};
+
+const AUDIO_TEMPERATURE: ParamSpec = ParamSpec {
+    name: "audio_temperature",
+    ty: T::Float {
+        min: 0.0,
+        max: 100.0,
+    },
+    default: D::Float(0.8),
+    doc: "0 = greedy",
+};
+
+const AUDIO_TOP_K: ParamSpec = ParamSpec {
+    name: "audio_top_k",
+    ty: T::Int {
+        min: 0,
+        max: 1 << 20,
+    },
+    default: D::Int(250),
+    doc: "0 = all",
+};
+
+const GREEDY: ParamSpec = ParamSpec {
             name: "greedy",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "argmax everywhere (overrides temperatures; as in moshi-core, a repetition penalty still applies to the text logits, pad_mult does not)"
-        },
-        ParamSpec {
+        };
+
+const USER_SUBSTEPS: ParamSpec = ParamSpec {
             name: "user_substeps",
             ty: T::Choice(&UnusedSubsteps::NAMES),
             default: D::Str("skip"),
             doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep"
-        },
-        ParamSpec {
+        };
+
+const CUDA_GRAPH: ParamSpec = ParamSpec {
             name: "cuda_graph",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "capture each substep's call as a CUDA graph and replay it every frame (execution_provider: cuda, engine: own)"
-        },
-        ParamSpec {
+        };
+
+const DEVICE_SAMPLING: ParamSpec = ParamSpec {
             name: "device_sampling",
             ty: T::Bool,
             default: D::Bool(false),
             doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (with engine: shared, the engine's whole batch, from its next frame)"
-        },
-        ENGINE_PARAM,
-        SLOTS_PARAM,
-        ParamSpec {
+        };
+
+const SEED: ParamSpec = ParamSpec {
             name: "seed",
             ty: T::Int {
                 min: 0,
@@ -101,26 +104,29 @@ pub(super) const KIND: StageKind = StageKind {
             },
             default: D::Int(0),
             doc: "random seed: the same seed gives the same voice (the default of `text_seed` and `audio_seed`)"
-        },
-        ParamSpec {
-            name: "text_seed",
-            ty: T::Int {
-                min: -1,
-                max: i64::MAX
-            },
-            default: D::Int(-1),
-            doc: "seed of the text sampler (-1 = `seed`)"
-        },
-        ParamSpec {
-            name: "audio_seed",
-            ty: T::Int {
-                min: -1,
-                max: i64::MAX
-            },
-            default: D::Int(-1),
-            doc: "seed of the audio sampler (-1 = derived from `seed`: seed XOR 0x617564696f5f7365)"
-        },
-        ParamSpec {
+        };
+
+const TEXT_SEED: ParamSpec = ParamSpec {
+    name: "text_seed",
+    ty: T::Int {
+        min: -1,
+        max: i64::MAX,
+    },
+    default: D::Int(-1),
+    doc: "seed of the text sampler (-1 = `seed`)",
+};
+
+const AUDIO_SEED: ParamSpec = ParamSpec {
+    name: "audio_seed",
+    ty: T::Int {
+        min: -1,
+        max: i64::MAX,
+    },
+    default: D::Int(-1),
+    doc: "seed of the audio sampler (-1 = derived from `seed`: seed XOR 0x617564696f5f7365)",
+};
+
+const PAD_MULT: ParamSpec = ParamSpec {
             name: "pad_mult",
             ty: T::Float {
                 min: -10.0,
@@ -128,8 +134,9 @@ pub(super) const KIND: StageKind = StageKind {
             },
             default: D::Float(0.0),
             doc: "the text padding token's probability is multiplied by exp(pad_mult) before the draw: positive, the agent speaks less; negative, more (0 = off; not in greedy)"
-        },
-        ParamSpec {
+        };
+
+const REPETITION_PENALTY: ParamSpec = ParamSpec {
             name: "repetition_penalty",
             ty: T::Float {
                 min: 1.0,
@@ -137,8 +144,9 @@ pub(super) const KIND: StageKind = StageKind {
             },
             default: D::Float(1.0),
             doc: "text logits of the tokens among the last `repetition_penalty_context` words are divided by it (>= 0) or multiplied (< 0), each token once (1 = off)"
-        },
-        ParamSpec {
+        };
+
+const REPETITION_PENALTY_CONTEXT: ParamSpec = ParamSpec {
             name: "repetition_penalty_context",
             ty: T::Int {
                 min: 0,
@@ -146,7 +154,48 @@ pub(super) const KIND: StageKind = StageKind {
             },
             default: D::Int(64),
             doc: "how many of the conversation's last words (non-padding text tokens the agent produced) the repetition penalty looks at"
-        },
+        };
+
+stage_params! {
+    /// `depformer`'s own params (with the engine's and every model stage's: [`EngineParams`], [`ModelParams`]).
+    pub(super) struct DepformerParams {
+        text_temperature: f32 = TEXT_TEMPERATURE,
+        text_top_k: usize = TEXT_TOP_K,
+        audio_temperature: f32 = AUDIO_TEMPERATURE,
+        audio_top_k: usize = AUDIO_TOP_K,
+        greedy: bool = GREEDY,
+        user_substeps: String = USER_SUBSTEPS,
+        cuda_graph: bool = CUDA_GRAPH,
+        device_sampling: bool = DEVICE_SAMPLING,
+        seed: u64 = SEED,
+        text_seed: i64 = TEXT_SEED,
+        audio_seed: i64 = AUDIO_SEED,
+        pad_mult: f32 = PAD_MULT,
+        repetition_penalty: f32 = REPETITION_PENALTY,
+        repetition_penalty_context: usize = REPETITION_PENALTY_CONTEXT,
+    }
+}
+
+pub(super) const KIND: StageKind = StageKind {
+    name: super::kind::DEPFORMER,
+    doc: "samples the text token and the 16 audio codebooks of each step (seeded)",
+    params: model_params![
+        TEXT_TEMPERATURE,
+        TEXT_TOP_K,
+        AUDIO_TEMPERATURE,
+        AUDIO_TOP_K,
+        GREEDY,
+        USER_SUBSTEPS,
+        CUDA_GRAPH,
+        DEVICE_SAMPLING,
+        ENGINE_PARAM,
+        SLOTS_PARAM,
+        SEED,
+        TEXT_SEED,
+        AUDIO_SEED,
+        PAD_MULT,
+        REPETITION_PENALTY,
+        REPETITION_PENALTY_CONTEXT,
     ],
     inputs: || vec![PortSpec::new::<LmStep>("in")],
     outputs: || vec![PortSpec::new::<Sampled>("tokens")],
@@ -181,46 +230,45 @@ fn seed_of(v: i64) -> Option<u64> {
 }
 
 /// The sampling settings from a stage's params.
-pub(crate) fn sampling_config(p: &Params) -> SamplingConfig {
-    let greedy = p.bool("greedy");
-    let params = |t: &str, k: &str| {
-        if greedy {
+fn sampling_config(d: &DepformerParams) -> SamplingConfig {
+    let params = |temperature: f32, top_k: usize| {
+        if d.greedy {
             SamplingParams::GREEDY
         } else {
-            SamplingParams {
-                temperature: p.float(t) as f32,
-                top_k: p.int(k) as usize,
-            }
+            SamplingParams { temperature, top_k }
         }
     };
     SamplingConfig {
-        text: params("text_temperature", "text_top_k"),
-        audio: params("audio_temperature", "audio_top_k"),
-        seed: p.int("seed") as u64,
-        text_seed: seed_of(p.int("text_seed")),
-        audio_seed: seed_of(p.int("audio_seed")),
-        pad_mult: p.float("pad_mult") as f32,
-        repetition_penalty: p.float("repetition_penalty") as f32,
-        repetition_penalty_context: p.int("repetition_penalty_context") as usize,
+        text: params(d.text_temperature, d.text_top_k),
+        audio: params(d.audio_temperature, d.audio_top_k),
+        seed: d.seed,
+        text_seed: seed_of(d.text_seed),
+        audio_seed: seed_of(d.audio_seed),
+        pad_mult: d.pad_mult,
+        repetition_penalty: d.repetition_penalty,
+        repetition_penalty_context: d.repetition_penalty_context,
         ..SamplingConfig::default()
     }
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
+    let d = DepformerParams::from_params(p)?;
+    let m = ModelParams::from_params(p)?;
+    let e = EngineParams::from_params(p)?;
     let opts = SessionOptions {
-        cuda_graph: p.bool("cuda_graph"),
-        ..session_options(p)
+        cuda_graph: d.cuda_graph,
+        ..session_options(&m)
     };
     if let Some((key, why)) = opts.cuda_graph_conflict() {
         return Err(BuildError::invalid(why).key(key));
     }
-    cuda_graph_needs_own_engine(p, opts.cuda_graph)?;
+    cuda_graph_needs_own_engine(&e, opts.cuda_graph)?;
     let binding = DepformerBinding {
         separate_io: false,
-        device_sampling: p.bool("device_sampling"),
+        device_sampling: d.device_sampling,
     };
-    let pack = open_pack(cx, p)?;
-    let mut dep: DepformerModel = match shared_engine(cx, &pack, p, usize::MAX)? {
+    let pack = open_pack(cx, &m)?;
+    let mut dep: DepformerModel = match shared_engine(cx, &pack, (&m, &e), usize::MAX)? {
         Some(lm) => {
             // (the engine's whole batch: the same tokens for every conversation on it)
             if binding.device_sampling {
@@ -230,12 +278,18 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         }
         None => Depformer::open_with(&pack, &opts, binding)?.into(),
     };
-    dep.set_unused(
-        UnusedSubsteps::from_name(p.str("user_substeps")).unwrap_or(UnusedSubsteps::Run),
-    );
+    let unused = UnusedSubsteps::from_name(&d.user_substeps).ok_or_else(|| {
+        BuildError::invalid(format!(
+            "`user_substeps: {}`: one of {}",
+            d.user_substeps,
+            UnusedSubsteps::NAMES.join(", ")
+        ))
+        .key("user_substeps")
+    })?;
+    dep.set_unused(unused);
     let control = cx.endpoint();
     control.set("model", dep.runs_on());
-    let mut config = sampling_config(p);
+    let mut config = sampling_config(&d);
     config.specials = pack.manifest.text_specials();
     Ok(Body::Stage(Box::new(DepformerStage {
         half: SamplingHalf::new(dep, config),

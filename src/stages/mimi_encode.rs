@@ -5,11 +5,11 @@
 //! re-prime) starts a new stream at the next frame.
 
 use crate::audio::Pcm;
-use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
+use crate::config::Params;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
 use super::codec::Encoder;
-use super::model_params::{model_params, open_pack, MODEL_STATUS};
+use super::model_params::{model_params, open_pack, CodecParams, ModelParams, MODEL_STATUS};
 use super::{caps, BuildContext, BuildError, Codes, Conversation, StageKind};
 
 pub(super) const KIND: StageKind = StageKind {
@@ -24,8 +24,9 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let pack = open_pack(cx, p)?;
-    let enc = Encoder::open(cx, &pack, p)?;
+    let (m, c) = (ModelParams::from_params(p)?, CodecParams::from_params(p)?);
+    let pack = open_pack(cx, &m)?;
+    let enc = Encoder::open(cx, &pack, (&m, &c))?;
     cx.endpoint().set("model", enc.runs_on());
     let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiEncode {

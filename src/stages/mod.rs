@@ -699,6 +699,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_model_kind_declares_exactly_what_its_typed_params_read() {
+        use crate::config::ParamSpec;
+        use model_params::{CodecParams, EngineParams, ModelParams};
+        let read = |structs: &[&[ParamSpec]]| {
+            let mut v: Vec<&str> = structs
+                .iter()
+                .flat_map(|s| s.iter().map(|p| p.name))
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        let declared = |k: &StageKind| {
+            let mut v: Vec<&str> = k.params.iter().map(|p| p.name).collect();
+            v.sort_unstable();
+            v
+        };
+        let lm = [EngineParams::SPECS, ModelParams::SPECS];
+        assert_eq!(
+            declared(&temporal::KIND),
+            read(&[&[temporal::TemporalParams::SPECS], &lm[..]].concat())
+        );
+        assert_eq!(
+            declared(&depformer::KIND),
+            read(&[&[depformer::DepformerParams::SPECS], &lm[..]].concat())
+        );
+        for k in [&mimi_encode::KIND, &mimi_decode::KIND] {
+            assert_eq!(declared(k), read(&[CodecParams::SPECS, ModelParams::SPECS]));
+        }
+    }
+
+    #[test]
     fn a_build_error_keeps_the_error_it_came_from() {
         let e = BuildError::from(crate::model::ModelError::contract(
             "temporal",

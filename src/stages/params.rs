@@ -156,7 +156,9 @@ macro_rules! stage_params {
         }
 
         impl $name {
-            /// The kind's params, declared once (its `StageKind::params`).
+            /// The kind's params, declared once (its `StageKind::params`; a model kind's list
+            /// is composed of several structs', which a test checks against them).
+            #[cfg_attr(not(test), allow(dead_code))]
             pub(crate) const SPECS: &'static [$crate::config::ParamSpec] = &[$($spec),*];
 
             /// The params of one stage, from its checked values.

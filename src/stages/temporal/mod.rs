@@ -27,7 +27,7 @@ mod priming;
 pub(crate) use priming::check_voice;
 use priming::{persona_of, voice_codes};
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
@@ -44,118 +44,179 @@ use crate::runtime::{
 
 use super::model_params::{
     cuda_graph_needs_own_engine, model_params, open_pack, session_options, shared_engine,
-    ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
+    EngineParams, ModelParams, ENGINE_PARAM, MODEL_STATUS, SLOTS_PARAM,
 };
+use super::params::stage_params;
 use super::{caps, AgentTokens, BuildContext, BuildError, Codes, LmStep, Sampled, StageKind};
+
+const KV: ParamSpec = ParamSpec {
+    name: "kv",
+    ty: T::Choice(&["resident", "host"]),
+    default: D::Str("resident"),
+    doc: "KV cache where the session computes, or through host arrays (naive)",
+};
+
+const CUDA_GRAPH: ParamSpec = ParamSpec {
+            name: "cuda_graph",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "replay a captured CUDA graph every step (execution_provider: cuda, a GQA pack, kv: resident, engine: own)"
+        };
+
+const MAX_POSITIONS: ParamSpec = ParamSpec {
+    name: "max_positions",
+    ty: T::Int {
+        min: 0,
+        max: 1 << 30,
+    },
+    default: D::Int(0),
+    doc: "positions per conversation before the long-session policy (0 = the pack's limit)",
+};
+
+const LONG_SESSION: ParamSpec = ParamSpec {
+    name: "long_session",
+    ty: T::Choice(&["reset_and_reprime", "stop"]),
+    default: D::Str("reset_and_reprime"),
+    doc: "what to do at the position limit",
+};
+
+const MAX_STEPS: ParamSpec = ParamSpec {
+    name: "max_steps",
+    ty: T::Int {
+        min: 0,
+        max: 1 << 30,
+    },
+    default: D::Int(0),
+    doc: "end the stream after this many agent frames (0 = no cap; Kyutai's servers cap at 4500)",
+};
+
+const PERSONA: ParamSpec = ParamSpec {
+    name: "persona",
+    ty: T::Str,
+    default: D::None,
+    doc: "persona text (needs a tokenizer), forced while priming",
+};
+
+const PERSONA_TOKENS: ParamSpec = ParamSpec {
+    name: "persona_tokens",
+    ty: T::IntList,
+    default: D::None,
+    doc: "persona text as token ids, forced while priming",
+};
+
+const TOKENIZER: ParamSpec = ParamSpec {
+    name: "tokenizer",
+    ty: T::Path,
+    default: D::None,
+    doc: "SentencePiece model for `persona` and transcripts (default: the pack's)",
+};
+
+const VOICE: ParamSpec = ParamSpec {
+    name: "voice",
+    ty: T::Path,
+    default: D::None,
+    doc: "voice prompt WAV (any rate; whole frames are used)",
+};
+
+const MAX_PERSONA_TOKENS: ParamSpec = ParamSpec {
+    name: "max_persona_tokens",
+    ty: T::Int {
+        min: 1,
+        max: 100_000,
+    },
+    default: D::Int(1000),
+    doc: "the longest persona, in tokens (each costs a priming step); a longer one is refused",
+};
+
+const MAX_VOICE_S: ParamSpec = ParamSpec {
+    name: "max_voice_s",
+    ty: T::Float {
+        min: 0.08,
+        max: 3600.0,
+    },
+    default: D::Float(60.0),
+    doc: "the longest voice prompt, seconds (checked from the WAV header, before decoding)",
+};
+
+const LOG_TRANSCRIPT: ParamSpec = ParamSpec {
+            name: "log_transcript",
+            ty: T::Bool,
+            default: D::Bool(false),
+            doc: "log the agent's transcript at INFO, a line per sentence, escaped (off: a transcript is private)"
+        };
+
+const SILENCE_FRAMES: ParamSpec = ParamSpec {
+    name: "silence_frames",
+    ty: T::Int { min: 0, max: 1000 },
+    default: D::Int(6),
+    doc: "silence spacer frames while priming",
+};
+
+const PRIMING: ParamSpec = ParamSpec {
+            name: "priming",
+            ty: T::Choice(&["stepped", "chunked", "cached"]),
+            default: D::Str("stepped"),
+            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (in a shared engine, a chunk of the slot's row alone between ticks); or chunked once and then restored from the process's cache of primed states"
+        };
+
+const PRIMING_CHUNK: ParamSpec = ParamSpec {
+    name: "priming_chunk",
+    ty: T::Int { min: 2, max: 512 },
+    default: D::Int(32),
+    doc: "frames per graph call with `priming: chunked` or `cached`",
+};
+
+const WARMUP_FRAMES: ParamSpec = ParamSpec {
+    name: "warmup_frames",
+    ty: T::Int { min: 0, max: 1000 },
+    default: D::Int(2),
+    doc: "silent steps run (then discarded) before priming",
+};
+
+stage_params! {
+    /// `temporal`'s own params (with the engine's and every model stage's: [`EngineParams`], [`ModelParams`]).
+    pub(super) struct TemporalParams {
+        kv: String = KV,
+        cuda_graph: bool = CUDA_GRAPH,
+        max_positions: usize = MAX_POSITIONS,
+        long_session: String = LONG_SESSION,
+        max_steps: u64 = MAX_STEPS,
+        persona: Option<String> = PERSONA,
+        persona_tokens: Option<Vec<i64>> = PERSONA_TOKENS,
+        tokenizer: Option<PathBuf> = TOKENIZER,
+        voice: Option<PathBuf> = VOICE,
+        max_persona_tokens: usize = MAX_PERSONA_TOKENS,
+        max_voice_s: f64 = MAX_VOICE_S,
+        log_transcript: bool = LOG_TRANSCRIPT,
+        silence_frames: usize = SILENCE_FRAMES,
+        priming: String = PRIMING,
+        priming_chunk: usize = PRIMING_CHUNK,
+        warmup_frames: usize = WARMUP_FRAMES,
+    }
+}
 
 pub(super) const KIND: StageKind = StageKind {
     name: super::kind::TEMPORAL,
     doc: "the LM's temporal transformer and token bookkeeping (cycle with `depformer`)",
     params: model_params![
-        ParamSpec {
-            name: "kv",
-            ty: T::Choice(&["resident", "host"]),
-            default: D::Str("resident"),
-            doc: "KV cache where the session computes, or through host arrays (naive)"
-        },
+        KV,
         ENGINE_PARAM,
         SLOTS_PARAM,
-        ParamSpec {
-            name: "cuda_graph",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "replay a captured CUDA graph every step (execution_provider: cuda, a GQA pack, kv: resident, engine: own)"
-        },
-        ParamSpec {
-            name: "max_positions",
-            ty: T::Int {
-                min: 0,
-                max: 1 << 30
-            },
-            default: D::Int(0),
-            doc: "positions per conversation before the long-session policy (0 = the pack's limit)"
-        },
-        ParamSpec {
-            name: "long_session",
-            ty: T::Choice(&["reset_and_reprime", "stop"]),
-            default: D::Str("reset_and_reprime"),
-            doc: "what to do at the position limit"
-        },
-        ParamSpec {
-            name: "max_steps",
-            ty: T::Int {
-                min: 0,
-                max: 1 << 30
-            },
-            default: D::Int(0),
-            doc: "end the stream after this many agent frames (0 = no cap; Kyutai's servers cap at 4500)"
-        },
-        ParamSpec {
-            name: "persona",
-            ty: T::Str,
-            default: D::None,
-            doc: "persona text (needs a tokenizer), forced while priming"
-        },
-        ParamSpec {
-            name: "persona_tokens",
-            ty: T::IntList,
-            default: D::None,
-            doc: "persona text as token ids, forced while priming"
-        },
-        ParamSpec {
-            name: "tokenizer",
-            ty: T::Path,
-            default: D::None,
-            doc: "SentencePiece model for `persona` and transcripts (default: the pack's)"
-        },
-        ParamSpec {
-            name: "voice",
-            ty: T::Path,
-            default: D::None,
-            doc: "voice prompt WAV (any rate; whole frames are used)"
-        },
-        ParamSpec {
-            name: "max_persona_tokens",
-            ty: T::Int { min: 1, max: 100_000 },
-            default: D::Int(1000),
-            doc: "the longest persona, in tokens (each costs a priming step); a longer one is refused"
-        },
-        ParamSpec {
-            name: "max_voice_s",
-            ty: T::Float { min: 0.08, max: 3600.0 },
-            default: D::Float(60.0),
-            doc: "the longest voice prompt, seconds (checked from the WAV header, before decoding)"
-        },
-        ParamSpec {
-            name: "log_transcript",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "log the agent's transcript at INFO, a line per sentence, escaped (off: a transcript is private)"
-        },
-        ParamSpec {
-            name: "silence_frames",
-            ty: T::Int { min: 0, max: 1000 },
-            default: D::Int(6),
-            doc: "silence spacer frames while priming"
-        },
-        ParamSpec {
-            name: "priming",
-            ty: T::Choice(&["stepped", "chunked", "cached"]),
-            default: D::Str("stepped"),
-            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (in a shared engine, a chunk of the slot's row alone between ticks); or chunked once and then restored from the process's cache of primed states"
-        },
-        ParamSpec {
-            name: "priming_chunk",
-            ty: T::Int { min: 2, max: 512 },
-            default: D::Int(32),
-            doc: "frames per graph call with `priming: chunked` or `cached`"
-        },
-        ParamSpec {
-            name: "warmup_frames",
-            ty: T::Int { min: 0, max: 1000 },
-            default: D::Int(2),
-            doc: "silent steps run (then discarded) before priming"
-        },
+        CUDA_GRAPH,
+        MAX_POSITIONS,
+        LONG_SESSION,
+        MAX_STEPS,
+        PERSONA,
+        PERSONA_TOKENS,
+        TOKENIZER,
+        VOICE,
+        MAX_PERSONA_TOKENS,
+        MAX_VOICE_S,
+        LOG_TRANSCRIPT,
+        SILENCE_FRAMES,
+        PRIMING,
+        PRIMING_CHUNK,
+        WARMUP_FRAMES,
     ],
     inputs: || {
         vec![
@@ -210,51 +271,50 @@ pub(super) const KIND: StageKind = StageKind {
 };
 
 /// Where and how the transformer runs, from the params.
-fn temporal_options(p: &Params) -> TemporalOptions {
+fn temporal_options(t: &TemporalParams, m: &ModelParams) -> TemporalOptions {
     TemporalOptions {
-        session: session_options(p),
-        kv: if p.str("kv") == "host" {
+        session: session_options(m),
+        kv: if t.kv == "host" {
             KvMode::Host
         } else {
             KvMode::Resident
         },
-        max_positions: match p.int("max_positions") {
+        max_positions: match t.max_positions {
             0 => usize::MAX,
-            n => n as usize,
+            n => n,
         },
-        cuda_graph: p.bool("cuda_graph"),
+        cuda_graph: t.cuda_graph,
         fixed_shapes: false,
     }
 }
 
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
-    let pack = open_pack(cx, p)?;
+    let t = TemporalParams::from_params(p)?;
+    let mp = ModelParams::from_params(p)?;
+    let e = EngineParams::from_params(p)?;
+    let pack = open_pack(cx, &mp)?;
     let m = pack.manifest.clone();
-    let voice = match p.opt_str("voice") {
-        Some(v) => Some(voice_codes(cx, Path::new(v), &pack, p)?),
+    let voice = match &t.voice {
+        Some(v) => Some(voice_codes(cx, v, &pack, &t, &mp)?),
         None => None,
     };
-    let tokenizer = match p
-        .opt_str("tokenizer")
-        .map(PathBuf::from)
-        .or_else(|| pack.tokenizer())
-    {
+    let tokenizer = match t.tokenizer.clone().or_else(|| pack.tokenizer()) {
         Some(path) => Some(cx.tokenizer(&path)?),
         None => None,
     };
-    let persona = persona_of(p, &m, tokenizer.as_deref())?;
+    let persona = persona_of(&t, &m, tokenizer.as_deref())?;
     let script = priming_script(
         &m,
         voice.as_ref().map(|v| v.as_slice()),
         &persona,
-        p.int("silence_frames") as usize,
+        t.silence_frames,
     );
-    let opts = temporal_options(p);
+    let opts = temporal_options(&t, &mp);
     if let Some((key, why)) = opts.fixed_shapes_conflict() {
         return Err(BuildError::invalid(why).key(key));
     }
-    cuda_graph_needs_own_engine(p, opts.cuda_graph)?;
-    let temporal: TemporalModel = match shared_engine(cx, &pack, p, opts.max_positions)? {
+    cuda_graph_needs_own_engine(&e, opts.cuda_graph)?;
+    let temporal: TemporalModel = match shared_engine(cx, &pack, (&mp, &e), opts.max_positions)? {
         Some(lm) => {
             if opts.kv == KvMode::Host {
                 return Err(BuildError::invalid(
@@ -287,16 +347,16 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         paused: false,
         half: TemporalHalf::new(LmGen::new(m.layout()), temporal),
         script,
-        warmup: p.int("warmup_frames") as usize,
-        stop_at_limit: p.str("long_session") == "stop",
-        max_steps: p.int("max_steps") as u64,
+        warmup: t.warmup_frames,
+        stop_at_limit: t.long_session == "stop",
+        max_steps: t.max_steps,
         index: 0,
         manifest: m,
         tokenizer,
         voice,
-        silence_frames: p.int("silence_frames") as usize,
-        priming_chunk: (p.str("priming") != "stepped").then(|| p.int("priming_chunk") as usize),
-        primed: (p.str("priming") == "cached")
+        silence_frames: t.silence_frames,
+        priming_chunk: (t.priming != "stepped").then_some(t.priming_chunk),
+        primed: (t.priming == "cached")
             .then(|| (cx.resources.primed(), pack.dir.clone(), graph_id.clone())),
         prefilled: 0,
         restored: 0,
@@ -305,7 +365,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         resets: metrics::counter!(names::LM_RESETS, "stage" => "temporal"),
         context: metrics::gauge!(names::LM_CONTEXT, "stage" => "temporal"),
         rec: cx.recording.map(|r| r.stream("lm")),
-        log_transcript: p.bool("log_transcript"),
+        log_transcript: t.log_transcript,
         steps: 0,
         conversation: cx.conversation(),
         start_gate: cx.resources.start_gate(),

@@ -7,15 +7,16 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::audio::{StreamResampler, WavReader};
-use crate::config::Params;
 use crate::model::lm::{persona_tokens, priming_script, ForcedStep};
 use crate::model::pack::PackManifest;
 use crate::model::tokenizer::Tokenizer;
 use crate::observe::names;
 use crate::runtime::{Context, StageError, StageResult};
 
+use super::super::codec::clip_is_stepped;
+use super::super::model_params::ModelParams;
 use super::super::{BuildContext, BuildError, Sampled};
-use super::TemporalStage;
+use super::{TemporalParams, TemporalStage};
 
 /// The lowest rate of a voice prompt, Hz: below it there is no voice left to imitate.
 pub(crate) const VOICE_MIN_RATE: u32 = 8000;
@@ -51,24 +52,30 @@ pub(super) fn voice_codes(
     cx: &BuildContext<'_>,
     path: &Path,
     pack: &crate::model::pack::Pack,
-    p: &Params,
+    t: &TemporalParams,
+    m: &ModelParams,
 ) -> Result<std::sync::Arc<Vec<Vec<i64>>>, BuildError> {
     let voice = |e: String| BuildError::invalid(e).key("voice");
-    let frames = check_voice(path, p.float("max_voice_s")).map_err(voice)?;
-    let limit = p.int("max_positions") as usize;
+    let frames = check_voice(path, t.max_voice_s).map_err(voice)?;
+    let limit = t.max_positions;
     if limit > 0 && frames >= limit {
         return Err(voice(format!(
             "{}: {frames} frames of voice prompt do not fit in `max_positions` ({limit})",
             path.display()
         )));
     }
-    let encode = || encode_voice(path, pack, p);
-    // Everything that changes the codes: the codec's strategy, precision and device.
+    let encode = || encode_voice(path, pack, m);
+    // Everything that changes the codes: the codec's path (the stateful f32 encoder, or the
+    // whole-clip graph) and the device.
     let codec = format!(
         "{} {} {}",
-        p.str("streaming"),
-        p.str("step_dtype"),
-        p.str("execution_provider")
+        if clip_is_stepped(pack) {
+            "stateful f32"
+        } else {
+            "whole clip"
+        },
+        m.execution_provider,
+        m.device_id
     );
     let unreadable = |e: String| BuildError::invalid(e).key("voice");
     cx.resources
@@ -79,7 +86,7 @@ pub(super) fn voice_codes(
 fn encode_voice(
     path: &Path,
     pack: &crate::model::pack::Pack,
-    p: &Params,
+    m: &ModelParams,
 ) -> Result<Vec<Vec<i64>>, BuildError> {
     let voice = |e: String| BuildError::invalid(e).key("voice");
     let mut r = WavReader::open(path).map_err(|e| voice(e.to_string()))?;
@@ -102,27 +109,27 @@ fn encode_voice(
         )));
     }
     // The path the `mimi_encode` stage takes: the stateful encoder when the pack has one.
-    super::super::codec::encode_clip(pack, p, &pcm)
+    super::super::codec::encode_clip(pack, m, &pcm)
         .map_err(|e| voice(format!("{}: {e}", path.display())))
 }
 
 /// The persona the params give (text with the tokenizer, or token ids), within
 /// `max_persona_tokens`.
 pub(super) fn persona_of(
-    p: &Params,
+    t: &TemporalParams,
     m: &PackManifest,
     tokenizer: Option<&Tokenizer>,
 ) -> Result<Vec<i64>, BuildError> {
     let persona = persona_tokens(
         m,
         tokenizer,
-        p.opt_str("persona"),
-        p.int_list("persona_tokens"),
+        t.persona.as_deref(),
+        t.persona_tokens.as_deref().unwrap_or_default(),
     )
     .map_err(|e| BuildError::invalid(e.to_string()).key(e.key()))?;
-    let max_persona = p.int("max_persona_tokens") as usize;
+    let max_persona = t.max_persona_tokens;
     if persona.len() > max_persona {
-        let key = if p.opt_str("persona").is_some() {
+        let key = if t.persona.is_some() {
             "persona"
         } else {
             "persona_tokens"
