@@ -90,7 +90,7 @@ pub(crate) fn load_primed_states(
         .stages
         .iter()
         .filter(|s| s.kind == crate::stages::kind::TEMPORAL)
-        .map(|s| std::path::PathBuf::from(s.params.str("pack")))
+        .filter_map(crate::stages::read::pack)
         .collect();
     let n = resources.primed().load(file, &packs)?;
     tracing::info!(file = %file.display(), states = n, "primed states loaded");

@@ -47,7 +47,7 @@ pub(super) const CATCH_UP: ParamSpec = ParamSpec {
 
 stage_params! {
     /// `opus_decode`'s params: how fast it takes a client's audio.
-    struct DecodeParams {
+    pub(super) struct DecodeParams {
         max_speed: f64 = MAX_SPEED,
         catch_up_ms: u64 = CATCH_UP,
     }

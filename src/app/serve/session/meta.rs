@@ -62,7 +62,8 @@ pub(super) fn metadata(server: &Server, params: &SessionParams, id: u64) -> serd
             .stages
             .iter()
             .find(|s| s.kind == crate::stages::kind::TEMPORAL)
-            .and_then(|s| s.params.opt_str("pack").map(str::to_string))
+            .and_then(crate::stages::read::pack)
+            .map(|p| p.to_string_lossy().into_owned())
     });
     let lm_model_file = pack.map_or_else(
         || "unknown".to_string(),

@@ -160,10 +160,10 @@ impl AudioBudget {
         let decoder = template
             .stages
             .iter()
-            .find(|s| s.kind == crate::stages::kind::OPUS_DECODE);
-        match decoder.map(|s| (s.params.float("max_speed"), s.params.int("catch_up_ms"))) {
+            .find_map(crate::stages::read::decoder_pacing);
+        match decoder {
             Some((speed, catch_up)) if speed > 0.0 => {
-                Some((speed, Duration::from_millis(catch_up.max(0) as u64)))
+                Some((speed, Duration::from_millis(catch_up)))
             }
             Some(_) => None,
             None => Some((1.0, Duration::from_secs(1))),

@@ -157,7 +157,7 @@ pub(crate) fn primes_cached(template: &PipelineSpec) -> bool {
     template
         .stages
         .iter()
-        .any(|s| s.kind == kind::TEMPORAL && s.params.str("priming") == "cached")
+        .any(crate::stages::read::primes_cached)
 }
 
 /// Runs one session of the template with the defaults, headless (no client: nothing comes in,
