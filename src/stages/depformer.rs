@@ -69,42 +69,42 @@ const AUDIO_TOP_K: ParamSpec = ParamSpec {
 };
 
 const GREEDY: ParamSpec = ParamSpec {
-            name: "greedy",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "argmax everywhere (overrides temperatures; as in moshi-core, a repetition penalty still applies to the text logits, pad_mult does not)"
-        };
+    name: "greedy",
+    ty: T::Bool,
+    default: D::Bool(false),
+    doc: "argmax everywhere (overrides temperatures; as in moshi-core, a repetition penalty still applies to the text logits, pad_mult does not)",
+};
 
 const USER_SUBSTEPS: ParamSpec = ParamSpec {
-            name: "user_substeps",
-            ty: T::Choice(&UnusedSubsteps::NAMES),
-            default: D::Str("skip"),
-            doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep"
-        };
+    name: "user_substeps",
+    ty: T::Choice(&UnusedSubsteps::NAMES),
+    default: D::Str("skip"),
+    doc: "skip: no graph run for substeps whose tokens are all provided (the user stream's): same tokens, same draws, half the work; run: every substep",
+};
 
 const CUDA_GRAPH: ParamSpec = ParamSpec {
-            name: "cuda_graph",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "capture each substep's call as a CUDA graph and replay it every frame (execution_provider: cuda, engine: own)"
-        };
+    name: "cuda_graph",
+    ty: T::Bool,
+    default: D::Bool(false),
+    doc: "capture each substep's call as a CUDA graph and replay it every frame (execution_provider: cuda, engine: own)",
+};
 
 const DEVICE_SAMPLING: ParamSpec = ParamSpec {
-            name: "device_sampling",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (with engine: shared, the engine's whole batch, from its next frame)"
-        };
+    name: "device_sampling",
+    ty: T::Bool,
+    default: D::Bool(false),
+    doc: "draw each substep's audio token where the logits are, by a graph of its own (the same seeded stream): no logits come to the host each substep, the frame's tokens come back once (with engine: shared, the engine's whole batch, from its next frame)",
+};
 
 const SEED: ParamSpec = ParamSpec {
-            name: "seed",
-            ty: T::Int {
-                min: 0,
-                max: i64::MAX
-            },
-            default: D::Int(0),
-            doc: "random seed: the same seed gives the same voice (the default of `text_seed` and `audio_seed`)"
-        };
+    name: "seed",
+    ty: T::Int {
+        min: 0,
+        max: i64::MAX
+    },
+    default: D::Int(0),
+    doc: "random seed: the same seed gives the same voice (the default of `text_seed` and `audio_seed`)",
+};
 
 const TEXT_SEED: ParamSpec = ParamSpec {
     name: "text_seed",
@@ -127,34 +127,34 @@ const AUDIO_SEED: ParamSpec = ParamSpec {
 };
 
 const PAD_MULT: ParamSpec = ParamSpec {
-            name: "pad_mult",
-            ty: T::Float {
-                min: -10.0,
-                max: 10.0
-            },
-            default: D::Float(0.0),
-            doc: "the text padding token's probability is multiplied by exp(pad_mult) before the draw: positive, the agent speaks less; negative, more (0 = off; not in greedy)"
-        };
+    name: "pad_mult",
+    ty: T::Float {
+        min: -10.0,
+        max: 10.0
+    },
+    default: D::Float(0.0),
+    doc: "the text padding token's probability is multiplied by exp(pad_mult) before the draw: positive, the agent speaks less; negative, more (0 = off; not in greedy)",
+};
 
 const REPETITION_PENALTY: ParamSpec = ParamSpec {
-            name: "repetition_penalty",
-            ty: T::Float {
-                min: 1.0,
-                max: 10.0
-            },
-            default: D::Float(1.0),
-            doc: "text logits of the tokens among the last `repetition_penalty_context` words are divided by it (>= 0) or multiplied (< 0), each token once (1 = off)"
-        };
+    name: "repetition_penalty",
+    ty: T::Float {
+        min: 1.0,
+        max: 10.0
+    },
+    default: D::Float(1.0),
+    doc: "text logits of the tokens among the last `repetition_penalty_context` words are divided by it (>= 0) or multiplied (< 0), each token once (1 = off)",
+};
 
 const REPETITION_PENALTY_CONTEXT: ParamSpec = ParamSpec {
-            name: "repetition_penalty_context",
-            ty: T::Int {
-                min: 0,
-                max: REPETITION_CONTEXT_MAX
-            },
-            default: D::Int(64),
-            doc: "how many of the conversation's last words (non-padding text tokens the agent produced) the repetition penalty looks at"
-        };
+    name: "repetition_penalty_context",
+    ty: T::Int {
+        min: 0,
+        max: REPETITION_CONTEXT_MAX
+    },
+    default: D::Int(64),
+    doc: "how many of the conversation's last words (non-padding text tokens the agent produced) the repetition penalty looks at",
+};
 
 stage_params! {
     /// `depformer`'s own params (with the engine's and every model stage's: [`EngineParams`], [`ModelParams`]).

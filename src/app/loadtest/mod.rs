@@ -443,6 +443,27 @@ async fn client(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Seen {
     }
 }
 
+impl LoadtestArgs {
+    /// The model frames each client streams.
+    fn frames(&self) -> usize {
+        (self.seconds / FRAME.as_secs_f64()) as usize
+    }
+
+    /// How long a client waits for the agent's last frames after its own.
+    fn tail(&self) -> Duration {
+        Duration::from_millis(self.late_ms.max(500))
+    }
+}
+
+/// The `k`-th chunk of `len` samples a client streams from `pcm` (looped; the last chunk of
+/// each pass padded with silence).
+fn chunk(pcm: &[f32], k: usize, len: usize) -> Vec<f32> {
+    let at = (k * len) % pcm.len();
+    let mut c: Vec<f32> = pcm[at..].iter().take(len).copied().collect();
+    c.resize(len, 0.0);
+    c
+}
+
 /// What a client saw, from when the agent's frames arrived: frame k was sent at t0 + k · 80 ms.
 fn seen(arrivals: &[Instant], t0: Instant, frames: usize, buffer_ms: u64) -> Seen {
     let latencies: Vec<Duration> = arrivals

@@ -15,7 +15,7 @@ use str0m::media::{Direction, MediaKind, Mid};
 use str0m::net::{Protocol as Net, Receive};
 use str0m::{Candidate, Event, Input, Rtc};
 
-use super::{seen, LoadtestArgs, Seen, FRAME};
+use super::{chunk, seen, LoadtestArgs, Seen};
 use crate::audio::FRAME_SAMPLES;
 
 /// Samples of one 20 ms packet at 24 kHz.
@@ -196,7 +196,7 @@ impl Call {
     /// Streams `seconds` of `pcm` from the session's `ready`, then waits for the last answers.
     async fn run(mut self, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
         let mut s = Stream::new(pcm, args)?;
-        let tail = Duration::from_millis(args.late_ms.max(500));
+        let tail = args.tail();
         let offered = Instant::now();
         let mut buf = vec![0u8; 2048];
         loop {
@@ -296,7 +296,7 @@ impl<'a> Stream<'a> {
         let mut encoder = opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
             .map_err(|e| format!("an Opus encoder: {e}"))?;
         let _ = encoder.set_bitrate(opus::Bitrate::Bits(BITRATE));
-        let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+        let frames = args.frames();
         Ok(Stream {
             pcm,
             encoder,
@@ -325,16 +325,10 @@ impl<'a> Stream<'a> {
     fn send_due(&mut self, call: &mut Call, now: Instant) -> Result<(), String> {
         let mut packet = [0u8; 1500];
         while self.next_packet().is_some_and(|at| at <= now) {
-            let at = (self.sent * PACKET_SAMPLES) % self.pcm.len();
-            let mut chunk: Vec<f32> = self.pcm[at..]
-                .iter()
-                .take(PACKET_SAMPLES)
-                .copied()
-                .collect();
-            chunk.resize(PACKET_SAMPLES, 0.0);
+            let samples = chunk(self.pcm, self.sent, PACKET_SAMPLES);
             let n = self
                 .encoder
-                .encode_float(&chunk, &mut packet)
+                .encode_float(&samples, &mut packet)
                 .map_err(|e| format!("Opus: {e}"))?;
             call.write(&packet[..n], self.sent as u64 * PACKET_TICKS, now)?;
             self.sent += 1;

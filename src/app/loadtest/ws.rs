@@ -10,7 +10,7 @@ use base64::Engine as _;
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message;
 
-use super::{seen, LoadtestArgs, Seen, FRAME};
+use super::{chunk, seen, LoadtestArgs, Seen, FRAME};
 use crate::audio::opus::OggOpusWriter;
 use crate::audio::FRAME_SAMPLES;
 
@@ -51,14 +51,12 @@ pub(super) async fn talk(
     tokio::time::timeout(Duration::from_secs(120), ready(&mut rx, protocol))
         .await
         .map_err(|_| "not ready within 120 s".to_string())??;
-    let frames = (args.seconds / FRAME.as_secs_f64()) as usize;
+    let frames = args.frames();
     let t0 = Instant::now();
     let reader = tokio::spawn(arrivals(rx, protocol));
     let mut w = OggOpusWriter::new(1, None).map_err(|e| e.to_string())?;
     for k in 0..frames {
-        let at = (k * FRAME_SAMPLES) % pcm.len();
-        let mut frame: Vec<f32> = pcm[at..].iter().take(FRAME_SAMPLES).copied().collect();
-        frame.resize(FRAME_SAMPLES, 0.0);
+        let frame = chunk(pcm, k, FRAME_SAMPLES);
         if tx
             .send(frame_message(&mut w, protocol, &frame)?)
             .await
@@ -69,7 +67,7 @@ pub(super) async fn talk(
         tokio::time::sleep_until((t0 + FRAME * (k as u32 + 1)).into()).await;
     }
     // The last frames' answers, then the end.
-    tokio::time::sleep(Duration::from_millis(args.late_ms.max(500))).await;
+    tokio::time::sleep(args.tail()).await;
     let _ = tx.send(Message::Close(None)).await;
     let arrivals = tokio::time::timeout(Duration::from_secs(10), reader)
         .await

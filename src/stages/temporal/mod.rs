@@ -57,11 +57,11 @@ const KV: ParamSpec = ParamSpec {
 };
 
 const CUDA_GRAPH: ParamSpec = ParamSpec {
-            name: "cuda_graph",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "replay a captured CUDA graph every step (execution_provider: cuda, a GQA pack, kv: resident, engine: own)"
-        };
+    name: "cuda_graph",
+    ty: T::Bool,
+    default: D::Bool(false),
+    doc: "replay a captured CUDA graph every step (execution_provider: cuda, a GQA pack, kv: resident, engine: own)",
+};
 
 const MAX_POSITIONS: ParamSpec = ParamSpec {
     name: "max_positions",
@@ -139,11 +139,11 @@ const MAX_VOICE_S: ParamSpec = ParamSpec {
 };
 
 const LOG_TRANSCRIPT: ParamSpec = ParamSpec {
-            name: "log_transcript",
-            ty: T::Bool,
-            default: D::Bool(false),
-            doc: "log the agent's transcript at INFO, a line per sentence, escaped (off: a transcript is private)"
-        };
+    name: "log_transcript",
+    ty: T::Bool,
+    default: D::Bool(false),
+    doc: "log the agent's transcript at INFO, a line per sentence, escaped (off: a transcript is private)",
+};
 
 const SILENCE_FRAMES: ParamSpec = ParamSpec {
     name: "silence_frames",
@@ -153,11 +153,11 @@ const SILENCE_FRAMES: ParamSpec = ParamSpec {
 };
 
 const PRIMING: ParamSpec = ParamSpec {
-            name: "priming",
-            ty: T::Choice(&["stepped", "chunked", "cached"]),
-            default: D::Str("stepped"),
-            doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (in a shared engine, a chunk of the slot's row alone between ticks); or chunked once and then restored from the process's cache of primed states"
-        };
+    name: "priming",
+    ty: T::Choice(&["stepped", "chunked", "cached"]),
+    default: D::Str("stepped"),
+    doc: "how the priming frames run: one step each (the reference); the wholly forced ones in chunks of `priming_chunk`, one graph call each (in a shared engine, a chunk of the slot's row alone between ticks); or chunked once and then restored from the process's cache of primed states",
+};
 
 const PRIMING_CHUNK: ParamSpec = ParamSpec {
     name: "priming_chunk",

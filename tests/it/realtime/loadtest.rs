@@ -9,7 +9,9 @@ use std::process::Command;
 
 use serve::Server;
 
-fn loadtest(args: &[&str]) -> (i32, serde_json::Value, String) {
+/// `duplex loadtest` with `args`: its exit status, its report (`--json`; null when none) and its
+/// standard error.
+pub(super) fn loadtest(args: &[&str]) -> (i32, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
         .arg("loadtest")
         .args(args)

@@ -132,23 +132,6 @@ fn replicas(config: &str) -> [Server; 3] {
     })
 }
 
-/// `duplex loadtest` with `args`: its exit status and JSON report.
-fn loadtest(args: &[&str]) -> (i32, serde_json::Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_duplex"))
-        .arg("loadtest")
-        .args(args)
-        .arg("--json")
-        .output()
-        .unwrap();
-    let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "loadtest {args:?}: {e}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code().unwrap_or(-1), report)
-}
-
 /// A WebSocket upgrade of `/api/chat` sent to the proxy from `source` (an address of this
 /// machine's loopback) with `X-Forwarded-For: forged`: the response's status and body. The
 /// connection is closed at once (an admitted session ends with it).
@@ -202,7 +185,7 @@ fn three_replicas_behind_haproxy_admit_the_sum_of_their_slots_over_every_transpo
     let mut table = Vec::new();
     for protocol in ["kyutai", "realtime", "webrtc"] {
         proxy.wait_all_up(&replicas);
-        let (code, r) = loadtest(&[
+        let (code, r, err) = super::loadtest::loadtest(&[
             &base,
             "--protocol",
             protocol,
@@ -210,6 +193,7 @@ fn three_replicas_behind_haproxy_admit_the_sum_of_their_slots_over_every_transpo
             "4",
             "--seconds",
             "2",
+            "--json",
         ]);
         let l = &r["levels"][0];
         let ms = |q: &str| l["latency_ms"][q].as_f64().unwrap_or(f64::NAN);
@@ -221,7 +205,10 @@ fn three_replicas_behind_haproxy_admit_the_sum_of_their_slots_over_every_transpo
             ms("p90"),
             ms("max")
         ));
-        assert_eq!(code, 1, "{protocol}: the level is refused a session: {r}");
+        assert_eq!(
+            code, 1,
+            "{protocol}: the level is refused a session: {r}\n{err}"
+        );
         assert_eq!(
             (l["admitted"].as_u64(), l["refused"].as_u64()),
             (Some(3), Some(1)),
