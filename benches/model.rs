@@ -44,7 +44,7 @@ use duplex::model::lm::{LmLoop, SamplingConfig, SamplingHalf, TemporalHalf};
 use duplex::model::lmgen::LmGen;
 use duplex::model::pack::Pack;
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
+use duplex::model::temporal::{KvMode, TemporalOptions};
 
 use support::{pack, quantized, root, with_step_graphs};
 
@@ -61,7 +61,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 /// Median step time over 25 steps starting at each KV length.
 fn step_times(pack: &Pack, kv: KvMode, lengths: &[usize]) -> (Vec<Duration>, u64) {
-    let mut t = Temporal::open(
+    let mut t = duplex::model::temporal::open(
         pack,
         &TemporalOptions {
             kv,
@@ -140,7 +140,7 @@ fn memory_bench() {
         let mut lm = LmLoop {
             temporal: TemporalHalf::new(
                 LmGen::new(m.layout()),
-                Temporal::open(&p, &TemporalOptions::default()).unwrap(),
+                duplex::model::temporal::open(&p, &TemporalOptions::default()).unwrap(),
             ),
             sampling: SamplingHalf::new(
                 Depformer::open(&p, &so).unwrap(),
@@ -490,7 +490,7 @@ fn lm_rss(dir: &Path) {
     use duplex::model::sampling::{Sampler, SamplingParams};
     let before = rss_mb();
     let p = Pack::open(dir).unwrap();
-    let mut t = Temporal::open(
+    let mut t = duplex::model::temporal::open(
         &p,
         &TemporalOptions {
             max_positions: 100,
@@ -838,7 +838,7 @@ fn prefill_bench() {
     for (name, variant) in [("small-gqa", "gqa"), ("small", "standard")] {
         let dir = pack(name, &["--size", "small", "--variant", variant]);
         let p = Pack::open(&dir).unwrap();
-        let open = || Temporal::open(&p, &TemporalOptions::default()).unwrap();
+        let open = || duplex::model::temporal::open(&p, &TemporalOptions::default()).unwrap();
         let (mut stepped, mut chunked) = (Vec::new(), Vec::new());
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for _ in 0..3 {
@@ -953,7 +953,7 @@ fn own_lm(p: &Pack, seed: u64) -> LmLoop {
     LmLoop {
         temporal: TemporalHalf::new(
             LmGen::new(p.manifest.layout()),
-            Temporal::open(
+            duplex::model::temporal::open(
                 p,
                 &TemporalOptions {
                     max_positions: 300,

@@ -15,7 +15,7 @@
 //! one prefill.
 
 use super::depformer::{Depformer, DepformerInput, UnusedSubsteps};
-use super::engine::{DepformerClient, TemporalSlot};
+use super::engine::DepformerClient;
 use super::error::ModelError;
 use super::lmgen::{AgentFrame, LmGen, StepIo};
 use super::sampling::{apply_pad_mult, Sampler, SamplingParams, TextHistory, TextSpecials};
@@ -52,159 +52,6 @@ pub struct Sampled {
     pub text: i64,
     /// One sampled token per audio channel (`2 × codebooks`).
     pub audio: Vec<i64>,
-}
-
-/// A temporal transformer of the conversation's own, or its slot in the process's shared
-/// engine ([`engine`](super::engine)): the same steps either way.
-// One per conversation, built once and never moved per step: the size difference costs nothing.
-#[allow(clippy::large_enum_variant)]
-pub enum TemporalModel {
-    /// Sessions of its own.
-    Own(Temporal),
-    /// A KV slot of the shared engine.
-    Shared(TemporalSlot),
-}
-
-impl From<Temporal> for TemporalModel {
-    fn from(t: Temporal) -> Self {
-        TemporalModel::Own(t)
-    }
-}
-
-impl From<TemporalSlot> for TemporalModel {
-    fn from(t: TemporalSlot) -> Self {
-        TemporalModel::Shared(t)
-    }
-}
-
-impl TemporalModel {
-    /// What the graph runs on.
-    pub fn runs_on(&self) -> String {
-        match self {
-            TemporalModel::Own(t) => t.runs_on(),
-            TemporalModel::Shared(t) => t.runs_on(),
-        }
-    }
-
-    /// Forgets the conversation.
-    pub fn reset(&mut self) {
-        match self {
-            TemporalModel::Own(t) => t.reset(),
-            TemporalModel::Shared(t) => t.reset(),
-        }
-    }
-
-    /// Rows in the KV cache.
-    pub fn kv_len(&self) -> usize {
-        match self {
-            TemporalModel::Own(t) => t.kv_len(),
-            TemporalModel::Shared(t) => t.kv_len(),
-        }
-    }
-
-    /// Positions used since the last reset.
-    pub fn position(&self) -> usize {
-        match self {
-            TemporalModel::Own(t) => t.position(),
-            TemporalModel::Shared(t) => t.position(),
-        }
-    }
-
-    /// Steps left before the positions run out.
-    pub fn positions_left(&self) -> usize {
-        match self {
-            TemporalModel::Own(t) => t.positions_left(),
-            TemporalModel::Shared(t) => t.positions_left(),
-        }
-    }
-
-    /// One step.
-    ///
-    /// # Errors
-    ///
-    /// As [`Temporal::step`].
-    pub fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
-        match self {
-            TemporalModel::Own(t) => t.step(input),
-            TemporalModel::Shared(t) => t.step(input),
-        }
-    }
-
-    /// Frames known in advance, in chunks of at most `chunk` frames, one graph call each
-    /// ([`Temporal::prefill`]; in a shared engine's slot, [`TemporalSlot::prefill`]: a chunk
-    /// of its row alone between the engine's ticks).
-    ///
-    /// # Errors
-    ///
-    /// As [`Temporal::prefill`].
-    pub fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
-        match self {
-            TemporalModel::Own(t) => t.prefill(frames, chunk),
-            TemporalModel::Shared(t) => t.prefill(frames, chunk),
-        }
-    }
-
-    /// The conversation's state, copied out (`None` where [`Temporal::snapshot`] or
-    /// [`TemporalSlot::snapshot`] gives none).
-    pub fn snapshot(&mut self) -> Option<crate::model::temporal::TemporalState> {
-        match self {
-            TemporalModel::Own(t) => t.snapshot(),
-            TemporalModel::Shared(t) => t.snapshot(),
-        }
-    }
-
-    /// Puts the conversation where `state` was taken: a state of the same graph, taken from
-    /// a transformer of its own or a shared engine's slot.
-    ///
-    /// # Errors
-    ///
-    /// As [`Temporal::restore`] and [`TemporalSlot::restore`].
-    pub fn restore(
-        &mut self,
-        state: &std::sync::Arc<crate::model::temporal::TemporalState>,
-    ) -> Result<(), ModelError> {
-        match self {
-            TemporalModel::Own(t) => t.restore(state),
-            TemporalModel::Shared(t) => t.restore(state),
-        }
-    }
-
-    /// What names the graph a state is computed on, whoever runs it (a conversation of its
-    /// own or a shared engine's slot): the provider and the cache's float type.
-    pub fn graph_key(&self) -> String {
-        match self {
-            TemporalModel::Own(t) => t.runs_on(),
-            TemporalModel::Shared(t) => format!(
-                "{} {}",
-                t.engine().provider.name(),
-                t.engine().temporal_info.kv.name()
-            ),
-        }
-    }
-
-    /// Values in a hidden state.
-    pub fn hidden_dim(&self) -> usize {
-        match self {
-            TemporalModel::Own(t) => t.info.hidden_dim,
-            TemporalModel::Shared(t) => t.engine().temporal_info.hidden_dim,
-        }
-    }
-
-    /// The last step's hidden state.
-    pub fn read_hidden(&mut self, out: &mut Vec<f32>) {
-        match self {
-            TemporalModel::Own(t) => t.read_hidden(out),
-            TemporalModel::Shared(t) => t.read_hidden(out),
-        }
-    }
-
-    /// The last step's text logits.
-    pub fn read_logits(&mut self, out: &mut Vec<f32>) {
-        match self {
-            TemporalModel::Own(t) => t.read_logits(out),
-            TemporalModel::Shared(t) => t.read_logits(out),
-        }
-    }
 }
 
 /// A depformer of the conversation's own, or a client of the shared engine.
@@ -284,14 +131,14 @@ pub struct TemporalHalf {
     /// Token bookkeeping.
     pub gen: LmGen,
     /// The transformer.
-    pub temporal: TemporalModel,
+    pub temporal: Temporal,
     pending_reseed: bool,
     pending_new: bool,
 }
 
 impl TemporalHalf {
     /// Joins a ring and a transformer.
-    pub fn new(gen: LmGen, temporal: impl Into<TemporalModel>) -> Self {
+    pub fn new(gen: LmGen, temporal: impl Into<Temporal>) -> Self {
         TemporalHalf {
             gen,
             temporal: temporal.into(),
@@ -340,10 +187,7 @@ impl TemporalHalf {
             provided,
             reseed: std::mem::take(&mut self.pending_reseed),
             new_conversation: std::mem::take(&mut self.pending_new),
-            slot: match &self.temporal {
-                TemporalModel::Own(_) => None,
-                TemporalModel::Shared(t) => Some(t.slot()),
-            },
+            slot: self.temporal.slot(),
         };
         self.temporal.read_hidden(&mut step.hidden);
         self.temporal.read_logits(&mut step.text_logits);
@@ -374,7 +218,7 @@ impl TemporalHalf {
     }
 
     /// Starts a wholly forced step whose temporal frame has already run (in a
-    /// [`prefill`](TemporalModel::prefill) of [`forced_inputs`](Self::forced_inputs)): the
+    /// [`prefill`](crate::model::temporal::TemporalStep::prefill) of [`forced_inputs`](Self::forced_inputs)): the
     /// ring moves as [`begin`](Self::begin) moves it, and the sampling half gets a step whose
     /// every token is provided (its draws are taken as for any step; no hidden state or
     /// logit is read for a provided token, so a zero hidden state stands in).
@@ -393,16 +237,13 @@ impl TemporalHalf {
                 ModelError::contract("temporal", "a prefilled step is not wholly forced")
             })?;
         Ok(LmStep {
-            hidden: vec![0.0; self.temporal.hidden_dim()],
+            hidden: vec![0.0; self.temporal.info().hidden_dim],
             text_logits: Vec::new(),
             target: io.target,
             provided: io.provided,
             reseed: std::mem::take(&mut self.pending_reseed),
             new_conversation: std::mem::take(&mut self.pending_new),
-            slot: match &self.temporal {
-                TemporalModel::Own(_) => None,
-                TemporalModel::Shared(t) => Some(t.slot()),
-            },
+            slot: self.temporal.slot(),
         })
     }
 

@@ -2,6 +2,9 @@
 //! per frame, equal to offline coding) or `window` (the whole-utterance graphs re-run on the
 //! last `window` frames), chosen by the `streaming` param and logged; and, for `stateful`, a
 //! step graph of the stage's own or a slot of the process's shared codec (`engine: shared`).
+//!
+//! The choice is made once, when the stage opens: the stage then holds an [`Encoder`] or a
+//! [`Decoder`], whatever runs it ([`Encode`] and [`Decode`] are what it asks of one).
 
 use crate::model::engine::{CodecOptions, CodecSlot};
 use crate::model::mimi::{MimiDecoder, MimiEncoder};
@@ -12,10 +15,10 @@ use crate::model::ModelError;
 use super::model_params::{session_options, CodecParams, ModelParams};
 use super::{BuildContext, BuildError};
 
-/// A stateful codec: a step graph of the stage's own, or a slot of the shared codec.
-pub(super) enum Step {
+/// A stateful codec, as opened: a step graph of the stage's own, or a slot of the shared codec.
+enum Step {
     Own(Box<StepCodec>),
-    Shared(Box<CodecSlot>),
+    Shared(CodecSlot),
 }
 
 /// The step graph's precision a stage's params ask for.
@@ -112,135 +115,150 @@ fn open_step(
     })?;
     // A full codec is a capacity error (retryable), as a full LM engine is.
     let slot = codec.slot().map_err(BuildError::from)?;
-    Ok(Some(Step::Shared(Box::new(slot))))
+    Ok(Some(Step::Shared(slot)))
 }
 
-impl Step {
-    fn runs_on(&self) -> String {
-        match self {
-            Step::Own(s) => s.runs_on(),
-            Step::Shared(s) => s.codec().runs_on(),
-        }
-    }
-
-    fn reset(&mut self) -> Result<(), ModelError> {
-        match self {
-            Step::Own(s) => s.reset(),
-            Step::Shared(s) => {
-                s.reset();
-                Ok(())
-            }
-        }
-    }
-
-    /// Whether the first frame of the stage must be paid before the first real one (a shared
-    /// codec was warmed when it opened).
+/// What the encoder stage asks of its codec, whichever strategy and engine.
+pub(super) trait Encode: Send {
+    /// What the graph runs on (and the strategy, for the window).
+    fn runs_on(&self) -> String;
+    /// One frame of PCM in, its codes out (the window: those of the last frame).
+    fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError>;
+    /// Starts a new stream.
+    fn reset(&mut self) -> Result<(), ModelError>;
+    /// Whether the stage should pay the graph's first (slow) run before its first frame (a
+    /// shared codec was warmed when it opened).
     fn needs_warming(&self) -> bool {
-        matches!(self, Step::Own(_))
+        true
     }
 }
 
-/// An encoder of either strategy.
-pub(super) enum Encoder {
-    Stateful(Step),
-    Window(MimiEncoder),
-}
-
-impl Encoder {
-    pub fn open(
-        cx: &BuildContext<'_>,
-        pack: &Pack,
-        (m, c): (&ModelParams, &CodecParams),
-    ) -> Result<Encoder, BuildError> {
-        Ok(match open_step(cx, pack, (m, c), StepRole::Encoder)? {
-            Some(s) => Encoder::Stateful(s),
-            None => Encoder::Window(MimiEncoder::open(pack, &session_options(m), c.window)?),
-        })
-    }
-
-    pub fn runs_on(&self) -> String {
-        match self {
-            Encoder::Stateful(s) => s.runs_on(),
-            Encoder::Window(w) => format!("{} window", w.runs_on()),
-        }
-    }
-
-    pub fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
-        match self {
-            Encoder::Stateful(Step::Own(s)) => s.encode(frame),
-            Encoder::Stateful(Step::Shared(s)) => s.encode(frame),
-            Encoder::Window(w) => w.push(frame),
-        }
-    }
-
-    pub fn reset(&mut self) -> Result<(), ModelError> {
-        match self {
-            Encoder::Stateful(s) => s.reset(),
-            Encoder::Window(w) => {
-                w.reset();
-                Ok(())
-            }
-        }
-    }
-
-    /// Whether the stage should pay the graph's first (slow) run before its first frame.
-    pub fn needs_warming(&self) -> bool {
-        match self {
-            Encoder::Stateful(s) => s.needs_warming(),
-            Encoder::Window(_) => true,
-        }
+/// What the decoder stage asks of its codec, whichever strategy and engine.
+pub(super) trait Decode: Send {
+    /// What the graph runs on (and the strategy, for the window).
+    fn runs_on(&self) -> String;
+    /// One frame of codes in (each below `vocab`), its PCM out.
+    fn push(&mut self, codes: &[i64], vocab: i64) -> Result<Vec<f32>, ModelError>;
+    /// Starts a new stream.
+    fn reset(&mut self) -> Result<(), ModelError>;
+    /// As [`Encode::needs_warming`].
+    fn needs_warming(&self) -> bool {
+        true
     }
 }
 
-/// A decoder of either strategy.
-pub(super) enum Decoder {
-    Stateful(Step),
-    Window(MimiDecoder),
+/// The encoder stage's codec.
+pub(super) type Encoder = Box<dyn Encode>;
+
+/// The decoder stage's codec.
+pub(super) type Decoder = Box<dyn Decode>;
+
+/// The encoder the stage's params choose (logged with the reason).
+pub(super) fn open_encoder(
+    cx: &BuildContext<'_>,
+    pack: &Pack,
+    (m, c): (&ModelParams, &CodecParams),
+) -> Result<Encoder, BuildError> {
+    Ok(match open_step(cx, pack, (m, c), StepRole::Encoder)? {
+        Some(Step::Own(s)) => s,
+        Some(Step::Shared(s)) => Box::new(s),
+        None => Box::new(MimiEncoder::open(pack, &session_options(m), c.window)?),
+    })
 }
 
-impl Decoder {
-    pub fn open(
-        cx: &BuildContext<'_>,
-        pack: &Pack,
-        (m, c): (&ModelParams, &CodecParams),
-    ) -> Result<Decoder, BuildError> {
-        Ok(match open_step(cx, pack, (m, c), StepRole::Decoder)? {
-            Some(s) => Decoder::Stateful(s),
-            None => Decoder::Window(MimiDecoder::open(pack, &session_options(m), c.window)?),
-        })
-    }
+/// The decoder the stage's params choose (logged with the reason).
+pub(super) fn open_decoder(
+    cx: &BuildContext<'_>,
+    pack: &Pack,
+    (m, c): (&ModelParams, &CodecParams),
+) -> Result<Decoder, BuildError> {
+    Ok(match open_step(cx, pack, (m, c), StepRole::Decoder)? {
+        Some(Step::Own(s)) => s,
+        Some(Step::Shared(s)) => Box::new(s),
+        None => Box::new(MimiDecoder::open(pack, &session_options(m), c.window)?),
+    })
+}
 
-    pub fn runs_on(&self) -> String {
-        match self {
-            Decoder::Stateful(s) => s.runs_on(),
-            Decoder::Window(w) => format!("{} window", w.runs_on()),
-        }
+impl Encode for StepCodec {
+    fn runs_on(&self) -> String {
+        StepCodec::runs_on(self)
     }
-
-    pub fn push(&mut self, codes: &[i64], vocab: i64) -> Result<Vec<f32>, ModelError> {
-        match self {
-            Decoder::Stateful(Step::Own(s)) => s.decode(codes, vocab),
-            Decoder::Stateful(Step::Shared(s)) => s.decode(codes),
-            Decoder::Window(w) => w.push(codes, vocab),
-        }
+    fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
+        self.encode(frame)
     }
-
-    pub fn reset(&mut self) -> Result<(), ModelError> {
-        match self {
-            Decoder::Stateful(s) => s.reset(),
-            Decoder::Window(w) => {
-                w.reset();
-                Ok(())
-            }
-        }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        StepCodec::reset(self)
     }
+}
 
-    /// Whether the stage should pay the graph's first (slow) run before its first frame.
-    pub fn needs_warming(&self) -> bool {
-        match self {
-            Decoder::Stateful(s) => s.needs_warming(),
-            Decoder::Window(_) => true,
-        }
+impl Decode for StepCodec {
+    fn runs_on(&self) -> String {
+        StepCodec::runs_on(self)
+    }
+    fn push(&mut self, codes: &[i64], vocab: i64) -> Result<Vec<f32>, ModelError> {
+        self.decode(codes, vocab)
+    }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        StepCodec::reset(self)
+    }
+}
+
+impl Encode for CodecSlot {
+    fn runs_on(&self) -> String {
+        self.codec().runs_on()
+    }
+    fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
+        self.encode(frame)
+    }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        CodecSlot::reset(self);
+        Ok(())
+    }
+    fn needs_warming(&self) -> bool {
+        false
+    }
+}
+
+impl Decode for CodecSlot {
+    fn runs_on(&self) -> String {
+        self.codec().runs_on()
+    }
+    // The shared codec checks the codes against the pack's vocabulary itself.
+    fn push(&mut self, codes: &[i64], _vocab: i64) -> Result<Vec<f32>, ModelError> {
+        self.decode(codes)
+    }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        CodecSlot::reset(self);
+        Ok(())
+    }
+    fn needs_warming(&self) -> bool {
+        false
+    }
+}
+
+impl Encode for MimiEncoder {
+    fn runs_on(&self) -> String {
+        format!("{} window", MimiEncoder::runs_on(self))
+    }
+    fn push(&mut self, frame: &[f32]) -> Result<Vec<i64>, ModelError> {
+        MimiEncoder::push(self, frame)
+    }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        MimiEncoder::reset(self);
+        Ok(())
+    }
+}
+
+impl Decode for MimiDecoder {
+    fn runs_on(&self) -> String {
+        format!("{} window", MimiDecoder::runs_on(self))
+    }
+    fn push(&mut self, codes: &[i64], vocab: i64) -> Result<Vec<f32>, ModelError> {
+        MimiDecoder::push(self, codes, vocab)
+    }
+    fn reset(&mut self) -> Result<(), ModelError> {
+        MimiDecoder::reset(self);
+        Ok(())
     }
 }
 

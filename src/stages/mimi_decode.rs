@@ -8,7 +8,7 @@ use crate::audio::Pcm;
 use crate::config::Params;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
 
-use super::codec::Decoder;
+use super::codec::{open_decoder, Decoder};
 use super::model_params::{model_params, open_pack, CodecParams, ModelParams, MODEL_STATUS};
 use super::{caps, AgentTokens, BuildContext, BuildError, Conversation, StageKind};
 
@@ -26,7 +26,7 @@ pub(super) const KIND: StageKind = StageKind {
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let (m, c) = (ModelParams::from_params(p)?, CodecParams::from_params(p)?);
     let pack = open_pack(cx, &m)?;
-    let dec = Decoder::open(cx, &pack, (&m, &c))?;
+    let dec = open_decoder(cx, &pack, (&m, &c))?;
     cx.endpoint().set("model", dec.runs_on());
     let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiDecode {

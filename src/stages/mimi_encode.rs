@@ -8,7 +8,7 @@ use crate::audio::Pcm;
 use crate::config::Params;
 use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
 
-use super::codec::Encoder;
+use super::codec::{open_encoder, Encoder};
 use super::model_params::{model_params, open_pack, CodecParams, ModelParams, MODEL_STATUS};
 use super::{caps, BuildContext, BuildError, Codes, Conversation, StageKind};
 
@@ -26,7 +26,7 @@ pub(super) const KIND: StageKind = StageKind {
 fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let (m, c) = (ModelParams::from_params(p)?, CodecParams::from_params(p)?);
     let pack = open_pack(cx, &m)?;
-    let enc = Encoder::open(cx, &pack, (&m, &c))?;
+    let enc = open_encoder(cx, &pack, (&m, &c))?;
     cx.endpoint().set("model", enc.runs_on());
     let conversation = cx.conversation();
     Ok(Body::Stage(Box::new(MimiEncode {

@@ -29,7 +29,7 @@ use crate::model::mimi::{MimiDecoder, MimiEncoder};
 use crate::model::mimi_step::StepCodec;
 use crate::model::pack::{FloatType, Graph, Pack, StepRole};
 use crate::model::session::{Provider, SessionOptions};
-use crate::model::temporal::{Temporal, TemporalOptions};
+use crate::model::temporal::TemporalOptions;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::ModelError;
 
@@ -259,7 +259,7 @@ fn step_graphs(
 /// One temporal step (its outputs finite), the depformer opened, the tokenizer read.
 fn lm(pack: &Pack, session: &SessionOptions) -> Result<String, ModelError> {
     let m = &pack.manifest;
-    let mut temporal = Temporal::open(
+    let mut temporal = crate::model::temporal::open(
         pack,
         &TemporalOptions {
             session: *session,
@@ -276,7 +276,7 @@ fn lm(pack: &Pack, session: &SessionOptions) -> Result<String, ModelError> {
             "the first step's hidden state or text logits are not finite",
         ));
     }
-    let i = &temporal.info;
+    let i = temporal.info();
     let mut text = format!(
         "temporal: on {}, {} layers, {} heads x {}, hidden {}, text vocab {}; one step finite\n",
         temporal.runs_on(),

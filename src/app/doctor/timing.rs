@@ -10,7 +10,7 @@ use crate::model::depformer::Depformer;
 use crate::model::mimi_step::StepCodec;
 use crate::model::pack::{FloatType, Pack, StepRole};
 use crate::model::session::{Provider, SessionOptions};
-use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
+use crate::model::temporal::{KvMode, TemporalOptions};
 use crate::model::ModelError;
 
 /// Contexts (positions in the cache) at which [`step_times`] reports: 3000 is a Moshi LM's
@@ -67,7 +67,7 @@ pub fn step_times(
         if fixed && standard {
             continue;
         }
-        let mut t = Temporal::open(
+        let mut t = crate::model::temporal::open(
             pack,
             &TemporalOptions {
                 session: SessionOptions {
@@ -92,7 +92,7 @@ pub fn step_times(
             .iter()
             .map(|&c| times[c - TIMED_STEPS..c].iter().sum::<f64>() / TIMED_STEPS as f64)
             .collect();
-        rows.push((name, means, t.runs_on(), t.info.variant));
+        rows.push((name, means, t.runs_on(), t.info().variant));
     }
     for (name, means, runs_on, _) in &rows {
         let cells: Vec<String> = contexts

@@ -8,8 +8,8 @@
 
 use axum::extract::ws::Message;
 
+use super::config::ServeConfig;
 use super::session::{Encoder, Protocol, Taken};
-use super::ServeConfig;
 use crate::observe::names;
 use crate::session::Outbound;
 

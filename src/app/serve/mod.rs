@@ -393,11 +393,11 @@ async fn serve(
         .route("/twilio/media", get(twilio_media))
         .route(
             "/api/webrtc",
-            axum::routing::post(webrtc::offer).layer(axum::extract::DefaultBodyLimit::max(
+            axum::routing::post(doors::webrtc::offer).layer(axum::extract::DefaultBodyLimit::max(
                 webrtc::MAX_OFFER_BYTES,
             )),
         )
-        .route("/api/webrtc/{token}", webrtc::resource())
+        .route("/api/webrtc/{token}", doors::webrtc::resource())
         .route("/readyz", get(readyz))
         .route("/api/sessions", get(sessions))
         .route("/api/defaults", get(defaults))
@@ -406,7 +406,10 @@ async fn serve(
     // A call's resource under this replica's own prefix too (`webrtc.location_base`), for a
     // proxy that routes the prefix here without stripping it.
     let app = match server.cfg.webrtc.as_ref().and_then(|w| w.location_path()) {
-        Some(p) => app.route(&format!("{p}/api/webrtc/{{token}}"), webrtc::resource()),
+        Some(p) => app.route(
+            &format!("{p}/api/webrtc/{{token}}"),
+            doors::webrtc::resource(),
+        ),
         None => app,
     };
     let app = app

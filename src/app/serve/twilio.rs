@@ -30,9 +30,9 @@ use axum::extract::ws::Message;
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+use super::config::ServeConfig;
 use super::session::base64_len;
 use super::session::{Encoder, Protocol, Taken};
-use super::ServeConfig;
 use crate::audio::g711::Law;
 use crate::audio::phone::{PhoneIn, PhoneOut, PHONE_RATE};
 use crate::session::Outbound;

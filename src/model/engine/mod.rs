@@ -58,7 +58,7 @@ use super::depformer::{check_frame, DepformerBatch, DepformerInput};
 use super::error::ModelError;
 use super::pack::{Graph, LmGraphInfo, Pack};
 use super::session::{Provider, SessionOptions};
-use super::tensors::{kv_placements, Placement};
+use super::tensors::Placement;
 
 /// The `stage` label of the temporal tick's latency verdict, trend and bimodality.
 pub const ENGINE_STAGE: &str = "engine";
@@ -292,9 +292,9 @@ impl SharedLm {
                     });
                 match opened {
                     Ok((t, d)) => {
-                        let mut places = kv_placements(&t.kv, t.info.layers, &t.wanted);
+                        let mut places = t.batch.cache_placements();
                         places.extend(d.cache_placements());
-                        let infos = (t.info.clone(), d.info.clone(), t.provider, places);
+                        let infos = (t.info().clone(), d.info.clone(), t.batch.provider, places);
                         let _ = ready_tx.send(Ok(infos));
                         // A panic ends the engine: it is marked failed (its conversations get
                         // an error as their replies are dropped) and the next conversation

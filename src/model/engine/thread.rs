@@ -65,7 +65,7 @@ pub(super) fn run_engine(
         // A slot given back starts empty (its next owner's first step is fresh anyway).
         for m in sched.take_out(|m| m.kind() == Kind::Leave) {
             if let Msg::Leave { slot: Some(s), .. } = m {
-                if let Some(l) = t.len.get_mut(s) {
+                if let Some(l) = t.batch.len.get_mut(s) {
                     *l = 0;
                 }
             }
@@ -182,13 +182,19 @@ fn temporal_tick(
     let t0 = Instant::now();
     let context = temps
         .iter()
-        .map(|(_, j)| if j.fresh { 0 } else { t.len[j.slot] })
+        .map(|(_, j)| {
+            if j.row.fresh {
+                0
+            } else {
+                t.batch.len[j.row.slot]
+            }
+        })
         .max()
         .unwrap_or(0);
     if let Err(e) = t.tick(&mut temps) {
         let msg = e.to_string();
         for (_, j) in &mut temps {
-            j.error = Some(ModelError::ort("temporal (shared engine)", &msg));
+            j.row.error = Some(ModelError::ort("temporal (shared engine)", &msg));
         }
     }
     observer.event(EngineEvent::TemporalTick {

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::model::lm::{priming_script, ForcedStep, TemporalHalf, TemporalModel};
+use crate::model::lm::{priming_script, ForcedStep, TemporalHalf};
 use crate::model::lmgen::LmGen;
 use crate::model::pack::PackManifest;
 use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
@@ -314,7 +314,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
         return Err(BuildError::invalid(why).key(key));
     }
     cuda_graph_needs_own_engine(&e, opts.cuda_graph)?;
-    let temporal: TemporalModel = match shared_engine(cx, &pack, (&mp, &e), opts.max_positions)? {
+    let temporal: Temporal = match shared_engine(cx, &pack, (&mp, &e), opts.max_positions)? {
         Some(lm) => {
             if opts.kv == KvMode::Host {
                 return Err(BuildError::invalid(
@@ -327,7 +327,7 @@ fn build(cx: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
                 .map_err(|e| BuildError::from(e).key("slots"))?
                 .into()
         }
-        None => Temporal::open(&pack, &opts)?.into(),
+        None => crate::model::temporal::open(&pack, &opts)?,
     };
     let cap = temporal.positions_left();
     if cap <= script.len() + 1 {

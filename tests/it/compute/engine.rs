@@ -17,7 +17,7 @@ use duplex::model::lmgen::{AgentFrame, LmGen};
 use duplex::model::pack::{Pack, PackManifest};
 use duplex::model::sampling::SamplingParams;
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::temporal::{TemporalOptions, TemporalStep};
 
 /// What a conversation does, in order.
 #[derive(Clone)]
@@ -104,7 +104,7 @@ fn own(pack: &Pack, cfg: SamplingConfig, unused: UnusedSubsteps) -> LmLoop {
     LmLoop {
         temporal: TemporalHalf::new(
             LmGen::new(pack.manifest.layout()),
-            Temporal::open(pack, &TemporalOptions::default()).unwrap(),
+            duplex::model::temporal::open(pack, &TemporalOptions::default()).unwrap(),
         ),
         sampling: SamplingHalf::new(d, cfg),
     }
@@ -309,7 +309,8 @@ fn batched_fp16_differs_only_by_near_ties() {
             .map(|i| {
                 let (lm, pack) = (&lm, &pack);
                 s.spawn(move || {
-                    let mut alone = Temporal::open(pack, &TemporalOptions::default()).unwrap();
+                    let mut alone =
+                        duplex::model::temporal::open(pack, &TemporalOptions::default()).unwrap();
                     let mut slot = lm.temporal_slot(usize::MAX).unwrap();
                     let mut dep_alone = Depformer::open(pack, &SessionOptions::default()).unwrap();
                     dep_alone.keep_logits = true;
@@ -570,7 +571,7 @@ fn a_slot_primes_by_chunks_between_ticks_and_its_state_moves_between_slots_and_o
     other.step(&talk[1]).unwrap();
     other.restore(&state).unwrap();
     assert_eq!(other.position(), prime.len() + 5);
-    let mut own = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let mut own = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
     own.restore(&state).unwrap();
     let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
     for f in &talk[..10] {
@@ -586,7 +587,8 @@ fn a_slot_primes_by_chunks_between_ticks_and_its_state_moves_between_slots_and_o
     }
     // A standard graph's state is refused, naming why.
     let std_pack = Pack::open(&packs::pack("tiny")).unwrap();
-    let mut std_own = Temporal::open(&std_pack, &TemporalOptions::default()).unwrap();
+    let mut std_own =
+        duplex::model::temporal::open(&std_pack, &TemporalOptions::default()).unwrap();
     std_own.step(&prime[0]).unwrap();
     let foreign = std::sync::Arc::new(std_own.snapshot().unwrap());
     let e = other.restore(&foreign).unwrap_err().to_string();

@@ -12,7 +12,7 @@ use std::process::Command;
 use duplex::model::depformer::Depformer;
 use duplex::model::pack::{Pack, PackManifest};
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::temporal::TemporalOptions;
 
 /// Rewrites `graph` of pack `name` with a Python/onnx snippet editing `m` (the ModelProto).
 fn edited(name: &str, graph: &str, edit: &str) -> (tempfile::TempDir, std::path::PathBuf) {
@@ -72,7 +72,7 @@ fn a_graph_of_the_wrong_kind_is_named() {
     let want = "temporal: missing input `input_frame` (it has: hidden, prev_token, substep_index";
     let e = Pack::open(&pack).unwrap_err().to_string();
     assert!(e.starts_with(want), "{e}");
-    let e = Temporal::open(&unchecked(&pack), &TemporalOptions::default())
+    let e = duplex::model::temporal::open(&unchecked(&pack), &TemporalOptions::default())
         .err()
         .unwrap()
         .to_string();
@@ -97,7 +97,7 @@ for n in m.graph.node:
     let want = "temporal: missing input `attention_mask` (it has: input_frame, mask,";
     let e = Pack::open(&pack).unwrap_err().to_string();
     assert!(e.starts_with(want), "{e}");
-    let e = Temporal::open(&unchecked(&pack), &TemporalOptions::default())
+    let e = duplex::model::temporal::open(&unchecked(&pack), &TemporalOptions::default())
         .err()
         .unwrap()
         .to_string();

@@ -15,7 +15,7 @@ use duplex::model::mimi::{MimiDecoder, MimiEncoder};
 use duplex::model::mimi_step::StepCodec;
 use duplex::model::pack::{FloatType, Pack, StepRole};
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::temporal::TemporalOptions;
 
 const SEED: u64 = 5;
 
@@ -111,7 +111,7 @@ fn sequential(dir: &Path, pack_dir: &Path, stateful: bool) -> String {
         )))
     };
     let mut up = StreamResampler::new(24_000, 48_000, 480).unwrap();
-    let temporal = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let temporal = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
     let depformer = Depformer::open(&pack, &so).unwrap();
     let mut lm = LmLoop {
         temporal: TemporalHalf::new(LmGen::new(m.layout()), temporal),

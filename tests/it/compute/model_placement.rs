@@ -12,7 +12,7 @@ use duplex::model::depformer::{Depformer, DepformerBinding};
 use duplex::model::engine::{self, EngineOptions};
 use duplex::model::pack::Pack;
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::temporal::TemporalOptions;
 use duplex::model::Placement;
 
 /// The depformer bound as its CUDA graphs bind it.
@@ -37,8 +37,8 @@ fn check(what: &str, places: &[(String, Placement, Placement)], buffers: usize) 
 fn every_cache_buffer_is_where_its_session_reads_it() {
     for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
         let pack = Pack::open(&packs::pack(name)).unwrap();
-        let t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
-        let layers = t.info.layers;
+        let t = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let layers = t.info().layers;
         check(
             &format!("{name} temporal"),
             &t.cache_placements(),
@@ -48,7 +48,7 @@ fn every_cache_buffer_is_where_its_session_reads_it() {
         if name != "tiny" {
             // The fixed-shape binding `cuda_graph` uses: the cache, and the frame, the mask
             // and the outputs too, where the session reads and writes them.
-            let f = Temporal::open(
+            let f = duplex::model::temporal::open(
                 &pack,
                 &TemporalOptions {
                     fixed_shapes: true,

@@ -5,7 +5,7 @@
 use crate::support::packs;
 
 use duplex::model::pack::{Pack, Variant};
-use duplex::model::temporal::{KvMode, Temporal, TemporalOptions};
+use duplex::model::temporal::{KvMode, TemporalOptions};
 use duplex::model::ModelError;
 
 fn tokens(t: usize) -> Vec<i64> {
@@ -15,7 +15,7 @@ fn tokens(t: usize) -> Vec<i64> {
 }
 
 fn run(pack: &Pack, kv: KvMode, steps: usize) -> (Vec<Vec<f32>>, Vec<usize>) {
-    let mut t = Temporal::open(
+    let mut t = duplex::model::temporal::open(
         pack,
         &TemporalOptions {
             kv,
@@ -52,8 +52,8 @@ fn resident_cache_equals_the_host_round_trip_for_every_variant() {
         let pack = Pack::open(&packs::pack(name)).unwrap();
         let (res, lens) = run(&pack, KvMode::Resident, 40);
         let (host, _) = run(&pack, KvMode::Host, 40);
-        let t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
-        assert_eq!(t.info.variant, variant, "{name}");
+        let t = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        assert_eq!(t.info().variant, variant, "{name}");
         assert_eq!(lens.last(), Some(&40));
         let d = max_diff(&res, &host);
         assert!(d <= tol, "{name}: logits differ by {d}");
@@ -90,7 +90,7 @@ fn standard_graph_keeps_an_exact_window() {
 #[test]
 fn token_ids_are_checked_naming_the_channel() {
     let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
-    let mut t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let mut t = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
     let mut bad = tokens(0);
     bad[5] = 2049;
     let e = t.step(&bad).unwrap_err();
@@ -120,7 +120,7 @@ fn token_ids_are_checked_naming_the_channel() {
 #[test]
 fn positions_run_out_loudly() {
     let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
-    let mut t = Temporal::open(
+    let mut t = duplex::model::temporal::open(
         &pack,
         &TemporalOptions {
             max_positions: 5,
@@ -142,7 +142,7 @@ fn positions_run_out_loudly() {
 #[test]
 fn gqa_appends_in_place_without_allocating() {
     let pack = Pack::open(&packs::pack("tiny-gqa")).unwrap();
-    let mut t = Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+    let mut t = duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
     // Warm up: ONNX Runtime and this module may allocate on the first runs.
     t.step(&tokens(0)).unwrap();
     let before = duplex::model::buffer_allocations();
@@ -176,7 +176,7 @@ fn fixed_shape_stepping_equals_the_growing_binding() {
     for (name, tol) in [("tiny-gqa", 0.0), ("tiny-gqa-fp16", 1e-2)] {
         let pack = Pack::open(&packs::pack(name)).unwrap();
         let run_fixed = |fixed: bool| {
-            let mut t = Temporal::open(
+            let mut t = duplex::model::temporal::open(
                 &pack,
                 &TemporalOptions {
                     fixed_shapes: fixed,
@@ -219,7 +219,7 @@ fn fixed_shape_stepping_equals_the_growing_binding() {
 fn cuda_graph_is_refused_where_it_cannot_apply() {
     let err = |pack: &str, opts: TemporalOptions| {
         let pack = Pack::open(&packs::pack(pack)).unwrap();
-        match Temporal::open(&pack, &opts) {
+        match duplex::model::temporal::open(&pack, &opts) {
             Ok(_) => panic!("{pack:?}: opened"),
             Err(e) => e.to_string(),
         }
@@ -266,7 +266,7 @@ fn cuda_graph_is_refused_where_it_cannot_apply() {
 fn prefill_in_chunks_equals_stepping_frame_by_frame() {
     for (name, tol) in [("tiny", 1e-4), ("tiny-gqa", 1e-4), ("tiny-gqa-fp16", 2e-2)] {
         let pack = Pack::open(&packs::pack(name)).unwrap();
-        let open = || Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let open = || duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
         let frames: Vec<Vec<i64>> = (0..60).map(tokens).collect();
         // Stepping: 3 steps, 45 frames, 12 steps after.
         let mut stepped = open();
@@ -328,7 +328,7 @@ fn prefill_in_chunks_equals_stepping_frame_by_frame() {
 fn prefill_across_the_standard_window_equals_stepping() {
     let (_d, dir) = packs::variant("tiny", "context: 8\n");
     let small = Pack::open(&dir).unwrap();
-    let open = || Temporal::open(&small, &TemporalOptions::default()).unwrap();
+    let open = || duplex::model::temporal::open(&small, &TemporalOptions::default()).unwrap();
     let frames: Vec<Vec<i64>> = (0..20).map(tokens).collect();
     let mut a = open();
     let mut logits = Vec::new();
@@ -353,12 +353,12 @@ fn prefill_across_the_standard_window_equals_stepping() {
 fn a_restored_state_steps_exactly_as_the_original() {
     for name in ["tiny", "tiny-gqa", "tiny-gqa-fp16"] {
         let pack = Pack::open(&packs::pack(name)).unwrap();
-        let open = || Temporal::open(&pack, &TemporalOptions::default()).unwrap();
+        let open = || duplex::model::temporal::open(&pack, &TemporalOptions::default()).unwrap();
         let frames: Vec<Vec<i64>> = (0..40).map(tokens).collect();
         for (steps, chunk) in [(23, 32), (10, 1)] {
             let mut a = open();
             a.prefill(&frames[..steps], chunk).unwrap();
-            let state = a.snapshot().expect("a resident cache gives a state");
+            let state = std::sync::Arc::new(a.snapshot().expect("a resident cache gives a state"));
             assert_eq!(state.position(), steps);
             let mut b = open();
             // A transformer that has stepped before: the restore replaces its conversation.
@@ -375,18 +375,18 @@ fn a_restored_state_steps_exactly_as_the_original() {
             }
         }
     }
-    let mut gqa = Temporal::open(
+    let mut gqa = duplex::model::temporal::open(
         &Pack::open(&packs::pack("tiny-gqa")).unwrap(),
         &TemporalOptions::default(),
     )
     .unwrap();
-    let mut std = Temporal::open(
+    let mut std = duplex::model::temporal::open(
         &Pack::open(&packs::pack("tiny")).unwrap(),
         &TemporalOptions::default(),
     )
     .unwrap();
     std.step(&tokens(0)).unwrap();
-    let s = std.snapshot().unwrap();
+    let s = std::sync::Arc::new(std.snapshot().unwrap());
     let e = gqa.restore(&s).unwrap_err().to_string();
     assert!(e.contains("another graph"), "{e}");
 }

@@ -17,7 +17,7 @@ use duplex::model::lmgen::LmGen;
 use duplex::model::pack::Pack;
 use duplex::model::sampling::{Sampler, SamplingParams};
 use duplex::model::session::SessionOptions;
-use duplex::model::temporal::{Temporal, TemporalOptions};
+use duplex::model::temporal::TemporalOptions;
 
 const PAD: i64 = 3;
 
@@ -42,7 +42,7 @@ fn lm(pack: &Pack, cfg: SamplingConfig) -> LmLoop {
     LmLoop {
         temporal: TemporalHalf::new(
             LmGen::new(pack.manifest.layout()),
-            Temporal::open(pack, &TemporalOptions::default()).unwrap(),
+            duplex::model::temporal::open(pack, &TemporalOptions::default()).unwrap(),
         ),
         sampling: SamplingHalf::new(Depformer::open(pack, &so).unwrap(), cfg),
     }

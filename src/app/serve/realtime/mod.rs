@@ -46,8 +46,8 @@ mod items;
 mod turns;
 
 use super::config::shown;
+use super::config::ServeConfig;
 use super::session::{base64_len, Encoder, Protocol, Taken};
-use super::ServeConfig;
 use crate::audio::phone::{PhoneIn, PHONE_RATE};
 use crate::audio::MODEL_RATE;
 use crate::model::vad::Vad;

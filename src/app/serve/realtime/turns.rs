@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 
 use super::deltas::Shared;
 use super::events::TurnDetection;
+use crate::app::serve::config::ServeConfig;
 use crate::app::serve::session::Taken;
-use crate::app::serve::ServeConfig;
 use crate::audio::phone::from_pcm16;
 use crate::audio::MODEL_RATE;
 use crate::config::{ConfigError, ConfigErrorKind};
