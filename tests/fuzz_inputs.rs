@@ -735,7 +735,7 @@ proptest! {
     #[test]
     fn codes_files(text in codes_text()) {
         let p = case_file("codes.json", text.as_bytes());
-        let r = bounded(&text, || duplex::stages::read_codes(&p, 8, 2048));
+        let r = bounded(&text, || duplex::stages::read_codes(&p, 8, 2048).map_err(|e| e.to_string()));
         match r {
             Ok(frames) => prop_assert!(frames.iter().all(|f| f.len() == 8 && f.iter().all(|c| (0..2048).contains(c)))),
             Err(e) => prop_assert!(e.contains(&p.display().to_string()), "{e}"),

@@ -11,6 +11,7 @@
 //! module reads and answers lines; what a command does is the [`Handler`]'s business (the
 //! daemon's, which sends it to its running pipeline).
 
+use crate::files::FileError;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -51,7 +52,7 @@ pub const STAGE_ANSWER: Duration = Duration::from_secs(2);
 
 /// The reply to a command a stage applies: its answer, or "pending" when no frame came in time
 /// (paused, a device away, the pipeline being rebuilt): the request then applies at the next one.
-pub fn applied(answer: Option<Result<String, String>>, pending: &str) -> serde_json::Value {
+pub fn applied(answer: Option<crate::runtime::Reply>, pending: &str) -> serde_json::Value {
     match answer {
         Some(Ok(done)) => serde_json::json!({ "ok": true, "done": done }),
         Some(Err(e)) => serde_json::json!({ "ok": false, "error": e }),
@@ -255,31 +256,33 @@ const MAX_SOCKET_PATH: usize = 107;
 ///
 /// # Errors
 ///
-/// What is there, and what to do.
-pub fn check_socket_path(path: &Path) -> Result<(), String> {
+/// A [`FileError`]: what is there, and what to do.
+pub fn check_socket_path(path: &Path) -> Result<(), FileError> {
     use std::os::unix::fs::FileTypeExt;
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
             if UnixStream::connect(path).is_ok() {
-                Err(format!(
-                    "{}: another daemon is already listening there",
-                    path.display()
+                Err(FileError::new(
+                    path.display(),
+                    "another daemon is already listening there",
                 ))
             } else {
                 Ok(())
             }
         }
-        Ok(m) => Err(format!(
-            "{} exists and is {}, not a socket: refusing to replace it (choose another `control_socket`, or remove it)",
+        Ok(m) => Err(FileError::new(
             path.display(),
-            crate::files::kind_of(m.file_type())
+            format!(
+                "exists and is {}, not a socket: refusing to replace it (choose another `control_socket`, or remove it)",
+                crate::files::kind_of(m.file_type())
+            ),
         )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let len = path.as_os_str().len();
             if len > MAX_SOCKET_PATH {
-                return Err(format!(
-                    "{}: {len} bytes is longer than a Unix socket's path may be ({MAX_SOCKET_PATH}): choose a shorter one",
-                    path.display()
+                return Err(FileError::new(
+                    path.display(),
+                    format!("{len} bytes is longer than a Unix socket's path may be ({MAX_SOCKET_PATH}): choose a shorter one"),
                 ));
             }
             let here = |a: &Path| -> PathBuf {
@@ -295,21 +298,20 @@ pub fn check_socket_path(path: &Path) -> Result<(), String> {
                 return Ok(());
             };
             if !dir.is_dir() {
-                return Err(format!(
-                    "{}: {} is not a directory",
+                return Err(FileError::new(
                     path.display(),
-                    dir.display()
+                    format!("{} is not a directory", dir.display()),
                 ));
             }
             probe(path, &dir, dir == parent)
         }
-        Err(e) => Err(format!("{}: {e}", path.display())),
+        Err(e) => Err(FileError::new(path.display(), e)),
     }
 }
 
 /// Binds a socket in `dir` (in a folder made there first, when the socket's own folder is still
 /// to be created), under a probe's name, and removes what it made.
-fn probe(path: &Path, dir: &Path, parent_exists: bool) -> Result<(), String> {
+fn probe(path: &Path, dir: &Path, parent_exists: bool) -> Result<(), FileError> {
     use std::os::unix::fs::DirBuilderExt;
     let name = format!(".duplex-probe-{}", std::process::id());
     let (folder, sock) = if parent_exists {
@@ -325,10 +327,9 @@ fn probe(path: &Path, dir: &Path, parent_exists: bool) -> Result<(), String> {
                 _ => Err(e),
             })
             .map_err(|e| {
-                format!(
-                    "{}: its folder cannot be created in {}: {e}",
+                FileError::new(
                     path.display(),
-                    dir.display()
+                    format!("its folder cannot be created in {}: {e}", dir.display()),
                 )
             })?;
         (Some(folder.clone()), folder.join("s"))
@@ -350,10 +351,9 @@ fn probe(path: &Path, dir: &Path, parent_exists: bool) -> Result<(), String> {
         let _ = std::fs::remove_dir(f);
     }
     bound.map_err(|e| {
-        format!(
-            "{}: a socket cannot be created in {}: {e}",
+        FileError::new(
             path.display(),
-            dir.display()
+            format!("a socket cannot be created in {}: {e}", dir.display()),
         )
     })
 }
@@ -388,7 +388,7 @@ impl ControlServer {
     ///
     /// When the socket cannot be created (a message naming the path).
     pub fn start(path: &Path, handler: Handler) -> anyhow::Result<ControlServer> {
-        check_socket_path(path).map_err(anyhow::Error::msg)?;
+        check_socket_path(path)?;
         create_private_dirs(path)?;
         if std::fs::symlink_metadata(path).is_ok() {
             // A stale socket, checked above.

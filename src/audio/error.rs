@@ -39,6 +39,15 @@ pub enum AudioError {
         /// The format found.
         detail: String,
     },
+    /// A readable WAV file that does not fit its use (a voice prompt too short of rate, or too
+    /// long).
+    #[error("{}: {detail}", path.display())]
+    Unfit {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong for that use.
+        detail: String,
+    },
     /// Samples could not be read after the header: the file is cut short or damaged.
     #[error("{}: corrupt or truncated after {frames} sample frames: {detail}", path.display())]
     Corrupt {

@@ -137,28 +137,44 @@ fn with_cuda(
     b: ort::session::builder::SessionBuilder,
     device_id: i32,
     cuda_graph: bool,
-) -> Result<ort::session::builder::SessionBuilder, String> {
+) -> Result<ort::session::builder::SessionBuilder, ModelError> {
     let ep = ort::ep::CUDA::default()
         .with_device_id(device_id)
         .with_cuda_graph(cuda_graph)
         .build()
         .error_on_failure();
     b.with_execution_providers([ep]).map_err(|e| {
-        let _ = graph;
-        format!(
-            "{e} (is this the GPU build of ONNX Runtime, `onnxruntime-gpu`, with the CUDA libraries and a GPU present?)"
+        no_cuda(
+            graph,
+            device_id,
+            format!(
+                "{e} (is this the GPU build of ONNX Runtime, `onnxruntime-gpu`, with the CUDA libraries and a GPU present?)"
+            ),
         )
     })
 }
 
 #[cfg(not(feature = "cuda"))]
 fn with_cuda(
-    _graph: &str,
+    graph: &str,
     _b: ort::session::builder::SessionBuilder,
-    _device_id: i32,
+    device_id: i32,
     _cuda_graph: bool,
-) -> Result<ort::session::builder::SessionBuilder, String> {
-    Err("this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into())
+) -> Result<ort::session::builder::SessionBuilder, ModelError> {
+    Err(no_cuda(
+        graph,
+        device_id,
+        "this duplex binary was built without CUDA support (rebuild with `--features cuda`)".into(),
+    ))
+}
+
+/// The CUDA provider could not be registered for `graph`, and why.
+fn no_cuda(graph: &str, device_id: i32, detail: String) -> ModelError {
+    ModelError::Provider {
+        graph: graph.into(),
+        provider: Provider::Cuda { device_id }.name().to_string(),
+        detail,
+    }
 }
 
 /// The execution providers the loaded ONNX Runtime library was built with
@@ -209,13 +225,7 @@ pub fn available_providers() -> Result<Vec<String>, ModelError> {
 /// [`ModelError::Provider`] saying why CUDA cannot take effect; ONNX Runtime's errors.
 pub fn cuda_check(device_id: i32) -> Result<(), ModelError> {
     let b = builder("doctor", &SessionOptions::default())?;
-    with_cuda("doctor", b, device_id, false)
-        .map(|_| ())
-        .map_err(|detail| ModelError::Provider {
-            graph: "doctor".into(),
-            provider: Provider::Cuda { device_id }.name().to_string(),
-            detail,
-        })
+    with_cuda("doctor", b, device_id, false).map(|_| ())
 }
 
 /// Logs the provider and dtype a graph really runs with, and tells `opts.on_ready` (which
@@ -247,14 +257,14 @@ fn configured(
                     provider = opts.provider;
                     b
                 }
-                Err(detail) if opts.allow_fallback => {
+                Err(ModelError::Provider { detail, .. }) if opts.allow_fallback => {
                     tracing::warn!(
                     graph,
                     "execution provider `cuda` is not available ({detail}); running on the CPU because `allow_fallback` is set"
                 );
                     builder(graph, opts)?
                 }
-                Err(detail) => {
+                Err(ModelError::Provider { detail, .. }) => {
                     return Err(ModelError::Provider {
                         graph: graph.into(),
                         provider: "cuda".into(),
@@ -263,6 +273,7 @@ fn configured(
                         ),
                     })
                 }
+                Err(e) => return Err(e),
             }
         }
     };

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Histogram buckets, in seconds, for every duplex histogram: fine steps around the 80 ms frame
 /// budget, with a boundary at exactly 0.08.
@@ -40,7 +40,7 @@ pub type Health = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
 ///
 /// [`ExporterError::Recorder`] when another recorder is already installed.
 pub fn recorder() -> Result<PrometheusHandle, ExporterError> {
-    static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+    static HANDLE: OnceLock<Result<PrometheusHandle, Arc<BuildError>>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
             let handle = PrometheusBuilder::new()
@@ -57,9 +57,9 @@ pub fn recorder() -> Result<PrometheusHandle, ExporterError> {
                         PRIMING_BUCKETS,
                     )
                 })
-                .map_err(|e| e.to_string())?
+                .map_err(Arc::new)?
                 .install_recorder()
-                .map_err(|e| e.to_string())?;
+                .map_err(Arc::new)?;
             // Histograms' summaries are kept bounded by a periodic upkeep.
             let upkeep = handle.clone();
             let _ = std::thread::Builder::new()
@@ -87,7 +87,7 @@ pub enum ExporterError {
     },
     /// The process's metrics recorder could not be installed (another one is).
     #[error("installing the metrics recorder: {0}")]
-    Recorder(String),
+    Recorder(#[source] Arc<BuildError>),
     /// The thread serving them could not be started.
     #[error("starting the metrics thread: {0}")]
     Thread(std::io::Error),

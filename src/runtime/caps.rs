@@ -77,3 +77,62 @@ impl fmt::Display for CapsMismatch {
 }
 
 impl std::error::Error for CapsMismatch {}
+
+/// Why a stage refuses what its inputs bring (before start; the runtime adds the link).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CapsError {
+    /// One property is not what the stage needs, and what to put before the stage to fix it
+    /// (`put a `resample` stage (to: 24000) before it`), when something can.
+    Mismatch {
+        /// What is needed and what comes.
+        mismatch: CapsMismatch,
+        /// What to do about it.
+        fix: Option<String>,
+    },
+    /// Anything else, in words (a device that cannot play the rate that comes).
+    Other(String),
+}
+
+impl CapsError {
+    /// A mismatch with what fixes it.
+    pub fn fix(mismatch: CapsMismatch, fix: impl Into<String>) -> Self {
+        CapsError::Mismatch {
+            mismatch,
+            fix: Some(fix.into()),
+        }
+    }
+}
+
+impl From<CapsMismatch> for CapsError {
+    fn from(mismatch: CapsMismatch) -> Self {
+        CapsError::Mismatch {
+            mismatch,
+            fix: None,
+        }
+    }
+}
+
+impl fmt::Display for CapsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CapsError::Mismatch {
+                mismatch,
+                fix: None,
+            } => write!(f, "{mismatch}"),
+            CapsError::Mismatch {
+                mismatch,
+                fix: Some(fix),
+            } => write!(f, "{mismatch}: {fix}"),
+            CapsError::Other(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for CapsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CapsError::Mismatch { mismatch, .. } => Some(mismatch),
+            CapsError::Other(_) => None,
+        }
+    }
+}

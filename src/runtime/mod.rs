@@ -54,7 +54,7 @@ mod pipeline;
 mod stage;
 mod stats;
 
-pub use caps::{Caps, CapsMismatch};
+pub use caps::{Caps, CapsError, CapsMismatch};
 pub use control::{
     Command, CommandSpec, ControlError, ControlPlane, Endpoint, Pending, Reply, StatusSpec, Value,
 };

@@ -151,9 +151,9 @@ pub trait Stage: Send {
     ///
     /// # Errors
     ///
-    /// A message saying what the stage needs that its inputs do not give (`samples per frame:
-    /// needs 1920, gets 960`); the runtime adds the link.
-    fn caps(&self, _inputs: &[super::Caps]) -> Result<Vec<super::Caps>, String> {
+    /// A [`CapsError`](super::CapsError) saying what the stage needs that its inputs do not
+    /// give (`samples per frame: needs 1920, gets 960`); the runtime adds the link.
+    fn caps(&self, _inputs: &[super::Caps]) -> Result<Vec<super::Caps>, super::CapsError> {
         Ok(Vec::new())
     }
 }

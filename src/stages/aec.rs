@@ -14,7 +14,8 @@ use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Caps, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult, StatusSpec,
+    Body, Caps, CapsError, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult,
+    StatusSpec,
 };
 
 use super::params::stage_params;
@@ -221,10 +222,13 @@ impl Aec {
 }
 
 impl Stage for Aec {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         inputs[0]
             .require(caps::RATE, self.rate as i64, "sample rate (Hz)")
-            .map_err(|e| format!("{e}: put a `resample` stage (to: {}) before it", self.rate))?;
+            .map_err(|e| {
+                let fix = format!("put a `resample` stage (to: {}) before it", self.rate);
+                CapsError::fix(e, fix)
+            })?;
         Ok(vec![Caps::new().with(caps::RATE, self.rate as i64)])
     }
 

@@ -1,6 +1,7 @@
 //! `codes_source`: user codes from a JSON file (an array of frames, each an array of
 //! `codebooks` ints, or one such array per line), so the LM can be run and checked without audio.
 
+use crate::files::FileError;
 use std::path::Path;
 
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
@@ -58,13 +59,13 @@ pub(super) const KIND: StageKind = StageKind {
 ///
 /// # Errors
 ///
-/// A message naming the file and, for a bad frame, its index.
-pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i64>>, String> {
+/// A [`FileError`] naming the file (its line, for JSON Lines) and, for a bad frame, its index.
+pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i64>>, FileError> {
     // Bounded (two hours of frames take about 5 MB), and a FIFO refused rather than waited on.
     let bytes = crate::files::read_limited(path, 256 << 20)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(|e| FileError::new(path.display(), e))?;
     let text = String::from_utf8(bytes)
-        .map_err(|_| format!("{}: not UTF-8 text (expected JSON)", path.display()))?;
+        .map_err(|_| FileError::new(path.display(), "not UTF-8 text (expected JSON)"))?;
     // A JSON array of frames, or JSON Lines of frames (what `codes_sink` writes).
     let frames: Vec<Vec<i64>> = match serde_json::from_str(&text) {
         Ok(f) => f,
@@ -78,37 +79,35 @@ pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i
                 .filter(|(_, l)| !l.trim().is_empty())
                 .map(|(i, l)| {
                     serde_json::from_str(l).map_err(|e| {
-                        format!(
-                            "{}: line {}: not a frame of {codebooks} integer codes: {e}",
-                            path.display(),
-                            i + 1
+                        FileError::new(
+                            format!("{}:{}", path.display(), i + 1),
+                            format!("not a frame of {codebooks} integer codes: {e}"),
                         )
                     })
                 })
                 .collect::<Result<_, _>>()?
         }
         Err(e) => {
-            return Err(format!(
-                "{}: not a JSON array of frames of {codebooks} integer codes: {e}",
-                path.display()
+            return Err(FileError::new(
+                path.display(),
+                format!("not a JSON array of frames of {codebooks} integer codes: {e}"),
             ))
         }
     };
     if frames.is_empty() {
-        return Err(format!("{}: no frames", path.display()));
+        return Err(FileError::new(path.display(), "no frames"));
     }
     for (i, f) in frames.iter().enumerate() {
         if f.len() != codebooks {
-            return Err(format!(
-                "{}: frame {i} has {} codes, expected {codebooks}",
+            return Err(FileError::new(
                 path.display(),
-                f.len()
+                format!("frame {i} has {} codes, expected {codebooks}", f.len()),
             ));
         }
         if let Some((q, c)) = f.iter().enumerate().find(|(_, c)| !(0..vocab).contains(*c)) {
-            return Err(format!(
-                "{}: frame {i}: code {c} of codebook {q} is out of range 0..{vocab}",
-                path.display()
+            return Err(FileError::new(
+                path.display(),
+                format!("frame {i}: code {c} of codebook {q} is out of range 0..{vocab}"),
             ));
         }
     }
@@ -118,7 +117,7 @@ pub fn read_codes(path: &Path, codebooks: usize, vocab: i64) -> Result<Vec<Vec<i
 fn build(_: &BuildContext<'_>, p: &Params) -> Result<Body, BuildError> {
     let p = CodesSourceParams::from_params(p)?;
     let frames = read_codes(Path::new(p.path.as_str()), p.codebooks, p.vocab)
-        .map_err(|m| BuildError::invalid(m).key("path"))?;
+        .map_err(|e| BuildError::from(e).key("path"))?;
     Ok(Body::Source(Box::new(CodesSource {
         codebooks: p.codebooks,
         vocab: p.vocab,

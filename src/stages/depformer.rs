@@ -19,7 +19,9 @@ use crate::model::depformer::{Depformer, DepformerBinding, UnusedSubsteps};
 use crate::model::lm::{DepformerModel, SamplingConfig, SamplingHalf};
 use crate::model::sampling::SamplingParams;
 use crate::model::session::SessionOptions;
-use crate::runtime::{Body, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{
+    Body, CommandSpec, Context, Endpoint, Input, PortSpec, Reply, Stage, StageResult,
+};
 
 use super::model_params::{
     cuda_graph_needs_own_engine, model_params, open_pack, session_options, shared_engine,
@@ -399,7 +401,7 @@ struct DepformerStage {
 
 impl DepformerStage {
     /// The `sampling` command: all the settings applied, or none.
-    fn set_sampling(&mut self, s: &str) -> Result<String, String> {
+    fn set_sampling(&mut self, s: &str) -> Reply {
         let settings = parse_sampling(s)?;
         let (text, audio) = apply_sampling(&mut self.half.config, &settings);
         if text {

@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use crate::audio::{Framer, Pcm, FRAME_SAMPLES, MODEL_RATE};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{
+    Body, Caps, CapsError, Context, Input, PortSpec, Stage, StageError, StageResult,
+};
 
 use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
@@ -63,13 +65,15 @@ struct FramerStage {
 }
 
 impl Stage for FramerStage {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         let rate = match (self.rate, inputs[0].get(caps::RATE)) {
             (0, r) => r,
             (want, _) => {
                 inputs[0]
                     .require(caps::RATE, want as i64, "sample rate (Hz)")
-                    .map_err(|e| format!("{e}: put a `resample` stage (to: {want}) before it"))?;
+                    .map_err(|e| {
+                        CapsError::fix(e, format!("put a `resample` stage (to: {want}) before it"))
+                    })?;
                 Some(want as i64)
             }
         };

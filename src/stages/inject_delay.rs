@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, CapsError, Context, Input, PortSpec, Stage, StageResult};
 
 use super::params::stage_params;
 use super::{BuildContext, BuildError, StageKind};
@@ -169,7 +169,7 @@ struct InjectDelay {
 }
 
 impl Stage for InjectDelay {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         Ok(inputs.to_vec())
     }
 
@@ -204,7 +204,7 @@ impl Stage for Delayed {
         self.inner.finish(cx)
     }
 
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         self.inner.caps(inputs)
     }
 }

@@ -18,8 +18,8 @@ use crate::audio::{AudioError, Pcm};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Caps, CommandSpec, Context, Endpoint, Flow, PortSpec, Source, StageError, StageResult,
-    StatusSpec,
+    Body, Caps, CommandSpec, Context, Endpoint, Flow, PortSpec, Reply, Source, StageError,
+    StageResult, StatusSpec,
 };
 
 use super::params::stage_params;
@@ -195,7 +195,7 @@ impl Mic {
 
     /// Moves to device `spec` at the current rate (or the device's own when it lacks it);
     /// keeps the current device when that fails.
-    fn switch(&mut self, spec: &str) -> Result<String, String> {
+    fn switch(&mut self, spec: &str) -> Reply {
         let old = self.cap.handle.status().name.clone();
         let opened = open(spec, Some(self.cap.rate), self.reconnect)
             .or_else(|first| open(spec, None, self.reconnect).map_err(|_| first));

@@ -6,7 +6,7 @@
 
 use crate::audio::Pcm;
 use crate::config::Params;
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, CapsError, Context, Input, PortSpec, Stage, StageResult};
 
 use super::codec::{open_decoder, Decoder};
 use super::model_params::{model_params, open_pack, CodecParams, ModelParams, MODEL_STATUS};
@@ -52,7 +52,7 @@ struct MimiDecode {
 }
 
 impl Stage for MimiDecode {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         caps::require_codes(&inputs[0], self.silence.len(), self.vocab)?;
         Ok(vec![Caps::new()
             .with(caps::RATE, self.rate as i64)

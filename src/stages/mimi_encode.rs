@@ -6,7 +6,9 @@
 
 use crate::audio::Pcm;
 use crate::config::Params;
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageError, StageResult};
+use crate::runtime::{
+    Body, Caps, CapsError, Context, Input, PortSpec, Stage, StageError, StageResult,
+};
 
 use super::codec::{open_encoder, Encoder};
 use super::model_params::{model_params, open_pack, CodecParams, ModelParams, MODEL_STATUS};
@@ -52,7 +54,7 @@ struct MimiEncode {
 }
 
 impl Stage for MimiEncode {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         caps::require_pcm(&inputs[0], self.rate, Some(self.frame))?;
         Ok(vec![Caps::new()
             .with(caps::CODEBOOKS, self.codebooks as i64)

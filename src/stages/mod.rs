@@ -299,6 +299,12 @@ impl std::fmt::Display for BuildError {
 
 impl std::error::Error for BuildError {}
 
+impl From<crate::files::FileError> for BuildError {
+    fn from(e: crate::files::FileError) -> Self {
+        BuildError::invalid(e.to_string()).caused_by(e)
+    }
+}
+
 impl From<crate::model::ModelError> for BuildError {
     fn from(e: crate::model::ModelError) -> Self {
         use crate::model::ModelError as M;

@@ -17,7 +17,8 @@ use crate::audio::pace::{Budget, RealTime, Unlimited};
 use crate::audio::Pcm;
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::runtime::{
-    Body, Caps, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult, StatusSpec,
+    Body, Caps, CapsError, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult,
+    StatusSpec,
 };
 
 use super::params::stage_params;
@@ -155,7 +156,7 @@ impl Decode {
 }
 
 impl Stage for Decode {
-    fn caps(&self, _: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, _: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         Ok(vec![Caps::new().with(caps::RATE, RATE as i64)])
     }
 
@@ -222,7 +223,7 @@ impl Encode {
 }
 
 impl Stage for Encode {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         caps::require_pcm(&inputs[0], RATE, None)?;
         Ok(vec![Caps::new()])
     }

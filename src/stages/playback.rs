@@ -25,8 +25,8 @@ use crate::audio::{Pcm, WavFormat, WavWriter};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Caps, CommandSpec, Context, Endpoint, Input, LatencyHistogram, PortSpec, Stage,
-    StageError, StageResult, StatusSpec,
+    Body, Caps, CapsError, CommandSpec, Context, Endpoint, Input, LatencyHistogram, PortSpec,
+    Reply, Stage, StageError, StageResult, StatusSpec,
 };
 
 use super::params::stage_params;
@@ -249,7 +249,7 @@ struct Playback {
 
 impl Playback {
     /// Moves to device `spec` at the current rate; keeps the current device when that fails.
-    fn switch(&mut self, spec: &str) -> Result<String, String> {
+    fn switch(&mut self, spec: &str) -> Reply {
         let old = self.player.name.clone();
         match self.opener.open(spec, Some(self.player.rate)) {
             Ok(player) => {
@@ -303,9 +303,9 @@ impl Playback {
 }
 
 impl Stage for Playback {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         caps::require_pcm(&inputs[0], self.player.rate, None)
-            .map_err(|e| format!("device {:?}: {e}", self.player.name))?;
+            .map_err(|e| CapsError::Other(format!("device {:?}: {e}", self.player.name)))?;
         Ok(Vec::new())
     }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::audio::{Pcm, StreamResampler};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Caps, Context, Input, PortSpec, Stage, StageResult};
+use crate::runtime::{Body, Caps, CapsError, Context, Input, PortSpec, Stage, StageResult};
 
 use super::params::stage_params;
 use super::{caps, BuildContext, BuildError, StageKind};
@@ -79,7 +79,7 @@ impl Resample {
 }
 
 impl Stage for Resample {
-    fn caps(&self, _inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, _inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         Ok(vec![Caps::new().with(caps::RATE, self.to as i64)])
     }
 

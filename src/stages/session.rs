@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use crate::audio::pace::Budget;
 use crate::audio::{Pcm, MODEL_RATE};
 use crate::config::{ParamDefault as D, ParamSpec, ParamType as T, Params};
-use crate::runtime::{Body, Caps, Context, Flow, Input, PortSpec, Source, Stage, StageResult};
+use crate::runtime::{
+    Body, Caps, CapsError, Context, Flow, Input, PortSpec, Source, Stage, StageResult,
+};
 use crate::session::{Inbound, Outbound, Output, Received};
 
 use super::params::stage_params;
@@ -318,7 +320,7 @@ fn build_pcm_out(cx: &BuildContext<'_>, _: &Params) -> Result<Body, BuildError> 
 struct PcmOut(AudioSender);
 
 impl Stage for PcmOut {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         caps::require_pcm(&inputs[0], MODEL_RATE, None)?;
         Ok(Vec::new())
     }

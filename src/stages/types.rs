@@ -45,6 +45,8 @@ impl FrameData for AgentTokens {
 /// The [`Caps`](crate::runtime::Caps) properties stage kinds declare, so that mismatches are
 /// refused before start.
 pub mod caps {
+    use crate::runtime::CapsError;
+
     /// Sample rate of `Pcm` frames, Hz.
     pub const RATE: &str = "rate";
     /// Samples per `Pcm` frame (when every frame has the same number).
@@ -60,14 +62,18 @@ pub mod caps {
         c: &crate::runtime::Caps,
         rate: u32,
         samples: Option<usize>,
-    ) -> Result<(), String> {
-        let fix = |what: crate::runtime::CapsMismatch| {
-            match samples {
-            Some(n) => format!(
-                "{what}: put `resample` (to: {rate}) and `framer` (size: {n}, rate: {rate}) before it"
+    ) -> Result<(), CapsError> {
+        let fix = |what: crate::runtime::CapsMismatch| match samples {
+            Some(n) => CapsError::fix(
+                what,
+                format!(
+                    "put `resample` (to: {rate}) and `framer` (size: {n}, rate: {rate}) before it"
+                ),
             ),
-            None => format!("{what}: put a `resample` stage (to: {rate}) before it"),
-        }
+            None => CapsError::fix(
+                what,
+                format!("put a `resample` stage (to: {rate}) before it"),
+            ),
         };
         c.require(RATE, rate as i64, "sample rate (Hz)")
             .map_err(fix)?;
@@ -83,17 +89,16 @@ pub mod caps {
         c: &crate::runtime::Caps,
         codebooks: usize,
         vocab: i64,
-    ) -> Result<(), String> {
+    ) -> Result<(), CapsError> {
         c.require(
             CODEBOOKS,
             codebooks as i64,
             "codes per frame (the pack's codebooks)",
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         match c.get(VOCAB) {
-            Some(v) if v > vocab => Err(format!(
+            Some(v) if v > vocab => Err(CapsError::Other(format!(
                 "codes up to {v} may come, but the pack's codebooks hold {vocab} entries"
-            )),
+            ))),
             _ => Ok(()),
         }
     }

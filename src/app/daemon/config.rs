@@ -540,7 +540,7 @@ pub fn check_static(
     let e = |key: &str, kind, m: String| c.error(key, kind, m);
     if own_socket != Some(c.control_socket.as_path()) {
         crate::app::control::check_socket_path(&c.control_socket)
-            .map_err(|m| e("control_socket", ConfigErrorKind::Conflict, m))?;
+            .map_err(|err| e("control_socket", ConfigErrorKind::Conflict, err.to_string()))?;
     }
     let pack = crate::model::pack::Pack::open(Path::new(&c.pack))
         .map_err(|err| e("pack", ConfigErrorKind::Read, err.to_string()))?;

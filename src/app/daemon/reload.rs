@@ -11,8 +11,8 @@ use std::time::Instant;
 use super::config::{MIC_STAGE, SPEAKER_STAGE};
 use super::{build_pipeline, check_all, lock, may_build_alone, DaemonConfig, Shared};
 
-/// Ends a reload: logs how, and counts it for `status`.
-pub(super) fn finish_reload(shared: &Shared, outcome: Result<String, String>) {
+/// Ends a reload: logs how, and counts it for `status`. `outcome` is a reply, as a command's: what was done, or why not.
+pub(super) fn finish_reload(shared: &Shared, outcome: crate::runtime::Reply) {
     let last = match &outcome {
         Ok(done) => {
             tracing::info!("reload applied: {done}");

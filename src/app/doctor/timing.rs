@@ -477,8 +477,8 @@ pub const MEMORY_SLOTS: usize = 4;
 ///
 /// # Errors
 ///
-/// What could not be read, in words.
-pub fn memory_in_use(provider: Provider) -> Result<u64, String> {
+/// What could not be read.
+pub fn memory_in_use(provider: Provider) -> anyhow::Result<u64> {
     match provider {
         Provider::Cpu => host_memory_allocated(),
         Provider::Cuda { device_id } => cuda_memory_in_use(device_id),
@@ -494,7 +494,7 @@ pub const HOST_MEMORY: &str = "memory allocated (malloc's count)";
 /// counts whole, as it will once a conversation fills it, where the resident set would count
 /// only the pages the kernel has committed so far.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn host_memory_allocated() -> Result<u64, String> {
+fn host_memory_allocated() -> anyhow::Result<u64> {
     // SAFETY: mallinfo2 takes no arguments and only reads the allocator's counters.
     let m = unsafe { libc::mallinfo2() };
     Ok((m.uordblks + m.hblkhd) as u64)
@@ -502,12 +502,14 @@ fn host_memory_allocated() -> Result<u64, String> {
 
 /// Elsewhere there is no allocator's count to ask.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn host_memory_allocated() -> Result<u64, String> {
-    Err("the host's allocated memory is counted only with glibc's allocator".to_string())
+fn host_memory_allocated() -> anyhow::Result<u64> {
+    Err(anyhow::anyhow!(
+        "the host's allocated memory is counted only with glibc's allocator"
+    ))
 }
 
 /// `cudaMemGetInfo` on `device`: total less free (every process's memory on the device).
-fn cuda_memory_in_use(device: i32) -> Result<u64, String> {
+fn cuda_memory_in_use(device: i32) -> anyhow::Result<u64> {
     type SetDevice = unsafe extern "C" fn(i32) -> i32;
     type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
     let mut tried = Vec::new();
@@ -525,23 +527,26 @@ fn cuda_memory_in_use(device: i32) -> Result<u64, String> {
         let code = unsafe {
             let set: libloading::Symbol<SetDevice> = lib
                 .get(b"cudaSetDevice\0")
-                .map_err(|e| format!("{name}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
             let get: libloading::Symbol<MemGetInfo> = lib
                 .get(b"cudaMemGetInfo\0")
-                .map_err(|e| format!("{name}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
             match set(device) {
                 0 => get(&mut free, &mut total),
                 code => code,
             }
         };
         if code != 0 {
-            return Err(format!(
+            return Err(anyhow::anyhow!(
                 "{name}: cudaMemGetInfo on device {device} failed (error {code})"
             ));
         }
         return Ok(total.saturating_sub(free) as u64);
     }
-    Err(format!("no CUDA runtime to ask ({})", tried.join("; ")))
+    Err(anyhow::anyhow!(
+        "no CUDA runtime to ask ({})",
+        tried.join("; ")
+    ))
 }
 
 /// What opening a shared LM engine of `slots` slots, each slot's KV cache sized for the pack's
@@ -551,10 +556,10 @@ fn cuda_memory_in_use(device: i32) -> Result<u64, String> {
 ///
 /// # Errors
 ///
-/// A [`ModelError`] from opening the pack or the engine; what could not be read, in words.
-pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> Result<(u64, usize), String> {
+/// A [`ModelError`] from opening the pack or the engine; what could not be read.
+pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> anyhow::Result<(u64, usize)> {
     use crate::model::engine::{EngineOptions, SharedLm};
-    let pack = Pack::open(dir).map_err(|e| e.to_string())?;
+    let pack = Pack::open(dir)?;
     let m = &pack.manifest;
     let before = memory_in_use(provider)?;
     let engine = SharedLm::open(
@@ -568,8 +573,7 @@ pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> Result<(u64
             max_positions: m.context.min(m.max_positions).max(1),
             ..EngineOptions::default()
         },
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let after = memory_in_use(provider)?;
     Ok((after.saturating_sub(before), engine.kv_bytes_per_slot()))
 }
@@ -582,15 +586,15 @@ pub fn memory_probe(dir: &Path, provider: Provider, slots: usize) -> Result<(u64
 /// (a frame's, not a conversation's).
 pub fn engine_memory(dir: &Path, provider: Provider, slots: usize) -> String {
     let slots = slots.max(2);
-    let probe = |n: usize| -> Result<(u64, usize), String> {
-        let exe = std::env::current_exe().map_err(|e| format!("this binary: {e}"))?;
+    let probe = |n: usize| -> anyhow::Result<(u64, usize)> {
+        let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("this binary: {e}"))?;
         let o = std::process::Command::new(exe)
             .args(["doctor", "--provider", provider.name(), "--memory-probe"])
             .arg(n.to_string())
             .arg("--pack")
             .arg(dir)
             .output()
-            .map_err(|e| format!("the probe: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("the probe: {e}"))?;
         let stdout = String::from_utf8_lossy(&o.stdout);
         stdout
             .lines()
@@ -606,7 +610,7 @@ pub fn engine_memory(dir: &Path, provider: Provider, slots: usize) -> String {
                     .rev()
                     .find(|l| !l.contains(" INFO "))
                     .unwrap_or("");
-                format!("the probe of {n} slots said nothing ({}): {last}", o.status)
+                anyhow::anyhow!("the probe of {n} slots said nothing ({}): {last}", o.status)
             })
     };
     let mib = |b: f64| b / (1024.0 * 1024.0);

@@ -437,7 +437,7 @@ async fn client(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Seen {
     match talked {
         Ok(s) => s,
         Err(e) => Seen {
-            refused: Some(e),
+            refused: Some(format!("{e:#}")),
             ..Seen::default()
         },
     }

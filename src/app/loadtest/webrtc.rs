@@ -6,6 +6,7 @@
 //! answer's `Location`, through the address the offer went to: a proxy routes it back to the
 //! replica that holds the call). Knows nothing of the server's insides: only the wire.
 
+use anyhow::anyhow;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -35,8 +36,8 @@ const MAX_BODY: usize = 64 * 1024;
 
 /// One client over WebRTC: offers, waits for its session to be ready, streams `seconds` of
 /// `pcm` in real time and times the agent's frames; hangs up whatever happened once answered.
-pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
-    let endpoint: Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> anyhow::Result<Seen> {
+    let endpoint: Uri = url.parse().map_err(|e| anyhow!("{url}: {e}"))?;
     let mut rtc = Rtc::builder()
         .clear_codecs()
         .enable_opus(true, false)
@@ -45,16 +46,16 @@ pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<
     let mut sdp = rtc.sdp_api();
     let mid = sdp.add_media(MediaKind::Audio, Direction::SendRecv, None, None, None);
     sdp.add_channel("duplex".into());
-    let (offer, pending) = sdp.apply().ok_or("str0m made no offer")?;
+    let (offer, pending) = sdp.apply().ok_or_else(|| anyhow!("str0m made no offer"))?;
     let (status, headers, body) =
         http(Method::POST, &endpoint, offer.to_sdp_string(), args).await?;
     if status != StatusCode::CREATED {
-        return Err(format!("HTTP {status}: {}", body.trim()));
+        return Err(anyhow!("HTTP {status}: {}", body.trim()));
     }
     let resource = headers
         .get(header::LOCATION)
         .and_then(|l| l.to_str().ok())
-        .ok_or_else(|| "the answer has no Location".to_string())
+        .ok_or_else(|| anyhow!("the answer has no Location"))
         .and_then(|l| resolve(&endpoint, l))?;
     let call = Call::new(rtc, mid, pending, &body).await;
     let seen = match call {
@@ -66,22 +67,22 @@ pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> Result<
     let seen = seen?;
     match hangup {
         Ok((StatusCode::OK, _, _)) => Ok(seen),
-        Ok((status, _, body)) => Err(format!("the hang-up: HTTP {status}: {}", body.trim())),
-        Err(e) => Err(format!("the hang-up: {e}")),
+        Ok((status, _, body)) => Err(anyhow!("the hang-up: HTTP {status}: {}", body.trim())),
+        Err(e) => Err(anyhow!("the hang-up: {e}")),
     }
 }
 
 /// The call's resource: `location` (a path, or an absolute URL) against the offer's address.
-fn resolve(endpoint: &Uri, location: &str) -> Result<Uri, String> {
+fn resolve(endpoint: &Uri, location: &str) -> anyhow::Result<Uri> {
     let uri: Uri = location
         .parse()
-        .map_err(|e| format!("the answer's Location {location:?}: {e}"))?;
+        .map_err(|e| anyhow!("the answer's Location {location:?}: {e}"))?;
     if uri.authority().is_some() {
         return Ok(uri);
     }
     let mut parts = endpoint.clone().into_parts();
     parts.path_and_query = uri.into_parts().path_and_query;
-    Uri::from_parts(parts).map_err(|e| format!("the answer's Location {location:?}: {e}"))
+    Uri::from_parts(parts).map_err(|e| anyhow!("the answer's Location {location:?}: {e}"))
 }
 
 /// One HTTP/1.1 request (the key as `Authorization: Bearer`): its status, headers and body.
@@ -90,8 +91,8 @@ async fn http(
     uri: &Uri,
     body: String,
     args: &LoadtestArgs,
-) -> Result<(StatusCode, HeaderMap, String), String> {
-    let authority = uri.authority().ok_or_else(|| format!("{uri}: no host"))?;
+) -> anyhow::Result<(StatusCode, HeaderMap, String)> {
+    let authority = uri.authority().ok_or_else(|| anyhow!("{uri}: no host"))?;
     let address = format!(
         "{}:{}",
         authority.host(),
@@ -100,11 +101,9 @@ async fn http(
     let exchange = async {
         let tcp = tokio::net::TcpStream::connect(&address)
             .await
-            .map_err(|e| format!("{address}: {e}"))?;
+            .map_err(|e| anyhow!("{address}: {e}"))?;
         let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-                .await
-                .map_err(|e| e.to_string())?;
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
         tokio::spawn(conn);
         let mut req = Request::builder()
             .method(method)
@@ -114,14 +113,10 @@ async fn http(
         if let Some(k) = &args.key {
             req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
         }
-        let req = req
-            .body(axum::body::Body::from(body))
-            .map_err(|e| e.to_string())?;
-        let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
+        let req = req.body(axum::body::Body::from(body))?;
+        let resp = sender.send_request(req).await?;
         let (head, incoming) = resp.into_parts();
-        let bytes = axum::body::to_bytes(axum::body::Body::new(incoming), MAX_BODY)
-            .await
-            .map_err(|e| e.to_string())?;
+        let bytes = axum::body::to_bytes(axum::body::Body::new(incoming), MAX_BODY).await?;
         Ok((
             head.status,
             head.headers,
@@ -130,7 +125,7 @@ async fn http(
     };
     tokio::time::timeout(Duration::from_secs(30), exchange)
         .await
-        .map_err(|_| "no answer within 30 s".to_string())?
+        .map_err(|_| anyhow!("no answer within 30 s"))?
 }
 
 /// The first host candidate of an answer: where the server's media is.
@@ -161,8 +156,9 @@ impl Call {
         mid: Mid,
         pending: SdpPendingOffer,
         answer: &str,
-    ) -> Result<Call, String> {
-        let remote = candidate(answer).ok_or("the answer names no UDP candidate")?;
+    ) -> anyhow::Result<Call> {
+        let remote =
+            candidate(answer).ok_or_else(|| anyhow!("the answer names no UDP candidate"))?;
         // The address the system routes to the server's candidate from (no packet is sent).
         let probe = std::net::UdpSocket::bind(SocketAddr::new(
             if remote.is_ipv4() {
@@ -173,18 +169,18 @@ impl Call {
             0,
         ))
         .and_then(|s| s.connect(remote).and_then(|()| s.local_addr()))
-        .map_err(|e| format!("no route to the server's media at {remote}: {e}"))?;
+        .map_err(|e| anyhow!("no route to the server's media at {remote}: {e}"))?;
         let socket = tokio::net::UdpSocket::bind(SocketAddr::new(probe.ip(), 0))
             .await
-            .map_err(|e| format!("a UDP socket: {e}"))?;
-        let local = socket.local_addr().map_err(|e| e.to_string())?;
-        let host = Candidate::host(local, "udp").map_err(|e| format!("candidate {local}: {e}"))?;
+            .map_err(|e| anyhow!("a UDP socket: {e}"))?;
+        let local = socket.local_addr()?;
+        let host = Candidate::host(local, "udp").map_err(|e| anyhow!("candidate {local}: {e}"))?;
         rtc.add_local_candidate(host);
         let answer =
-            SdpAnswer::from_sdp_string(answer).map_err(|e| format!("the server's answer: {e}"))?;
+            SdpAnswer::from_sdp_string(answer).map_err(|e| anyhow!("the server's answer: {e}"))?;
         rtc.sdp_api()
             .accept_answer(pending, answer)
-            .map_err(|e| format!("the server's answer: {e}"))?;
+            .map_err(|e| anyhow!("the server's answer: {e}"))?;
         Ok(Call {
             rtc,
             socket,
@@ -194,7 +190,7 @@ impl Call {
     }
 
     /// Streams `seconds` of `pcm` from the session's `ready`, then waits for the last answers.
-    async fn run(mut self, pcm: &[f32], args: &LoadtestArgs) -> Result<Seen, String> {
+    async fn run(mut self, pcm: &[f32], args: &LoadtestArgs) -> anyhow::Result<Seen> {
         let mut s = Stream::new(pcm, args)?;
         let tail = args.tail();
         let offered = Instant::now();
@@ -210,7 +206,7 @@ impl Call {
                 now + Duration::from_millis(100),
                 |e| events.push(e),
             )
-            .map_err(|e| format!("WebRTC: {e}"))?;
+            .map_err(|e| anyhow!("WebRTC: {e}"))?;
             for e in events {
                 if s.event(e, self.mid)? {
                     return self.seen(s, args);
@@ -219,7 +215,7 @@ impl Call {
             let over = match s.t0 {
                 _ if !self.rtc.is_alive() => true,
                 None if now.duration_since(offered) > READY_WITHIN => {
-                    return Err(format!("not ready within {} s", READY_WITHIN.as_secs()));
+                    return Err(anyhow!("not ready within {} s", READY_WITHIN.as_secs()));
                 }
                 None => false,
                 Some(t0) => s.sent == s.packets && now >= s.due(t0) + tail,
@@ -256,19 +252,19 @@ impl Call {
     }
 
     /// Sends one packet of the user's audio, stamped `ticks` on the RTP clock.
-    fn write(&mut self, data: &[u8], ticks: u64, now: Instant) -> Result<(), String> {
+    fn write(&mut self, data: &[u8], ticks: u64, now: Instant) -> anyhow::Result<()> {
         match crate::app::rtc::write_opus(&mut self.rtc, self.mid, now, ticks, data) {
             Ok(true) => Ok(()),
-            Ok(false) => Err("the answer took no Opus".into()),
-            Err(e) => Err(format!("WebRTC: {e}")),
+            Ok(false) => Err(anyhow!("the answer took no Opus")),
+            Err(e) => Err(anyhow!("WebRTC: {e}")),
         }
     }
 
     /// What the client saw, once the session was ready (else why it was not).
-    fn seen(&mut self, s: Stream<'_>, args: &LoadtestArgs) -> Result<Seen, String> {
+    fn seen(&mut self, s: Stream<'_>, args: &LoadtestArgs) -> anyhow::Result<Seen> {
         self.rtc.disconnect();
         let t0 =
-            s.t0.ok_or("the connection failed before the session was ready")?;
+            s.t0.ok_or_else(|| anyhow!("the connection failed before the session was ready"))?;
         // Frame k is whole once its last packet has gone, at t0 + k · 80 ms + 60 ms.
         let whole = t0 + PACKET_TIME * (PACKETS_PER_FRAME - 1);
         Ok(seen(&s.arrivals, whole, s.frames, args.buffer_ms))
@@ -292,9 +288,9 @@ struct Stream<'a> {
 }
 
 impl<'a> Stream<'a> {
-    fn new(pcm: &'a [f32], args: &LoadtestArgs) -> Result<Stream<'a>, String> {
+    fn new(pcm: &'a [f32], args: &LoadtestArgs) -> anyhow::Result<Stream<'a>> {
         let mut encoder = opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
-            .map_err(|e| format!("an Opus encoder: {e}"))?;
+            .map_err(|e| anyhow!("an Opus encoder: {e}"))?;
         let _ = encoder.set_bitrate(opus::Bitrate::Bits(BITRATE));
         let frames = args.frames();
         Ok(Stream {
@@ -322,14 +318,14 @@ impl<'a> Stream<'a> {
     }
 
     /// Sends the packets due at `now` on `call`.
-    fn send_due(&mut self, call: &mut Call, now: Instant) -> Result<(), String> {
+    fn send_due(&mut self, call: &mut Call, now: Instant) -> anyhow::Result<()> {
         let mut packet = [0u8; 1500];
         while self.next_packet().is_some_and(|at| at <= now) {
             let samples = chunk(self.pcm, self.sent, PACKET_SAMPLES);
             let n = self
                 .encoder
                 .encode_float(&samples, &mut packet)
-                .map_err(|e| format!("Opus: {e}"))?;
+                .map_err(|e| anyhow!("Opus: {e}"))?;
             call.write(&packet[..n], self.sent as u64 * PACKET_TICKS, now)?;
             self.sent += 1;
         }
@@ -338,7 +334,7 @@ impl<'a> Stream<'a> {
 
     /// Takes one of the peer's events; `true` when the server ended the session after it was
     /// ready (what came, came), an error when it refused or ended it before.
-    fn event(&mut self, e: Event, mid: Mid) -> Result<bool, String> {
+    fn event(&mut self, e: Event, mid: Mid) -> anyhow::Result<bool> {
         match e {
             // What the agent said before the user's first packet answers none of them.
             Event::MediaData(d) if d.mid == mid && self.t0.is_some() => {
@@ -353,12 +349,12 @@ impl<'a> Stream<'a> {
                 match (v["type"].as_str(), self.t0) {
                     (Some("ready"), None) => self.t0 = Some(Instant::now()),
                     (Some("error"), None) => {
-                        return Err(v["message"].as_str().unwrap_or("error").into());
+                        return Err(anyhow!("{}", v["message"].as_str().unwrap_or("error")));
                     }
                     (Some("end"), Some(_)) => return Ok(true),
                     (Some("end"), None) => {
                         let r = v["reason"].as_str().unwrap_or("ended");
-                        return Err(format!("ended before it was ready: {r}"));
+                        return Err(anyhow!("ended before it was ready: {r}"));
                     }
                     _ => {}
                 }

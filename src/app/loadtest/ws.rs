@@ -4,6 +4,7 @@
 //! comes (Ogg pages by their granule positions, nothing decoded; realtime deltas by their
 //! length). Knows nothing of the server's insides: only the wire.
 
+use anyhow::anyhow;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
@@ -30,31 +31,27 @@ pub(super) async fn talk(
     protocol: Wire,
     pcm: &[f32],
     args: &LoadtestArgs,
-) -> Result<Seen, String> {
+) -> anyhow::Result<Seen> {
     let (mut tx, mut rx) = connect(url, args).await?.split();
     if protocol == Wire::Realtime {
         let update = serde_json::json!({
             "type": "session.update",
             "session": {"type": "realtime"},
         });
-        tx.send(Message::Text(update.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        tx.send(Message::Text(update.to_string().into())).await?;
         // The session starts at the first audio: one frame of silence asks for it.
         let silence =
             base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * FRAME_SAMPLES]);
         let append = serde_json::json!({"type": "input_audio_buffer.append", "audio": silence});
-        tx.send(Message::Text(append.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        tx.send(Message::Text(append.to_string().into())).await?;
     }
     tokio::time::timeout(Duration::from_secs(120), ready(&mut rx, protocol))
         .await
-        .map_err(|_| "not ready within 120 s".to_string())??;
+        .map_err(|_| anyhow!("not ready within 120 s"))??;
     let frames = args.frames();
     let t0 = Instant::now();
     let reader = tokio::spawn(arrivals(rx, protocol));
-    let mut w = OggOpusWriter::new(1, None).map_err(|e| e.to_string())?;
+    let mut w = OggOpusWriter::new(1, None)?;
     for k in 0..frames {
         let frame = chunk(pcm, k, FRAME_SAMPLES);
         if tx
@@ -71,8 +68,7 @@ pub(super) async fn talk(
     let _ = tx.send(Message::Close(None)).await;
     let arrivals = tokio::time::timeout(Duration::from_secs(10), reader)
         .await
-        .map_err(|_| "the server did not close".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| anyhow!("the server did not close"))??;
     // Frame k was sent at t0 + k · 80 ms; the agent's k-th frame answers it (after the frame
     // of silence that started a realtime session).
     let skip = usize::from(protocol == Wire::Realtime);
@@ -84,18 +80,17 @@ pub(super) async fn talk(
 async fn connect(
     url: &str,
     args: &LoadtestArgs,
-) -> Result<
+) -> anyhow::Result<
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
-    String,
 > {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let mut req = url
         .into_client_request()
-        .map_err(|e| format!("{url}: {e}"))?;
+        .map_err(|e| anyhow!("{url}: {e}"))?;
     if let Some(k) = &args.key {
         let v = format!("Bearer {k}")
             .parse()
-            .map_err(|_| "the key is not a header value".to_string())?;
+            .map_err(|_| anyhow!("the key is not a header value"))?;
         req.headers_mut().insert("authorization", v);
     }
     let (ws, _) = tokio::time::timeout(
@@ -103,7 +98,7 @@ async fn connect(
         tokio_tungstenite::connect_async(req),
     )
     .await
-    .map_err(|_| "no answer within 30 s".to_string())?
+    .map_err(|_| anyhow!("no answer within 30 s"))?
     .map_err(|e| match e {
         WsError::Http(r) => {
             let body = r
@@ -111,23 +106,23 @@ async fn connect(
                 .as_ref()
                 .map(|b| String::from_utf8_lossy(b).trim().to_string())
                 .unwrap_or_default();
-            format!("HTTP {}: {body}", r.status())
+            anyhow!("HTTP {}: {body}", r.status())
         }
-        e => e.to_string(),
+        e => anyhow!(e),
     })?;
     Ok(ws)
 }
 
 /// Until the session is ready: Kyutai's handshake, the realtime API's response.created.
-async fn ready<S>(rx: &mut S, protocol: Wire) -> Result<(), String>
+async fn ready<S>(rx: &mut S, protocol: Wire) -> anyhow::Result<()>
 where
     S: futures_util::Stream<Item = Result<Message, WsError>> + Unpin,
 {
     while let Some(m) = rx.next().await {
-        match m.map_err(|e| e.to_string())? {
+        match m? {
             Message::Binary(b) if protocol == Wire::Kyutai => match b.first() {
                 Some(0) => return Ok(()),
-                Some(5) => return Err(String::from_utf8_lossy(&b[1..]).into_owned()),
+                Some(5) => return Err(anyhow!("{}", String::from_utf8_lossy(&b[1..]))),
                 _ => {}
             },
             Message::Text(t) if protocol == Wire::Realtime => {
@@ -135,18 +130,24 @@ where
                 match v["type"].as_str() {
                     Some("response.created") => return Ok(()),
                     Some("error") => {
-                        return Err(v["error"]["message"].as_str().unwrap_or("error").into())
+                        return Err(anyhow!(
+                            "{}",
+                            v["error"]["message"].as_str().unwrap_or("error")
+                        ))
                     }
                     _ => {}
                 }
             }
             Message::Close(c) => {
-                return Err(c.map_or("closed".into(), |c| c.reason.to_string()));
+                return Err(anyhow!(
+                    "{}",
+                    c.map_or("closed".into(), |c| c.reason.to_string())
+                ));
             }
             _ => {}
         }
     }
-    Err("closed before the session was ready".to_string())
+    Err(anyhow!("closed before the session was ready"))
 }
 
 /// The agent's frames as they come: when each 80 ms of audio (at 24 kHz) arrived, in order.
@@ -188,11 +189,11 @@ where
 }
 
 /// One frame of the user's audio as the protocol sends it.
-fn frame_message(w: &mut OggOpusWriter, protocol: Wire, frame: &[f32]) -> Result<Message, String> {
+fn frame_message(w: &mut OggOpusWriter, protocol: Wire, frame: &[f32]) -> anyhow::Result<Message> {
     Ok(match protocol {
         Wire::Kyutai => {
             let mut b = vec![1u8];
-            for p in w.push(frame).map_err(|e| e.to_string())? {
+            for p in w.push(frame)? {
                 b.extend_from_slice(&p);
             }
             Message::Binary(b.into())

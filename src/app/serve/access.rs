@@ -19,6 +19,7 @@
 //!
 //! Knows nothing of sessions or sockets.
 
+use crate::files::FileError;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
@@ -128,21 +129,21 @@ impl Keys {
     ///
     /// # Errors
     ///
-    /// A message naming the file and line (or the variable and entry), never the key.
-    pub fn load(file: Option<&Path>, env: Option<&str>) -> Result<Keys, String> {
+    /// A [`FileError`] naming the file and line (or the variable and entry), never the key.
+    pub fn load(file: Option<&Path>, env: Option<&str>) -> Result<Keys, FileError> {
         let mut keys = Vec::new();
         if let Some(f) = file {
             let text = crate::files::read_limited(f, 1 << 20)
-                .map_err(|e| format!("{}: {e}", f.display()))?;
-            let text =
-                String::from_utf8(text).map_err(|_| format!("{}: not UTF-8 text", f.display()))?;
+                .map_err(|e| FileError::new(f.display(), e))?;
+            let text = String::from_utf8(text)
+                .map_err(|_| FileError::new(f.display(), "not UTF-8 text"))?;
             for (i, line) in text.lines().enumerate() {
                 let line = line.trim();
                 if line.is_empty() || line.starts_with('#') {
                     continue;
                 }
                 let k = parse_entry(line, keys.len())
-                    .map_err(|e| format!("{} line {}: {e}", f.display(), i + 1))?;
+                    .map_err(|e| FileError::new(format!("{} line {}", f.display(), i + 1), e))?;
                 keys.push(k);
             }
         }
@@ -152,7 +153,7 @@ impl Keys {
                     continue;
                 }
                 let k = parse_entry(entry, keys.len())
-                    .map_err(|e| format!("{KEYS_ENV} entry {}: {e}", i + 1))?;
+                    .map_err(|e| FileError::new(format!("{KEYS_ENV} entry {}", i + 1), e))?;
                 keys.push(k);
             }
         }
@@ -235,10 +236,10 @@ impl Keys {
 ///
 /// # Errors
 ///
-/// A message naming the file and what to do.
-pub fn check_keys_file(file: &Path) -> Result<(), String> {
-    let text = crate::files::read_limited(file, 1 << 20)
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+/// A [`FileError`] naming the file and what to do.
+pub fn check_keys_file(file: &Path) -> Result<(), FileError> {
+    let text =
+        crate::files::read_limited(file, 1 << 20).map_err(|e| FileError::new(file.display(), e))?;
     let text = String::from_utf8_lossy(&text);
     let entries: Vec<&str> = text
         .lines()
@@ -246,10 +247,10 @@ pub fn check_keys_file(file: &Path) -> Result<(), String> {
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
         .collect();
     if entries.is_empty() {
-        return Err(format!(
-            "{}: no key in it (only blank lines and comments): the server would start open to \
+        return Err(FileError::new(
+            file.display(),
+            "no key in it (only blank lines and comments): the server would start open to \
              anyone; add keys, or leave keys_file empty",
-            file.display()
         ));
     }
     let clear = entries.iter().any(|e| !e.starts_with("sha256:"));
@@ -257,15 +258,17 @@ pub fn check_keys_file(file: &Path) -> Result<(), String> {
     {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(file)
-            .map_err(|e| format!("{}: {e}", file.display()))?
+            .map_err(|e| FileError::new(file.display(), e))?
             .permissions()
             .mode();
         if clear && mode & 0o077 != 0 {
-            return Err(format!(
-                "{}: holds keys in the clear and its group or others may read it (mode {:03o}): \
-                 chmod 600 it, or list the keys' sha256: digests instead",
+            return Err(FileError::new(
                 file.display(),
-                mode & 0o777
+                format!(
+                    "holds keys in the clear and its group or others may read it (mode {:03o}): \
+                     chmod 600 it, or list the keys' sha256: digests instead",
+                    mode & 0o777
+                ),
             ));
         }
     }
@@ -618,7 +621,7 @@ mod tests {
             ("long-enough-key-000 colour=red", "colour=red"),
         ] {
             std::fs::write(&f, text).unwrap();
-            let e = Keys::load(Some(&f), None).unwrap_err();
+            let e = Keys::load(Some(&f), None).unwrap_err().to_string();
             assert!(e.contains("line 1") && e.contains(needle), "{e}");
             assert!(
                 !e.contains("long-enough-key-000"),

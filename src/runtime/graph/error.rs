@@ -95,7 +95,7 @@ pub enum GraphErrorKind {
         /// The consuming stage.
         stage: String,
         /// What it needs and what it gets.
-        reason: String,
+        reason: super::super::CapsError,
     },
 }
 

@@ -38,8 +38,8 @@ use crate::model::temporal::{KvMode, Temporal, TemporalOptions};
 use crate::model::tokenizer::{Tokenizer, Transcript};
 use crate::observe::names;
 use crate::runtime::{
-    Body, Caps, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageError, StageResult,
-    StatusSpec,
+    Body, Caps, CapsError, CommandSpec, Context, Endpoint, Input, PortSpec, Stage, StageError,
+    StageResult, StatusSpec,
 };
 
 use super::model_params::{
@@ -495,7 +495,7 @@ impl TemporalStage {
 }
 
 impl Stage for TemporalStage {
-    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, String> {
+    fn caps(&self, inputs: &[Caps]) -> Result<Vec<Caps>, CapsError> {
         let m = &self.manifest;
         caps::require_codes(&inputs[0], m.codebooks, m.audio_vocab)?;
         let agent = Caps::new()

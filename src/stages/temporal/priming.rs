@@ -26,22 +26,28 @@ pub(crate) const VOICE_MIN_RATE: u32 = 8000;
 ///
 /// # Errors
 ///
-/// What is wrong, naming the file.
-pub(crate) fn check_voice(path: &Path, max_seconds: f64) -> Result<usize, String> {
-    let r = WavReader::open(path).map_err(|e| e.to_string())?;
+/// An [`AudioError`](crate::audio::AudioError) naming the file: not a readable WAV, or one
+/// unfit for a voice prompt.
+pub(crate) fn check_voice(
+    path: &Path,
+    max_seconds: f64,
+) -> Result<usize, crate::audio::AudioError> {
+    let r = WavReader::open(path)?;
+    let unfit = |detail: String| crate::audio::AudioError::Unfit {
+        path: path.into(),
+        detail,
+    };
     if r.rate() < VOICE_MIN_RATE {
-        return Err(format!(
-            "{}: {} Hz; a voice prompt needs {VOICE_MIN_RATE} Hz or more",
-            path.display(),
+        return Err(unfit(format!(
+            "{} Hz; a voice prompt needs {VOICE_MIN_RATE} Hz or more",
             r.rate()
-        ));
+        )));
     }
     let seconds = r.frames() as f64 / r.rate() as f64;
     if seconds > max_seconds {
-        return Err(format!(
-            "{}: {seconds:.1} s; a voice prompt may last {max_seconds} s at most (`max_voice_s`)",
-            path.display()
-        ));
+        return Err(unfit(format!(
+            "{seconds:.1} s; a voice prompt may last {max_seconds} s at most (`max_voice_s`)"
+        )));
     }
     Ok((seconds / 0.08).ceil() as usize)
 }
@@ -56,7 +62,8 @@ pub(super) fn voice_codes(
     m: &ModelParams,
 ) -> Result<std::sync::Arc<Vec<Vec<i64>>>, BuildError> {
     let voice = |e: String| BuildError::invalid(e).key("voice");
-    let frames = check_voice(path, t.max_voice_s).map_err(voice)?;
+    let frames = check_voice(path, t.max_voice_s)
+        .map_err(|e| BuildError::invalid(e.to_string()).key("voice"))?;
     let limit = t.max_positions;
     if limit > 0 && frames >= limit {
         return Err(voice(format!(

@@ -80,10 +80,10 @@ pub(super) fn read(
         .and_then(|e| e.get(crate::app::serve::access::KEYS_ENV))
         .cloned();
     let keys = Keys::load(keys_file.as_deref(), keys_env.as_deref())
-        .map_err(|m| f.err(ConfigErrorKind::Read, "keys_file", m))?;
+        .map_err(|e| f.err(ConfigErrorKind::Read, "keys_file", e.to_string()))?;
     if let Some(k) = &keys_file {
         crate::app::serve::access::check_keys_file(k)
-            .map_err(|m| f.err(ConfigErrorKind::OutOfRange, "keys_file", m))?;
+            .map_err(|e| f.err(ConfigErrorKind::OutOfRange, "keys_file", e.to_string()))?;
     }
     let allow_anonymous = f.boolean("allow_anonymous")?;
     let protect_metrics = f.boolean("protect_metrics")?;

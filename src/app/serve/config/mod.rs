@@ -14,6 +14,7 @@ mod query;
 mod realtime;
 mod webrtc;
 
+use crate::files::FileError;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -293,27 +294,29 @@ fn read_record(r: &Fields<'_>) -> Result<Option<RecordSessions>, ConfigError> {
 /// The primed-state file as the server will read it at start and write it at exit: a regular
 /// file when it exists (a FIFO or a device would hang the start or take the states), in a
 /// folder that exists (else the states would be lost at exit).
-fn check_prime_cache_file(p: &Path) -> Result<PathBuf, String> {
+fn check_prime_cache_file(p: &Path) -> Result<PathBuf, FileError> {
     match std::fs::metadata(p) {
         Ok(m) if m.is_file() => {}
         Ok(_) => {
-            return Err(format!(
-                "{}: not a regular file (a file `duplex prime --out` wrote, or none yet)",
-                p.display()
+            return Err(FileError::new(
+                p.display(),
+                "not a regular file (a file `duplex prime --out` wrote, or none yet)",
             ))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("{}: {e}", p.display())),
+        Err(e) => return Err(FileError::new(p.display(), e)),
     }
     let folder = match p.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
     if !folder.is_dir() {
-        return Err(format!(
-            "{}: the folder {} does not exist (the primed states are written there at exit)",
+        return Err(FileError::new(
             p.display(),
-            folder.display()
+            format!(
+                "the folder {} does not exist (the primed states are written there at exit)",
+                folder.display()
+            ),
         ));
     }
     Ok(p.to_path_buf())
@@ -426,7 +429,7 @@ pub fn load(
         {
             Some(p) => Some(
                 check_prime_cache_file(&p)
-                    .map_err(|m| f.err(ConfigErrorKind::Read, "prime_cache_file", m))?,
+                    .map_err(|e| f.err(ConfigErrorKind::Read, "prime_cache_file", e.to_string()))?,
             ),
             None => None,
         },
