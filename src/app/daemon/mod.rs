@@ -4,10 +4,12 @@
 //! built-in defaults, the user's file, `DUPLEX__…` variables). This module runs it: it builds
 //! the pipeline (`--check` builds it and stops there), reports readiness once the models are
 //! loaded and warmed up (`READY=1` to systemd when `NOTIFY_SOCKET` is set, with watchdog pings),
-//! answers a control socket, stops gracefully on SIGINT/SIGTERM and reloads on SIGHUP. The
-//! signal hooks only tell the shared state; the main loop acts on it (a stop while a pipeline
-//! is being built, on a thread of its own, ends the wait for it: nothing is left to drain). The
-//! recording switch (`ctl record`) lives in `record.rs`, SIGHUP's checks in `reload.rs`. A reload
+//! answers a control socket, stops gracefully on SIGINT/SIGTERM and reloads on SIGHUP. Where
+//! the pipeline stands (running, replaced, stopping) is one state machine (`state.rs`): the
+//! stop hook only moves it and drains what runs; the main loop acts on it (a stop while a
+//! pipeline is being built, on a thread of its own, ends the wait for it: nothing is left to
+//! drain). The recording switch (`ctl record`) lives in `record.rs`, SIGHUP's checks in
+//! `reload.rs`. A reload
 //! is checked whole before anything changes; persona and sampling then apply at the next frame
 //! boundary; a new input or output device moves only the stage that owns it (models and
 //! conversation untouched); a new pack, pipeline, voice, tokenizer, long-session policy or seed
@@ -20,6 +22,7 @@ mod config;
 mod live;
 mod record;
 mod reload;
+mod state;
 
 pub use config::{
     check_all, check_static, config_path, control_socket, load_config, DaemonConfig, Sampling,
@@ -39,6 +42,7 @@ use super::control::{applied, Command, Handler, STAGE_ANSWER};
 use live::Live;
 use record::RecordState;
 use reload::{finish_reload, reload};
+use state::{After, Lifecycle};
 
 /// `duplex daemon --check`: every check start-up makes, start-up included short of running:
 /// the configuration and everything [`check_static`] checks, then the pipeline is built
@@ -99,7 +103,7 @@ fn watchdog(shared: &Shared, every: Duration) {
     let mut stalled_since: Option<Instant> = None;
     loop {
         std::thread::sleep(every);
-        if shared.shutdown.load(Ordering::Acquire) {
+        if shared.life.stopping() {
             return;
         }
         let live = shared.live();
@@ -147,13 +151,9 @@ struct Shared {
     /// The last configuration whose pipeline was built and ran: what a reload that cannot be
     /// built goes back to (never one that was rejected).
     last_good: Mutex<DaemonConfig>,
-    /// The pipeline running now.
-    current: Mutex<Option<Live>>,
-    /// A pipeline built for a new configuration beside the running one, waiting to start.
-    next: Mutex<Option<Built>>,
-    /// A reload's pipeline could not be built beside the running one (not enough memory for
-    /// two): build it alone once the running one has stopped.
-    alone: AtomicBool,
+    /// The pipeline running now, the one waiting to replace it, the stops asked for: the state
+    /// the main loop, reloads and the signal hook move.
+    life: Lifecycle,
     /// One reload at a time.
     reloading: Mutex<()>,
     /// Reloads finished so far, and how the last one ended (for `status`).
@@ -161,8 +161,6 @@ struct Shared {
     /// The user's switches: they outlive a pipeline, and each new one is given them.
     muted: AtomicBool,
     paused: AtomicBool,
-    /// The daemon is stopping for good.
-    shutdown: AtomicBool,
     /// Whether the user wants conversations recorded, and whether a recorded one is starting.
     /// `ctl record on|off` and the start of every pipeline take this lock, so that an `off`
     /// is never lost between a recording's build and its start.
@@ -170,8 +168,6 @@ struct Shared {
     /// The control socket, once this process has bound it (a reload's check does not take it
     /// for another daemon's).
     socket: Mutex<Option<PathBuf>>,
-    /// Pipelines started so far.
-    starts: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -180,20 +176,16 @@ impl Shared {
             started: Instant::now(),
             config: Mutex::new(c.clone()),
             last_good: Mutex::new(c.clone()),
-            current: Mutex::new(None),
-            next: Mutex::new(None),
-            alone: AtomicBool::new(false),
+            life: Lifecycle::default(),
             reloading: Mutex::new(()),
             reloads: Mutex::new((0, String::new())),
             muted: AtomicBool::new(false),
             paused: AtomicBool::new(false),
-            shutdown: AtomicBool::new(false),
             record: Mutex::new(RecordState {
                 wanted: c.record,
                 starting: false,
             }),
             socket: Mutex::new(None),
-            starts: Default::default(),
             resources: crate::app::process_resources(1),
         }
     }
@@ -215,9 +207,7 @@ impl Shared {
         loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(built) => return Some(built),
-                Err(RecvTimeoutError::Timeout) if self.shutdown.load(Ordering::Acquire) => {
-                    return None
-                }
+                Err(RecvTimeoutError::Timeout) if self.life.stopping() => return None,
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     return Some(Err(anyhow::anyhow!(
@@ -299,19 +289,16 @@ impl Shared {
                 }
             }
         }
-        if let Ok(mut g) = self.current.lock() {
-            *g = Some(live.clone());
-        }
-        self.starts.fetch_add(1, Ordering::AcqRel);
+        let stopping = self.life.started(live.clone());
         drop(record);
-        if self.shutdown.load(Ordering::Acquire) {
+        if stopping {
             live.handle.stop();
         }
         Ok((running, live))
     }
 
     fn live(&self) -> Option<Live> {
-        lock(&self.current).flatten()
+        self.life.live()
     }
 
     /// What [`Shared::record`] says now.
@@ -450,7 +437,7 @@ pub fn run(explicit: Option<&Path>) -> anyhow::Result<()> {
     drop(control);
     // The states primed meanwhile, for the next start (`prime_cache_file`), once a pipeline ran.
     let file = lock(&shared.config).and_then(|c| c.prime_cache_file.clone());
-    if let Some(file) = file.filter(|_| shared.starts.load(Ordering::Acquire) > 0) {
+    if let Some(file) = file.filter(|_| shared.life.starts() > 0) {
         super::save_primed_states(&shared.resources, &file);
     }
     result
@@ -481,11 +468,11 @@ fn install_signals(shared: &Arc<Shared>, explicit: Option<&Path>) -> super::Sign
     let explicit = explicit.map(Path::to_path_buf);
     super::SignalGuard::install_hooks(
         move |count| {
-            stop_shared.shutdown.store(true, Ordering::Release);
+            let live = stop_shared.life.stop(count);
             if count == 1 {
                 sd_notify("STOPPING=1");
             }
-            match stop_shared.live() {
+            match live {
                 Some(l) if count == 1 => {
                     tracing::warn!("stop requested: draining the pipeline (signal again to abort)");
                     l.handle.stop();
@@ -525,19 +512,13 @@ fn supervise(shared: &Arc<Shared>) -> anyhow::Result<()> {
         spawn_ready(shared, live, first);
         first = false;
         let outcome = running.wait();
-        if let Ok(mut g) = shared.current.lock() {
-            *g = None;
-        }
         let failed = |e| Err(anyhow::Error::new(e).context("daemon pipeline"));
-        if shared.shutdown.load(Ordering::Acquire) {
-            return outcome.error.map_or(Ok(()), failed);
-        }
         // Stopped for a reload: a pipeline built beside this one, or (when it could not be)
         // the new configuration to build alone.
-        prepared = shared.next.lock().ok().and_then(|mut n| n.take());
-        let alone = shared.alone.swap(false, Ordering::AcqRel);
-        if prepared.is_none() && !alone {
-            return outcome.error.map_or(Ok(()), failed);
+        match shared.life.ended() {
+            After::Stop | After::Ended => return outcome.error.map_or(Ok(()), failed),
+            After::Replace(b) => prepared = Some(*b),
+            After::BuildAlone => {}
         }
         tracing::info!("restarting the pipeline with the new configuration");
     }

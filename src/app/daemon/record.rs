@@ -2,7 +2,6 @@
 //! pipeline built beside the running one; or the running recording stopped, or one still
 //! starting cancelled. Knows the daemon's shared state, not how pipelines are built.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -134,11 +133,11 @@ fn start_recording(shared: &Arc<Shared>) {
         return done(shared);
     };
     new.record = true;
-    let starts = shared.starts.load(Ordering::Acquire);
+    let starts = shared.life.starts();
     if reload::rebuild(shared, new, true) {
         let t0 = Instant::now();
-        while shared.starts.load(Ordering::Acquire) == starts
-            && !shared.shutdown.load(Ordering::Acquire)
+        while shared.life.starts() == starts
+            && !shared.life.stopping()
             && t0.elapsed() < Duration::from_secs(600)
         {
             std::thread::sleep(Duration::from_millis(20));

@@ -4,7 +4,6 @@
 //! seed). Every reload ends in one line of the log and in `ctl status` (`reloads`).
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,7 +44,7 @@ pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig, for_recording: bo
     tracing::warn!("building a new pipeline beside the running one");
     let t0 = Instant::now();
     match build_pipeline(&new, &shared.resources) {
-        Ok(built) if !shared.shutdown.load(Ordering::Acquire) => {
+        Ok(built) if !shared.life.stopping() => {
             // The recording's lock, then the configuration's: the order `ctl record` takes them.
             let Ok(record) = shared.record.lock() else {
                 return false;
@@ -65,14 +64,14 @@ pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig, for_recording: bo
                 after_ms = t0.elapsed().as_millis() as u64,
                 "new pipeline built; replacing the running one"
             );
-            if let Ok(mut n) = shared.next.lock() {
-                *n = Some(built);
-            }
+            let old = shared.life.replace_with(built);
             if let Ok(mut c) = shared.config.lock() {
                 *c = new;
             }
             drop(record);
-            stop_current(shared);
+            if let Some(old) = old {
+                old.handle.stop();
+            }
             finish_reload(
                 shared,
                 Ok("new pipeline built beside the running one".into()),
@@ -87,21 +86,16 @@ pub(super) fn rebuild(shared: &Arc<Shared>, new: DaemonConfig, for_recording: bo
             if let Ok(mut c) = shared.config.lock() {
                 *c = new;
             }
-            shared.alone.store(true, Ordering::Release);
             // The main loop ends this reload, once it has built (or failed to build) alone.
-            stop_current(shared);
+            if let Some(old) = shared.life.build_alone() {
+                old.handle.stop();
+            }
             true
         }
         Err(e) => {
             finish_reload(shared, Err(format!("{e:#}")));
             false
         }
-    }
-}
-
-fn stop_current(shared: &Shared) {
-    if let Some(live) = shared.live() {
-        live.handle.stop();
     }
 }
 
