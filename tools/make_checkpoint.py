@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a tiny checkpoint folder in Kyutai's format, with random weights, for export tests.
+"""Writes a checkpoint folder in Kyutai's format, with random weights, for export tests.
 
 A real PersonaPlex or Moshi download holds the LM's `model.safetensors`, the Mimi codec's
 `tokenizer-e351c8d8-checkpoint125.safetensors` and the SentencePiece `tokenizer_spm_32k_3.model`
@@ -21,7 +21,15 @@ same files at a tiny size, so that `tools/export_pack.py` runs its real loading 
 Weights are stored in bfloat16, as the published checkpoints are. Every tensor is drawn from a
 generator seeded by its name, so a rewrite is byte-identical.
 
+`--size 7b` writes PersonaPlex-7B's tensor names, shapes and dtypes (15.6 GB for the LM, 0.3 GB
+for Mimi) and its `config.json`; `--layers N` keeps N temporal layers (and at most N depformer
+layers) at the real widths. The files are written tensor by tensor as they are drawn (the
+safetensors header first, from the shapes alone), so the writer holds one tensor at a time,
+never the checkpoint; each file is written under a `.partial` name and renamed once whole, so an
+interrupted run leaves nothing that looks like a checkpoint.
+
     python tools/make_checkpoint.py OUT_DIR [--tokenizer models/tokenizer-tiny.model]
+    python tools/make_checkpoint.py OUT_DIR --size 7b [--layers 1]
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolio import need_file, refuse, stop  # noqa: E402
@@ -93,6 +102,25 @@ MIMI = {
     "compress": 2,
 }
 
+# PersonaPlex-7B (nvidia/personaplex-7b-v1): Kyutai's 7B temporal transformer and a depformer
+# predicting all 16 codebooks (the agent's and the user's).
+LM_7B = dict(
+    LM_CONFIG,
+    dim=4096,
+    num_heads=32,
+    num_layers=32,
+    depformer_dim=1024,
+    depformer_dim_feedforward=int(4.125 * 1024),
+    depformer_num_heads=16,
+    depformer_num_layers=6,
+)
+# Mimi as published: SEANet of 64 filters to 512 channels, 8-layer transformers of width 512
+# (8 heads, feed-forward 2048), 256-wide codebooks.
+MIMI_FULL = dict(
+    MIMI, n_filters=64, dimension=512, tr_layers=8, tr_heads=8, tr_ffn=2048, vq_dim=256
+)
+SIZES = {"tiny": (LM_CONFIG, MIMI), "7b": (LM_7B, MIMI_FULL)}
+
 
 def _gating_hidden(dim: int, dim_feedforward: int) -> int:
     # Kyutai's ActivationGating: (21 * dim) // 8 for a 4 * dim feed-forward, else 2/3 of it.
@@ -100,11 +128,13 @@ def _gating_hidden(dim: int, dim_feedforward: int) -> int:
 
 
 class Weights:
-    """Named random tensors, each from a generator seeded by its name."""
+    """Named random tensors, each from a generator seeded by its name, drawn when written
+    ([`write_safetensors`]): only their names, shapes and dtypes are held until then."""
 
     def __init__(self, seed: int):
         self.seed = seed
-        self.tensors: dict[str, np.ndarray] = {}
+        # name -> (dtype, shape, draw)
+        self.tensors: dict[str, tuple] = {}
 
     def _rng(self, name: str) -> np.random.Generator:
         digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
@@ -115,21 +145,62 @@ class Weights:
         if std is None:
             fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
             std = 1.0 / np.sqrt(fan_in)
-        x = self._rng(name).standard_normal(shape, dtype=np.float32) * np.float32(std)
-        self.put(name, x)
+        self._add(
+            name,
+            shape,
+            ml_dtypes.bfloat16,
+            lambda: self._rng(name).standard_normal(shape, dtype=np.float32) * np.float32(std),
+        )
 
     def const(self, name: str, shape, value: float, jitter: float = 0.0) -> None:
-        x = np.full(shape, value, np.float32)
-        if jitter:
-            x += self._rng(name).uniform(-jitter, jitter, shape).astype(np.float32)
-        self.put(name, x)
+        def draw():
+            x = np.full(shape, value, np.float32)
+            if jitter:
+                x += self._rng(name).uniform(-jitter, jitter, shape).astype(np.float32)
+            return x
 
-    def put(self, name: str, x: np.ndarray, dtype=ml_dtypes.bfloat16) -> None:
+        self._add(name, shape, ml_dtypes.bfloat16, draw)
+
+    def later(self, name: str, shape, dtype, draw) -> None:
+        """A tensor `draw()` makes, of `shape` and stored as `dtype`."""
+        self._add(name, shape, dtype, draw)
+
+    def _add(self, name: str, shape, dtype, draw) -> None:
         assert name not in self.tensors, name
-        self.tensors[name] = np.ascontiguousarray(x.astype(dtype))
+        self.tensors[name] = (np.dtype(dtype), tuple(int(d) for d in shape), draw)
 
 
-def lm_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+SAFETENSORS_DTYPES = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32"}
+
+
+def write_safetensors(path: str, w: Weights, metadata: dict[str, str]) -> int:
+    """Writes `w` as a safetensors file, tensor by tensor (the header first, from the shapes),
+    under `path + ".partial"`, renamed to `path` once whole. Returns the bytes written."""
+    names = sorted(w.tensors)
+    header: dict = {"__metadata__": metadata}
+    at = 0
+    for name in names:
+        dtype, shape, _ = w.tensors[name]
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name in names:
+            dtype, shape, draw = w.tensors[name]
+            x = np.ascontiguousarray(np.asarray(draw()).astype(dtype))
+            assert x.shape == shape, (name, x.shape, shape)
+            f.write(x.tobytes())
+            del x
+    os.replace(partial, path)
+    return 8 + len(head) + at
+
+
+def lm_weights(cfg: dict, seed: int) -> Weights:
     w = Weights(seed)
     dim, layers, card, text_card = cfg["dim"], cfg["num_layers"], cfg["card"], cfg["text_card"]
     n_q, dep_q = cfg["n_q"], cfg["dep_q"]
@@ -167,7 +238,7 @@ def lm_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
             w.normal(f"{p}.gating.{t}.linear_out.weight", (ddim, dhidden))
     for k in range(dep_q):
         w.normal(f"linears.{k}.weight", (card, ddim))
-    return w.tensors
+    return w
 
 
 def _seanet(w: Weights, side: str, m: dict) -> int:
@@ -215,8 +286,7 @@ def _seanet(w: Weights, side: str, m: dict) -> int:
     return 1
 
 
-def mimi_weights(seed: int) -> dict[str, np.ndarray]:
-    m = MIMI
+def mimi_weights(seed: int, m: dict = MIMI) -> Weights:
     w = Weights(seed + 1)
     _seanet(w, "encoder", m)
     _seanet(w, "decoder", m)
@@ -243,12 +313,16 @@ def mimi_weights(seed: int) -> dict[str, np.ndarray]:
         for j in range(layers):
             p = f"quantizer.{rvq}.vq.layers.{j}._codebook"
             # Running statistics: the table is embedding_sum / cluster_usage.
-            usage = w._rng(p + ".cluster_usage").uniform(0.5, 4.0, (m["bins"],))
-            table = w._rng(p + ".table").standard_normal((m["bins"], vq))
-            w.put(f"{p}.cluster_usage", usage.astype(np.float32), np.float32)
-            w.put(f"{p}.embedding_sum", (table * usage[:, None]).astype(np.float32), np.float32)
-            w.put(f"{p}._initialized", np.ones((1,), np.float32), np.float32)
-    return w.tensors
+            def usage(p=p):
+                return w._rng(p + ".cluster_usage").uniform(0.5, 4.0, (m["bins"],))
+
+            def table(p=p):
+                return w._rng(p + ".table").standard_normal((m["bins"], vq)) * usage(p)[:, None]
+
+            w.later(f"{p}.cluster_usage", (m["bins"],), np.float32, usage)
+            w.later(f"{p}.embedding_sum", (m["bins"], vq), np.float32, table)
+            w.later(f"{p}._initialized", (1,), np.float32, lambda: np.ones((1,), np.float32))
+    return w
 
 
 def check_tokenizer(path: str) -> None:
@@ -268,21 +342,45 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", help="SentencePiece model to copy in as the text tokenizer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny (a few MB) or 7b (PersonaPlex-7B's names, shapes and dtypes: 16 GB)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="temporal layers to keep (the depformer keeps at most as many), at the real widths",
+    )
+    parser.add_argument(
         "--no-config",
         action="store_true",
         help="leave out config.json, as older repositories do (the export then assumes 7B sizes)",
     )
     args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        stop(f"make_checkpoint: --layers {args.layers}: at least 1")
     if args.tokenizer:
         check_tokenizer(args.tokenizer)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         stop(f"make_checkpoint: {args.out}: exists and is not a folder")
+    lm_cfg, mimi = SIZES[args.size]
+    lm_cfg = dict(lm_cfg)
+    if args.layers:
+        lm_cfg["num_layers"] = args.layers
+        lm_cfg["depformer_num_layers"] = min(args.layers, lm_cfg["depformer_num_layers"])
     os.makedirs(args.out, exist_ok=True)
     metadata = {"format": "pt"}
-    save_file(lm_weights(LM_CONFIG, args.seed), os.path.join(args.out, LM_NAME), metadata)
-    save_file(mimi_weights(args.seed), os.path.join(args.out, MIMI_NAME), metadata)
+    for name, w in ((LM_NAME, lm_weights(lm_cfg, args.seed)), (MIMI_NAME, mimi_weights(args.seed, mimi))):
+        t0 = time.monotonic()
+        n = write_safetensors(os.path.join(args.out, name), w, metadata)
+        print(
+            f"make_checkpoint: {name}: {len(w.tensors)} tensors, {n / 1e9:.2f} GB in "
+            f"{time.monotonic() - t0:.1f} s",
+            file=sys.stderr,
+        )
     if not args.no_config:
-        config = dict(LM_CONFIG)
+        config = dict(lm_cfg)
         config.update(moshi_name=LM_NAME, mimi_name=MIMI_NAME, tokenizer_name=TOKENIZER_NAME)
         with open(os.path.join(args.out, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
