@@ -632,6 +632,12 @@ def main(argv=None) -> int:
     # Written once with the published codes, so the encoder can be run, then with the codes
     # of silence and of a 440 Hz sine under this codec when it is not the published one.
     make_pack.save_pack(out, graphs, manifest(name, args.provider, s, mimi_full, PUBLISHED_SILENCE, PUBLISHED_SINE))
+    # Everything after this reads the pack back from disk: the graphs in memory (a 7B's are
+    # 17 GiB) would only stand beside the step graphs' build, the quantizer and the load check.
+    del graphs
+    import gc
+
+    gc.collect()
     shutil.copyfile(ck.tokenizer, os.path.join(out, "tokenizer.model"))
     import numpy as np
 
