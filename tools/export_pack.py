@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import itertools
 import json
 import logging
 import os
@@ -445,7 +447,9 @@ def assign(model, weights: dict, graph: str) -> None:
 # --- Building ------------------------------------------------------------------------------------
 
 
-def build_lm(t: Tensors, s: dict, provider: str) -> dict:
+def build_lm(t: Tensors, s: dict, provider: str):
+    """Yields (name, graph) for the temporal transformer, then the depformer: each is built
+    and weighted only once the one before has been taken (and written) by the caller."""
     import onnx_ir as ir
     from mobius._builder import build_from_module
     from mobius.models import moshi
@@ -454,7 +458,6 @@ def build_lm(t: Tensors, s: dict, provider: str) -> dict:
     dtype = ir.DataType.FLOAT16 if PROVIDERS[provider][1] == "f16" else ir.DataType.FLOAT
     overrides = make_pack._lm_overrides(s["temporal"], s["depformer"])
     overrides.update(_T_FFN=s["ffn"], _D_GATE_HIDDEN=s["dep_ffn"], _T_CONTEXT=s["context"], _ROPE_THETA=s["max_period"])
-    out = {}
     with (
         make_pack._patched(moshi, overrides),
         make_pack._patched(MoshiDepformerTask, {"_TEMPORAL_DIM": s["temporal"].dim}),
@@ -468,8 +471,8 @@ def build_lm(t: Tensors, s: dict, provider: str) -> dict:
             make_pack._cast_parameters(module, dtype)
             model = build_from_module(module, config, task(), execution_provider=provider)["model"]
             assign(model, weights(t, s), name)
-            out[name] = model
-    return out
+            yield name, model
+            del model, module
 
 
 def build_mimi(t: Tensors, s: dict) -> dict:
@@ -612,32 +615,35 @@ def main(argv=None) -> int:
         say("an 8-step depformer (Moshi): steps 0..7 stand in for 8..15; run it with user_substeps: skip")
 
     make_pack._import_exporter()
+    out = os.path.abspath(args.out)
+    name = args.name or os.path.basename(out)
+    mimi_full = ms["_TR_DIM"] == 512 and ms["_N_FILTERS"] == 64
+    # Graph by graph: each is built, weighted, written and dropped before the next is built
+    # (a 7B's temporal alone is 13 GiB in fp16), into `OUT.partial` until the pack is whole.
+    writer = make_pack.PackWriter(out)
     try:
         t0 = time.monotonic()
-        graphs = build_lm(lm, s, args.provider)
-        graphs.update(build_mimi(codec, ms))
+        for graph, model in itertools.chain(build_lm(lm, s, args.provider), build_mimi(codec, ms).items()):
+            writer.add(graph, model)
+            del model
+            gc.collect()
+            say(f"  {graph:<21} built and written ({time.monotonic() - t0:.1f} s)")
         for tensors in (lm, codec):
             unused = sorted(n for n in tensors.names - tensors.used if not ignorable(n))
             if unused:
                 raise ExportError(f"{tensors.path}: tensors no graph reads: {', '.join(unused[:8])}"
                                   + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-        say(f"built and weighted the graphs in {time.monotonic() - t0:.1f} s")
+        say(f"built, weighted and wrote the graphs in {time.monotonic() - t0:.1f} s")
     except ExportError as e:
+        writer.abandon()
         print(f"export_pack: {e}", file=sys.stderr)
         return EXIT_USAGE
-
-    out = os.path.abspath(args.out)
-    name = args.name or os.path.basename(out)
-    mimi_full = ms["_TR_DIM"] == 512 and ms["_N_FILTERS"] == 64
+    except BaseException:
+        writer.abandon()
+        raise
     # Written once with the published codes, so the encoder can be run, then with the codes
     # of silence and of a 440 Hz sine under this codec when it is not the published one.
-    make_pack.save_pack(out, graphs, manifest(name, args.provider, s, mimi_full, PUBLISHED_SILENCE, PUBLISHED_SINE))
-    # Everything after this reads the pack back from disk: the graphs in memory (a 7B's are
-    # 17 GiB) would only stand beside the step graphs' build, the quantizer and the load check.
-    del graphs
-    import gc
-
-    gc.collect()
+    writer.finish(manifest(name, args.provider, s, mimi_full, PUBLISHED_SILENCE, PUBLISHED_SINE))
     shutil.copyfile(ck.tokenizer, os.path.join(out, "tokenizer.model"))
     import numpy as np
 

@@ -427,36 +427,63 @@ def pack_yaml(name: str, size: str, variant: str, mimi_size: str,
     return "\n".join(lines) + "\n"
 
 
-def save_pack(out_dir: str, graphs: dict, manifest: str, shapes_only: tuple = ()) -> None:
-    """Writes the pack into a sibling temporary folder, then swaps it into place."""
-    import onnx_ir as ir
+class PackWriter:
+    """Writes a pack graph by graph into a sibling temporary folder (`OUT.partial`), then swaps
+    it into place with `finish`: a graph can be written, and dropped, as soon as it is built,
+    and an export that stops half-way leaves only the `.partial` folder, never a pack."""
 
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise SystemExit(f"make_pack: {out_dir} exists and is not a folder: not replacing it")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        if not os.path.isfile(os.path.join(out_dir, "pack.yaml")):
-            raise SystemExit(f"make_pack: {out_dir} exists and is not a pack: not replacing it")
-    tmp = out_dir + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name in ("mimi_encoder", "mimi_decoder", "temporal", "depformer"):
-        model = graphs[name]
+    GRAPHS = ("mimi_encoder", "mimi_decoder", "temporal", "depformer")
+
+    def __init__(self, out_dir: str):
+        self.out_dir = os.path.abspath(out_dir)
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise SystemExit(f"make_pack: {self.out_dir} exists and is not a folder: not replacing it")
+        if os.path.isdir(self.out_dir) and os.listdir(self.out_dir):
+            if not os.path.isfile(os.path.join(self.out_dir, "pack.yaml")):
+                raise SystemExit(f"make_pack: {self.out_dir} exists and is not a pack: not replacing it")
+        self.tmp = self.out_dir + ".partial"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+        self.written: list[str] = []
+
+    def add(self, name: str, model, shapes_only: bool = False) -> None:
+        """Writes graph `name` (its weights beside it, in `model.onnx.data`)."""
+        import onnx_ir as ir
+
         unset = [n for n, v in model.graph.initializers.items() if v.const_value is None]
         if unset:
             raise RuntimeError(f"{name}: initializers without weights: {unset[:5]}")
-        os.makedirs(os.path.join(tmp, name))
-        if name in shapes_only:
-            save_shapes_only(model, os.path.join(tmp, name))
+        os.makedirs(os.path.join(self.tmp, name))
+        if shapes_only:
+            save_shapes_only(model, os.path.join(self.tmp, name))
         else:
-            ir.save(model, os.path.join(tmp, name, "model.onnx"), external_data="model.onnx.data")
-    with open(os.path.join(tmp, "pack.yaml"), "w", encoding="utf-8") as f:
-        f.write(manifest)
-    if os.path.islink(out_dir):
-        os.remove(out_dir)
-    else:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+            ir.save(model, os.path.join(self.tmp, name, "model.onnx"), external_data="model.onnx.data")
+        self.written.append(name)
+
+    def finish(self, manifest: str) -> None:
+        """Writes `pack.yaml` and moves the pack into place (replacing an older pack there)."""
+        missing = [g for g in self.GRAPHS if g not in self.written]
+        if missing:
+            raise RuntimeError(f"make_pack: graphs not written: {missing}")
+        with open(os.path.join(self.tmp, "pack.yaml"), "w", encoding="utf-8") as f:
+            f.write(manifest)
+        if os.path.islink(self.out_dir):
+            os.remove(self.out_dir)
+        else:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+        os.rename(self.tmp, self.out_dir)
+
+    def abandon(self) -> None:
+        """Removes what was written (an export that failed)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def save_pack(out_dir: str, graphs: dict, manifest: str, shapes_only: tuple = ()) -> None:
+    """Writes the pack into a sibling temporary folder, then swaps it into place."""
+    w = PackWriter(out_dir)
+    for name in PackWriter.GRAPHS:
+        w.add(name, graphs[name], name in shapes_only)
+    w.finish(manifest)
 
 
 # Where a weight starts in `model.onnx.data` (ONNX Runtime maps aligned external data).
