@@ -58,6 +58,7 @@ use super::depformer::{check_frame, DepformerBatch, DepformerInput};
 use super::error::ModelError;
 use super::pack::{Graph, LmGraphInfo, Pack};
 use super::session::{Provider, SessionOptions};
+use super::temporal::FrameLimits;
 use super::tensors::Placement;
 
 /// The `stage` label of the temporal tick's latency verdict, trend and bimodality.
@@ -245,9 +246,8 @@ pub struct SharedLm {
     taken: SlotTable,
     draw: Arc<DrawPlace>,
     next_client: AtomicUsize,
-    channels: usize,
-    text_limit: i64,
-    audio_limit: i64,
+    /// What a temporal frame must be (also the depformer's token ranges).
+    limits: FrameLimits,
     steps: usize,
 }
 
@@ -353,9 +353,7 @@ impl SharedLm {
             ),
             next_client: AtomicUsize::new(0),
             draw,
-            channels,
-            text_limit: m.text_vocab + 1,
-            audio_limit: m.audio_vocab + 1,
+            limits: FrameLimits::of(pack),
             steps,
         };
         tracing::info!(
@@ -448,8 +446,8 @@ impl SharedLm {
             frame,
             self.depformer_info.hidden_dim,
             self.steps,
-            self.text_limit,
-            self.audio_limit,
+            self.limits.text,
+            self.limits.audio,
         )
     }
 

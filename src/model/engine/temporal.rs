@@ -10,10 +10,7 @@ use super::{stopped, Msg, SharedLm};
 use crate::model::error::ModelError;
 use crate::model::pack::{check_temporal, LmGraphInfo, Variant};
 use crate::model::session::{open, report, Provider, SessionOptions};
-use crate::model::temporal::{
-    no_position_left, validate_frame, BatchRow, Temporal, TemporalBatch, TemporalState,
-    TemporalStep,
-};
+use crate::model::temporal::{BatchRow, Temporal, TemporalBatch, TemporalState, TemporalStep};
 
 pub(super) struct TemporalJob {
     pub row: BatchRow,
@@ -125,7 +122,7 @@ impl TemporalSlot {
             prime_reply,
             prime_tx,
             job: Some(TemporalJob {
-                row: BatchRow::new(slot, lm.channels),
+                row: BatchRow::new(slot, lm.limits.channels),
                 reply: tx,
             }),
             capacity,
@@ -142,20 +139,6 @@ impl TemporalSlot {
     /// The engine.
     pub fn engine(&self) -> &Arc<SharedLm> {
         &self.lm
-    }
-
-    /// Checks token ids against the embedding tables.
-    ///
-    /// # Errors
-    ///
-    /// [`ModelError::Token`] naming the channel.
-    fn validate(&self, input: &[i64]) -> Result<(), ModelError> {
-        validate_frame(
-            input,
-            self.lm.channels,
-            self.lm.text_limit,
-            self.lm.audio_limit,
-        )
     }
 
     /// One priming job, served between the engine's ticks.
@@ -226,10 +209,9 @@ impl TemporalStep for TemporalSlot {
     }
 
     fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
-        self.validate(input)?;
-        if self.positions_left() == 0 {
-            return Err(no_position_left(self.pos));
-        }
+        self.lm
+            .limits
+            .check_step(input, self.pos, self.positions_left())?;
         let mut job = self.job.take().ok_or_else(|| stopped("temporal"))?;
         job.row.input.clear();
         job.row.input.extend_from_slice(input);
@@ -252,12 +234,9 @@ impl TemporalStep for TemporalSlot {
     }
 
     fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
-        for f in frames {
-            self.validate(f)?;
-        }
-        if self.positions_left() < frames.len() {
-            return Err(no_position_left(self.pos + self.positions_left()));
-        }
+        self.lm
+            .limits
+            .check_prefill(frames, self.pos, self.positions_left())?;
         for part in frames.chunks(chunk.max(1)) {
             let job = self.prime(PrimeWork::Prefill(part.to_vec()))?;
             self.pos += part.len();

@@ -16,7 +16,7 @@ use ort::session::{IoBinding, Session};
 use ort::value::TensorElementType;
 
 use super::{
-    element_bytes, no_position_left, ort_err, state_shape, validate_frame, ChunkIo, RowSpan,
+    element_bytes, no_position_left, ort_err, state_shape, ChunkIo, FrameLimits, RowSpan,
     TemporalOptions, TemporalState, TemporalStep,
 };
 use crate::model::error::ModelError;
@@ -376,18 +376,19 @@ pub struct OneRow {
     batch: TemporalBatch,
     row: BatchRow,
     capacity: usize,
-    text_limit: i64,
-    audio_limit: i64,
+    limits: FrameLimits,
 }
 
 impl OneRow {
     pub(super) fn new(batch: TemporalBatch, pack: &Pack, opts: &TemporalOptions) -> Self {
-        let m = &pack.manifest;
+        let limits = FrameLimits::of(pack);
+        let mut row = BatchRow::new(0, limits.channels);
+        // A conversation of its own forgets by its length (`reset`), not by its row.
+        row.fresh = false;
         let t = OneRow {
-            row: BatchRow::new(0, m.delays.len()),
+            row,
             capacity: batch.rows - 1,
-            text_limit: m.text_vocab + 1,
-            audio_limit: m.audio_vocab + 1,
+            limits,
             batch,
         };
         report(
@@ -410,15 +411,6 @@ impl OneRow {
             "temporal transformer ready"
         );
         t
-    }
-
-    fn validate(&self, input: &[i64]) -> Result<(), ModelError> {
-        validate_frame(
-            input,
-            self.batch.channels,
-            self.text_limit,
-            self.audio_limit,
-        )
     }
 }
 
@@ -448,13 +440,10 @@ impl TemporalStep for OneRow {
     }
 
     fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
-        self.validate(input)?;
-        if self.positions_left() == 0 {
-            return Err(no_position_left(self.position()));
-        }
+        self.limits
+            .check_step(input, self.position(), self.positions_left())?;
         self.row.input.clear();
         self.row.input.extend_from_slice(input);
-        self.row.fresh = false;
         self.row.error = None;
         self.batch
             .tick(&mut [&mut self.row])
@@ -466,12 +455,8 @@ impl TemporalStep for OneRow {
     }
 
     fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
-        for f in frames {
-            self.validate(f)?;
-        }
-        if self.positions_left() < frames.len() {
-            return Err(no_position_left(self.position() + self.positions_left()));
-        }
+        self.limits
+            .check_prefill(frames, self.position(), self.positions_left())?;
         for part in frames.chunks(chunk.max(1)) {
             self.batch
                 .prefill(0, part, &mut self.row.hidden, &mut self.row.logits)?;

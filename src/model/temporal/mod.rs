@@ -332,44 +332,101 @@ pub(crate) fn no_position_left(pos: usize) -> ModelError {
     )
 }
 
-/// Checks a temporal input frame: `channels` tokens, the text one below `text_limit`, the audio
-/// ones below `audio_limit`.
-///
-/// # Errors
-///
-/// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
-pub(crate) fn validate_frame(
-    input: &[i64],
-    channels: usize,
-    text_limit: i64,
-    audio_limit: i64,
-) -> Result<(), ModelError> {
-    if input.len() != channels {
-        return Err(ModelError::contract(
-            "temporal",
-            format!(
-                "input frame has {} channels, expected {channels}",
-                input.len()
-            ),
-        ));
-    }
-    for (k, &v) in input.iter().enumerate() {
-        let limit = if k == 0 { text_limit } else { audio_limit };
-        if !(0..limit).contains(&v) {
-            let name = if k == 0 {
-                "0 (text)".to_string()
-            } else if k <= (channels - 1) / 2 {
-                format!("{k} (agent audio)")
-            } else {
-                format!("{k} (user audio)")
-            };
-            return Err(ModelError::Token {
-                graph: "temporal".into(),
-                channel: name,
-                value: v,
-                limit,
-            });
+/// What a temporal input frame must be: `channels` tokens, the text one below `text`, the audio
+/// ones below `audio` (the pack's embedding tables). Every way of running the transformer
+/// checks its frames here, before any reaches a graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FrameLimits {
+    pub channels: usize,
+    pub text: i64,
+    pub audio: i64,
+}
+
+impl FrameLimits {
+    /// The limits of `pack`'s graphs.
+    pub fn of(pack: &Pack) -> Self {
+        let m = &pack.manifest;
+        FrameLimits {
+            channels: m.delays.len(),
+            text: m.text_vocab + 1,
+            audio: m.audio_vocab + 1,
         }
     }
-    Ok(())
+
+    /// Checks one frame.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Token`] naming the channel, [`ModelError::Contract`] for a wrong length.
+    pub fn check(&self, input: &[i64]) -> Result<(), ModelError> {
+        let channels = self.channels;
+        if input.len() != channels {
+            return Err(ModelError::contract(
+                "temporal",
+                format!(
+                    "input frame has {} channels, expected {channels}",
+                    input.len()
+                ),
+            ));
+        }
+        for (k, &v) in input.iter().enumerate() {
+            let limit = if k == 0 { self.text } else { self.audio };
+            if !(0..limit).contains(&v) {
+                let name = if k == 0 {
+                    "0 (text)".to_string()
+                } else if k <= (channels - 1) / 2 {
+                    format!("{k} (agent audio)")
+                } else {
+                    format!("{k} (user audio)")
+                };
+                return Err(ModelError::Token {
+                    graph: "temporal".into(),
+                    channel: name,
+                    value: v,
+                    limit,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a step's frame, and that a conversation at `position` with `left` positions left
+    /// has one for it.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Self::check); no position left.
+    pub fn check_step(
+        &self,
+        input: &[i64],
+        position: usize,
+        left: usize,
+    ) -> Result<(), ModelError> {
+        self.check(input)?;
+        if left == 0 {
+            return Err(no_position_left(position));
+        }
+        Ok(())
+    }
+
+    /// Checks every frame of a prefill before any runs, and that the conversation has a position
+    /// for each.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Self::check); no position left for all of them.
+    pub fn check_prefill(
+        &self,
+        frames: &[Vec<i64>],
+        position: usize,
+        left: usize,
+    ) -> Result<(), ModelError> {
+        for f in frames {
+            self.check(f)?;
+        }
+        if left < frames.len() {
+            return Err(no_position_left(position + left));
+        }
+        Ok(())
+    }
 }

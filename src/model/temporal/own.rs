@@ -11,8 +11,8 @@ use ort::value::TensorElementType;
 
 use super::buffers::{cache_buffers, host_presents, DeviceIo};
 use super::{
-    element_bytes, no_position_left, ort_err, state_shape, validate_frame, ChunkIo, KvMode,
-    RowSpan, TemporalOptions, TemporalState, TemporalStep,
+    element_bytes, ort_err, state_shape, ChunkIo, FrameLimits, KvMode, RowSpan, TemporalOptions,
+    TemporalState, TemporalStep,
 };
 use crate::model::error::ModelError;
 use crate::model::pack::{FloatType, LmGraphInfo, Pack, Variant};
@@ -53,9 +53,7 @@ pub struct OwnTemporal {
     kv_alloc: Allocator,
     /// Where the session wants each input.
     wanted: Vec<(String, Placement)>,
-    channels: usize,
-    text_limit: i64,
-    audio_limit: i64,
+    limits: FrameLimits,
     window: usize,
     capacity: usize,
     len: usize,
@@ -147,9 +145,7 @@ impl OwnTemporal {
             alloc,
             kv_alloc,
             wanted,
-            channels,
-            text_limit: m.text_vocab + 1,
-            audio_limit: m.audio_vocab + 1,
+            limits: FrameLimits::of(pack),
             window,
             capacity,
             len: 0,
@@ -202,7 +198,7 @@ impl OwnTemporal {
             let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
             let frame = io
                 .frame
-                .view(&self.kv_alloc, &[1, self.channels as i64, 1])
+                .view(&self.kv_alloc, &[1, self.limits.channels as i64, 1])
                 .map_err(&e)?;
             self.binding.bind_input("input_frame", &frame).map_err(&e)?;
             let mask = io
@@ -222,7 +218,7 @@ impl OwnTemporal {
         }
         let frame = self
             .frame
-            .view(&self.alloc, &[1, self.channels as i64, 1])
+            .view(&self.alloc, &[1, self.limits.channels as i64, 1])
             .map_err(&e)?;
         self.binding.bind_input("input_frame", &frame).map_err(&e)?;
         if let Some(p) = self.pos_ids.as_mut() {
@@ -261,11 +257,6 @@ impl OwnTemporal {
             }
         }
         Ok(())
-    }
-
-    /// Checks token ids against the embedding tables.
-    fn validate(&self, input: &[i64]) -> Result<(), ModelError> {
-        validate_frame(input, self.channels, self.text_limit, self.audio_limit)
     }
 
     /// The standard graph's window after a step: the buffers swap, and once the window is
@@ -312,7 +303,7 @@ impl OwnTemporal {
         let Some(io) = self.io.as_mut() else {
             return Ok(());
         };
-        let (c, cap) = (self.channels as i64, self.capacity as i64);
+        let (c, cap) = (self.limits.channels as i64, self.capacity as i64);
         let (hd, v) = (self.info.hidden_dim as i64, self.info.vocab as i64);
         let (host, dev) = (&self.alloc, &self.kv_alloc);
         self.frame
@@ -358,7 +349,7 @@ impl OwnTemporal {
     /// One graph call on `frames` (at most `chunk`, fitting the cache).
     fn run_chunk(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
         let e = ort_err("temporal");
-        let (n, c) = (frames.len(), self.channels);
+        let (n, c) = (frames.len(), self.limits.channels);
         if self.chunk.as_ref().is_none_or(|io| io.frames < chunk) {
             let io = ChunkIo::new(&self.alloc, &self.info, c, chunk).map_err(&e)?;
             self.chunk = Some(io);
@@ -455,13 +446,11 @@ impl TemporalStep for OwnTemporal {
     }
 
     fn step(&mut self, input: &[i64]) -> Result<(), ModelError> {
-        self.validate(input)?;
-        if self.positions_left() == 0 {
-            return Err(no_position_left(self.pos));
-        }
+        self.limits
+            .check_step(input, self.pos, self.positions_left())?;
         let e = ort_err("temporal");
         self.chunk_last = None;
-        self.frame.as_slice::<i64>()[..self.channels].copy_from_slice(input);
+        self.frame.as_slice::<i64>()[..self.limits.channels].copy_from_slice(input);
         if let Some(p) = self.pos_ids.as_mut() {
             p.as_slice::<i64>()[0] = self.pos as i64;
         }
@@ -518,12 +507,8 @@ impl TemporalStep for OwnTemporal {
     }
 
     fn prefill(&mut self, frames: &[Vec<i64>], chunk: usize) -> Result<(), ModelError> {
-        for f in frames {
-            self.validate(f)?;
-        }
-        if self.positions_left() < frames.len() {
-            return Err(no_position_left(self.pos + self.positions_left()));
-        }
+        self.limits
+            .check_prefill(frames, self.pos, self.positions_left())?;
         // Where a chunk cannot be exact it steps: the fixed-shape and host-fed caches, and the
         // standard graph's frames past its attention window (a chunk would attend to rows the
         // window drops).
