@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import itertools
 import json
 import logging
 import os
@@ -623,7 +622,11 @@ def main(argv=None) -> int:
     writer = make_pack.PackWriter(out)
     try:
         t0 = time.monotonic()
-        for graph, model in itertools.chain(build_lm(lm, s, args.provider), build_mimi(codec, ms).items()):
+        def graphs():
+            yield from build_lm(lm, s, args.provider)
+            yield from build_mimi(codec, ms).items()  # built once the LM's are written
+
+        for graph, model in graphs():
             writer.add(graph, model)
             del model
             gc.collect()

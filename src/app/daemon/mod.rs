@@ -9,11 +9,11 @@
 //! stop hook only moves it and drains what runs; the main loop acts on it (a stop while a
 //! pipeline is being built, on a thread of its own, ends the wait for it: nothing is left to
 //! drain). The recording switch (`ctl record`) lives in `record.rs`, SIGHUP's checks in
-//! `reload.rs`. A reload
-//! is checked whole before anything changes; persona and sampling then apply at the next frame
-//! boundary; a new input or output device moves only the stage that owns it (models and
-//! conversation untouched); a new pack, pipeline, voice, tokenizer, long-session policy or seed
-//! builds a new pipeline beside the running one, which it then replaces. A configuration that
+//! `reload.rs`. A reload is checked whole before anything changes; persona and sampling then
+//! apply at the next frame boundary; a new input or output device moves only the stage that
+//! owns it (models and conversation untouched); a new pack, pipeline, voice, tokenizer,
+//! long-session policy or seed builds a new pipeline beside the running one, which it then
+//! replaces. A configuration that
 //! fails a check, or that the new pipeline refuses, is rejected and the pipeline keeps running;
 //! one that cannot be built for want of what the running one holds is built alone, and when
 //! that fails too the last configuration that ran is built again.
