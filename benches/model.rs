@@ -31,7 +31,13 @@
 //!    SNR; and the whole full-duplex loop (150 frames of silence, as fast as possible, full-size
 //!    codec + tiny LM) with the int8 codec against the fp32 one.
 //!
-//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill|codec-batch|quantized]`. Packs that are missing are built with `tools/make_pack.py`.
+//! 10. One pack of your own, whatever its size (`pack-step PACK`, not in the default run): its
+//!     temporal step at KV length 50 and 3000, the cache filled between them by prefill in
+//!     chunks of 64 (a 7B stepped one frame at a time to 3000 on a CPU would take an hour), and
+//!     one conversation's depformer frame, each the median of 10.
+//!
+//! `cargo bench --bench model [temporal|memory|e2e|depformer|engine|codec|prefill|codec-batch|quantized]`,
+//! `cargo bench --bench model pack-step PACK`. Packs that are missing are built with `tools/make_pack.py`.
 
 #[path = "support/mod.rs"]
 mod support;
@@ -91,6 +97,97 @@ fn step_times(pack: &Pack, kv: KvMode, lengths: &[usize]) -> (Vec<Duration>, u64
     }
     let _ = allocs_before;
     (out, allocs)
+}
+
+/// The median time of `n` depformer frames on `hidden`, the channels marked in `provided`
+/// given (`target`'s tokens), the others sampled.
+fn dep_frame_time(
+    dep: &mut Depformer,
+    hidden: &[f32],
+    target: &[i64],
+    provided: &[bool],
+    n: usize,
+) -> Duration {
+    use duplex::model::depformer::DepformerInput;
+    use duplex::model::sampling::{Sampler, SamplingParams};
+    let frame = DepformerInput {
+        hidden,
+        text: 3,
+        target,
+        provided,
+    };
+    let mut sampler = Sampler::new(5);
+    let mut out = Vec::new();
+    median(
+        (0..n)
+            .map(|_| {
+                let t0 = Instant::now();
+                dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
+                    .unwrap();
+                t0.elapsed()
+            })
+            .collect(),
+    )
+}
+
+/// Section 10: `pack`'s temporal step at KV length 50 and 3000 (the cache filled by prefill)
+/// and its depformer frame.
+fn pack_step_bench(dir: &Path) {
+    let pack = Pack::open(dir).unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "\n== the temporal step of {} at KV length 50 and 3000 ==",
+        dir.display()
+    );
+    let mut t = duplex::model::temporal::open(
+        &pack,
+        &TemporalOptions {
+            max_positions: 3100,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut medians = Vec::new();
+    for len in [50usize, 3000] {
+        let gap: Vec<Vec<i64>> = (t.kv_len()..len).map(tokens).collect();
+        let t0 = Instant::now();
+        t.prefill(&gap, 64).unwrap();
+        let fill = t0.elapsed();
+        let mut times = Vec::new();
+        for i in 0..10 {
+            let t0 = Instant::now();
+            t.step(&tokens(len + i)).unwrap();
+            times.push(t0.elapsed());
+        }
+        let m = median(times);
+        println!(
+            "  KV {len:>4}: step {:>9.1} ms (median of 10; {} frames prefilled before, in {:.1} s)",
+            m.as_secs_f64() * 1e3,
+            gap.len(),
+            fill.as_secs_f64()
+        );
+        medians.push(m);
+    }
+    println!(
+        "  KV 3000 / KV 50: {:.2}",
+        medians[1].as_secs_f64() / medians[0].as_secs_f64()
+    );
+    use duplex::model::depformer::UnusedSubsteps;
+    let mut dep =
+        Depformer::open(&pack, &SessionOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let steps = dep.steps();
+    let mut hidden = Vec::new();
+    t.read_hidden(&mut hidden);
+    let target: Vec<i64> = (0..steps as i64).map(|i| i * 3 + 1).collect();
+    let provided: Vec<bool> = (0..steps).map(|i| i >= steps / 2).collect();
+    let mut per = Vec::new();
+    for mode in [UnusedSubsteps::Run, UnusedSubsteps::Skip] {
+        dep.unused = mode;
+        per.push(dep_frame_time(&mut dep, &hidden, &target, &provided, 10).as_secs_f64() * 1e3);
+    }
+    println!(
+        "  depformer frame: every substep {:.1} ms, the user's skipped {:.1} ms (medians of 10)",
+        per[0], per[1]
+    );
 }
 
 fn temporal_bench() {
@@ -475,6 +572,13 @@ fn main() {
     if all || which == "quantized" {
         quantized_bench();
     }
+    if which == "pack-step" {
+        pack_step_bench(Path::new(
+            &std::env::args()
+                .nth(2)
+                .expect("cargo bench --bench model pack-step PACK"),
+        ));
+    }
     if which == "lm-rss" {
         // (A child of `quantized_bench`: the LM of one pack, opened and stepped alone.)
         lm_rss(Path::new(&std::env::args().nth(2).expect("lm-rss PACK")));
@@ -547,10 +651,8 @@ fn child_rss(dir: &Path) -> (f64, f64) {
 }
 
 fn quantized_bench() {
-    use duplex::model::depformer::DepformerInput;
     use duplex::model::mimi_step::StepCodec;
     use duplex::model::pack::{FloatType, StepRole};
-    use duplex::model::sampling::{Sampler, SamplingParams};
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "\n9. quantized packs (tools/quantize_pack.py, blocks of 32, accuracy level 4), 1 thread"
@@ -591,24 +693,7 @@ fn quantized_bench() {
             .collect();
         let target = vec![1i64; steps];
         let provided = vec![false; steps];
-        let frame = DepformerInput {
-            hidden: &hidden,
-            text: 3,
-            target: &target,
-            provided: &provided,
-        };
-        let mut sampler = Sampler::new(5);
-        let mut out = Vec::new();
-        let dep_time = median(
-            (0..60)
-                .map(|_| {
-                    let t0 = Instant::now();
-                    dep.run(frame, &mut sampler, SamplingParams::AUDIO, &mut out)
-                        .unwrap();
-                    t0.elapsed()
-                })
-                .collect(),
-        );
+        let dep_time = dep_frame_time(&mut dep, &hidden, &target, &provided, 60);
         // (The median of three children: a process's resident memory varies from run to run.)
         let mut runs: Vec<(f64, f64)> = (0..3).map(|_| child_rss(dir)).collect();
         runs.sort_by(|a, b| a.1.total_cmp(&b.1));

@@ -435,16 +435,23 @@ class PackWriter:
     GRAPHS = ("mimi_encoder", "mimi_decoder", "temporal", "depformer")
 
     def __init__(self, out_dir: str):
-        self.out_dir = os.path.abspath(out_dir)
-        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
-            raise SystemExit(f"make_pack: {self.out_dir} exists and is not a folder: not replacing it")
-        if os.path.isdir(self.out_dir) and os.listdir(self.out_dir):
-            if not os.path.isfile(os.path.join(self.out_dir, "pack.yaml")):
-                raise SystemExit(f"make_pack: {self.out_dir} exists and is not a pack: not replacing it")
+        self.out_dir = self.replaceable(out_dir)
         self.tmp = self.out_dir + ".partial"
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
         self.written: list[str] = []
+
+    @staticmethod
+    def replaceable(out_dir: str) -> str:
+        """`out_dir`, absolute, once it is known to be a pack, an empty folder or nothing (a
+        pack is written there in the end: anything else is not replaced)."""
+        out_dir = os.path.abspath(out_dir)
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise SystemExit(f"make_pack: {out_dir} exists and is not a folder: not replacing it")
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            if not os.path.isfile(os.path.join(out_dir, "pack.yaml")):
+                raise SystemExit(f"make_pack: {out_dir} exists and is not a pack: not replacing it")
+        return out_dir
 
     def add(self, name: str, model, shapes_only: bool = False) -> None:
         """Writes graph `name` (its weights beside it, in `model.onnx.data`)."""

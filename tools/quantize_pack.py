@@ -8,7 +8,11 @@
 Writes pack DST: SRC's graphs, with weights rewritten by
 `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer` (symmetric, one scale per
 block of weights, round to nearest); nothing is packed by hand. Activations stay in the pack's
-dtype.
+dtype. The quantizer runs on one weight at a time (a model of that node alone, its weight read
+from the graph's mapped file), and the graph is written as it streams: what is held is the
+quantized weights and one float weight, not the graph (a 7B's temporal is 13 GiB in fp16;
+quantizing it whole held the float weights and their copies). A line every 10 s says how far
+each graph is.
 
 * `--quantize int8|int4` (the LM): every MatMul of the temporal transformer whose weight is an
   initializer becomes `MatMulNBits` (8 or 4 bits, one scale per `--block-size` input rows). With
@@ -54,6 +58,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolio import read_yaml, stop  # noqa: E402
@@ -62,34 +67,10 @@ BITS = {"int8": 8, "int4": 4}
 CODEC_GRAPHS = ("mimi_encoder_step", "mimi_decoder_step")
 
 
-def _save(model, dst: str) -> None:
-    import onnx
+def _config(bits: int, block_size: int, accuracy_level: int, gathers: bool):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig
 
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    onnx.save_model(
-        model,
-        dst,
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location="model.onnx.data",
-        size_threshold=1024,
-    )
-    # (readable by whoever runs the pack, as the graphs it was made from)
-    for f in ("model.onnx", "model.onnx.data"):
-        os.chmod(os.path.join(os.path.dirname(dst), f), 0o644)
-
-
-def _quantize(model, bits: int, block_size: int, accuracy_level: int, gathers: bool,
-              exclude=()):
-    """Runs ONNX Runtime's quantizer on `model` (a ModelProto); returns the new ModelProto."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        MatMulNBitsQuantizer,
-    )
-
-    for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxscript", "onnx_ir"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    config = DefaultWeightOnlyQuantConfig(
+    return DefaultWeightOnlyQuantConfig(
         block_size=block_size,
         is_symmetric=True,
         bits=bits,
@@ -98,42 +79,143 @@ def _quantize(model, bits: int, block_size: int, accuracy_level: int, gathers: b
         # A Gather's table is quantized along its last axis (the embedding width).
         quant_axes=(("MatMul", 0), ("Gather", -1)),
     )
-    q = MatMulNBitsQuantizer(model, algo_config=config, nodes_to_exclude=list(exclude))
+
+
+def _weight(node):
+    """The initializer `node` would have quantized (a MatMul's B, a Gather's table), or None."""
+    value = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+    return value if value is not None and value.const_value is not None else None
+
+
+def _quantize_node(node, weight, model, config):
+    """ONNX Runtime's quantizer on a model of `node` alone, its weight read from the big graph
+    (mapped, not held); returns the result's ModelProto. One weight at a time: the 7B's
+    temporal graph is 13 GiB in fp16, and a protobuf message keeps every byte it ever held
+    until it is dropped whole."""
+    import onnx
+    import onnx_ir as ir
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    elem = weight.const_value.dtype.value
+    inputs = [onnx.helper.make_tensor_value_info(v.name, elem, None)
+              for v in node.inputs if v is not None and v is not weight]
+    outputs = [onnx.helper.make_tensor_value_info(v.name, elem, None) for v in node.outputs]
+    w = weight.const_value
+    data = ir.Tensor(w.numpy(), dtype=w.dtype, name=weight.name)  # read from the mapping
+    graph = onnx.helper.make_graph([ir.serde.serialize_node(node)], "one", inputs, outputs,
+                                   [ir.serde.serialize_tensor(data)])
+    proto = onnx.helper.make_model(
+        graph, ir_version=model.ir_version,
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()])
+    q = MatMulNBitsQuantizer(proto, algo_config=config)
     q.process()
     return q.model.model
 
 
+def _splice(graph, node, result, model) -> None:
+    """Puts `result`'s nodes and initializers (a quantized `node`) in `node`'s place."""
+    import onnx
+    import onnx_ir as ir
+
+    values = {v.name: v for v in node.inputs if v is not None}
+    for t in result.graph.initializer:
+        if t.name in graph.initializers:
+            raise SystemExit(f"quantize_pack: {t.name}: a weight used by more than one node")
+        own = onnx.TensorProto()
+        own.CopyFrom(t)  # a message of its own: the small model's is dropped with its weight
+        v = ir.Value(name=t.name, const_value=ir.serde.deserialize_tensor(own))
+        graph.register_initializer(v)
+        values[t.name] = v
+    new = []
+    for p in result.graph.node:
+        n = ir.Node(p.domain, p.op_type, [values[i] if i else None for i in p.input],
+                    [ir.serde.deserialize_attribute(a) for a in p.attribute],
+                    num_outputs=len(p.output), name=p.name or None)
+        for out, name in zip(n.outputs, p.output):
+            out.name = name
+            values[name] = out
+        new.append(n)
+    old = list(node.outputs)
+    ir.convenience.replace_nodes_and_values(
+        node.graph, node, [node], new, old, [values[v.name] for v in old])
+    for o in result.opset_import:
+        if model.opset_imports.get(o.domain, 0) < o.version:
+            model.opset_imports[o.domain] = o.version
+    model.ir_version = max(model.ir_version, result.ir_version)
+
+
+def quantize_model(model, bits: int, block_size: int, accuracy_level: int, gathers: bool,
+                   exclude=(), progress=None) -> dict:
+    """Quantizes `model` (an onnx_ir Model, its weights mapped from their files) in place,
+    node by node, with ONNX Runtime's `MatMulNBitsQuantizer`: each MatMul (and, with
+    `gathers`, each Gather) whose weight is an initializer and whose name is not in `exclude`.
+    Holds the quantized weights and one float weight at a time, not the graph's float weights.
+    `progress(done, total, bytes)` is called after each node. Returns how many of each it
+    rewrote."""
+    for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnxscript", "onnx_ir"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    config = _config(bits, block_size, accuracy_level, gathers)
+    ops = ("MatMul", "Gather") if gathers else ("MatMul",)
+    targets = [(n, w) for n in model.graph.all_nodes()
+               if n.op_type in ops and n.name not in exclude and (w := _weight(n)) is not None]
+    done_bytes = 0
+    for i, (node, weight) in enumerate(targets):
+        result = _quantize_node(node, weight, model, config)
+        graph = weight.graph or model.graph
+        _splice(graph, node, result, model)
+        del result
+        done_bytes += weight.const_value.nbytes
+        if not weight.uses() and weight.name in graph.initializers:
+            graph.initializers.pop(weight.name)
+        if progress:
+            progress(i + 1, len(targets), done_bytes)
+    return _count(model)
+
+
 def _count(model) -> dict:
-    ops = [n.op_type for n in model.graph.node]
+    ops = [n.op_type for n in model.graph.all_nodes()]
     return {"matmuls": ops.count("MatMulNBits"), "gathers": ops.count("GatherBlockQuantized")}
 
 
+def _save(model, dst: str) -> None:
+    import onnx_ir as ir
+
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    # Streams the weights to the file (the unchanged ones read from the source's mapping).
+    ir.save(model, dst, external_data="model.onnx.data", size_threshold_bytes=1024)
+    # (readable by whoever runs the pack, as the graphs it was made from)
+    for f in ("model.onnx", "model.onnx.data"):
+        os.chmod(os.path.join(os.path.dirname(dst), f), 0o644)
+
+
 def quantize_graph(src: str, dst: str, bits: int, block_size: int, accuracy_level: int = 4,
-                   gathers: bool = False) -> dict:
+                   gathers: bool = False, progress=None) -> dict:
     """Quantizes the MatMuls (and, with `gathers`, the embedding Gathers) with initializer
     weights of `src` (a model.onnx) into `dst`; returns how many of each it rewrote."""
-    import onnx
+    import onnx_ir as ir
 
-    out = _quantize(onnx.load(src), bits, block_size, accuracy_level, gathers)
-    _save(out, dst)
-    return _count(out)
+    model = ir.load(src)
+    n = quantize_model(model, bits, block_size, accuracy_level, gathers, progress=progress)
+    _save(model, dst)
+    return n
 
 
-def quantize_depformer_graph(src: str, dst: str, block_size: int) -> dict:
+def quantize_depformer_graph(src: str, dst: str, block_size: int, progress=None) -> dict:
     """The depformer's per-codebook layer weights (the Gathers under `layers.`) in 4 bits."""
-    import onnx
+    import onnx_ir as ir
 
-    model = onnx.load(src)
-    exclude = [
-        n.name for n in model.graph.node
-        if n.op_type == "MatMul" or (n.op_type == "Gather" and "layers." not in n.name)
-    ]
-    out = _quantize(model, 4, block_size, 0, True, exclude)
-    _save(out, dst)
-    return _count(out)
+    model = ir.load(src)
+    exclude = {
+        n.name for n in model.graph.all_nodes()
+        if n.op_type == "MatMul" or (n.op_type == "Gather" and "layers." not in (n.name or ""))
+    }
+    n = quantize_model(model, 4, block_size, 0, True, exclude, progress)
+    _save(model, dst)
+    return n
 
 
-def quantize_codec_graph(src: str, dst: str, block_size: int, accuracy_level: int = 4) -> dict:
+def quantize_codec_graph(src: str, dst: str, block_size: int, accuracy_level: int = 4,
+                         progress=None) -> dict:
     """A Mimi step graph with its MatMul weights folded into constants and quantized to 8 bits,
     all but the encoder's RVQ distances."""
     import onnx_ir as ir
@@ -146,13 +228,13 @@ def quantize_codec_graph(src: str, dst: str, block_size: int, accuracy_level: in
     # (exact), whatever their size, so that the quantizer sees constant [K, N] weights.
     fold_constants(model, input_size_limit=1 << 40, output_size_limit=1 << 40)
     ir.passes.common.RemoveUnusedNodesPass()(model)
-    exclude = [
+    exclude = {
         n.name for n in model.graph.all_nodes()
         if n.op_type == "MatMul" and "/quantizer/" in (n.name or "") and "/vq/" in (n.name or "")
-    ]
-    out = _quantize(ir.to_proto(model), 8, block_size, accuracy_level, False, exclude)
-    _save(out, dst)
-    return _count(out)
+    }
+    n = quantize_model(model, 8, block_size, accuracy_level, False, exclude, progress)
+    _save(model, dst)
+    return n
 
 
 def record_line(graph: str, r: dict) -> str:
@@ -195,9 +277,12 @@ def manifest_with(text: str, records: dict, suffix: str) -> str:
 def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: int = 32,
                   quantize_codec: str | None = None, codec_block_size: int = 64,
                   accuracy_level: int = 4, float_embeddings: bool = False,
-                  quantize_depformer: str | None = None) -> dict:
+                  quantize_depformer: str | None = None, say=None, consume: bool = False) -> dict:
     """Writes the quantized copy of pack `src` to `dst` (through a sibling temporary folder;
-    `dst` may be `src`); returns what was quantized, per graph."""
+    `dst` may be `src`); returns what was quantized, per graph. `say(line)`, if given, hears
+    how each graph's quantization goes (a line every 10 s or so, and one when it is done).
+    With `consume` (`src` is to be removed after), the graphs left as they were are moved, not
+    copied: a 7B's 13 GiB temporal graph is not written twice to quantize its codec."""
     quantize = None if quantize in (None, "none") else quantize
     quantize_codec = None if quantize_codec in (None, "none") else quantize_codec
     quantize_depformer = None if quantize_depformer in (None, "none") else quantize_depformer
@@ -238,36 +323,59 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     records = {}
-    for entry in sorted(os.listdir(src)):
-        path = os.path.join(src, entry)
-        graph = os.path.join(path, "model.onnx")
-        if entry == "pack.yaml":
-            continue
-        if entry == "temporal" and quantize:
-            bits = BITS[quantize]
-            n = quantize_graph(graph, os.path.join(tmp, entry, "model.onnx"), bits, block_size,
-                               accuracy_level, gathers=bits == 4 and not float_embeddings)
-            if n["matmuls"] == 0:
-                raise SystemExit(f"quantize_pack: {path}: no MatMul with its weights to quantize")
-            records[entry] = {"bits": bits, "block_size": block_size,
-                              "accuracy_level": accuracy_level, **n}
-        elif entry == "depformer" and quantize_depformer:
-            n = quantize_depformer_graph(graph, os.path.join(tmp, entry, "model.onnx"), block_size)
-            if n["gathers"] == 0:
-                raise SystemExit(f"quantize_pack: {path}: no per-codebook weights to quantize")
-            records[entry] = {"bits": 4, "block_size": block_size, "accuracy_level": 0, **n}
-        elif entry in CODEC_GRAPHS and quantize_codec:
-            n = quantize_codec_graph(graph, os.path.join(tmp, entry, "model.onnx"),
-                                     codec_block_size, accuracy_level)
-            if n["matmuls"] == 0:
-                raise SystemExit(f"quantize_pack: {path}: no MatMul with its weights to quantize")
-            shutil.copy2(os.path.join(path, "state.json"), os.path.join(tmp, entry, "state.json"))
-            records[entry] = {"bits": 8, "block_size": codec_block_size,
-                              "accuracy_level": accuracy_level, **n}
-        elif os.path.isdir(path):
-            shutil.copytree(path, os.path.join(tmp, entry))
-        else:
-            shutil.copy2(path, os.path.join(tmp, entry))
+
+    def progress(graph: str):
+        if say is None:
+            return None
+        t0 = time.monotonic()
+        last = [t0]
+
+        def tell(done: int, total: int, nbytes: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 10 or done == total:
+                last[0] = now
+                say(f"  {graph}: {done}/{total} weights quantized ({nbytes / 2**30:.2f} GiB read), "
+                    f"{now - t0:.0f} s")
+        return tell
+
+    try:
+        for entry in sorted(os.listdir(src)):
+            path = os.path.join(src, entry)
+            graph = os.path.join(path, "model.onnx")
+            if entry == "pack.yaml":
+                continue
+            if entry == "temporal" and quantize:
+                bits = BITS[quantize]
+                n = quantize_graph(graph, os.path.join(tmp, entry, "model.onnx"), bits, block_size,
+                                   accuracy_level, gathers=bits == 4 and not float_embeddings,
+                                   progress=progress(entry))
+                if n["matmuls"] == 0:
+                    raise SystemExit(f"quantize_pack: {path}: no MatMul with its weights to quantize")
+                records[entry] = {"bits": bits, "block_size": block_size,
+                                  "accuracy_level": accuracy_level, **n}
+            elif entry == "depformer" and quantize_depformer:
+                n = quantize_depformer_graph(graph, os.path.join(tmp, entry, "model.onnx"), block_size,
+                                             progress(entry))
+                if n["gathers"] == 0:
+                    raise SystemExit(f"quantize_pack: {path}: no per-codebook weights to quantize")
+                records[entry] = {"bits": 4, "block_size": block_size, "accuracy_level": 0, **n}
+            elif entry in CODEC_GRAPHS and quantize_codec:
+                n = quantize_codec_graph(graph, os.path.join(tmp, entry, "model.onnx"),
+                                         codec_block_size, accuracy_level, progress(entry))
+                if n["matmuls"] == 0:
+                    raise SystemExit(f"quantize_pack: {path}: no MatMul with its weights to quantize")
+                shutil.copy2(os.path.join(path, "state.json"), os.path.join(tmp, entry, "state.json"))
+                records[entry] = {"bits": 8, "block_size": codec_block_size,
+                                  "accuracy_level": accuracy_level, **n}
+            elif consume:
+                os.rename(path, os.path.join(tmp, entry))
+            elif os.path.isdir(path):
+                shutil.copytree(path, os.path.join(tmp, entry))
+            else:
+                shutil.copy2(path, os.path.join(tmp, entry))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # (an interrupted run leaves no half pack)
+        raise
     suffix = ((f"-{quantize}" if quantize else "") + ("-dep4" if quantize_depformer else "")
               + ("-codec8" if quantize_codec else ""))
     with open(os.path.join(tmp, "pack.yaml"), "w", encoding="utf-8") as f:
@@ -307,10 +415,10 @@ def add_arguments(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="with --quantize int4: keep the embedding tables float")
 
 
-def from_arguments(src: str, dst: str, a) -> dict:
+def from_arguments(src: str, dst: str, a, say=None, consume: bool = False) -> dict:
     return quantize_pack(src, dst, a.quantize, a.block_size, a.quantize_codec,
                          a.codec_block_size, a.accuracy_level, a.float_embeddings,
-                         a.quantize_depformer)
+                         a.quantize_depformer, say, consume)
 
 
 def main(argv=None) -> int:
@@ -320,7 +428,8 @@ def main(argv=None) -> int:
     add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
-    records = from_arguments(a.src, a.dst, a)
+    records = from_arguments(
+        a.src, a.dst, a, None if a.quiet else lambda m: print(f"quantize_pack: {m}", file=sys.stderr, flush=True))
     if not a.quiet:
         for graph, r in records.items():
             print(describe(graph, r))

@@ -6,7 +6,9 @@
 # anything failed.
 #
 #   compute    the unit tests, the bad-input suite, `tests/it` `compute::*` and the doc tests:
-#              CPU-bound, as many at once as there are cores (libtest's default)
+#              CPU-bound, as many at once as there are cores (libtest's default); but the
+#              7B's one-layer export (minutes of Python) runs at the lowest priority beside
+#              the realtime group, taking the cycles its waiting leaves
 #   realtime   `tests/it` `realtime::*`: suites that keep real time or wait on other processes
 #              (sound server, daemon, server and its clients, browser, Prometheus), which spend
 #              most of their time waiting: DUPLEX_REALTIME_THREADS of them (default 4) at once,
@@ -53,6 +55,12 @@ LONG=(
 # concealment under packet loss, the echo canceller's double talk on a real echo path and its
 # search for a half-second path, whose sound-server timing a busy machine shifts): after the
 # rest, one at a time.
+# The 7B's path at one layer (real widths): minutes of the exporter and the quantizer on the CPU,
+# mostly Python; run in the background at the lowest priority beside the real-time suite, whose
+# tests wait on the clock more than they compute, so that it takes only the cycles they leave.
+NICE=(
+  compute::export::the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inputs
+)
 APART=(
   realtime::webrtc_loss::under_packet_loss_webrtc_conceals_blips_where_the_websocket_stalls
   realtime::aec::echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives
@@ -69,12 +77,22 @@ fi
 
 # it ARGS...: the integration tests' binary (built by the build phase) with ARGS, from the
 # checkout's root as `cargo test` runs it.
+it_exe() {
+  "$CARGO" test --release --test it --no-run --message-format=json 2>/dev/null |
+    grep '"name":"it"' | grep -o '"executable":"[^"]*"' | tail -n1 | cut -d'"' -f4
+}
 it() {
   local exe
-  exe=$("$CARGO" test --release --test it --no-run --message-format=json 2>/dev/null |
-    grep '"name":"it"' | grep -o '"executable":"[^"]*"' | tail -n1 | cut -d'"' -f4)
+  exe=$(it_exe)
   [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
   env "${IT_ENV[@]}" "$exe" "$@"
+}
+# `it` at the lowest CPU priority.
+it_nice() {
+  local exe
+  exe=$(it_exe)
+  [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
+  nice -n 19 env "${IT_ENV[@]}" "$exe" "$@"
 }
 
 # background NAME COMMAND...: as `phase`, in the background, its output into a log of its own
@@ -135,13 +153,18 @@ if ((built)); then
   if wanted compute; then
     phase unit "$CARGO" test --release --lib --bins
     phase fuzz "$CARGO" test --release --test fuzz_inputs
-    phase compute it compute:: "${TIMES[@]}"
+    nice_skips=()
+    for t in "${NICE[@]}"; do nice_skips+=(--skip "$t"); done
+    phase compute it compute:: "${nice_skips[@]}" "${TIMES[@]}"
     phase doc "$CARGO" test --release --doc
   fi
   # The image test waits on podman and on its conversation, as the real-time suites wait on
   # theirs: it runs beside them. The longest real-time tests start first, beside the rest.
   if wanted image; then
     background image tools/test-image.sh
+  fi
+  if wanted compute; then
+    background compute-7b it_nice --exact "${NICE[@]}" "${TIMES[@]}"
   fi
   if wanted realtime; then
     background realtime-long it --exact "${LONG[@]}" --test-threads="${#LONG[@]}" "${TIMES[@]}"

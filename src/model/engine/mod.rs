@@ -259,6 +259,9 @@ impl SharedLm {
     /// A pack whose temporal graph is not GQA, contract and ONNX Runtime errors of either graph.
     pub fn open(pack: &Pack, opts: &EngineOptions) -> Result<SharedLm, ModelError> {
         let m = &pack.manifest;
+        if opts.session.provider == Provider::Cpu {
+            pack.check_cpu_room(None)?;
+        }
         let slots = opts.slots.max(1);
         let capacity = opts.max_positions.min(m.max_positions).max(1);
         let channels = m.delays.len();

@@ -491,6 +491,58 @@ impl Pack {
         Ok(())
     }
 
+    /// Bytes of memory ONNX Runtime's CPU provider makes for this pack's temporal graph beyond
+    /// its files, estimated from them: a half-precision graph whose MatMul weights are float
+    /// (a pack exported for a GPU) has them widened to fp32 as the session is built, since the
+    /// CPU provider multiplies in fp32: twice the graph's weights, held while it is open. Zero
+    /// for fp32 and for quantized temporal graphs (their weights stay as written).
+    pub fn cpu_widened_bytes(&self) -> u64 {
+        if self.manifest.dtype != Some(FloatType::F16) || self.quantized("temporal").is_some() {
+            return 0;
+        }
+        let dir = self.dir.join(Graph::Temporal.dir());
+        let bytes: u64 = std::fs::read_dir(&dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        2 * bytes
+    }
+
+    /// Refuses, before ONNX Runtime is asked, a temporal graph the CPU provider would have to
+    /// widen into more memory than `available` bytes (the system's, when `None`: Linux's
+    /// `MemAvailable`; no check where it cannot be read): ONNX Runtime would otherwise build
+    /// the session until the kernel kills the process, with no message.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelError::Pack`] naming the pack, the memory it needs and has, and what runs instead.
+    pub fn check_cpu_room(&self, available: Option<u64>) -> Result<(), ModelError> {
+        let need = self.cpu_widened_bytes();
+        let Some(available) = available.or_else(mem_available) else {
+            return Ok(());
+        };
+        if need <= available {
+            return Ok(());
+        }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        Err(ModelError::Pack {
+            path: self.dir.clone(),
+            detail: format!(
+                "a half-precision pack (exported for a GPU) on the CPU provider: ONNX Runtime widens \
+                 its temporal weights to fp32, about {:.1} GiB, and this machine has {:.1} GiB \
+                 available; run it with the CUDA provider (`--provider cuda`, `execution_provider: cuda` \
+                 in a pipeline), or export a pack for the CPU \
+                 (tools/export_pack.py --provider cpu, or --quantize int8 / int4)",
+                gib(need),
+                gib(available)
+            ),
+        })
+    }
+
     /// Path of a graph's `model.onnx`.
     pub fn graph_path(&self, g: Graph) -> PathBuf {
         self.dir.join(g.dir()).join("model.onnx")
@@ -617,4 +669,12 @@ impl Graph {
 /// The rows of initializer `name` (an embedding table's entries), when the graph has it.
 fn table_rows(f: &GraphFile, name: &str) -> Option<i64> {
     f.initializer(name).and_then(|i| i.dims.first().copied())
+}
+
+/// The system's available memory (Linux's `MemAvailable`), when it can be read.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -175,6 +175,9 @@ pub fn open(pack: &Pack, opts: &TemporalOptions) -> Result<Temporal, ModelError>
     if let Some((_, why)) = opts.fixed_shapes_conflict() {
         return Err(ModelError::contract(graph, why));
     }
+    if opts.session.provider == Provider::Cpu {
+        pack.check_cpu_room(None)?;
+    }
     let session_opts = SessionOptions {
         cuda_graph: opts.cuda_graph,
         ..opts.session

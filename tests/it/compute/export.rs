@@ -45,6 +45,16 @@ fn checkpoint(dir: &Path, extra: &[&str]) -> PathBuf {
     ck
 }
 
+/// Every quantization option at once (int8 LM weights are the one left out).
+const EVERY_QUANTIZATION: &[&str] = &[
+    "--quantize",
+    "int4",
+    "--quantize-depformer",
+    "int4",
+    "--quantize-codec",
+    "int8",
+];
+
 fn export(ck: &Path, out: &Path, provider: &str) -> Output {
     export_with(ck, out, provider, &[])
 }
@@ -77,6 +87,31 @@ fn tone(path: &Path) {
         w.write_sample((v * 32767.0) as i16).unwrap();
     }
     w.finalize().unwrap();
+}
+
+/// `pipelines/duplex-file.yaml` on `pack` with `wav` in, in `dir` as `name`: the token log and
+/// the agent's samples at 48 kHz.
+fn run_pipeline(dir: &Path, pack: &Path, wav: &Path, name: &str) -> (String, u32) {
+    let (agent, tokens) = (
+        dir.join(format!("{name}.wav")),
+        dir.join(format!("{name}.jsonl")),
+    );
+    let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
+        .unwrap()
+        .replace("models/tiny-gqa", pack.to_str().unwrap())
+        .replace("out/tone-48k.wav", wav.to_str().unwrap())
+        .replace("out/agent-48k.wav", agent.to_str().unwrap())
+        .replace("out/agent-tokens.jsonl", tokens.to_str().unwrap());
+    let file = dir.join(format!("{name}.yaml"));
+    std::fs::write(&file, yaml).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .arg("run")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let samples = hound::WavReader::open(&agent).unwrap().duration();
+    (std::fs::read_to_string(tokens).unwrap(), samples)
 }
 
 #[test]
@@ -120,28 +155,7 @@ fn a_kyutai_checkpoint_exports_to_a_pack_equal_to_the_reference_that_runs_a_pipe
     // tools/make_pack.py does: as many token lines and as much agent audio.
     let wav = dir.path().join("tone.wav");
     tone(&wav);
-    let run = |pack: &Path, name: &str| -> (String, u32) {
-        let (agent, tokens) = (
-            dir.path().join(format!("{name}.wav")),
-            dir.path().join(format!("{name}.jsonl")),
-        );
-        let yaml = std::fs::read_to_string(root().join("pipelines/duplex-file.yaml"))
-            .unwrap()
-            .replace("models/tiny-gqa", pack.to_str().unwrap())
-            .replace("out/tone-48k.wav", wav.to_str().unwrap())
-            .replace("out/agent-48k.wav", agent.to_str().unwrap())
-            .replace("out/agent-tokens.jsonl", tokens.to_str().unwrap());
-        let file = dir.path().join(format!("{name}.yaml"));
-        std::fs::write(&file, yaml).unwrap();
-        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
-            .arg("run")
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", text(&o));
-        let samples = hound::WavReader::open(&agent).unwrap().duration();
-        (std::fs::read_to_string(tokens).unwrap(), samples)
-    };
+    let run = |pack: &Path, name: &str| run_pipeline(dir.path(), pack, &wav, name);
     let (tokens, samples) = run(&dir.path().join("pack-cpu"), "exported");
     let (made_tokens, made_samples) = run(&root().join("models/tiny-gqa"), "made");
     assert!(tokens.lines().count() >= 20, "{tokens}");
@@ -152,19 +166,7 @@ fn a_kyutai_checkpoint_exports_to_a_pack_equal_to_the_reference_that_runs_a_pipe
     // Exported quantized (every option at once): it says what it did, passes duplex's own load
     // check, and runs the same pipeline frame for frame.
     let q = dir.path().join("pack-quantized");
-    let o = export_with(
-        &ck,
-        &q,
-        "cpu",
-        &[
-            "--quantize",
-            "int4",
-            "--quantize-depformer",
-            "int4",
-            "--quantize-codec",
-            "int8",
-        ],
-    );
+    let o = export_with(&ck, &q, "cpu", EVERY_QUANTIZATION);
     let log = text(&o);
     assert!(o.status.success(), "{log}");
     for said in [
@@ -175,6 +177,19 @@ fn a_kyutai_checkpoint_exports_to_a_pack_equal_to_the_reference_that_runs_a_pipe
     ] {
         assert!(log.contains(said), "missing {said:?} in {log}");
     }
+    // Each long step said what it was doing, and the float pack it was made from is gone: OUT
+    // is the only pack written.
+    assert!(
+        log.contains("temporal: ") && log.contains(" weights quantized ("),
+        "no progress of the quantizer in {log}"
+    );
+    let mut beside: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("pack-quantized"))
+        .collect();
+    beside.sort();
+    assert_eq!(beside, ["pack-quantized"]);
     let (q_tokens, q_samples) = run(&q, "quantized");
     assert_eq!(q_tokens.lines().count(), tokens.lines().count());
     assert_eq!(q_samples, samples, "agent audio at 48 kHz");
@@ -259,4 +274,117 @@ fn bad_checkpoints_are_refused_naming_the_file_and_what_is_wrong() {
         e.contains("the pack does not load") && e.contains("missing mimi_encoder graph"),
         "{e}"
     );
+}
+
+/// Every graph input of the pack at `dir`: graph → input → (dtype, dims), read by onnx.
+fn inputs(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
+    let script = r#"
+import json, os, sys, onnx
+out = {}
+for g in sorted(os.listdir(sys.argv[1])):
+    p = os.path.join(sys.argv[1], g, "model.onnx")
+    if os.path.isfile(p):
+        m = onnx.load(p, load_external_data=False)
+        out[g] = {i.name: [onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type),
+                           [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]]
+                  for i in m.graph.input}
+print(json.dumps(out))
+"#;
+    let o = Command::new(root().join(".venv/bin/python"))
+        .args(["-c", script])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    match serde_json::from_slice(&o.stdout).unwrap() {
+        serde_json::Value::Object(m) => m,
+        v => panic!("{v}"),
+    }
+}
+
+#[test]
+fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inputs() {
+    // PersonaPlex-7B's checkpoint at its real widths, one temporal and one depformer layer (1.9
+    // GB): what the real export meets (the 4096-wide temporal, its 17 embedding tables and
+    // text head, the 16-step depformer at 1024, the full Mimi), without 15 GB.
+    let dir = tempfile::tempdir().unwrap();
+    let ck = checkpoint(dir.path(), &["--size", "7b", "--layers", "1"]);
+    // The 7B's graphs with their weights declared, not written: every input the exported
+    // graphs take must be one of these, with its dtype and shape.
+    let big = dir.path().join("7b-shapes");
+    let o = python(
+        "make_pack.py",
+        &[
+            "--size",
+            "7b",
+            "--variant",
+            "gqa-fp16",
+            "--mimi",
+            "full",
+            "--shapes-only",
+            "--out",
+            big.to_str().unwrap(),
+            "-q",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = inputs(&big);
+    let wav = dir.path().join("tone.wav");
+    tone(&wav);
+    for (name, flags) in [
+        ("int4", EVERY_QUANTIZATION),
+        ("int8", &["--quantize", "int8"][..]),
+    ] {
+        // Exported for a GPU (fp16), quantized, and checked by duplex on this CPU.
+        let pack = dir.path().join(name);
+        let o = export_with(&ck, &pack, "cuda", flags);
+        let log = text(&o);
+        assert!(o.status.success(), "{log}");
+        for said in [
+            "temporal 1 layers x 4096 (32 heads), depformer 1 x 1024, 16 steps",
+            " weights quantized (",
+            "ok: the pack loads and runs",
+        ] {
+            assert!(log.contains(said), "{name}: {said:?} not in {log}");
+        }
+        let got = inputs(&pack);
+        let graphs: Vec<&String> = got.keys().collect();
+        assert_eq!(graphs, want.keys().collect::<Vec<_>>(), "{name}: graphs");
+        for (graph, ins) in &got {
+            let all = want[graph].as_object().unwrap();
+            for (input, spec) in ins.as_object().unwrap() {
+                assert_eq!(
+                    Some(spec),
+                    all.get(input),
+                    "{name}: {graph}: input {input} against the 7B's"
+                );
+            }
+            // The 7B has the other 31 layers' caches, and nothing else the export lacks.
+            for input in all
+                .keys()
+                .filter(|i| !ins.as_object().unwrap().contains_key(*i))
+            {
+                let layer: usize = input
+                    .strip_prefix("past_key_values.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("{name}: {graph}: the export lacks {input}"));
+                assert!(layer >= 1, "{name}: {graph}: the export lacks {input}");
+            }
+        }
+    }
+    // The int4 pack (the one that fits a small card) steps a conversation on the CPU: a few
+    // frames through the whole pipeline, as many token lines as frames.
+    let short = dir.path().join("short.wav");
+    {
+        let mut r = hound::WavReader::open(&wav).unwrap();
+        let spec = r.spec();
+        let mut w = hound::WavWriter::create(&short, spec).unwrap();
+        for s in r.samples::<i16>().take(1920 * 4) {
+            w.write_sample(s.unwrap()).unwrap();
+        }
+        w.finalize().unwrap();
+    }
+    let (lines, _) = run_pipeline(dir.path(), &dir.path().join("int4"), &short, "int4-run");
+    assert_eq!(lines.lines().count(), 4, "{lines}");
 }

@@ -343,3 +343,31 @@ fn a_bad_manifest_stops_a_command_before_it_starts() {
         "{err}"
     );
 }
+
+#[test]
+fn a_half_precision_pack_too_big_for_the_cpu_is_refused_before_onnx_runtime_is_asked() {
+    // On the CPU provider ONNX Runtime widens a float fp16 temporal graph's weights to fp32 as
+    // the session is built: a 7B's 13 GiB become 26, and the kernel kills the process with no
+    // word. The pack's files say how much it will need; a machine without it is told so.
+    let half = Pack::open(&packs::pack("tiny-gqa-fp16")).unwrap();
+    let need = half.cpu_widened_bytes();
+    let files: u64 = std::fs::read_dir(half.dir.join("temporal"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(need, 2 * files);
+    half.check_cpu_room(Some(need)).unwrap();
+    let err = half.check_cpu_room(Some(need - 1)).unwrap_err().to_string();
+    for want in [
+        half.dir.display().to_string(),
+        "widens its temporal weights to fp32".into(),
+        "execution_provider: cuda".into(),
+        "--quantize int8 / int4".into(),
+    ] {
+        assert!(err.contains(&want), "{want:?} not in {err}");
+    }
+    // Nothing is widened where the weights are fp32 already.
+    let full = Pack::open(&packs::pack("tiny-gqa")).unwrap();
+    assert_eq!(full.cpu_widened_bytes(), 0);
+    full.check_cpu_room(Some(0)).unwrap();
+}
