@@ -12,6 +12,7 @@
 //! - [`resources`]: what a process builds once and its pipelines share (packs, tokenizers,
 //!   voice codes, engines).
 //! - [`session`]: the bounded link between a network client and the pipeline serving it.
+//! - [`eval`]: the field's full-duplex metrics (Full-Duplex-Bench's), from timestamps.
 //! - [`files`]: opening the files a user names: regular files only, bounded reads.
 //! - [`yaml`]: reading the YAML a user wrote (pipelines, settings, packs' manifests) at a
 //!   bounded cost, as values that remember their origin.
@@ -29,6 +30,7 @@
 pub mod app;
 pub mod audio;
 pub mod config;
+pub mod eval;
 pub mod files;
 pub mod model;
 pub mod observe;

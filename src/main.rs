@@ -51,6 +51,10 @@ enum Cmd {
     /// Run the LM on a pack: user codes (JSON) in, agent tokens (JSON Lines) out; or re-run a
     /// recording's LM headless (`--recording DIR --out NEW_DIR`) and compare it with the live run.
     Replay(Box<app::ReplayArgs>),
+    /// Measure a pack's full-duplex behaviour on a benchmark's inputs (Full-Duplex-Bench's
+    /// layout): `run` them through packs offline, `stereo` the user and the agent together.
+    #[command(subcommand)]
+    Eval(app::eval::EvalCmd),
     /// Compare a recording with its replay: per-stage quantiles by context, trend, bimodality,
     /// a verdict (environment or code), and whether the token streams are the same.
     Compare {
@@ -177,6 +181,8 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<()> {
             out(&app::validate(&file, &opts, &Registry::builtin())?)
         }
         Cmd::Replay(args) => replay(&args),
+        Cmd::Eval(app::eval::EvalCmd::Run(args)) => out(&app::eval::run(&args)?),
+        Cmd::Eval(app::eval::EvalCmd::Stereo(args)) => out(&app::eval::stereo(&args)?),
         Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),
         Cmd::Daemon { config, check } => daemon(config.as_deref(), check),
         Cmd::Serve(args) => app::serve::run(&args),

@@ -5,6 +5,7 @@
 pub mod control;
 pub mod daemon;
 pub mod doctor;
+pub mod eval;
 pub mod loadtest;
 pub mod logging;
 mod replay;

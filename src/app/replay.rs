@@ -103,17 +103,17 @@ pub struct ReplayArgs {
     pub user_substeps: Option<String>,
 }
 
-fn s(v: &str) -> Value {
+pub(super) fn s(v: &str) -> Value {
     Value::new(None, ValueKind::String(v.to_string()))
 }
 
-fn i(v: i64) -> Value {
+pub(super) fn i(v: i64) -> Value {
     Value::new(None, ValueKind::I64(v))
 }
 
 /// An unsigned flag's value as a param value (one past `i64::MAX` stays out of range for the
 /// stage's check to name, rather than wrapping).
-fn int(v: u64) -> Value {
+pub(super) fn int(v: u64) -> Value {
     match i64::try_from(v) {
         Ok(v) => i(v),
         Err(_) => Value::new(None, ValueKind::U64(v)),
@@ -123,10 +123,10 @@ fn int(v: u64) -> Value {
 /// A replayed pipeline's control plane and conversation count, shared by its stages, and the
 /// process's resources, shared by every replayed conversation.
 #[derive(Default)]
-struct Plane {
-    control: ControlPlane,
-    conversation: crate::stages::Conversation,
-    resources: Arc<Resources>,
+pub(super) struct Plane {
+    pub(super) control: ControlPlane,
+    pub(super) conversation: crate::stages::Conversation,
+    pub(super) resources: Arc<Resources>,
 }
 
 fn node(
@@ -140,7 +140,7 @@ fn node(
     node_at(reg, plane, "duplex replay", name, kind, raw, None)
 }
 
-fn node_at(
+pub(super) fn node_at(
     reg: &Registry,
     plane: &Plane,
     file: &str,

@@ -294,13 +294,35 @@ fn every_duplex_command_in_the_docs_names_a_subcommand_and_flags_that_exist() {
                     faults.push(format!("{at}: `duplex {sub}` is no subcommand"));
                     continue;
                 }
-                let known = helps
-                    .entry(sub.clone())
-                    .or_insert_with(|| flags_of(&help(&[&sub])));
+                // A subcommand of its own (`duplex eval run`): its flags are that one's.
+                let own = help(&[&sub]);
+                let mut words = vec![sub.clone()];
+                if let Some(list) = own.split("Commands:").nth(1) {
+                    let subs: BTreeSet<&str> = list
+                        .split("Options:")
+                        .next()
+                        .unwrap()
+                        .lines()
+                        .filter_map(|l| l.split_whitespace().next())
+                        .collect();
+                    match it.next() {
+                        Some(w) if subs.contains(w.as_str()) => words.push(w.clone()),
+                        w => {
+                            faults.push(format!(
+                                "{at}: `duplex {sub}` needs one of {subs:?}, not {w:?}"
+                            ));
+                            continue;
+                        }
+                    }
+                }
+                let key = words.join(" ");
+                let known = helps.entry(key.clone()).or_insert_with(|| {
+                    flags_of(&help(&words.iter().map(String::as_str).collect::<Vec<_>>()))
+                });
                 for a in it.filter(|a| a.starts_with('-') && a.len() > 1 && *a != "--") {
                     let flag = a.split('=').next().unwrap();
                     if !known.contains(flag) && !global.contains(flag) {
-                        faults.push(format!("{at}: `duplex {sub}` has no flag {flag}"));
+                        faults.push(format!("{at}: `duplex {key}` has no flag {flag}"));
                     }
                 }
                 checked += 1;

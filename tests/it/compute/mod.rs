@@ -8,6 +8,7 @@ mod config_validation;
 mod docs;
 mod engine;
 mod error_kinds;
+mod eval;
 mod export;
 mod gpu_check;
 mod metrics_recorded;

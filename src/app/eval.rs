@@ -1,0 +1,578 @@
+//! `duplex eval`: a pack's full-duplex behaviour on a benchmark's inputs, the way the field
+//! measures it (Full-Duplex-Bench v1 / v1.5: one folder per sample, an `input.wav`, the system's
+//! time-synchronous `output.wav` beside it).
+//!
+//! - `duplex eval run`: every `input.wav` (and v1.5's `clean_input.wav`) under `--inputs`,
+//!   through each `--pack`, once per `--seed`, offline: one fresh conversation per file (the
+//!   file pipeline built in code: resample to the codec's rate, frame, encode, the LM, decode,
+//!   resample back), written into a tree that mirrors the inputs'
+//!   (`OUT/<pack>/seed-<s>/<sample>/`): `output.wav` at the input's rate and exactly its length,
+//!   the token log (`tokens.jsonl`), the transcript (`transcript.txt`: not `output.json`, which
+//!   the benchmark's ASR step writes), and links to the sample's input files, so the
+//!   benchmark's own scripts run on the tree unchanged; one `run.json` per pack and seed says
+//!   what ran (the pack and its graphs' hashes, quantization, persona, seed, sampling,
+//!   alignment, frames, real-time factor). A sample whose outputs exist is skipped: a run
+//!   stopped half-way resumes.
+//! - `duplex eval stereo`: the user and the agent of each sample of a run as one two-channel
+//!   file on one clock (`stereo.wav`), for listening or for judges that take both sides.
+//!
+//! Alignment: agent frame *k* covers [*k*·80 ms, (*k*+1)·80 ms) of `output.wav` from its first
+//! sample (`personaplex`, how PersonaPlex was scored), or one frame later (`moshi-client`, how
+//! Kyutai's WebSocket client writes what it hears); then trimmed or padded with silence to the
+//! input's length.
+//!
+//! Knows the benchmark's file layout and the stage kinds it assembles; nothing of the model.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use config::{Value, ValueKind};
+
+use super::replay::{i, int, node_at, s, Plane};
+use crate::audio::{WavFormat, WavReader, WavWriter};
+use crate::config::{ConfigError, ConfigErrorKind};
+use crate::runtime::{Link, PipelineBuilder};
+use crate::stages::{kind, Registry};
+
+/// The command, where messages name a flag or a file.
+const COMMAND: &str = "duplex eval";
+
+/// The codec's rate and frame.
+const CODEC_RATE: u32 = 24_000;
+const FRAME: u64 = 1920;
+
+/// `duplex eval …`.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum EvalCmd {
+    /// Run every `input.wav` under `--inputs` through each pack, offline, writing the
+    /// benchmark's layout (`output.wav` beside links to the inputs) under `--out`.
+    Run(RunArgs),
+    /// Write each sample of a run as one two-channel file, the user left and the agent right.
+    Stereo(StereoArgs),
+}
+
+/// Flags of `duplex eval run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// A model pack (repeatable: each runs the same inputs and seeds).
+    #[arg(long, required = true)]
+    pub pack: Vec<PathBuf>,
+    /// The benchmark's inputs: a folder searched for `input.wav` files (a Full-Duplex-Bench
+    /// v1 / v1.5 task folder, the whole download, or any folder of samples).
+    #[arg(long)]
+    pub inputs: PathBuf,
+    /// Where the outputs go: `OUT/<pack>/seed-<s>/<sample>/`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Sampling seeds, one run per seed (comma-separated; default 0).
+    #[arg(long, value_delimiter = ',', default_values_t = [0u64])]
+    pub seed: Vec<u64>,
+    /// The persona (system prompt) every conversation starts with (needs the pack's tokenizer).
+    #[arg(long)]
+    pub persona: Option<String>,
+    /// Where agent frame k goes in `output.wav`: `personaplex` (from sample 0) or
+    /// `moshi-client` (one 80 ms frame later).
+    #[arg(long, default_value = "personaplex", value_parser = ["personaplex", "moshi-client"])]
+    pub align: String,
+    /// Argmax instead of sampling.
+    #[arg(long)]
+    pub greedy: bool,
+    /// Run the samples again even where their outputs exist.
+    #[arg(long)]
+    pub again: bool,
+}
+
+/// Flags of `duplex eval stereo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StereoArgs {
+    /// A run's folder (`OUT/<pack>/seed-<s>`, or any folder above its samples).
+    pub run: PathBuf,
+}
+
+/// One sample: its folder (relative to `--inputs`) and the inputs it holds.
+#[derive(Debug, Clone)]
+struct Sample {
+    rel: PathBuf,
+    dir: PathBuf,
+    /// `input.wav`, then `clean_input.wav` where the sample has one (v1.5).
+    inputs: Vec<&'static str>,
+}
+
+/// The output beside each input name.
+fn output_name(input: &str) -> &'static str {
+    if input == "clean_input.wav" {
+        "clean_output.wav"
+    } else {
+        "output.wav"
+    }
+}
+
+fn bad(key: &str, detail: String) -> ConfigError {
+    ConfigError::new(COMMAND, ConfigErrorKind::Build, detail).key(key)
+}
+
+/// Every folder under `root` that holds an `input.wav`, in path order.
+fn samples(root: &Path) -> Result<Vec<Sample>, ConfigError> {
+    if !root.is_dir() {
+        return Err(bad("--inputs", format!("{}: not a folder", root.display())));
+    }
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| bad("--inputs", format!("{}: {e}", dir.display())))?;
+        let mut subdirs = Vec::new();
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                subdirs.push(p);
+            }
+        }
+        if dir.join("input.wav").is_file() {
+            let mut inputs = vec!["input.wav"];
+            if dir.join("clean_input.wav").is_file() {
+                inputs.push("clean_input.wav");
+            }
+            let rel = dir.strip_prefix(root).unwrap_or(&dir).to_path_buf();
+            found.push(Sample { rel, dir, inputs });
+        }
+        stack.extend(subdirs);
+    }
+    found.sort_by(|a, b| a.rel.cmp(&b.rel));
+    if found.is_empty() {
+        return Err(bad(
+            "--inputs",
+            format!("{}: no input.wav in it or its folders", root.display()),
+        ));
+    }
+    Ok(found)
+}
+
+/// The label of each pack in the output tree: its folder's name (two packs of one name are
+/// refused: their outputs would mix).
+fn pack_labels(packs: &[PathBuf]) -> Result<Vec<String>, ConfigError> {
+    let mut labels: Vec<String> = Vec::new();
+    for p in packs {
+        if !p.join("pack.yaml").is_file() && !p.join("temporal").is_dir() {
+            return Err(bad("--pack", format!("{}: not a model pack", p.display())));
+        }
+        let label = std::fs::canonicalize(p)
+            .unwrap_or_else(|_| p.clone())
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "pack".into());
+        if labels.contains(&label) {
+            return Err(bad(
+                "--pack",
+                format!("two packs are named `{label}`: their outputs would both be under it"),
+            ));
+        }
+        labels.push(label);
+    }
+    Ok(labels)
+}
+
+/// What one conversation ran with, and the process's resources its runs share (a primed state
+/// kept for the next conversation of the same pack and persona).
+struct Conversation<'a> {
+    pack: &'a Path,
+    seed: u64,
+    persona: Option<&'a str>,
+    greedy: bool,
+    resources: Arc<crate::resources::Resources>,
+}
+
+/// The file pipeline of one input, built in code: `input` → the codec's rate → frames →
+/// Mimi → the LM → Mimi → the input's rate → `agent`; the agent's tokens → `tokens`.
+fn pipeline(
+    c: &Conversation<'_>,
+    input: &Path,
+    rate: u32,
+    agent: &Path,
+    tokens: &Path,
+) -> Result<PipelineBuilder, ConfigError> {
+    let reg = Registry::builtin();
+    let plane = Plane {
+        resources: c.resources.clone(),
+        ..Plane::default()
+    };
+    let node = |name: &str, kind: &str, raw: Vec<(&str, Value)>| {
+        let raw = raw.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        node_at(&reg, &plane, COMMAND, name, kind, raw, None)
+    };
+    let pack = s(&c.pack.display().to_string());
+    let path = |p: &Path| s(&p.display().to_string());
+    let mut temporal = vec![("pack", pack.clone())];
+    if let Some(t) = c.persona {
+        temporal.push(("persona", s(t)));
+    }
+    let depformer = vec![
+        ("pack", pack.clone()),
+        ("seed", int(c.seed)),
+        ("greedy", Value::new(None, ValueKind::Boolean(c.greedy))),
+    ];
+    let b = PipelineBuilder::new()
+        .origin(COMMAND)
+        .node(node("source", "wav_source", vec![("path", path(input))])?)
+        .node(node(
+            "down",
+            "resample",
+            vec![("to", i(CODEC_RATE.into()))],
+        )?)
+        .node(node("framer", "framer", Vec::new())?)
+        .node(node("encode", "mimi_encode", vec![("pack", pack.clone())])?)
+        .node(node("temporal", kind::TEMPORAL, temporal)?)
+        .node(node("depformer", kind::DEPFORMER, depformer)?)
+        .node(node("decode", "mimi_decode", vec![("pack", pack)])?)
+        .node(node("up", "resample", vec![("to", i(rate.into()))])?)
+        .node(node(
+            "sink",
+            "wav_sink",
+            vec![("path", path(agent)), ("format", s("f32"))],
+        )?)
+        .node(node("tokens", "token_sink", vec![("path", path(tokens))])?)
+        .link(Link::new("source", "down"))
+        .link(Link::new("down", "framer"))
+        .link(Link::new("framer", "encode"))
+        .link(Link::new("encode", "temporal.codes"))
+        .link(Link::new("temporal.step", "depformer"))
+        .link(Link::new("depformer", "temporal.tokens").feedback())
+        .link(Link::new("temporal.agent", "decode"))
+        .link(Link::new("temporal.agent", "tokens"))
+        .link(Link::new("decode", "up"))
+        .link(Link::new("up", "sink"));
+    Ok(b.control(plane.control))
+}
+
+/// `agent` placed on the input's clock: `lead` samples of silence first, then cut or padded
+/// with silence to `len` samples.
+fn aligned(agent: &[f32], lead: usize, len: usize) -> Vec<f32> {
+    let mut out = vec![0.0; len];
+    if lead < len {
+        let n = agent.len().min(len - lead);
+        out[lead..lead + n].copy_from_slice(&agent[..n]);
+    }
+    out
+}
+
+/// The transcript in a token log: the pieces the agent said, as text.
+fn transcript(tokens: &str) -> String {
+    let mut text = String::new();
+    for line in tokens.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if let Some(p) = v.get("piece").and_then(|p| p.as_str()) {
+            text.push_str(&p.replace('\u{2581}', " "));
+        }
+    }
+    text.trim().to_string()
+}
+
+/// What one input gave.
+struct Ran {
+    frames: usize,
+    audio_s: f64,
+    wall_s: f64,
+}
+
+/// Runs `input` of `sample` into `dir` (its output, token log and transcript).
+fn run_input(
+    c: &Conversation<'_>,
+    input: &Path,
+    dir: &Path,
+    align_frames: u64,
+) -> anyhow::Result<Ran> {
+    let reader = WavReader::open(input)?;
+    let (rate, len) = (reader.rate(), reader.frames());
+    drop(reader);
+    let stem = input
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = output_name(&format!("{stem}.wav"));
+    let tokens_name = if stem == "clean_input" {
+        "clean_tokens.jsonl"
+    } else {
+        "tokens.jsonl"
+    };
+    let agent = dir.join(format!(".{stem}.agent.wav"));
+    let tokens = dir.join(format!(".{tokens_name}.partial"));
+    let t0 = Instant::now();
+    let built = pipeline(c, input, rate, &agent, &tokens)?.build()?;
+    let outcome = built.start().wait();
+    if let Some(e) = outcome.error {
+        return Err(anyhow::Error::new(e).context(format!("running {}", input.display())));
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    let samples = WavReader::open(&agent)?.read_all()?;
+    let lead = (align_frames * FRAME * u64::from(rate) / u64::from(CODEC_RATE)) as usize;
+    let out = aligned(&samples, lead, len as usize);
+    let partial = dir.join(format!(".{name}.partial"));
+    let mut w = WavWriter::create(&partial, rate, WavFormat::I16)?;
+    w.write(&out)?;
+    w.finalize()?;
+    let log = std::fs::read_to_string(&tokens)
+        .with_context(|| format!("reading {}", tokens.display()))?;
+    let frames = log.lines().count();
+    let said = if stem == "clean_input" {
+        "clean_transcript.txt"
+    } else {
+        "transcript.txt"
+    };
+    std::fs::write(dir.join(said), transcript(&log) + "\n")
+        .with_context(|| format!("writing {}", dir.join(said).display()))?;
+    std::fs::rename(&tokens, dir.join(tokens_name))?;
+    let _ = std::fs::remove_file(&agent);
+    // Last: the output's presence says the sample is done.
+    std::fs::rename(&partial, dir.join(name))?;
+    Ok(Ran {
+        frames,
+        audio_s: len as f64 / f64::from(rate),
+        wall_s,
+    })
+}
+
+/// Links the sample's own files (its inputs and annotations) into its output folder, so the
+/// benchmark's scripts find them beside `output.wav`.
+fn link_inputs(sample: &Sample, dir: &Path) -> anyhow::Result<()> {
+    for e in std::fs::read_dir(&sample.dir)?.flatten() {
+        let p = e.path();
+        let name = e.file_name();
+        let n = name.to_string_lossy();
+        let ours = n.starts_with('.')
+            || n.ends_with("output.wav")
+            || n == "output.json"
+            || n.ends_with("tokens.jsonl")
+            || n.ends_with("transcript.txt");
+        if !p.is_file() || ours {
+            continue;
+        }
+        let link = dir.join(&name);
+        if link.symlink_metadata().is_ok() {
+            continue;
+        }
+        let target = std::fs::canonicalize(&p)?;
+        std::os::unix::fs::symlink(&target, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
+    }
+    Ok(())
+}
+
+/// `duplex eval run`.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for flags, inputs or packs that cannot run; a run error (exit 1)
+/// naming the input that failed, the samples done before it kept.
+pub fn run(a: &RunArgs) -> anyhow::Result<String> {
+    let labels = pack_labels(&a.pack)?;
+    let found = samples(&a.inputs)?;
+    let chosen = crate::config::ort::from_env(COMMAND, None)?;
+    super::load_ort_for(COMMAND, chosen.as_ref())?;
+    let align_frames = u64::from(a.align == "moshi-client");
+    let mut summary = String::new();
+    for (pack, label) in a.pack.iter().zip(&labels) {
+        let opened = crate::model::pack::Pack::open(pack)?;
+        for &seed in &a.seed {
+            let root = a.out.join(label).join(format!("seed-{seed}"));
+            std::fs::create_dir_all(&root)
+                .with_context(|| format!("creating {}", root.display()))?;
+            let c = Conversation {
+                pack,
+                seed,
+                persona: a.persona.as_deref(),
+                greedy: a.greedy,
+                resources: Arc::new(super::process_resources(1)),
+            };
+            let (mut frames, mut audio_s, mut wall_s, mut ran, mut skipped) = (0, 0.0, 0.0, 0, 0);
+            for (k, sample) in found.iter().enumerate() {
+                let dir = root.join(&sample.rel);
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                link_inputs(sample, &dir)?;
+                for input in &sample.inputs {
+                    let done = dir.join(output_name(input)).is_file();
+                    if done && !a.again {
+                        skipped += 1;
+                        continue;
+                    }
+                    let r = run_input(&c, &sample.dir.join(input), &dir, align_frames)?;
+                    eprintln!(
+                        "duplex eval: {label} seed {seed} [{}/{}] {}/{}: {} frames, {:.2} x real time",
+                        k + 1,
+                        found.len(),
+                        sample.rel.display(),
+                        input,
+                        r.frames,
+                        r.audio_s / r.wall_s.max(1e-9)
+                    );
+                    frames += r.frames;
+                    audio_s += r.audio_s;
+                    wall_s += r.wall_s;
+                    ran += 1;
+                }
+            }
+            let record = serde_json::json!({
+                "command": "duplex eval run",
+                "pack": {
+                    "path": pack.display().to_string(),
+                    "name": opened.manifest.name,
+                    "quantization": opened.manifest.quantization.as_ref().map(|q| {
+                        q.iter().map(|(g, r)| (g.clone(), r.name().to_string()))
+                            .collect::<std::collections::BTreeMap<_, _>>()
+                    }),
+                    "graphs": super::pack_files(&pack.display().to_string()),
+                },
+                "inputs": a.inputs.display().to_string(),
+                "samples": found.len(),
+                "persona": a.persona,
+                "seed": seed,
+                "sampling": if a.greedy {
+                    serde_json::json!("greedy")
+                } else {
+                    serde_json::json!({"text_temperature": 0.7, "text_top_k": 25,
+                        "audio_temperature": 0.8, "audio_top_k": 250})
+                },
+                "align": a.align,
+                "frame_ms": 80,
+                "this_run": {
+                    "inputs_run": ran,
+                    "inputs_skipped_as_done": skipped,
+                    "frames": frames,
+                    "audio_s": audio_s,
+                    "wall_s": wall_s,
+                    "real_time_factor": if audio_s > 0.0 { wall_s / audio_s } else { 0.0 },
+                },
+            });
+            let file = root.join("run.json");
+            std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")
+                .with_context(|| format!("writing {}", file.display()))?;
+            summary.push_str(&format!(
+                "{label} seed {seed}: {ran} inputs run ({skipped} done before), {frames} frames, \
+                 {audio_s:.1} s of audio in {wall_s:.1} s -> {}\n",
+                root.display()
+            ));
+        }
+    }
+    Ok(summary)
+}
+
+/// `duplex eval stereo`: `stereo.wav` beside each `output.wav` under `run` (the user left, the
+/// agent right, at the input's rate).
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for a folder without outputs; an error naming the file that
+/// cannot be read or written.
+pub fn stereo(a: &StereoArgs) -> anyhow::Result<String> {
+    let found = samples_with_output(&a.run)?;
+    for dir in &found {
+        let (rate, left) = pcm16(&dir.join("input.wav"))?;
+        let (agent_rate, right) = pcm16(&dir.join("output.wav"))?;
+        if agent_rate != rate {
+            return Err(bad(
+                "run",
+                format!(
+                    "{}: output.wav is at {agent_rate} Hz, input.wav at {rate} Hz",
+                    dir.display()
+                ),
+            )
+            .into());
+        }
+        let spec = hound::WavSpec {
+            channels: 2,
+            sample_rate: rate,
+            bits_per_sample: 16,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let path = dir.join("stereo.wav");
+        let mut w = hound::WavWriter::create(&path, spec)
+            .with_context(|| format!("writing {}", path.display()))?;
+        for k in 0..left.len().max(right.len()) {
+            w.write_sample(left.get(k).copied().unwrap_or(0))?;
+            w.write_sample(right.get(k).copied().unwrap_or(0))?;
+        }
+        w.finalize()?;
+    }
+    Ok(format!(
+        "wrote {} stereo.wav files (user left, agent right) under {}\n",
+        found.len(),
+        a.run.display()
+    ))
+}
+
+/// A WAV's rate and its samples as 16-bit integers: as they are in a mono 16-bit file (the
+/// outputs, and most inputs), else down-mixed and quantized.
+fn pcm16(path: &Path) -> anyhow::Result<(u32, Vec<i16>)> {
+    let mut r = WavReader::open(path)?;
+    let rate = r.rate();
+    if r.channels() == 1 && r.format() == (16, false) {
+        let mut h =
+            hound::WavReader::open(path).with_context(|| format!("reading {}", path.display()))?;
+        let v = h
+            .samples::<i16>()
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("reading {}", path.display()))?;
+        return Ok((rate, v));
+    }
+    let v = r.read_all()?;
+    Ok((
+        rate,
+        v.iter()
+            .map(|x| (x * 32768.0).round().clamp(-32768.0, 32767.0) as i16)
+            .collect(),
+    ))
+}
+
+/// The folders under `root` with both `input.wav` and `output.wav`.
+fn samples_with_output(root: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let all = samples(root).map_err(|_| {
+        bad(
+            "run",
+            format!(
+                "{}: no samples with input.wav and output.wav (a `duplex eval run` folder)",
+                root.display()
+            ),
+        )
+    })?;
+    let done: Vec<PathBuf> = all
+        .into_iter()
+        .map(|s| s.dir)
+        .filter(|d| d.join("output.wav").is_file())
+        .collect();
+    if done.is_empty() {
+        return Err(bad(
+            "run",
+            format!(
+                "{}: no output.wav yet (run `duplex eval run` first)",
+                root.display()
+            ),
+        ));
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_is_placed_then_cut_or_padded_to_the_input() {
+        let agent = [1.0, 2.0, 3.0];
+        assert_eq!(aligned(&agent, 0, 2), [1.0, 2.0]);
+        assert_eq!(aligned(&agent, 0, 5), [1.0, 2.0, 3.0, 0.0, 0.0]);
+        assert_eq!(aligned(&agent, 2, 4), [0.0, 0.0, 1.0, 2.0]);
+        assert_eq!(aligned(&agent, 5, 4), [0.0; 4]);
+    }
+
+    #[test]
+    fn the_transcript_is_the_pieces_said() {
+        let log = "{\"frame\":0,\"text\":3,\"audio\":[1]}\n\
+                   {\"frame\":1,\"text\":9,\"piece\":\"\u{2581}hello\",\"audio\":[1]}\n\
+                   {\"frame\":2,\"text\":10,\"piece\":\"\u{2581}there\",\"audio\":[1]}\n";
+        assert_eq!(transcript(log), "hello there");
+    }
+}

@@ -1,0 +1,8 @@
+//! Measuring full-duplex behaviour: the field's metrics, computed from timestamps (ASR words,
+//! voice-activity segments), as pure functions.
+//!
+//! - [`fdb`]: Full-Duplex-Bench's v1 and v1.5 timestamp metrics.
+//!
+//! Knows nothing of files, audio or packs: `duplex eval` ([`crate::app::eval`]) reads those.
+
+pub mod fdb;
