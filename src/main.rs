@@ -52,7 +52,8 @@ enum Cmd {
     /// recording's LM headless (`--recording DIR --out NEW_DIR`) and compare it with the live run.
     Replay(Box<app::ReplayArgs>),
     /// Measure a pack's full-duplex behaviour on a benchmark's inputs (Full-Duplex-Bench's
-    /// layout): `run` them through packs offline, `stereo` the user and the agent together.
+    /// layout): `run` them through packs offline, `score` the outputs, `stereo` the user and
+    /// the agent together.
     #[command(subcommand)]
     Eval(app::eval::EvalCmd),
     /// Compare a recording with its replay: per-stage quantiles by context, trend, bimodality,
@@ -183,6 +184,7 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Replay(args) => replay(&args),
         Cmd::Eval(app::eval::EvalCmd::Run(args)) => out(&app::eval::run(&args)?),
         Cmd::Eval(app::eval::EvalCmd::Stereo(args)) => out(&app::eval::stereo(&args)?),
+        Cmd::Eval(app::eval::EvalCmd::Score(args)) => out(&app::eval::score(&args)?),
         Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),
         Cmd::Daemon { config, check } => daemon(config.as_deref(), check),
         Cmd::Serve(args) => app::serve::run(&args),

@@ -6,9 +6,10 @@
 # anything failed.
 #
 #   compute    the unit tests, the bad-input suite, `tests/it` `compute::*` and the doc tests:
-#              CPU-bound, as many at once as there are cores (libtest's default); but the
-#              7B's one-layer export (minutes of Python) runs at the lowest priority beside
-#              the realtime group, taking the cycles its waiting leaves
+#              CPU-bound, as many at once as there are cores (libtest's default); the
+#              7B's one-layer exports one of them checks (minutes of Python,
+#              tools/prepare-7b-test.sh) are made at the lowest priority beside the lints and
+#              the build
 #   realtime   `tests/it` `realtime::*`: suites that keep real time or wait on other processes
 #              (sound server, daemon, server and its clients, browser, Prometheus), which spend
 #              most of their time waiting: DUPLEX_REALTIME_THREADS of them (default 4) at once,
@@ -55,12 +56,6 @@ LONG=(
 # concealment under packet loss, the echo canceller's double talk on a real echo path and its
 # search for a half-second path, whose sound-server timing a busy machine shifts): after the
 # rest, one at a time.
-# The 7B's path at one layer (real widths): minutes of the exporter and the quantizer on the CPU,
-# mostly Python; run in the background at the lowest priority beside the real-time suite, whose
-# tests wait on the clock more than they compute, so that it takes only the cycles they leave.
-NICE=(
-  compute::export::the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inputs
-)
 APART=(
   realtime::webrtc_loss::under_packet_loss_webrtc_conceals_blips_where_the_websocket_stalls
   realtime::aec::echo_is_cancelled_on_a_real_echo_path_and_the_users_voice_survives
@@ -87,16 +82,6 @@ it() {
   [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
   env "${IT_ENV[@]}" "$exe" "$@"
 }
-# `it` at the lowest CPU priority.
-it_nice() {
-  local exe
-  exe=$(it_exe)
-  [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
-  nice -n 19 env "${IT_ENV[@]}" "$exe" "$@"
-}
-
-# background NAME COMMAND...: as `phase`, in the background, its output into a log of its own
-# that `wait_background` prints when it ends.
 bg_names=()
 bg_pids=()
 bg_logs=()
@@ -136,6 +121,12 @@ t_all=$(date +%s)
 # What only the tests need (sound server, Chromium, Prometheus, image tools, the independent
 # clients) installs while the lints and the build run: they need none of it.
 background setup tools/setup.sh --test
+if wanted compute; then
+  # The one-layer 7B's exports (Python, no duplex binary) beside the lints and the build, at
+  # the lowest priority: they take the cycles the compiler leaves.
+  export DUPLEX_TEST_7B=$PWD/target/test-7b
+  background prep-7b nice -n 19 tools/prepare-7b-test.sh "$DUPLEX_TEST_7B"
+fi
 if wanted lint; then
   phase fmt "$CARGO" fmt --check
   phase clippy "$CARGO" clippy --all-targets --release -- -D warnings
@@ -151,20 +142,16 @@ RETRIES=target/test-retries.txt
 rm -f "$RETRIES"
 if ((built)); then
   if wanted compute; then
+    wait_background prep-7b
     phase unit "$CARGO" test --release --lib --bins
     phase fuzz "$CARGO" test --release --test fuzz_inputs
-    nice_skips=()
-    for t in "${NICE[@]}"; do nice_skips+=(--skip "$t"); done
-    phase compute it compute:: "${nice_skips[@]}" "${TIMES[@]}"
+    phase compute it compute:: "${TIMES[@]}"
     phase doc "$CARGO" test --release --doc
   fi
   # The image test waits on podman and on its conversation, as the real-time suites wait on
   # theirs: it runs beside them. The longest real-time tests start first, beside the rest.
   if wanted image; then
     background image tools/test-image.sh
-  fi
-  if wanted compute; then
-    background compute-7b it_nice --exact "${NICE[@]}" "${TIMES[@]}"
   fi
   if wanted realtime; then
     background realtime-long it --exact "${LONG[@]}" --test-threads="${#LONG[@]}" "${TIMES[@]}"

@@ -13,6 +13,11 @@
 //!   what ran (the pack and its graphs' hashes, quantization, persona, seed, sampling,
 //!   alignment, frames, real-time factor). A sample whose outputs exist is skipped: a run
 //!   stopped half-way resumes.
+//! - `duplex eval score`: each sample's voice activity, user and agent (Silero VAD on the
+//!   ONNX Runtime already loaded, segmented by Silero's own rules at the benchmark's settings),
+//!   v1.5's stop and response latency intervals from it, and, where the benchmark's ASR step
+//!   wrote `output.json`, v1's pause handling and smooth turn-taking ([`crate::eval::fdb`]):
+//!   `duplex_score.json` beside each sample, and a summary per task.
 //! - `duplex eval stereo`: the user and the agent of each sample of a run as one two-channel
 //!   file on one clock (`stereo.wav`), for listening or for judges that take both sides.
 //!
@@ -49,8 +54,22 @@ pub enum EvalCmd {
     /// Run every `input.wav` under `--inputs` through each pack, offline, writing the
     /// benchmark's layout (`output.wav` beside links to the inputs) under `--out`.
     Run(RunArgs),
+    /// Score a run: voice activity of the user and the agent (Silero VAD), v1.5's stop and
+    /// response latency intervals, and v1's pause and turn-taking metrics where an ASR
+    /// `output.json` is beside the sample.
+    Score(ScoreArgs),
     /// Write each sample of a run as one two-channel file, the user left and the agent right.
     Stereo(StereoArgs),
+}
+
+/// Flags of `duplex eval score`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScoreArgs {
+    /// A run's folder (`OUT/<pack>/seed-<s>`, or any folder above its samples).
+    pub run: PathBuf,
+    /// Silero VAD's ONNX model.
+    #[arg(long, default_value = "models/vad/silero_vad.onnx")]
+    pub vad: PathBuf,
 }
 
 /// Flags of `duplex eval run`.
@@ -346,7 +365,9 @@ fn link_inputs(sample: &Sample, dir: &Path) -> anyhow::Result<()> {
             || n.ends_with("output.wav")
             || n == "output.json"
             || n.ends_with("tokens.jsonl")
-            || n.ends_with("transcript.txt");
+            || n.ends_with("transcript.txt")
+            || n == "duplex_score.json"
+            || n == "stereo.wav";
         if !p.is_file() || ours {
             continue;
         }
@@ -502,6 +523,205 @@ pub fn stereo(a: &StereoArgs) -> anyhow::Result<String> {
         found.len(),
         a.run.display()
     ))
+}
+
+/// `path`'s samples at 16 kHz, one stream.
+fn at_16k(path: &Path) -> anyhow::Result<Vec<f32>> {
+    let mut r = WavReader::open(path)?;
+    let rate = r.rate();
+    let x = r.read_all()?;
+    if rate == 16_000 {
+        return Ok(x);
+    }
+    let mut rs = crate::audio::StreamResampler::new(rate, 16_000, 1024)?;
+    let mut out = Vec::with_capacity(x.len() * 16_000 / rate as usize + 1024);
+    rs.process(&x, &mut out)?;
+    rs.flush(&mut out)?;
+    Ok(out)
+}
+
+/// An ASR file's words (`{"chunks": [{"text", "timestamp": [start, end]}]}`, as the
+/// benchmark's ASR step writes it).
+fn asr_words(path: &Path) -> anyhow::Result<Vec<crate::eval::fdb::Word>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| bad("run", format!("{}: not JSON: {e}", path.display())))?;
+    let chunks = v["chunks"].as_array().ok_or_else(|| {
+        bad(
+            "run",
+            format!("{}: no `chunks` list (not an ASR output)", path.display()),
+        )
+    })?;
+    Ok(chunks
+        .iter()
+        .map(|c| crate::eval::fdb::Word {
+            start: c["timestamp"][0].as_f64(),
+            end: c["timestamp"][1].as_f64(),
+        })
+        .collect())
+}
+
+/// An annotation's first window (`[{"timestamp": [start, end]}]`), if the file is there.
+fn window(path: &Path) -> anyhow::Result<Option<(f64, f64)>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| bad("run", format!("{}: not JSON: {e}", path.display())))?;
+    let t = &v[0]["timestamp"];
+    match (t[0].as_f64(), t[1].as_f64()) {
+        (Some(a), Some(b)) => Ok(Some((a, b))),
+        _ => Err(bad(
+            "run",
+            format!("{}: no `[{{\"timestamp\": [start, end]}}]`", path.display()),
+        )
+        .into()),
+    }
+}
+
+fn pairs(v: &[(f64, f64)]) -> serde_json::Value {
+    v.iter().map(|&(a, b)| serde_json::json!([a, b])).collect()
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// One task's scores in a run, for the summary.
+#[derive(Default)]
+struct TaskScores {
+    /// Each sample's first response gap (seconds).
+    response: Vec<f64>,
+    /// Each sample's first stop overlap (seconds).
+    stop: Vec<f64>,
+    /// Smooth turn-taking, where an ASR was beside the sample.
+    turns: Vec<crate::eval::fdb::Turn>,
+    /// Pause handling's TOR, likewise.
+    pauses: Vec<u8>,
+    samples: usize,
+}
+
+/// `duplex eval score`.
+///
+/// # Errors
+///
+/// A [`ConfigError`] (exit 2) for a folder without outputs or a VAD model that does not open;
+/// an error naming the file that cannot be read.
+pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
+    use crate::eval::{fdb, silero};
+    let found = samples_with_output(&a.run)?;
+    let chosen = crate::config::ort::from_env(COMMAND, None)?;
+    super::load_ort_for(COMMAND, chosen.as_ref())?;
+    let vad = crate::model::vad::Vad::open(&a.vad)
+        .map_err(|e| bad("--vad", format!("{}: {e}", a.vad.display())))?;
+    // Per task (the sample's first folder under the run): response and stop latencies (each
+    // sample's first interval), and v1's turns where there was an ASR.
+    let mut tasks: std::collections::BTreeMap<String, TaskScores> = Default::default();
+    for dir in &found {
+        let user16 = at_16k(&dir.join("input.wav"))?;
+        let agent16 = at_16k(&dir.join("output.wav"))?;
+        let user = silero::seconds(&silero::segments(
+            &vad.probabilities(&user16)?,
+            user16.len(),
+        ));
+        let agent = silero::seconds(&silero::segments(
+            &vad.probabilities(&agent16)?,
+            agent16.len(),
+        ));
+        let t = fdb::timing(&user, &agent);
+        let mut record = serde_json::json!({
+            "vad": {"model": a.vad.display().to_string(), "user": pairs(&user), "agent": pairs(&agent)},
+            "v1.5": {
+                "user_merged": pairs(&t.user_merged),
+                "agent_merged": pairs(&t.model_merged),
+                "stop_latency_intervals": t.stop,
+                "response_latency_intervals": t.response,
+            },
+        });
+        let task = dir
+            .strip_prefix(&a.run)
+            .ok()
+            .and_then(|r| r.components().next())
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let entry = tasks.entry(task).or_default();
+        entry.samples += 1;
+        if let Some(r) = t.response.first() {
+            entry.response.push(r[1] - r[0]);
+        }
+        if let Some(s) = t.stop.first() {
+            entry.stop.push(s[1] - s[0]);
+        }
+        let asr = dir.join("output.json");
+        if asr.is_file() {
+            let words = asr_words(&asr)?;
+            if window(&dir.join("pause.json"))?.is_some() {
+                if let Some(tor) = fdb::take_turn(&words, true) {
+                    record["v1"]["pause_handling"] = serde_json::json!({"tor": tor});
+                    entry.pauses.push(tor);
+                }
+            }
+            if let Some((turn_end, _)) = window(&dir.join("turn_taking.json"))? {
+                if let Some(turn) = fdb::turn(&words, turn_end) {
+                    record["v1"]["smooth_turn_taking"] = serde_json::json!({
+                        "tor": turn.tor, "latency": turn.latency, "latency_raw": turn.latency_raw});
+                    entry.turns.push(turn);
+                }
+            }
+        }
+        let file = dir.join("duplex_score.json");
+        std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")
+            .with_context(|| format!("writing {}", file.display()))?;
+    }
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{:.0} ms", x * 1e3));
+    let mut text = format!(
+        "{} samples scored under {} (duplex_score.json beside each)\n\
+         task: samples; v1.5 from voice activity: median response latency (first gap after the user), median stop latency (first overlap); v1 from the ASR where present\n",
+        found.len(),
+        a.run.display()
+    );
+    for (task, t) in &tasks {
+        let TaskScores {
+            response: resp,
+            stop,
+            turns,
+            pauses,
+            samples: n,
+        } = t;
+        let mut line = format!(
+            "  {task}: {n}; response {} ({} samples), stop {} ({} samples)",
+            ms(median(resp.clone())),
+            resp.len(),
+            ms(median(stop.clone())),
+            stop.len()
+        );
+        if !turns.is_empty() {
+            let (tor, lat) = fdb::turn_means(turns);
+            line.push_str(&format!(
+                "; smooth turn-taking TOR {tor:.3}, latency {}",
+                ms(lat)
+            ));
+        }
+        if !pauses.is_empty() {
+            let tor = pauses.iter().map(|&t| f64::from(t)).sum::<f64>() / pauses.len() as f64;
+            line.push_str(&format!("; pause handling TOR {tor:.3}"));
+        }
+        text.push_str(&line);
+        text.push('\n');
+    }
+    Ok(text)
 }
 
 /// A WAV's rate and its samples as 16-bit integers: as they are in a mono 16-bit file (the

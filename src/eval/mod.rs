@@ -2,7 +2,9 @@
 //! voice-activity segments), as pure functions.
 //!
 //! - [`fdb`]: Full-Duplex-Bench's v1 and v1.5 timestamp metrics.
+//! - [`silero`]: speech segments from Silero VAD's probabilities, by its offline rules.
 //!
 //! Knows nothing of files, audio or packs: `duplex eval` ([`crate::app::eval`]) reads those.
 
 pub mod fdb;
+pub mod silero;

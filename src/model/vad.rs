@@ -116,6 +116,26 @@ impl Vad {
         Ok(vad)
     }
 
+    /// The probability of speech in each 32 ms chunk of `samples` (16 kHz, one stream from its
+    /// start), as Silero's own offline loop computes them: a fresh state, each chunk after the
+    /// 64 samples before it (zeros before the first), the last chunk padded with zeros.
+    ///
+    /// # Errors
+    ///
+    /// ONNX Runtime errors.
+    pub fn probabilities(&self, samples: &[f32]) -> Result<Vec<f32>, ModelError> {
+        let mut state = vec![0.0; 2 * 128];
+        let mut window = vec![0.0f32; CONTEXT + CHUNK];
+        let mut probs = Vec::with_capacity(samples.len().div_ceil(CHUNK));
+        for chunk in samples.chunks(CHUNK) {
+            window.copy_within(CHUNK.., 0);
+            window[CONTEXT..].fill(0.0);
+            window[CONTEXT..CONTEXT + chunk.len()].copy_from_slice(chunk);
+            probs.push(self.probability(&window, &mut state, 0)?);
+        }
+        Ok(probs)
+    }
+
     /// The probability of speech in `window` (the context, then a chunk), updating `state`;
     /// `turn` picks the session tried first.
     fn probability(

@@ -288,6 +288,183 @@ fn inputs_it_cannot_run_are_refused_naming_them_and_what_was_done_is_kept() {
     assert!(said.contains("not a model pack"), "{said}");
 }
 
+/// `words` spoken by espeak-ng, at 16 kHz (resampled by duplex's resampler).
+fn spoken(dir: &Path, words: &str) -> Vec<f32> {
+    let raw = dir.join(format!("{}.wav", words.len()));
+    let o = Command::new("espeak-ng")
+        .args(["-v", "en", "-s", "160", "-w"])
+        .arg(&raw)
+        .arg(words)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut r = duplex::audio::WavReader::open(&raw).unwrap();
+    let rate = r.rate();
+    let x = r.read_all().unwrap();
+    let mut rs = duplex::audio::StreamResampler::new(rate, 16_000, 1024).unwrap();
+    let mut out = Vec::new();
+    rs.process(&x, &mut out).unwrap();
+    rs.flush(&mut out).unwrap();
+    out
+}
+
+/// Where `x` is louder than its silence: the first and last sample over 2 % of full scale.
+fn loud(x: &[f32]) -> (usize, usize) {
+    let first = x.iter().position(|v| v.abs() > 0.02).unwrap();
+    let last = x.iter().rposition(|v| v.abs() > 0.02).unwrap();
+    (first, last)
+}
+
+fn write16(path: &Path, x: &[f32]) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let mut w =
+        duplex::audio::WavWriter::create(path, 16_000, duplex::audio::WavFormat::I16).unwrap();
+    w.write(x).unwrap();
+    w.finalize().unwrap();
+}
+
+#[test]
+fn silero_in_duplex_gives_python_onnxruntimes_probabilities() {
+    let dir = tempfile::tempdir().unwrap();
+    let x = spoken(dir.path(), "the quick brown fox jumps over the lazy dog");
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/vad/silero_vad.onnx");
+    let vad = duplex::model::vad::Vad::open(&model).unwrap();
+    let ours = vad.probabilities(&x).unwrap();
+    // The same samples through Silero's loop written here in Python, on onnxruntime.
+    let raw = dir.path().join("x.f32");
+    std::fs::write(
+        &raw,
+        x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    let script = r#"
+import json, sys, numpy as np, onnxruntime as ort
+x = np.fromfile(sys.argv[2], dtype="<f4")
+s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+state, context, probs = np.zeros((2, 1, 128), np.float32), np.zeros(64, np.float32), []
+for i in range(0, len(x), 512):
+    chunk = np.zeros(512, np.float32)
+    chunk[: len(x[i:i + 512])] = x[i:i + 512]
+    window = np.concatenate([context, chunk])[None, :]
+    out, state = s.run(None, {"input": window, "state": state, "sr": np.array(16000, np.int64)})
+    probs.append(float(out.reshape(-1)[0]))
+    context = window[0, -64:]
+print(json.dumps(probs))
+"#;
+    let o = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"))
+        .args(["-c", script])
+        .arg(&model)
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let theirs: Vec<f32> = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ours.len(), theirs.len());
+    let worst = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "probabilities differ by up to {worst}");
+    assert!(
+        ours.iter().filter(|&&p| p > 0.5).count() > 20,
+        "no speech heard in {ours:?}"
+    );
+}
+
+#[test]
+fn a_scored_conversation_gives_the_gap_between_the_turns_where_the_speech_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let user = spoken(dir.path(), "hello there, how are you today");
+    let agent = spoken(dir.path(), "I am fine, thank you");
+    let (u0, u1) = loud(&user);
+    let (a0, _) = loud(&agent);
+    // The user from 0.5 s; the agent answers 0.8 s after the user's last sound.
+    let total = 16_000 * 7;
+    let user_at = 8000 - u0;
+    let user_end = user_at + u1;
+    let agent_at = user_end + 12_800 - a0;
+    let mut input = vec![0.0f32; total];
+    input[user_at..user_at + user.len()].copy_from_slice(&user);
+    let mut output = vec![0.0f32; total];
+    output[agent_at..agent_at + agent.len()].copy_from_slice(&agent);
+    let sample = dir.path().join("run/candor_turn_taking/1");
+    write16(&sample.join("input.wav"), &input);
+    write16(&sample.join("output.wav"), &output);
+    // The benchmark's annotation (the user's turn ends where the user stops) and an ASR of the
+    // output (its words where the agent speaks).
+    let (t_user_end, t_agent) = (user_end as f64 / 16000.0, (agent_at + a0) as f64 / 16000.0);
+    std::fs::write(
+        sample.join("turn_taking.json"),
+        format!(
+            "[{{\"text\": \"[TURN-TAKING]\", \"timestamp\": [{t_user_end}, {}]}}]",
+            t_user_end + 0.5
+        ),
+    )
+    .unwrap();
+    let words: Vec<String> = (0..5)
+        .map(|k| {
+            let s = t_agent + 0.25 * k as f64;
+            format!("{{\"text\": \"w{k}\", \"timestamp\": [{s}, {}]}}", s + 0.2)
+        })
+        .collect();
+    std::fs::write(
+        sample.join("output.json"),
+        format!("{{\"text\": \"\", \"chunks\": [{}]}}", words.join(", ")),
+    )
+    .unwrap();
+    let o = eval(&["score", dir.path().join("run").to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let said = text(&o);
+    assert!(said.contains("candor_turn_taking: 1;"), "{said}");
+    assert!(said.contains("smooth turn-taking TOR 1.000"), "{said}");
+    let score: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sample.join("duplex_score.json")).unwrap())
+            .unwrap();
+    // The detector's segments are where the speech is, within its padding and its 32 ms chunks.
+    let seg = |who: &str| -> Vec<(f64, f64)> {
+        score["vad"][who]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s[0].as_f64().unwrap(), s[1].as_f64().unwrap()))
+            .collect()
+    };
+    let (u, a) = (seg("user"), seg("agent"));
+    assert!(!u.is_empty() && !a.is_empty(), "{score}");
+    let near = |got: f64, want: f64| (got - want).abs() < 0.15;
+    assert!(near(u[0].0, 0.5), "user starts at {} (0.5)", u[0].0);
+    assert!(
+        near(u.last().unwrap().1, t_user_end),
+        "user ends at {:?} ({t_user_end})",
+        u.last()
+    );
+    assert!(
+        near(a[0].0, t_agent),
+        "agent starts at {} ({t_agent})",
+        a[0].0
+    );
+    // The response latency interval: from the user's end to the agent's start, as the
+    // benchmark computes it from these segments.
+    let resp = &score["v1.5"]["response_latency_intervals"][0];
+    let (r0, r1) = (resp[0].as_f64().unwrap(), resp[1].as_f64().unwrap());
+    assert!(
+        near(r0, t_user_end) && near(r1, t_agent),
+        "{resp} against [{t_user_end}, {t_agent}]"
+    );
+    assert!(
+        score["v1.5"]["stop_latency_intervals"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{score}"
+    );
+    // v1 from the ASR: the turn taken, 0.8 s after the user's end.
+    let turn = &score["v1"]["smooth_turn_taking"];
+    assert_eq!(turn["tor"], 1);
+    assert!(near(turn["latency"].as_f64().unwrap(), 0.8), "{turn}");
+}
+
 mod golden {
     //! Every case of `tests/data/fdb-golden/cases.json` (invented inputs, the values
     //! Full-Duplex-Bench's own functions give for them; see its README) through

@@ -307,46 +307,49 @@ fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inpu
     // PersonaPlex-7B's checkpoint at its real widths, one temporal and one depformer layer (1.9
     // GB): what the real export meets (the 4096-wide temporal, its 17 embedding tables and
     // text head, the 16-step depformer at 1024, the full Mimi), without 15 GB.
-    let dir = tempfile::tempdir().unwrap();
-    let ck = checkpoint(dir.path(), &["--size", "7b", "--layers", "1"]);
-    // The 7B's graphs with their weights declared, not written: every input the exported
-    // graphs take must be one of these, with its dtype and shape.
-    let big = dir.path().join("7b-shapes");
-    let o = python(
-        "make_pack.py",
-        &[
-            "--size",
-            "7b",
-            "--variant",
-            "gqa-fp16",
-            "--mimi",
-            "full",
-            "--shapes-only",
-            "--out",
-            big.to_str().unwrap(),
-            "-q",
-        ],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = inputs(&big);
-    let wav = dir.path().join("tone.wav");
+    // The exports (tools/prepare-7b-test.sh): made before by `tools/test.sh` beside the build
+    // (DUPLEX_TEST_7B), else here.
+    let tmp = tempfile::tempdir().unwrap();
+    let made = std::env::var_os("DUPLEX_TEST_7B")
+        .map(std::path::PathBuf::from)
+        .filter(|d| d.join("done").is_file());
+    let dir = match made {
+        Some(d) => d,
+        None => {
+            let d = tmp.path().join("7b");
+            let o = Command::new(root().join("tools/prepare-7b-test.sh"))
+                .arg(&d)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", text(&o));
+            d
+        }
+    };
+    let want = inputs(&dir.join("7b-shapes"));
+    let wav = tmp.path().join("tone.wav");
     tone(&wav);
-    for (name, flags) in [
-        ("int4", EVERY_QUANTIZATION),
-        ("int8", &["--quantize", "int8"][..]),
-    ] {
-        // Exported for a GPU (fp16), quantized, and checked by duplex on this CPU.
-        let pack = dir.path().join(name);
-        let o = export_with(&ck, &pack, "cuda", flags);
-        let log = text(&o);
-        assert!(o.status.success(), "{log}");
+    for name in ["int4", "int8"] {
+        // Exported for a GPU (fp16) and quantized: what the exporter said, then duplex's own
+        // load check on this CPU.
+        let pack = dir.join(name);
+        let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap();
         for said in [
             "temporal 1 layers x 4096 (32 heads), depformer 1 x 1024, 16 steps",
             " weights quantized (",
-            "ok: the pack loads and runs",
+            &format!("wrote {}", pack.display()),
         ] {
             assert!(log.contains(said), "{name}: {said:?} not in {log}");
         }
+        let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
+            .args(["doctor", "--pack"])
+            .arg(&pack)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success() && text(&o).contains("ok: the pack loads and runs"),
+            "{name}: {}",
+            text(&o)
+        );
         let got = inputs(&pack);
         let graphs: Vec<&String> = got.keys().collect();
         assert_eq!(graphs, want.keys().collect::<Vec<_>>(), "{name}: graphs");
@@ -375,7 +378,7 @@ fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inpu
     }
     // The int4 pack (the one that fits a small card) steps a conversation on the CPU: a few
     // frames through the whole pipeline, as many token lines as frames.
-    let short = dir.path().join("short.wav");
+    let short = tmp.path().join("short.wav");
     {
         let mut r = hound::WavReader::open(&wav).unwrap();
         let spec = r.spec();
@@ -385,6 +388,6 @@ fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inpu
         }
         w.finalize().unwrap();
     }
-    let (lines, _) = run_pipeline(dir.path(), &dir.path().join("int4"), &short, "int4-run");
+    let (lines, _) = run_pipeline(tmp.path(), &dir.join("int4"), &short, "int4-run");
     assert_eq!(lines.lines().count(), 4, "{lines}");
 }
