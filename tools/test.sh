@@ -6,10 +6,9 @@
 # anything failed.
 #
 #   compute    the unit tests, the bad-input suite, `tests/it` `compute::*` and the doc tests:
-#              CPU-bound, as many at once as there are cores (libtest's default); the
-#              7B's one-layer exports one of them checks (minutes of Python,
-#              tools/prepare-7b-test.sh) are made at the lowest priority beside the lints and
-#              the build
+#              CPU-bound, as many at once as there are cores (libtest's default); but the
+#              7B's one-layer export and its check (minutes of Python) run at the lowest
+#              priority beside the realtime group, taking the cycles its waiting leaves
 #   realtime   `tests/it` `realtime::*`: suites that keep real time or wait on other processes
 #              (sound server, daemon, server and its clients, browser, Prometheus), which spend
 #              most of their time waiting: DUPLEX_REALTIME_THREADS of them (default 4) at once,
@@ -82,6 +81,22 @@ it() {
   [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
   env "${IT_ENV[@]}" "$exe" "$@"
 }
+# The 7B's path at one layer (real widths): its exports (tools/prepare-7b-test.sh, minutes of
+# Python, in memory where /dev/shm allows) and their check, at the lowest priority beside the
+# real-time suites, whose tests wait on the clock more than they compute.
+SEVEN_B=compute::export::the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inputs
+seven_b() {
+  local exe dir=/dev/shm/duplex-test-7b-$$ rc
+  [[ -d /dev/shm && -w /dev/shm ]] || dir=$PWD/target/test-7b
+  exe=$(it_exe)
+  [[ -x $exe ]] || { echo "test: no tests/it binary (the build failed?)"; return 101; }
+  nice -n 19 tools/prepare-7b-test.sh "$dir" &&
+    DUPLEX_TEST_7B=$dir nice -n 19 env "${IT_ENV[@]}" "$exe" --exact "$SEVEN_B" "${TIMES[@]}"
+  rc=$?
+  rm -rf "$dir"
+  return "$rc"
+}
+
 bg_names=()
 bg_pids=()
 bg_logs=()
@@ -121,12 +136,6 @@ t_all=$(date +%s)
 # What only the tests need (sound server, Chromium, Prometheus, image tools, the independent
 # clients) installs while the lints and the build run: they need none of it.
 background setup tools/setup.sh --test
-if wanted compute; then
-  # The one-layer 7B's exports (Python, no duplex binary) beside the lints and the build, at
-  # the lowest priority: they take the cycles the compiler leaves.
-  export DUPLEX_TEST_7B=$PWD/target/test-7b
-  background prep-7b nice -n 19 tools/prepare-7b-test.sh "$DUPLEX_TEST_7B"
-fi
 if wanted lint; then
   phase fmt "$CARGO" fmt --check
   phase clippy "$CARGO" clippy --all-targets --release -- -D warnings
@@ -142,16 +151,18 @@ RETRIES=target/test-retries.txt
 rm -f "$RETRIES"
 if ((built)); then
   if wanted compute; then
-    wait_background prep-7b
     phase unit "$CARGO" test --release --lib --bins
     phase fuzz "$CARGO" test --release --test fuzz_inputs
-    phase compute it compute:: "${TIMES[@]}"
+    phase compute it compute:: --skip "$SEVEN_B" "${TIMES[@]}"
     phase doc "$CARGO" test --release --doc
   fi
   # The image test waits on podman and on its conversation, as the real-time suites wait on
   # theirs: it runs beside them. The longest real-time tests start first, beside the rest.
   if wanted image; then
     background image tools/test-image.sh
+  fi
+  if wanted compute; then
+    background compute-7b seven_b
   fi
   if wanted realtime; then
     background realtime-long it --exact "${LONG[@]}" --test-threads="${#LONG[@]}" "${TIMES[@]}"

@@ -307,8 +307,8 @@ fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inpu
     // PersonaPlex-7B's checkpoint at its real widths, one temporal and one depformer layer (1.9
     // GB): what the real export meets (the 4096-wide temporal, its 17 embedding tables and
     // text head, the 16-step depformer at 1024, the full Mimi), without 15 GB.
-    // The exports (tools/prepare-7b-test.sh): made before by `tools/test.sh` beside the build
-    // (DUPLEX_TEST_7B), else here.
+    // The exports (tools/prepare-7b-test.sh): made before by `tools/test.sh` (DUPLEX_TEST_7B),
+    // else here.
     let tmp = tempfile::tempdir().unwrap();
     let made = std::env::var_os("DUPLEX_TEST_7B")
         .map(std::path::PathBuf::from)
@@ -329,15 +329,16 @@ fn the_7b_at_one_layer_exports_with_every_quantization_runs_and_has_the_7bs_inpu
     let wav = tmp.path().join("tone.wav");
     tone(&wav);
     for name in ["int4", "int8"] {
-        // Exported for a GPU (fp16) and quantized: what the exporter said, then duplex's own
-        // load check on this CPU.
+        // Exported for a GPU (fp16) and quantized: what the exporter and the quantizer said,
+        // then duplex's own load check on this CPU.
         let pack = dir.join(name);
+        let export = std::fs::read_to_string(dir.join("export.log")).unwrap();
+        assert!(
+            export.contains("temporal 1 layers x 4096 (32 heads), depformer 1 x 1024, 16 steps"),
+            "{export}"
+        );
         let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap();
-        for said in [
-            "temporal 1 layers x 4096 (32 heads), depformer 1 x 1024, 16 steps",
-            " weights quantized (",
-            &format!("wrote {}", pack.display()),
-        ] {
+        for said in [" weights quantized (", &format!("wrote {}", pack.display())] {
             assert!(log.contains(said), "{name}: {said:?} not in {log}");
         }
         let o = Command::new(env!("CARGO_BIN_EXE_duplex"))
