@@ -23,13 +23,14 @@ generator seeded by its name, so a rewrite is byte-identical.
 
 `--size 7b` writes PersonaPlex-7B's tensor names, shapes and dtypes (15.6 GB for the LM, 0.3 GB
 for Mimi) and its `config.json`; `--layers N` keeps N temporal layers (and at most N depformer
-layers) at the real widths. The files are written tensor by tensor as they are drawn (the
+layers) at the real widths; `--size moshi-7b` is Moshi-7B's layout (the same, but a depformer
+of 8 steps: it predicts only the model's own codebooks). The files are written tensor by tensor as they are drawn (the
 safetensors header first, from the shapes alone), so the writer holds one tensor at a time,
 never the checkpoint; each file is written under a `.partial` name and renamed once whole, so an
 interrupted run leaves nothing that looks like a checkpoint.
 
     python tools/make_checkpoint.py OUT_DIR [--tokenizer models/tokenizer-tiny.model]
-    python tools/make_checkpoint.py OUT_DIR --size 7b [--layers 1]
+    python tools/make_checkpoint.py OUT_DIR --size 7b|moshi-7b [--layers 1]
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ LM_7B = dict(
 MIMI_FULL = dict(
     MIMI, n_filters=64, dimension=512, tr_layers=8, tr_heads=8, tr_ffn=2048, vq_dim=256
 )
-SIZES = {"tiny": (LM_CONFIG, MIMI), "7b": (LM_7B, MIMI_FULL)}
+# Moshi-7B (kyutai/moshiko, moshika): the same temporal transformer; its depformer predicts
+# only the model's own 8 codebooks (`dep_q` 8), so its per-step weights are half as many.
+LM_MOSHI_7B = dict(LM_7B, dep_q=8)
+SIZES = {"tiny": (LM_CONFIG, MIMI), "7b": (LM_7B, MIMI_FULL), "moshi-7b": (LM_MOSHI_7B, MIMI_FULL)}
 
 
 def _gating_hidden(dim: int, dim_feedforward: int) -> int:
@@ -345,7 +349,8 @@ def main(argv=None) -> int:
         "--size",
         choices=sorted(SIZES),
         default="tiny",
-        help="tiny (a few MB) or 7b (PersonaPlex-7B's names, shapes and dtypes: 16 GB)",
+        help="tiny (a few MB), 7b (PersonaPlex-7B's names, shapes and dtypes: 16 GB) or "
+             "moshi-7b (Moshi-7B's: its depformer predicts 8 codebooks)",
     )
     parser.add_argument(
         "--layers",
