@@ -119,12 +119,13 @@ struct Sample {
     inputs: Vec<&'static str>,
 }
 
-/// The output beside each input name.
-fn output_name(input: &str) -> &'static str {
+/// What an input's outputs are named after: `clean_` for v1.5's `clean_input.wav` (its
+/// `clean_output.wav`, `clean_tokens.jsonl`, `clean_transcript.txt`), nothing for `input.wav`.
+fn prefix(input: &str) -> &'static str {
     if input == "clean_input.wav" {
-        "clean_output.wav"
+        "clean_"
     } else {
-        "output.wav"
+        ""
     }
 }
 
@@ -307,17 +308,13 @@ fn run_input(
     let reader = WavReader::open(input)?;
     let (rate, len) = (reader.rate(), reader.frames());
     drop(reader);
-    let stem = input
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = output_name(&format!("{stem}.wav"));
-    let tokens_name = if stem == "clean_input" {
-        "clean_tokens.jsonl"
-    } else {
-        "tokens.jsonl"
-    };
-    let agent = dir.join(format!(".{stem}.agent.wav"));
+    let pre = prefix(&input.file_name().unwrap_or_default().to_string_lossy());
+    let (name, tokens_name, said) = (
+        format!("{pre}output.wav"),
+        format!("{pre}tokens.jsonl"),
+        format!("{pre}transcript.txt"),
+    );
+    let agent = dir.join(format!(".{pre}agent.wav"));
     let tokens = dir.join(format!(".{tokens_name}.partial"));
     let t0 = Instant::now();
     let built = pipeline(c, input, rate, &agent, &tokens)?.build()?;
@@ -336,17 +333,12 @@ fn run_input(
     let log = std::fs::read_to_string(&tokens)
         .with_context(|| format!("reading {}", tokens.display()))?;
     let frames = log.lines().count();
-    let said = if stem == "clean_input" {
-        "clean_transcript.txt"
-    } else {
-        "transcript.txt"
-    };
-    std::fs::write(dir.join(said), transcript(&log) + "\n")
-        .with_context(|| format!("writing {}", dir.join(said).display()))?;
-    std::fs::rename(&tokens, dir.join(tokens_name))?;
+    std::fs::write(dir.join(&said), transcript(&log) + "\n")
+        .with_context(|| format!("writing {}", dir.join(&said).display()))?;
+    std::fs::rename(&tokens, dir.join(&tokens_name))?;
     let _ = std::fs::remove_file(&agent);
     // Last: the output's presence says the sample is done.
-    std::fs::rename(&partial, dir.join(name))?;
+    std::fs::rename(&partial, dir.join(&name))?;
     Ok(Ran {
         frames,
         audio_s: len as f64 / f64::from(rate),
@@ -415,7 +407,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<String> {
                     .with_context(|| format!("creating {}", dir.display()))?;
                 link_inputs(sample, &dir)?;
                 for input in &sample.inputs {
-                    let done = dir.join(output_name(input)).is_file();
+                    let done = dir.join(format!("{}output.wav", prefix(input))).is_file();
                     if done && !a.again {
                         skipped += 1;
                         continue;

@@ -74,19 +74,6 @@ pub fn runtime(ort_lib: Option<&Path>) -> anyhow::Result<String> {
     Ok(text)
 }
 
-/// Bytes under `dir` (the graph and its external weights).
-fn size_of(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.metadata().ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
 /// The opened pack and the report of it loading and running one frame on `provider`.
 ///
 /// # Errors
@@ -156,7 +143,7 @@ fn files(pack: &Pack, dir: &Path) -> String {
         text.push_str(&format!(
             "  {:<21} {:>9.1} MiB{weights}\n",
             folder,
-            size_of(&dir.join(&folder)) as f64 / (1u64 << 20) as f64
+            pack.folder_bytes(&folder) as f64 / (1u64 << 20) as f64
         ));
     }
     text

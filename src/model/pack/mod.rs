@@ -500,16 +500,21 @@ impl Pack {
         if self.manifest.dtype != Some(FloatType::F16) || self.quantized("temporal").is_some() {
             return 0;
         }
-        let dir = self.dir.join(Graph::Temporal.dir());
-        let bytes: u64 = std::fs::read_dir(&dir)
+        2 * self.folder_bytes(Graph::Temporal.dir())
+    }
+
+    /// Bytes of the files in the pack's `folder` (a graph and its external weights; 0 when it
+    /// cannot be read).
+    pub fn folder_bytes(&self, folder: &str) -> u64 {
+        std::fs::read_dir(self.dir.join(folder))
             .map(|rd| {
                 rd.flatten()
                     .filter_map(|e| e.metadata().ok())
+                    .filter(|m| m.is_file())
                     .map(|m| m.len())
                     .sum()
             })
-            .unwrap_or(0);
-        2 * bytes
+            .unwrap_or(0)
     }
 
     /// Refuses, before ONNX Runtime is asked, a temporal graph the CPU provider would have to
