@@ -156,7 +156,16 @@ fn main() -> ExitCode {
         .log
         .clone()
         .or_else(|| std::env::var("RUST_LOG").ok())
-        .unwrap_or_else(|| "info".into());
+        // `duplex eval` runs hundreds of short pipelines: their start and end lines would
+        // bury its own progress.
+        .unwrap_or_else(|| {
+            if matches!(cli.cmd, Cmd::Eval(_)) {
+                "warn"
+            } else {
+                "info"
+            }
+            .into()
+        });
     app::logging::init(&filter);
     match dispatch(cli.cmd) {
         Ok(()) => ExitCode::SUCCESS,
@@ -185,6 +194,7 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Eval(app::eval::EvalCmd::Run(args)) => out(&app::eval::run(&args)?),
         Cmd::Eval(app::eval::EvalCmd::Stereo(args)) => out(&app::eval::stereo(&args)?),
         Cmd::Eval(app::eval::EvalCmd::Score(args)) => out(&app::eval::score(&args)?),
+        Cmd::Eval(app::eval::EvalCmd::Compare(args)) => out(&app::eval::compare(&args)?),
         Cmd::Compare { recording, replay } => out(&app::compare(&recording, &replay)?.to_string()),
         Cmd::Daemon { config, check } => daemon(config.as_deref(), check),
         Cmd::Serve(args) => app::serve::run(&args),

@@ -465,6 +465,268 @@ fn a_scored_conversation_gives_the_gap_between_the_turns_where_the_speech_is() {
     assert!(near(turn["latency"].as_f64().unwrap(), 0.8), "{turn}");
 }
 
+/// `compare.json`'s row for `pack`, `task`, `seed`.
+fn row<'a>(v: &'a serde_json::Value, pack: &str, task: &str, seed: &str) -> &'a serde_json::Value {
+    v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pack"] == pack && r["task"] == task && r["seed"] == seed)
+        .unwrap_or_else(|| panic!("no row {pack} {task} {seed} in {v}"))
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn compare_counts_each_pairs_decisions_and_latency_difference_and_where_tokens_part() {
+    use duplex::eval::paired::mcnemar_exact;
+    let dir = tempfile::tempdir().unwrap();
+    let user = spoken(dir.path(), "hello there, how are you today");
+    let agent = spoken(dir.path(), "I am fine, thank you");
+    let (u0, u1) = (loud(&user).0, loud(&user).1);
+    let a0 = loud(&agent).0;
+    let out = dir.path().join("out");
+    let total = 16_000 * 6;
+    let user_at = 8000 - u0;
+    let user_end = user_at + u1;
+    let mut input = vec![0.0f32; total];
+    input[user_at..user_at + user.len()].copy_from_slice(&user);
+    // Two packs' runs, two seeds, three samples: the base answers 0.5 s after the user; the
+    // other 0.3, 0.4 s later than the base in samples 0 and 1, and not at all in sample 2. Its
+    // tokens part from the base's at frame 10 with seed 0, never with seed 1.
+    let frames = 75;
+    for (pack, quantization) in [("float", "null"), ("quant", "{\"temporal\": \"int4\"}")] {
+        for seed in [0u64, 1] {
+            let root = out.join(pack).join(format!("seed-{seed}"));
+            std::fs::create_dir_all(&root).unwrap();
+            std::fs::write(
+                root.join("run.json"),
+                format!("{{\"pack\": {{\"quantization\": {quantization}}}, \"seed\": {seed}}}"),
+            )
+            .unwrap();
+            for k in 0..3usize {
+                let sample = root.join(format!("talk/{k}"));
+                write16(&sample.join("input.wav"), &input);
+                let mut output = vec![0.0f32; total];
+                let later = match (pack, k) {
+                    ("float", _) => Some(0),
+                    ("quant", 2) => None,
+                    (_, k) => Some(4800 + 1600 * k),
+                };
+                if let Some(later) = later {
+                    let at = user_end + 8000 + later - a0;
+                    output[at..at + agent.len()].copy_from_slice(&agent);
+                }
+                write16(&sample.join("output.wav"), &output);
+                let log: String = (0..frames)
+                    .map(|f| {
+                        let text = if pack == "quant" && seed == 0 && f >= 10 {
+                            4
+                        } else {
+                            3
+                        };
+                        format!("{{\"frame\":{f},\"text\":{text},\"audio\":[{f},1]}}\n")
+                    })
+                    .collect();
+                std::fs::write(sample.join("tokens.jsonl"), log).unwrap();
+            }
+        }
+    }
+    // Two packs of float weights would leave the base unsaid; here it is the float one.
+    let o = eval(&["compare", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let said = text(&o);
+    assert!(said.contains("| quant | talk | all | 6 |"), "{said}");
+    let v = read_json(&out.join("compare.json"));
+    assert_eq!(v["base"], "float");
+    let all = row(&v, "quant", "talk", "all");
+    // Answers: both in samples 0 and 1, only the base in 2; never over the user.
+    let answers = &all["responds"];
+    assert_eq!(
+        (
+            answers["both"].as_u64(),
+            answers["first_only"].as_u64(),
+            answers["second_only"].as_u64(),
+            answers["neither"].as_u64()
+        ),
+        (Some(4), Some(2), Some(0), Some(0)),
+        "{all}"
+    );
+    assert_eq!(all["responds_p"].as_f64().unwrap(), mcnemar_exact(2, 0));
+    assert_eq!(all["overlaps"]["neither"], 6, "{all}");
+    // 0.3 s and 0.4 s later, twice each: the mean 0.35 s, its interval around it.
+    let d = &all["response_latency"];
+    let (mean, low, high) = (
+        d["mean"].as_f64().unwrap(),
+        d["low"].as_f64().unwrap(),
+        d["high"].as_f64().unwrap(),
+    );
+    assert_eq!(d["n"], 4);
+    assert!((mean - 0.35).abs() < 0.04, "{d}");
+    assert!(
+        low <= mean && mean <= high && low > 0.25 && high < 0.45,
+        "{d}"
+    );
+    // Tokens: seed 1's streams are the same; seed 0's part at frame 10, text and all.
+    assert_eq!(all["identical"], 3);
+    assert_eq!(all["first_divergence_frame"], 10.0);
+    assert_eq!(all["first_text_divergence_frame"], 10.0);
+    let s0 = row(&v, "quant", "talk", "0");
+    let s1 = row(&v, "quant", "talk", "1");
+    assert_eq!(
+        (s0["pairs"].as_u64(), s1["pairs"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert_eq!(
+        (s0["identical"].as_u64(), s1["identical"].as_u64()),
+        (Some(0), Some(3))
+    );
+    // Every sample was scored on the way, and the plot names both the pack and the task.
+    assert!(out.join("float/seed-1/talk/2/duplex_score.json").is_file());
+    let svg = std::fs::read_to_string(out.join("compare.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("quant · talk"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+    // A base that is not there, and a folder of one pack, are refused before anything.
+    let o = eval(&["compare", out.to_str().unwrap(), "--base", "fp32"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("no pack `fp32`") && text(&o).contains("float, quant"),
+        "{}",
+        text(&o)
+    );
+    let o = eval(&["compare", out.join("quant").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
+#[test]
+fn the_tiny_pack_its_copy_and_its_int8_and_int4_copies_run_and_compare_on_spoken_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two tasks of two spoken conversations, the user's speech where each says.
+    let inputs = dir.path().join("in");
+    let mut spoken_at = Vec::new();
+    for (k, (task, words, at)) in [
+        ("turn", "hello there, how are you today", 0.5),
+        ("turn", "what is the weather like", 0.8),
+        ("pause", "tell me a story about a cat", 0.3),
+        ("pause", "good morning", 1.0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let x = spoken(dir.path(), words);
+        let (first, last) = loud(&x);
+        let start = (at * 16_000.0) as usize - first;
+        let mut input = vec![0.0f32; 16_000 * 3];
+        input[start..start + x.len()].copy_from_slice(&x);
+        let rel = format!("{task}/{k}");
+        write16(&inputs.join(&rel).join("input.wav"), &input);
+        spoken_at.push((rel, at, (start + last) as f64 / 16_000.0));
+    }
+    // The packs: the tiny one, the same graphs under another name, int8 and int4 copies.
+    let packs = dir.path().join("packs");
+    let same = packs.join("tiny-same");
+    std::fs::create_dir_all(&same).unwrap();
+    for e in std::fs::read_dir(tiny()).unwrap() {
+        let e = e.unwrap();
+        std::os::unix::fs::symlink(e.path(), same.join(e.file_name())).unwrap();
+    }
+    let mut all = vec![tiny(), same.display().to_string()];
+    for q in ["int8", "int4"] {
+        // Named as the pack's folder is: `tiny-gqa-int8`.
+        all.push(packs::quantized("tiny-gqa", q).display().to_string());
+    }
+    let out = dir.path().join("out");
+    let mut args = vec![
+        "run",
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--seed",
+        "0,1",
+    ];
+    for p in &all {
+        args.extend(["--pack", p.as_str()]);
+    }
+    let o = eval(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    // Two packs of float weights: the base must be said.
+    let o = eval(&["compare", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("--base") && text(&o).contains("tiny-gqa, tiny-same"),
+        "{}",
+        text(&o)
+    );
+    let o = eval(&["compare", out.to_str().unwrap(), "--base", "tiny-gqa"]);
+    assert!(o.status.success(), "{}", text(&o));
+    eprintln!("{}", String::from_utf8_lossy(&o.stdout));
+    // The user's speech is found where it was put, in every run (the detector's padding and
+    // chunks: within 0.15 s).
+    for (rel, start, end) in &spoken_at {
+        for seed in ["seed-0", "seed-1"] {
+            let s = read_json(
+                &out.join("tiny-gqa-int4")
+                    .join(seed)
+                    .join(rel)
+                    .join("duplex_score.json"),
+            );
+            let user = s["vad"]["user"].as_array().unwrap();
+            let (u0, u1) = (
+                user[0][0].as_f64().unwrap(),
+                user.last().unwrap()[1].as_f64().unwrap(),
+            );
+            assert!(
+                (u0 - start).abs() < 0.15 && (u1 - end).abs() < 0.15,
+                "{rel}: {user:?} against [{start}, {end}]"
+            );
+        }
+    }
+    let v = read_json(&out.join("compare.json"));
+    for task in ["turn", "pause"] {
+        // The same graphs: every pair the same, token for token, decision for decision.
+        let r = row(&v, "tiny-same", task, "all");
+        assert_eq!(r["pairs"], 4, "{r}");
+        assert_eq!(r["identical"], 4, "{r}");
+        assert_eq!(
+            r["responds"]["first_only"].as_u64().unwrap()
+                + r["responds"]["second_only"].as_u64().unwrap(),
+            0,
+            "{r}"
+        );
+        assert_eq!(r["responds_p"], 1.0);
+        if let Some(d) = r["response_latency"].as_object() {
+            assert_eq!(
+                (d["low"].as_f64(), d["high"].as_f64()),
+                (Some(0.0), Some(0.0)),
+                "{r}"
+            );
+        }
+        // Four bits part from the float pack (sampled with the same seeds: where the weights
+        // move a draw across a boundary).
+        let r = row(&v, "tiny-gqa-int4", task, "all");
+        assert_eq!(r["pairs"], 4, "{r}");
+        assert!(
+            r["identical"].as_u64().unwrap() < 4 && r["first_divergence_frame"].is_number(),
+            "{r}"
+        );
+        // Per seed, too.
+        for seed in ["0", "1"] {
+            assert_eq!(row(&v, "tiny-gqa-int8", task, seed)["pairs"], 2);
+        }
+    }
+    let svg = std::fs::read_to_string(out.join("compare.svg")).unwrap();
+    for p in ["tiny-same", "tiny-gqa-int8", "tiny-gqa-int4"] {
+        assert!(svg.contains(p), "{p} not in the plot");
+    }
+}
+
 mod golden {
     //! Every case of `tests/data/fdb-golden/cases.json` (invented inputs, the values
     //! Full-Duplex-Bench's own functions give for them; see its README) through

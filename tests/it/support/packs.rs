@@ -136,3 +136,63 @@ json.dump(s, open(dst + "/state.json", "w"))
     }
     (dir, dst)
 }
+
+/// A copy of tiny pack `name` quantized by `tools/quantize_pack.py --quantize q` (`int8`,
+/// `int4`), shared by every test that only reads it: built once under
+/// `target/test-packs/<name>-<q>` and kept while the pack's files and the script are as they
+/// were (a stamp lists them), so that the suite quantizes each once, not once per test.
+pub fn quantized(name: &str, q: &str) -> PathBuf {
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = pack(name);
+    let script = root.join("tools/quantize_pack.py");
+    let mut stamp = format!("{q}\n{}\n", std::fs::read_to_string(&script).unwrap().len());
+    let mut files: Vec<PathBuf> = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    for f in files.iter().chain([&script]) {
+        let m = std::fs::metadata(f).unwrap();
+        let at = m
+            .modified()
+            .unwrap()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        stamp.push_str(&format!("{} {} {}\n", f.display(), m.len(), at.as_nanos()));
+    }
+    let out = root.join("target/test-packs").join(format!("{name}-{q}"));
+    let kept = out.join(".stamp");
+    if std::fs::read_to_string(&kept).is_ok_and(|s| s == stamp) {
+        return out;
+    }
+    // Built beside, then moved into place: a test process killed half-way leaves no half pack.
+    let _ = std::fs::remove_dir_all(&out);
+    let building = out.with_extension(format!("building-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&building);
+    std::fs::create_dir_all(building.parent().unwrap()).unwrap();
+    let o = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(&script)
+        .arg(&src)
+        .arg(&building)
+        .args(["--quantize", q, "-q"])
+        .output()
+        .expect(".venv/bin/python (run `make setup`)");
+    assert!(
+        o.status.success(),
+        "quantizing {name} to {q}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::write(building.join(".stamp"), &stamp).unwrap();
+    std::fs::rename(&building, &out).unwrap();
+    out
+}

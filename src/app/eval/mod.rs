@@ -12,12 +12,15 @@
 //!   benchmark's own scripts run on the tree unchanged; one `run.json` per pack and seed says
 //!   what ran (the pack and its graphs' hashes, quantization, persona, seed, sampling,
 //!   alignment, frames, real-time factor). A sample whose outputs exist is skipped: a run
-//!   stopped half-way resumes.
+//!   stopped half-way resumes. A bar on a terminal, else a line per input, says how far.
 //! - `duplex eval score`: each sample's voice activity, user and agent (Silero VAD on the
 //!   ONNX Runtime already loaded, segmented by Silero's own rules at the benchmark's settings),
 //!   v1.5's stop and response latency intervals from it, and, where the benchmark's ASR step
 //!   wrote `output.json`, v1's pause handling and smooth turn-taking ([`crate::eval::fdb`]):
 //!   `duplex_score.json` beside each sample, and a summary per task.
+//! - `duplex eval compare` ([`compare`]): packs run on the same inputs and seeds, each against
+//!   a base, pair by pair: decisions, latency differences, where the tokens part; a table and
+//!   a plot ([`plot`]).
 //! - `duplex eval stereo`: the user and the agent of each sample of a run as one two-channel
 //!   file on one clock (`stereo.wav`), for listening or for judges that take both sides.
 //!
@@ -34,6 +37,11 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use config::{Value, ValueKind};
+
+mod compare;
+mod plot;
+
+pub use compare::{compare, CompareArgs};
 
 use super::replay::{i, int, node_at, s, Plane};
 use crate::audio::{WavFormat, WavReader, WavWriter};
@@ -58,6 +66,10 @@ pub enum EvalCmd {
     /// response latency intervals, and v1's pause and turn-taking metrics where an ASR
     /// `output.json` is beside the sample.
     Score(ScoreArgs),
+    /// Compare packs run on the same inputs and seeds, each against a base: turn-taking
+    /// decisions (McNemar's exact test), paired latency differences (bootstrap intervals),
+    /// where the token streams part; a table and a plot.
+    Compare(CompareArgs),
     /// Write each sample of a run as one two-channel file, the user left and the agent right.
     Stereo(StereoArgs),
 }
@@ -386,6 +398,8 @@ pub fn run(a: &RunArgs) -> anyhow::Result<String> {
     let chosen = crate::config::ort::from_env(COMMAND, None)?;
     super::load_ort_for(COMMAND, chosen.as_ref())?;
     let align_frames = u64::from(a.align == "moshi-client");
+    let inputs: usize = found.iter().map(|s| s.inputs.len()).sum();
+    let progress = Progress::new((inputs * a.pack.len() * a.seed.len()) as u64);
     let mut summary = String::new();
     for (pack, label) in a.pack.iter().zip(&labels) {
         let opened = crate::model::pack::Pack::open(pack)?;
@@ -410,18 +424,21 @@ pub fn run(a: &RunArgs) -> anyhow::Result<String> {
                     let done = dir.join(format!("{}output.wav", prefix(input))).is_file();
                     if done && !a.again {
                         skipped += 1;
+                        progress.done(String::new);
                         continue;
                     }
                     let r = run_input(&c, &sample.dir.join(input), &dir, align_frames)?;
-                    eprintln!(
-                        "duplex eval: {label} seed {seed} [{}/{}] {}/{}: {} frames, {:.2} x real time",
-                        k + 1,
-                        found.len(),
-                        sample.rel.display(),
-                        input,
-                        r.frames,
-                        r.audio_s / r.wall_s.max(1e-9)
-                    );
+                    progress.done(|| {
+                        format!(
+                            "{label} seed {seed} [{}/{}] {}/{}: {} frames, {:.2} x real time",
+                            k + 1,
+                            found.len(),
+                            sample.rel.display(),
+                            input,
+                            r.frames,
+                            r.audio_s / r.wall_s.max(1e-9)
+                        )
+                    });
                     frames += r.frames;
                     audio_s += r.audio_s;
                     wall_s += r.wall_s;
@@ -471,6 +488,54 @@ pub fn run(a: &RunArgs) -> anyhow::Result<String> {
         }
     }
     Ok(summary)
+}
+
+/// How far a run is: a bar on a terminal (inputs done of all, time left, the last input's
+/// speed), else a line per input run.
+struct Progress(Option<indicatif::ProgressBar>);
+
+impl Progress {
+    fn new(total: u64) -> Self {
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return Self(None);
+        }
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "duplex eval [{bar:30}] {pos}/{len} inputs, {elapsed} gone, ~{eta} to go  {wide_msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        Self(Some(bar))
+    }
+
+    /// One input done (`line`: what it was, empty for one skipped as done before).
+    fn done(&self, line: impl FnOnce() -> String) {
+        match &self.0 {
+            Some(bar) => {
+                let l = line();
+                if !l.is_empty() {
+                    bar.set_message(l);
+                }
+                bar.inc(1);
+            }
+            None => {
+                let l = line();
+                if !l.is_empty() {
+                    eprintln!("duplex eval: {l}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 /// `duplex eval stereo`: `stereo.wav` beside each `output.wav` under `run` (the user left, the
@@ -605,6 +670,75 @@ struct TaskScores {
     samples: usize,
 }
 
+/// The task a sample belongs to: the folder above it (`candor_turn_taking` for
+/// `candor_turn_taking/12`), or `top` where the sample is directly under the folder scored.
+fn task_of(rel: &Path) -> String {
+    rel.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "top".into())
+}
+
+/// Scores one sample (its `input.wav` and `output.wav`, and the benchmark's annotations and
+/// ASR where they are beside them) and writes them as its `duplex_score.json`.
+fn score_sample(vad: &crate::model::vad::Vad, dir: &Path) -> anyhow::Result<serde_json::Value> {
+    use crate::eval::{fdb, silero};
+    let user16 = at_16k(&dir.join("input.wav"))?;
+    let agent16 = at_16k(&dir.join("output.wav"))?;
+    let user = silero::seconds(&silero::segments(
+        &vad.probabilities(&user16)?,
+        user16.len(),
+    ));
+    let agent = silero::seconds(&silero::segments(
+        &vad.probabilities(&agent16)?,
+        agent16.len(),
+    ));
+    let t = fdb::timing(&user, &agent);
+    let mut record = serde_json::json!({
+        "vad": {"user": pairs(&user), "agent": pairs(&agent)},
+        "v1.5": {
+            "user_merged": pairs(&t.user_merged),
+            "agent_merged": pairs(&t.model_merged),
+            "stop_latency_intervals": t.stop,
+            "response_latency_intervals": t.response,
+        },
+    });
+    let asr = dir.join("output.json");
+    if asr.is_file() {
+        let words = asr_words(&asr)?;
+        if window(&dir.join("pause.json"))?.is_some() {
+            if let Some(tor) = fdb::take_turn(&words, true) {
+                record["v1"]["pause_handling"] = serde_json::json!({"tor": tor});
+            }
+        }
+        if let Some((turn_end, _)) = window(&dir.join("turn_taking.json"))? {
+            if let Some(turn) = fdb::turn(&words, turn_end) {
+                record["v1"]["smooth_turn_taking"] = serde_json::json!({
+                    "tor": turn.tor, "latency": turn.latency, "latency_raw": turn.latency_raw});
+            }
+        }
+    }
+    let file = dir.join("duplex_score.json");
+    std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")
+        .with_context(|| format!("writing {}", file.display()))?;
+    Ok(record)
+}
+
+/// The length of a scored sample's first interval of `kind` (`response_latency_intervals`,
+/// `stop_latency_intervals`), in seconds.
+fn first_interval(score: &serde_json::Value, kind: &str) -> Option<f64> {
+    let i = &score["v1.5"][kind][0];
+    Some(i[1].as_f64()? - i[0].as_f64()?)
+}
+
+/// Opens Silero VAD on the ONNX Runtime the process loads.
+fn open_vad(path: &Path) -> anyhow::Result<crate::model::vad::Vad> {
+    let chosen = crate::config::ort::from_env(COMMAND, None)?;
+    super::load_ort_for(COMMAND, chosen.as_ref())?;
+    Ok(crate::model::vad::Vad::open(path)
+        .map_err(|e| bad("--vad", format!("{}: {e}", path.display())))?)
+}
+
 /// `duplex eval score`.
 ///
 /// # Errors
@@ -612,70 +746,34 @@ struct TaskScores {
 /// A [`ConfigError`] (exit 2) for a folder without outputs or a VAD model that does not open;
 /// an error naming the file that cannot be read.
 pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
-    use crate::eval::{fdb, silero};
+    use crate::eval::fdb;
     let found = samples_with_output(&a.run)?;
-    let chosen = crate::config::ort::from_env(COMMAND, None)?;
-    super::load_ort_for(COMMAND, chosen.as_ref())?;
-    let vad = crate::model::vad::Vad::open(&a.vad)
-        .map_err(|e| bad("--vad", format!("{}: {e}", a.vad.display())))?;
-    // Per task (the sample's first folder under the run): response and stop latencies (each
-    // sample's first interval), and v1's turns where there was an ASR.
+    let vad = open_vad(&a.vad)?;
+    // Per task: response and stop latencies (each sample's first interval), and v1's turns
+    // where there was an ASR.
     let mut tasks: std::collections::BTreeMap<String, TaskScores> = Default::default();
     for dir in &found {
-        let user16 = at_16k(&dir.join("input.wav"))?;
-        let agent16 = at_16k(&dir.join("output.wav"))?;
-        let user = silero::seconds(&silero::segments(
-            &vad.probabilities(&user16)?,
-            user16.len(),
-        ));
-        let agent = silero::seconds(&silero::segments(
-            &vad.probabilities(&agent16)?,
-            agent16.len(),
-        ));
-        let t = fdb::timing(&user, &agent);
-        let mut record = serde_json::json!({
-            "vad": {"model": a.vad.display().to_string(), "user": pairs(&user), "agent": pairs(&agent)},
-            "v1.5": {
-                "user_merged": pairs(&t.user_merged),
-                "agent_merged": pairs(&t.model_merged),
-                "stop_latency_intervals": t.stop,
-                "response_latency_intervals": t.response,
-            },
-        });
-        let task = dir
-            .strip_prefix(&a.run)
-            .ok()
-            .and_then(|r| r.components().next())
-            .map(|c| c.as_os_str().to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let entry = tasks.entry(task).or_default();
+        let record = score_sample(&vad, dir)?;
+        let rel = dir.strip_prefix(&a.run).unwrap_or(dir);
+        let entry = tasks.entry(task_of(rel)).or_default();
         entry.samples += 1;
-        if let Some(r) = t.response.first() {
-            entry.response.push(r[1] - r[0]);
+        entry
+            .response
+            .extend(first_interval(&record, "response_latency_intervals"));
+        entry
+            .stop
+            .extend(first_interval(&record, "stop_latency_intervals"));
+        if let Some(tor) = record["v1"]["pause_handling"]["tor"].as_u64() {
+            entry.pauses.push(tor as u8);
         }
-        if let Some(s) = t.stop.first() {
-            entry.stop.push(s[1] - s[0]);
+        let turn = &record["v1"]["smooth_turn_taking"];
+        if let Some(tor) = turn["tor"].as_u64() {
+            entry.turns.push(fdb::Turn {
+                tor: tor as u8,
+                latency: turn["latency"].as_f64(),
+                latency_raw: turn["latency_raw"].as_f64(),
+            });
         }
-        let asr = dir.join("output.json");
-        if asr.is_file() {
-            let words = asr_words(&asr)?;
-            if window(&dir.join("pause.json"))?.is_some() {
-                if let Some(tor) = fdb::take_turn(&words, true) {
-                    record["v1"]["pause_handling"] = serde_json::json!({"tor": tor});
-                    entry.pauses.push(tor);
-                }
-            }
-            if let Some((turn_end, _)) = window(&dir.join("turn_taking.json"))? {
-                if let Some(turn) = fdb::turn(&words, turn_end) {
-                    record["v1"]["smooth_turn_taking"] = serde_json::json!({
-                        "tor": turn.tor, "latency": turn.latency, "latency_raw": turn.latency_raw});
-                    entry.turns.push(turn);
-                }
-            }
-        }
-        let file = dir.join("duplex_score.json");
-        std::fs::write(&file, serde_json::to_string_pretty(&record)? + "\n")
-            .with_context(|| format!("writing {}", file.display()))?;
     }
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{:.0} ms", x * 1e3));
     let mut text = format!(
