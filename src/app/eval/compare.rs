@@ -79,6 +79,9 @@ fn runs(out: &Path) -> anyhow::Result<Vec<Run>> {
     Ok(found)
 }
 
+/// One frame's tokens: the text token and the audio codebooks'.
+type Tokens = (Value, Value);
+
 /// What one sample of one run did, as compared.
 #[derive(Debug, Clone, Default)]
 struct Facts {
@@ -92,8 +95,8 @@ struct Facts {
     pause_tor: Option<bool>,
     turn_tor: Option<bool>,
     turn_latency: Option<f64>,
-    /// Each frame's tokens (text and audio).
-    tokens: Vec<(Value, Value)>,
+    /// Each frame's tokens; `None` for a served run (the wire carries none).
+    tokens: Option<Vec<Tokens>>,
 }
 
 fn overlapping(a: &Value, b: &Value) -> bool {
@@ -133,13 +136,16 @@ fn facts(
         if vad.is_none() {
             *vad = Some(open_vad(vad_path)?);
         }
-        score_sample(vad.as_ref().expect("opened above"), dir)?
+        score_sample(vad.as_ref().expect("opened above"), dir, None)?
     };
     let log = dir.join("tokens.jsonl");
-    let text =
-        std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
+    let text = match std::fs::read_to_string(&log) {
+        Ok(t) => Some(t),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("reading {}", log.display()))),
+    };
     let mut tokens = Vec::new();
-    for (k, line) in text.lines().enumerate() {
+    for (k, line) in text.iter().flat_map(|t| t.lines()).enumerate() {
         let v: Value = serde_json::from_str(line).map_err(|e| {
             bad(
                 "out",
@@ -162,7 +168,7 @@ fn facts(
             .map(|t| t == 1),
         turn_tor: turn["tor"].as_u64().map(|t| t == 1),
         turn_latency: turn["latency"].as_f64(),
-        tokens,
+        tokens: text.is_some().then_some(tokens),
     })
 }
 
@@ -195,6 +201,8 @@ pub(super) struct Row {
     pub(super) stop_latency: Option<MeanDiff>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) turn_latency: Option<MeanDiff>,
+    /// Pairs with both token logs (a served run has none).
+    pub(super) logged: usize,
     /// Pairs whose token streams are the same throughout.
     pub(super) identical: usize,
     /// The median frame where the others' streams first part (any token).
@@ -225,15 +233,19 @@ fn reduce(pack: &str, task: &str, seed: String, pairs: &[&Pair]) -> Row {
             .filter_map(|p| Some(f(&p.other)? - f(&p.base)?))
             .collect()
     };
-    let parted: Vec<f64> = pairs
+    let logged: Vec<(&Vec<Tokens>, &Vec<Tokens>)> = pairs
         .iter()
-        .filter_map(|p| first_divergence(&p.base.tokens, &p.other.tokens))
+        .filter_map(|p| Some((p.base.tokens.as_ref()?, p.other.tokens.as_ref()?)))
+        .collect();
+    let parted: Vec<f64> = logged
+        .iter()
+        .filter_map(|(a, b)| first_divergence(a, b))
         .map(|k| k as f64)
         .collect();
-    let text = |f: &Facts| f.tokens.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
-    let text_parted: Vec<f64> = pairs
+    let text = |t: &[Tokens]| t.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+    let text_parted: Vec<f64> = logged
         .iter()
-        .filter_map(|p| first_divergence(&text(&p.base), &text(&p.other)))
+        .filter_map(|(a, b)| first_divergence(&text(a), &text(b)))
         .map(|k| k as f64)
         .collect();
     let responds = agree(&|f| f.responds);
@@ -253,7 +265,8 @@ fn reduce(pack: &str, task: &str, seed: String, pairs: &[&Pair]) -> Row {
         response_latency: mean_difference(&response_diffs),
         stop_latency: mean_difference(&diffs(&|f| f.stop)),
         turn_latency: mean_difference(&diffs(&|f| f.turn_latency)),
-        identical: pairs.len() - parted.len(),
+        logged: logged.len(),
+        identical: logged.len() - parted.len(),
         first_divergence_frame: super::median(parted),
         first_text_divergence_frame: super::median(text_parted),
         response_diffs,
@@ -372,8 +385,10 @@ pub fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         }
         let d = divergences.entry(other.to_string()).or_default();
         for p in &pairs {
-            d.0.push(first_divergence(&p.base.tokens, &p.other.tokens));
-            d.1 = d.1.max(p.base.tokens.len());
+            if let (Some(a), Some(b)) = (&p.base.tokens, &p.other.tokens) {
+                d.0.push(first_divergence(a, b));
+                d.1 = d.1.max(a.len());
+            }
         }
         let mut groups: BTreeMap<(String, Option<u64>), Vec<&Pair>> = BTreeMap::new();
         for p in &pairs {
@@ -469,7 +484,7 @@ fn table(base: &str, rows: &[Row]) -> String {
             diff_cell(&r.response_latency),
             diff_cell(&r.stop_latency),
             r.identical,
-            r.pairs,
+            r.logged,
             match (r.first_divergence_frame, r.first_text_divergence_frame) {
                 (None, _) => "-".to_string(),
                 (Some(any), text) => format!(

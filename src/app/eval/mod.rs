@@ -13,6 +13,8 @@
 //!   what ran (the pack and its graphs' hashes, quantization, persona, seed, sampling,
 //!   alignment, frames, real-time factor). A sample whose outputs exist is skipped: a run
 //!   stopped half-way resumes. A bar on a terminal, else a line per input, says how far.
+//!   With `--server URL` instead of packs ([`served`]): each input through a running server
+//!   in real time, a sample flagged where the server's figures say it was not the model alone.
 //! - `duplex eval score`: each sample's voice activity, user and agent (Silero VAD on the
 //!   ONNX Runtime already loaded, segmented by Silero's own rules at the benchmark's settings),
 //!   v1.5's stop and response latency intervals from it, and, where the benchmark's ASR step
@@ -40,6 +42,7 @@ use config::{Value, ValueKind};
 
 mod compare;
 mod plot;
+mod served;
 
 pub use compare::{compare, CompareArgs};
 
@@ -82,14 +85,30 @@ pub struct ScoreArgs {
     /// Silero VAD's ONNX model.
     #[arg(long, default_value = "models/vad/silero_vad.onnx")]
     pub vad: PathBuf,
+    /// v1's backchannel reference: the per-sample distributions of the user's Full-Duplex-Bench
+    /// checkout (`icc_gt_distribution.json`, `{sample: [weights]}`); each sample named in it
+    /// gets the backchannel metric.
+    #[arg(long)]
+    pub backchannel_reference: Option<PathBuf>,
 }
 
 /// Flags of `duplex eval run`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
     /// A model pack (repeatable: each runs the same inputs and seeds).
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "server")]
     pub pack: Vec<PathBuf>,
+    /// Instead of packs, a running `duplex serve` (`http://host:port`): each input in real
+    /// time over its realtime API, a sample flagged where the server dropped, filled or was
+    /// late (written under `OUT/<label>/`).
+    #[arg(long, conflicts_with_all = ["pack", "greedy"])]
+    pub server: Option<String>,
+    /// The server's API key, if it wants one.
+    #[arg(long, requires = "server")]
+    pub key: Option<String>,
+    /// The served run's name in the output tree (default `served`).
+    #[arg(long, requires = "server")]
+    pub label: Option<String>,
     /// The benchmark's inputs: a folder searched for `input.wav` files (a Full-Duplex-Bench
     /// v1 / v1.5 task folder, the whole download, or any folder of samples).
     #[arg(long)]
@@ -393,6 +412,9 @@ fn link_inputs(sample: &Sample, dir: &Path) -> anyhow::Result<()> {
 /// A [`ConfigError`] (exit 2) for flags, inputs or packs that cannot run; a run error (exit 1)
 /// naming the input that failed, the samples done before it kept.
 pub fn run(a: &RunArgs) -> anyhow::Result<String> {
+    if let Some(url) = &a.server {
+        return served::run(a, url, &samples(&a.inputs)?);
+    }
     let labels = pack_labels(&a.pack)?;
     let found = samples(&a.inputs)?;
     let chosen = crate::config::ort::from_env(COMMAND, None)?;
@@ -667,7 +689,39 @@ struct TaskScores {
     turns: Vec<crate::eval::fdb::Turn>,
     /// Pause handling's TOR, likewise.
     pauses: Vec<u8>,
+    /// Backchannel frequency, JSD and (where an ASR ran) TOR, where the sample had a reference.
+    backchannel: Vec<(f64, f64, Option<u8>)>,
     samples: usize,
+}
+
+/// The backchannel reference file: `{sample: [weights]}`, each with two or more weights.
+fn backchannel_reference(
+    path: &Path,
+) -> anyhow::Result<std::collections::BTreeMap<String, Vec<f64>>> {
+    let key = "--backchannel-reference";
+    let text =
+        std::fs::read_to_string(path).map_err(|e| bad(key, format!("{}: {e}", path.display())))?;
+    let v: std::collections::BTreeMap<String, Vec<f64>> =
+        serde_json::from_str(&text).map_err(|e| {
+            bad(
+                key,
+                format!(
+                    "{}: not `{{\"sample\": [weights, ...]}}`: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+    if let Some((name, _)) = v.iter().find(|(_, w)| w.len() < 2) {
+        return Err(bad(
+            key,
+            format!(
+                "{}: sample `{name}` has fewer than two weights",
+                path.display()
+            ),
+        )
+        .into());
+    }
+    Ok(v)
 }
 
 /// The task a sample belongs to: the folder above it (`candor_turn_taking` for
@@ -681,7 +735,11 @@ fn task_of(rel: &Path) -> String {
 
 /// Scores one sample (its `input.wav` and `output.wav`, and the benchmark's annotations and
 /// ASR where they are beside them) and writes them as its `duplex_score.json`.
-fn score_sample(vad: &crate::model::vad::Vad, dir: &Path) -> anyhow::Result<serde_json::Value> {
+fn score_sample(
+    vad: &crate::model::vad::Vad,
+    dir: &Path,
+    reference: Option<&[f64]>,
+) -> anyhow::Result<serde_json::Value> {
     use crate::eval::{fdb, silero};
     let user16 = at_16k(&dir.join("input.wav"))?;
     let agent16 = at_16k(&dir.join("output.wav"))?;
@@ -704,8 +762,31 @@ fn score_sample(vad: &crate::model::vad::Vad, dir: &Path) -> anyhow::Result<serd
         },
     });
     let asr = dir.join("output.json");
-    if asr.is_file() {
-        let words = asr_words(&asr)?;
+    let words = if asr.is_file() {
+        Some(asr_words(&asr)?)
+    } else {
+        None
+    };
+    if let Some(gt) = reference {
+        // As the benchmark reads the output for this metric: the file's samples given to
+        // Silero as if at 16 kHz whatever their rate, its segments in seconds rounded to 0.1.
+        let mut r = WavReader::open(&dir.join("output.wav"))?;
+        let rate = r.rate();
+        let raw = r.read_all()?;
+        let segs = silero::rounded_seconds(
+            &silero::segments(&vad.probabilities(&raw)?, raw.len()),
+            raw.len(),
+        );
+        let b = fdb::backchannel(&segs, words.as_deref(), rate, raw.len() as u64, gt);
+        record["v1"]["backchannel"] = serde_json::json!({
+            "tor": b.tor,
+            "frequency": b.freq,
+            "jsd": b.jsd,
+            "backchannels": pairs(&b.backchannels),
+            "segments_as_read": "the output's samples as if at 16 kHz, rounded to 0.1 s",
+        });
+    }
+    if let Some(words) = words {
         if window(&dir.join("pause.json"))?.is_some() {
             if let Some(tor) = fdb::take_turn(&words, true) {
                 record["v1"]["pause_handling"] = serde_json::json!({"tor": tor});
@@ -748,15 +829,31 @@ fn open_vad(path: &Path) -> anyhow::Result<crate::model::vad::Vad> {
 pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
     use crate::eval::fdb;
     let found = samples_with_output(&a.run)?;
+    let reference = a
+        .backchannel_reference
+        .as_deref()
+        .map(backchannel_reference)
+        .transpose()?;
     let vad = open_vad(&a.vad)?;
     // Per task: response and stop latencies (each sample's first interval), and v1's turns
     // where there was an ASR.
     let mut tasks: std::collections::BTreeMap<String, TaskScores> = Default::default();
     for dir in &found {
-        let record = score_sample(&vad, dir)?;
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let gt = reference.as_ref().and_then(|r| r.get(&name));
+        let record = score_sample(&vad, dir, gt.map(Vec::as_slice))?;
         let rel = dir.strip_prefix(&a.run).unwrap_or(dir);
         let entry = tasks.entry(task_of(rel)).or_default();
         entry.samples += 1;
+        let bc = &record["v1"]["backchannel"];
+        if let (Some(f), Some(j)) = (bc["frequency"].as_f64(), bc["jsd"].as_f64()) {
+            entry
+                .backchannel
+                .push((f, j, bc["tor"].as_u64().map(|t| t as u8)));
+        }
         entry
             .response
             .extend(first_interval(&record, "response_latency_intervals"));
@@ -778,7 +875,7 @@ pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{:.0} ms", x * 1e3));
     let mut text = format!(
         "{} samples scored under {} (duplex_score.json beside each)\n\
-         task: samples; v1.5 from voice activity: median response latency (first gap after the user), median stop latency (first overlap); v1 from the ASR where present\n",
+         task: samples; answered: the agent spoke after the user's speech ended (from voice activity: a proxy of the ASR's TOR); v1.5 from voice activity: median response latency (first gap after the user), median stop latency (first overlap); v1 from the ASR where present; backchannel where the reference names the sample\n",
         found.len(),
         a.run.display()
     );
@@ -788,10 +885,12 @@ pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
             stop,
             turns,
             pauses,
+            backchannel,
             samples: n,
         } = t;
         let mut line = format!(
-            "  {task}: {n}; response {} ({} samples), stop {} ({} samples)",
+            "  {task}: {n}; answered {}/{n} (VAD proxy of TOR); response {} ({} samples), stop {} ({} samples)",
+            resp.len(),
             ms(median(resp.clone())),
             resp.len(),
             ms(median(stop.clone())),
@@ -807,6 +906,24 @@ pub fn score(a: &ScoreArgs) -> anyhow::Result<String> {
         if !pauses.is_empty() {
             let tor = pauses.iter().map(|&t| f64::from(t)).sum::<f64>() / pauses.len() as f64;
             line.push_str(&format!("; pause handling TOR {tor:.3}"));
+        }
+        if !backchannel.is_empty() {
+            let k = backchannel.len() as f64;
+            let freq = backchannel.iter().map(|b| b.0).sum::<f64>() / k;
+            let jsd = backchannel.iter().map(|b| b.1).sum::<f64>() / k;
+            line.push_str(&format!(
+                "; backchannel frequency {freq:.3}/s, JSD {jsd:.3}"
+            ));
+            let tors: Vec<f64> = backchannel
+                .iter()
+                .filter_map(|b| b.2.map(f64::from))
+                .collect();
+            if !tors.is_empty() {
+                line.push_str(&format!(
+                    ", TOR {:.3}",
+                    tors.iter().sum::<f64>() / tors.len() as f64
+                ));
+            }
         }
         text.push_str(&line);
         text.push('\n');

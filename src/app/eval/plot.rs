@@ -239,6 +239,10 @@ pub(super) fn draw(
         .y_label_formatter(&|y| format!("{:.0} %", y * 100.0))
         .draw()?;
     for (pack, (parted, _)) in divergences {
+        if parted.is_empty() {
+            // A served run: no token logs.
+            continue;
+        }
         let c = colour(pack);
         let total = parted.len().max(1) as f64;
         let still =

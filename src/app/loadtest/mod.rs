@@ -16,8 +16,8 @@
 //! client stops, which says nothing of the server's load. Knows nothing of the server's
 //! insides: only the wire.
 
-mod webrtc;
-mod ws;
+pub(crate) mod webrtc;
+pub(crate) mod ws;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -47,8 +47,13 @@ pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> anyhow:
     let mid = sdp.add_media(MediaKind::Audio, Direction::SendRecv, None, None, None);
     sdp.add_channel("duplex".into());
     let (offer, pending) = sdp.apply().ok_or_else(|| anyhow!("str0m made no offer"))?;
-    let (status, headers, body) =
-        http(Method::POST, &endpoint, offer.to_sdp_string(), args).await?;
+    let (status, headers, body) = http(
+        Method::POST,
+        &endpoint,
+        offer.to_sdp_string(),
+        args.key.as_deref(),
+    )
+    .await?;
     if status != StatusCode::CREATED {
         return Err(anyhow!("HTTP {status}: {}", body.trim()));
     }
@@ -63,7 +68,13 @@ pub(super) async fn talk(url: &str, pcm: &[f32], args: &LoadtestArgs) -> anyhow:
         Err(e) => Err(e),
     };
     // Hung up through the same address, whatever happened: the slot is freed at once.
-    let hangup = http(Method::DELETE, &resource, String::new(), args).await;
+    let hangup = http(
+        Method::DELETE,
+        &resource,
+        String::new(),
+        args.key.as_deref(),
+    )
+    .await;
     let seen = seen?;
     match hangup {
         Ok((StatusCode::OK, _, _)) => Ok(seen),
@@ -86,11 +97,11 @@ fn resolve(endpoint: &Uri, location: &str) -> anyhow::Result<Uri> {
 }
 
 /// One HTTP/1.1 request (the key as `Authorization: Bearer`): its status, headers and body.
-async fn http(
+pub(crate) async fn http(
     method: Method,
     uri: &Uri,
     body: String,
-    args: &LoadtestArgs,
+    key: Option<&str>,
 ) -> anyhow::Result<(StatusCode, HeaderMap, String)> {
     let authority = uri.authority().ok_or_else(|| anyhow!("{uri}: no host"))?;
     let address = format!(
@@ -110,7 +121,7 @@ async fn http(
             .uri(uri.path_and_query().map_or("/", |p| p.as_str()))
             .header(header::HOST, authority.as_str())
             .header(header::CONTENT_TYPE, "application/sdp");
-        if let Some(k) = &args.key {
+        if let Some(k) = key {
             req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
         }
         let req = req.body(axum::body::Body::from(body))?;

@@ -32,7 +32,7 @@ pub(super) async fn talk(
     pcm: &[f32],
     args: &LoadtestArgs,
 ) -> anyhow::Result<Seen> {
-    let (mut tx, mut rx) = connect(url, args).await?.split();
+    let (mut tx, mut rx) = connect(url, args.key.as_deref()).await?.split();
     if protocol == Wire::Realtime {
         let update = serde_json::json!({
             "type": "session.update",
@@ -77,9 +77,9 @@ pub(super) async fn talk(
 }
 
 /// The WebSocket to the server, with the key when there is one.
-async fn connect(
+pub(crate) async fn connect(
     url: &str,
-    args: &LoadtestArgs,
+    key: Option<&str>,
 ) -> anyhow::Result<
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
 > {
@@ -87,7 +87,7 @@ async fn connect(
     let mut req = url
         .into_client_request()
         .map_err(|e| anyhow!("{url}: {e}"))?;
-    if let Some(k) = &args.key {
+    if let Some(k) = key {
         let v = format!("Bearer {k}")
             .parse()
             .map_err(|_| anyhow!("the key is not a header value"))?;

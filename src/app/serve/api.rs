@@ -115,6 +115,7 @@ pub(super) async fn sessions(State(server): State<Arc<Server>>) -> Response {
                     "realtime_factor": l.monitor.as_ref().map(|m| m.realtime_factor()),
                     "verdicts": verdicts,
                     "silence_frames": L::get(&l.stats.silence_frames),
+                    "dropped_in": L::get(&l.stats.dropped_in),
                     "late_frames": L::get(&l.stats.late_frames),
                     "dropped_out": L::get(&l.stats.dropped_out),
                     "bytes_in": L::get(&l.stats.bytes_in),

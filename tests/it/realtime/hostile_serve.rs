@@ -834,7 +834,9 @@ fn a_webrtc_peer_faster_than_real_time_costs_real_time() {
          s in its {age:.1} s, {refused_s:.1} s skipped undecoded; server CPU {cpu:.2} s (the \
          healthy session's included); peak growth {grown} MiB"
     );
-    assert!(sent_s > 4.0 * wall, "the peer did not send fast: {r}");
+    // Asked for 8x; on a loaded machine the peer gets less, and twice real time already says
+    // what is asserted below.
+    assert!(sent_s > 2.0 * wall, "the peer did not send fast: {r}");
     assert!(decoded > 1.0, "nothing was heard: {r}");
     assert!(decoded <= age + 1.5, "{decoded:.1} s decoded in {age:.1} s");
     assert!(refused_s > 1.0, "{refused_s:.1} s skipped");

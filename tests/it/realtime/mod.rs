@@ -11,6 +11,7 @@ mod cli_bad_input;
 mod control_plane;
 mod daemon;
 mod daemon_faults;
+mod eval_served;
 mod hostile_local;
 mod hostile_serve;
 mod loadtest;

@@ -30,3 +30,22 @@ pub fn error_line(o: &Output) -> String {
         .unwrap_or(&e)
         .to_string()
 }
+
+/// `duplex eval ARGS`, from the checkout's root.
+pub fn eval(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_duplex"))
+        .arg("eval")
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap()
+}
+
+/// All a command printed: its standard output, then its standard error.
+pub fn printed(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}

@@ -128,6 +128,8 @@ pub(super) struct Realtime {
     next_event: u64,
     /// The user's turns, from the server's voice-activity detector.
     turns: Turns,
+    /// The session's id, `sess_<id>` in the session object (`/api/sessions` lists it by `id`).
+    id: Option<u64>,
 }
 
 impl Realtime {
@@ -160,6 +162,7 @@ impl Realtime {
             voice: None,
             next_event: 0,
             turns: Turns::new(vad),
+            id: None,
         }
     }
 
@@ -217,6 +220,7 @@ impl Realtime {
         let mut s = json!({
             "type": "realtime",
             "object": "realtime.session",
+            "id": self.id.map(|i| format!("sess_{i}")),
             "model": "duplex",
             "output_modalities": ["audio"],
             "instructions": self.instructions,
@@ -454,6 +458,10 @@ enum Half {
 }
 
 impl Protocol for Realtime {
+    fn named(&mut self, id: u64) {
+        self.id = Some(id);
+    }
+
     fn hello(&mut self) -> Vec<Message> {
         let session = self.session();
         vec![self.event(json!({"type": "session.created", "session": session}))]

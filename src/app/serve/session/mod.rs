@@ -287,6 +287,7 @@ impl<P: Protocol> Conn<P> {
         let budget = AudioBudget::of(&server.template());
         let mut proto = proto;
         let inflow = Inflow::new(id, limits, reply_tx.clone(), budget);
+        proto.named(id);
         inflow.reply(proto.hello());
         let conn = Conn {
             server,

@@ -19,6 +19,9 @@ use crate::session::Outbound;
 /// session's pipeline, the limits, the writer, the outcomes and their metrics) is
 /// [`run`]'s, the same for all.
 pub(crate) trait Protocol: Send + 'static {
+    /// The session's id (as `/api/sessions` lists it), told before [`Protocol::hello`].
+    fn named(&mut self, _id: u64) {}
+
     /// Messages sent as soon as the connection opens (before the session's params are known).
     fn hello(&mut self) -> Vec<Message> {
         Vec::new()
