@@ -82,6 +82,22 @@ fn runs(out: &Path) -> anyhow::Result<Vec<Run>> {
 /// One frame's tokens: the text token and the audio codebooks'.
 type Tokens = (Value, Value);
 
+/// A token log's text tokens.
+fn text_of(t: &[Tokens]) -> Vec<Value> {
+    t.iter().map(|t| t.0.clone()).collect()
+}
+
+/// Per pack, where each pair's token streams first part (`None`: identical throughout).
+#[derive(Debug, Default)]
+pub(super) struct Parting {
+    /// Any token.
+    pub(super) any: Vec<Option<usize>>,
+    /// The text alone.
+    pub(super) text: Vec<Option<usize>>,
+    /// The frames run (the longest log).
+    pub(super) frames: usize,
+}
+
 /// What one sample of one run did, as compared.
 #[derive(Debug, Clone, Default)]
 struct Facts {
@@ -242,10 +258,9 @@ fn reduce(pack: &str, task: &str, seed: String, pairs: &[&Pair]) -> Row {
         .filter_map(|(a, b)| first_divergence(a, b))
         .map(|k| k as f64)
         .collect();
-    let text = |t: &[Tokens]| t.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
     let text_parted: Vec<f64> = logged
         .iter()
-        .filter_map(|(a, b)| first_divergence(&text(a), &text(b)))
+        .filter_map(|(a, b)| first_divergence(&text_of(a), &text_of(b)))
         .map(|k| k as f64)
         .collect();
     let responds = agree(&|f| f.responds);
@@ -349,7 +364,7 @@ pub fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         Ok(f)
     };
     let mut rows = Vec::new();
-    let mut divergences: BTreeMap<String, (Vec<Option<usize>>, usize)> = BTreeMap::new();
+    let mut divergences: BTreeMap<String, Parting> = BTreeMap::new();
     for other in packs.iter().filter(|p| **p != base) {
         let mut pairs = Vec::new();
         for b in all.iter().filter(|r| r.pack == base) {
@@ -386,8 +401,9 @@ pub fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         let d = divergences.entry(other.to_string()).or_default();
         for p in &pairs {
             if let (Some(a), Some(b)) = (&p.base.tokens, &p.other.tokens) {
-                d.0.push(first_divergence(a, b));
-                d.1 = d.1.max(a.len());
+                d.any.push(first_divergence(a, b));
+                d.text.push(first_divergence(&text_of(a), &text_of(b)));
+                d.frames = d.frames.max(a.len());
             }
         }
         let mut groups: BTreeMap<(String, Option<u64>), Vec<&Pair>> = BTreeMap::new();
@@ -416,7 +432,7 @@ pub fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         "base": base,
         "frame_ms": 80,
         "rows": rows,
-        "first_divergence": divergences.iter().map(|(p, (d, _))| (p.clone(), json!(d))).collect::<serde_json::Map<_, _>>(),
+        "first_divergence": divergences.iter().map(|(p, d)| (p.clone(), json!({"any": d.any, "text": d.text}))).collect::<serde_json::Map<_, _>>(),
     });
     let js = a.out.join("compare.json");
     std::fs::write(&js, serde_json::to_string_pretty(&numbers)? + "\n")

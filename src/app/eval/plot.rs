@@ -16,7 +16,7 @@ use plotters::coord::ranged1d::{SegmentValue, SegmentedCoord};
 use plotters::coord::types::RangedCoordusize;
 use plotters::prelude::*;
 
-use super::compare::Row;
+use super::compare::{Parting, Row};
 
 const FONT: &str = "sans-serif";
 
@@ -49,13 +49,13 @@ fn legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
         .draw()
 }
 
-/// Writes the picture of `rows` (each pack against `base`) and `divergences` (per pack, each
-/// pair's first differing frame, `None` for identical streams, and the frames run) to `path`.
+/// Writes the picture of `rows` (each pack against `base`) and `divergences` (per pack, where
+/// each pair's streams first part) to `path`.
 pub(super) fn draw(
     path: &Path,
     base: &str,
     rows: &[Row],
-    divergences: &BTreeMap<String, (Vec<Option<usize>>, usize)>,
+    divergences: &BTreeMap<String, Parting>,
 ) -> anyhow::Result<()> {
     // The rows over all seeds where there are several seeds, else the rows there are.
     let shown: Vec<&Row> = if rows.iter().any(|r| r.seed == "all") {
@@ -218,14 +218,16 @@ pub(super) fn draw(
     // Token streams still identical.
     let frames = divergences
         .values()
-        .map(|(_, f)| *f)
+        .map(|d| d.frames)
         .max()
         .unwrap_or(1)
         .max(1);
     let seconds = frames as f64 * 0.08;
     let mut chart = ChartBuilder::on(&bottom)
         .caption(
-            format!("token streams still identical to {base}'s (share of pairs)"),
+            format!(
+                "token streams still identical to {base}'s (share of pairs; thick: the text, thin: every token)"
+            ),
             (FONT, 15),
         )
         .margin(12)
@@ -238,12 +240,7 @@ pub(super) fn draw(
         .x_desc("seconds into the conversation")
         .y_label_formatter(&|y| format!("{:.0} %", y * 100.0))
         .draw()?;
-    for (pack, (parted, _)) in divergences {
-        if parted.is_empty() {
-            // A served run: no token logs.
-            continue;
-        }
-        let c = colour(pack);
+    let curve = |parted: &[Option<usize>]| {
         let total = parted.len().max(1) as f64;
         let still =
             |f: usize| parted.iter().filter(|d| d.is_none_or(|k| k > f)).count() as f64 / total;
@@ -253,10 +250,25 @@ pub(super) fn draw(
             points.push((f as f64 * 0.08, s));
             points.push(((f + 1) as f64 * 0.08, s));
         }
+        points
+    };
+    for (pack, parting) in divergences {
+        if parting.any.is_empty() {
+            // A served run: no token logs.
+            continue;
+        }
+        let c = colour(pack);
+        chart.draw_series(std::iter::once(PathElement::new(
+            curve(&parting.any),
+            c.mix(0.6).stroke_width(1),
+        )))?;
         chart
-            .draw_series(std::iter::once(PathElement::new(points, c.stroke_width(2))))?
+            .draw_series(std::iter::once(PathElement::new(
+                curve(&parting.text),
+                c.stroke_width(3),
+            )))?
             .label(pack.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(3)));
     }
     legend(&mut chart)?;
     root.present()?;
