@@ -608,12 +608,17 @@ pub fn stereo(a: &StereoArgs) -> anyhow::Result<String> {
 fn at_16k(path: &Path) -> anyhow::Result<Vec<f32>> {
     let mut r = WavReader::open(path)?;
     let rate = r.rate();
-    let x = r.read_all()?;
-    if rate == 16_000 {
+    resampled(r.read_all()?, rate, 16_000)
+}
+
+/// A whole signal `x` at `from` Hz, at `to` Hz (the resampler's delay trimmed: on the same
+/// clock).
+fn resampled(x: Vec<f32>, from: u32, to: u32) -> anyhow::Result<Vec<f32>> {
+    if from == to {
         return Ok(x);
     }
-    let mut rs = crate::audio::StreamResampler::new(rate, 16_000, 1024)?;
-    let mut out = Vec::with_capacity(x.len() * 16_000 / rate as usize + 1024);
+    let mut rs = crate::audio::StreamResampler::new(from, to, 1024)?;
+    let mut out = Vec::with_capacity(x.len() * to as usize / from as usize + 1024);
     rs.process(&x, &mut out)?;
     rs.flush(&mut out)?;
     Ok(out)

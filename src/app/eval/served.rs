@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
 use super::bad;
-use crate::app::loadtest::{webrtc::http, ws::connect};
+use crate::app::loadtest::{webrtc::http, ws::connect, ws::pcm16_append as append};
 use crate::audio::FRAME_SAMPLES;
 use crate::config::ConfigError;
 
@@ -94,20 +94,6 @@ async fn figures(server: &Server, id: u64) -> Option<Value> {
 
 fn count(v: &Option<Value>, key: &str) -> u64 {
     v.as_ref().and_then(|v| v[key].as_u64()).unwrap_or(0)
-}
-
-/// One frame of the user as an `input_audio_buffer.append`.
-fn append(frame: &[f32]) -> Message {
-    let bytes: Vec<u8> = frame
-        .iter()
-        .flat_map(|s| ((s.clamp(-1.0, 1.0) * 32767.0).round() as i16).to_le_bytes())
-        .collect();
-    let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
-    Message::Text(
-        json!({"type": "input_audio_buffer.append", "audio": audio})
-            .to_string()
-            .into(),
-    )
 }
 
 /// One conversation: `user` (24 kHz) to the server in real time, the agent back.
@@ -278,31 +264,12 @@ pub(super) async fn converse(
     })
 }
 
-/// `input` (a WAV) at 24 kHz.
+/// `input` (a WAV): its rate, its length and its samples at 24 kHz.
 fn at_24k(input: &std::path::Path) -> anyhow::Result<(u32, usize, Vec<f32>)> {
     let mut r = crate::audio::WavReader::open(input)?;
     let (rate, x) = (r.rate(), r.read_all()?);
     let len = x.len();
-    if rate == super::CODEC_RATE {
-        return Ok((rate, len, x));
-    }
-    let mut rs = crate::audio::StreamResampler::new(rate, super::CODEC_RATE, 1024)?;
-    let mut out = Vec::with_capacity(len * super::CODEC_RATE as usize / rate as usize + 1024);
-    rs.process(&x, &mut out)?;
-    rs.flush(&mut out)?;
-    Ok((rate, len, out))
-}
-
-/// `x` (24 kHz) at `rate`.
-fn from_24k(x: &[f32], rate: u32) -> anyhow::Result<Vec<f32>> {
-    if rate == super::CODEC_RATE {
-        return Ok(x.to_vec());
-    }
-    let mut rs = crate::audio::StreamResampler::new(super::CODEC_RATE, rate, 1024)?;
-    let mut out = Vec::with_capacity(x.len() * rate as usize / super::CODEC_RATE as usize + 1024);
-    rs.process(x, &mut out)?;
-    rs.flush(&mut out)?;
-    Ok(out)
+    Ok((rate, len, super::resampled(x, rate, super::CODEC_RATE)?))
 }
 
 /// `duplex eval run --server`: every input of `found`, once per seed, through the server.
@@ -350,7 +317,7 @@ pub(super) fn run(
                         continue;
                     }
                 };
-                let agent = from_24k(&served.agent, rate)?;
+                let agent = super::resampled(served.agent, super::CODEC_RATE, rate)?;
                 let lead = lead_frames * FRAME_SAMPLES * rate as usize / super::CODEC_RATE as usize;
                 let out = super::aligned(&agent, lead, len);
                 let partial = dir.join(format!(".{pre}output.wav.partial"));

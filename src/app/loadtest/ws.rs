@@ -198,16 +198,19 @@ fn frame_message(w: &mut OggOpusWriter, protocol: Wire, frame: &[f32]) -> anyhow
             }
             Message::Binary(b.into())
         }
-        Wire::Realtime => {
-            let bytes: Vec<u8> = frame
-                .iter()
-                .flat_map(|s| ((s * 32767.0) as i16).to_le_bytes())
-                .collect();
-            let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
-            let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
-            Message::Text(e.to_string().into())
-        }
+        Wire::Realtime => pcm16_append(frame),
     })
+}
+
+/// Samples (in [-1, 1]) as the realtime API's `input_audio_buffer.append` (PCM16, base64).
+pub(crate) fn pcm16_append(frame: &[f32]) -> Message {
+    let bytes: Vec<u8> = frame
+        .iter()
+        .flat_map(|s| ((s.clamp(-1.0, 1.0) * 32767.0).round() as i16).to_le_bytes())
+        .collect();
+    let audio = base64::engine::general_purpose::STANDARD.encode(bytes);
+    let e = serde_json::json!({"type": "input_audio_buffer.append", "audio": audio});
+    Message::Text(e.to_string().into())
 }
 
 /// How much of an Ogg/Opus stream has come, from its pages' headers alone (nothing decoded):
