@@ -27,6 +27,7 @@
 #     makes (no registry needed) and serves from it
 #   - iproute2 and nftables: a lossy network namespace for WebRTC's loss test
 #   - haproxy: replicas behind a real load balancer (deploy/haproxy/haproxy.cfg)
+#   - baresip and sip-tester (sipp): real SIP user agents calling the server's SIP ingress
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,10 +45,10 @@ ORT_VERSION=1.31.1
 APT_PACKAGES=(pkg-config libasound2-dev python3-venv cmake g++)
 # What the tests need besides: the private sound server and its voices, Prometheus, systemd's
 # unit checker, the independent clients' libopus, Chromium, the image tools, network namespaces,
-# a load balancer.
+# a load balancer, SIP user agents.
 TEST_APT_PACKAGES=(pulseaudio pulseaudio-utils libasound2-plugins prometheus systemd libopus0
   chromium espeak-ng podman runc mmdebstrap catatonit fuse-overlayfs uidmap slirp4netns curl
-  iproute2 nftables haproxy)
+  iproute2 nftables haproxy baresip sip-tester)
 ((FOR_TESTS)) && APT_PACKAGES+=("${TEST_APT_PACKAGES[@]}")
 PYTHON=${PYTHON:-python3}
 

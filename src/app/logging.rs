@@ -60,6 +60,15 @@ where
 
 /// Installs the global subscriber with `filter` (tracing-subscriber syntax).
 pub fn init(filter: &str) {
+    // The SIP stack logs every datagram at INFO: its warnings are what an operator reads
+    // (a filter that names it keeps its own choice).
+    let filter = if filter.contains("rsipstack") {
+        filter.to_string()
+    } else if filter.trim().is_empty() {
+        "rsipstack=warn".to_string()
+    } else {
+        format!("{filter},rsipstack=warn")
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)

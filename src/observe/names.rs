@@ -116,6 +116,16 @@ pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total"
 /// (came after their time: dropped), `reordered` (came after a later one, in time); `out`:
 /// `sent`.
 pub const WEBRTC_PACKETS: &str = "duplex_webrtc_packets_total";
+/// Counter, labels `method` and `status`: SIP requests answered with a final status of ours
+/// (an INVITE's `200`, `401`, `403`, `400`, `488`, `503`; `OPTIONS`; a malformed request's
+/// `400`).
+pub const SIP_REQUESTS: &str = "duplex_sip_requests_total";
+/// Counter, labels `direction` and `outcome`: SIP calls' RTP packets. `in`: `received`,
+/// `foreign` (from an address the call did not negotiate: dropped), `malformed`,
+/// `other_payload` (comfort noise and the like); `out`: `sent`.
+pub const SIP_RTP_PACKETS: &str = "duplex_sip_rtp_packets_total";
+/// Counter: DTMF keys callers pressed (RFC 4733 events).
+pub const SIP_DTMF: &str = "duplex_sip_dtmf_total";
 /// Gauge: WebRTC peers the driver holds (connecting, live or closing).
 pub const WEBRTC_PEERS: &str = "duplex_webrtc_peers";
 /// Counter, label `reason` (`host|bad_request`): HTTP requests refused before any route:

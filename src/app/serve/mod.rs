@@ -26,7 +26,9 @@ mod edge;
 mod kyutai;
 mod ops;
 pub mod realtime;
+mod rtp;
 mod session;
+mod sip;
 mod twilio;
 mod web;
 mod webrtc;
@@ -344,6 +346,19 @@ async fn serve(
         }
         None => None,
     };
+    // SIP's sockets, bound before anything is served: a taken port stops the start.
+    let sip = match &cfg.sip {
+        Some(s) => {
+            let e = sip::Endpoint::bind(s.address, s.tcp, s.public_address).await?;
+            tracing::info!(
+                "SIP calls on udp://{}{}",
+                e.local,
+                if e.tcp { " and tcp (same port)" } else { "" }
+            );
+            Some(e)
+        }
+        None => None,
+    };
     metrics::gauge!(names::SESSIONS_CAPACITY).set(capacity as f64);
     if let Ok(engines) = held.engines.lock() {
         engines.publish();
@@ -374,6 +389,9 @@ async fn serve(
     });
     server.active.set(0.0);
     register_series();
+    if let Some(e) = sip {
+        tokio::spawn(doors::sip::run(server.clone(), e));
+    }
     let health_server = server.clone();
     let health: crate::observe::exporter::Health = Arc::new(move || {
         let failed = health_server.engine_failed();

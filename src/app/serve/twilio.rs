@@ -91,17 +91,9 @@ struct Media {
 
 impl Encoder for Media {
     fn encode(&mut self, m: Outbound) -> Vec<Message> {
-        let Outbound::Pcm(samples) = m else {
-            // Twilio carries no text; the transcript is in the session's logs.
+        let Some(bytes) = super::session::phone_bytes(&mut self.phone, m) else {
             return Vec::new();
         };
-        let Some(phone) = self.phone.as_mut() else {
-            return Vec::new();
-        };
-        let bytes = phone.encode(&samples);
-        if bytes.is_empty() {
-            return Vec::new();
-        }
         let Ok(mut call) = self.call.lock() else {
             return Vec::new();
         };

@@ -25,5 +25,6 @@ mod serve_faults;
 mod serve_realtime;
 mod serve_replicas;
 mod serve_resources;
+mod serve_sip;
 mod serve_webrtc;
 mod webrtc_loss;

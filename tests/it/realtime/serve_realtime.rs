@@ -15,7 +15,7 @@ use crate::support::serve;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use serve::{speech_wav, token_log, Server};
+use serve::{read_wav, speech_wav, token_log, Server};
 
 const PERSONA: &str = "You enjoy a good conversation.";
 
@@ -76,16 +76,6 @@ fn session_dir(server: &Server, report: &serde_json::Value) -> std::path::PathBu
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no session id in {report}"));
     server.session_dir(id)
-}
-
-fn read_wav(path: &Path) -> (u32, Vec<f64>) {
-    let mut r = hound::WavReader::open(path).unwrap();
-    let rate = r.spec().sample_rate;
-    let s = r
-        .samples::<i16>()
-        .map(|s| s.unwrap() as f64 / 32768.0)
-        .collect();
-    (rate, s)
 }
 
 /// A zero-phase low-pass (windowed sinc, `cutoff` Hz at `rate`, `2 half + 1` taps), so that

@@ -72,6 +72,17 @@ pub fn write_wav_24k(path: &Path, samples: &[f32]) {
     w.finalize().unwrap();
 }
 
+/// A 16-bit WAV's rate and samples in [-1, 1].
+pub fn read_wav(path: &Path) -> (u32, Vec<f64>) {
+    let mut r = hound::WavReader::open(path).unwrap();
+    let rate = r.spec().sample_rate;
+    let s = r
+        .samples::<i16>()
+        .map(|s| s.unwrap() as f64 / 32768.0)
+        .collect();
+    (rate, s)
+}
+
 pub struct Server {
     pub child: Option<Child>,
     pub port: u16,

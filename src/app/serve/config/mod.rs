@@ -7,11 +7,13 @@
 //! and key (or the variable) it came from: the keys are read through the configuration layer's
 //! one typed reader ([`Fields`]), the `ort:` section (the ONNX Runtime library) through its
 //! shared reader ([`ort`](crate::config::ort)). A client's choices of its session are
-//! [`query`]'s, the `webrtc:` section [`webrtc`]'s, the `realtime:` section [`realtime`]'s. Knows nothing of sockets.
+//! [`query`]'s, the `webrtc:` section [`webrtc`]'s, the `sip:` section [`sip`]'s, the `realtime:` section [`realtime`]'s. Knows nothing of
+//! sockets.
 
 mod edge;
 mod query;
 mod realtime;
+mod sip;
 mod webrtc;
 
 use crate::files::FileError;
@@ -25,6 +27,7 @@ use crate::config::{layers, ConfigError, ConfigErrorKind};
 
 pub(crate) use query::shown;
 pub use query::SessionParams;
+use sip::read_sip;
 use webrtc::read_webrtc;
 
 /// The defaults (the text of `configs/serve.yaml`).
@@ -60,6 +63,7 @@ const KEYS: &[&str] = &[
     "twilio_auth_token",
     "twilio_url",
     "webrtc",
+    "sip",
     "realtime",
     crate::config::ort::SECTION,
 ];
@@ -145,6 +149,34 @@ impl WebRtcSettings {
     }
 }
 
+/// Phone calls over SIP (`sip:`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SipSettings {
+    /// Where SIP listens (UDP, and TCP on the same port when `tcp`).
+    pub address: SocketAddr,
+    /// Whether SIP is taken over TCP too.
+    pub tcp: bool,
+    /// The address announced in the SDP and the Contact (behind NAT); `None`: the address the
+    /// call arrived at.
+    pub public_address: Option<std::net::IpAddr>,
+    /// RTP's ports (`None`: any the system gives).
+    pub rtp_ports: Option<(u16, u16)>,
+    /// Callers' addresses that may call (empty: any).
+    pub allow: Vec<super::access::Cidr>,
+    /// The user name and password callers must answer a Digest challenge with.
+    pub digest: Option<(String, String)>,
+    /// The Digest realm.
+    pub realm: String,
+    /// How long a call rings before it is answered.
+    pub ring: Duration,
+    /// A caller whose RTP stops for this long is hung up on.
+    pub rtp_timeout: Duration,
+    /// The jitter buffer's initial delay.
+    pub jitter: Duration,
+    /// The jitter buffer's largest delay.
+    pub max_jitter: Duration,
+}
+
 /// A checked server configuration.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -173,6 +205,8 @@ pub struct ServeConfig {
     pub instance_name: String,
     /// WebRTC (`None`: `webrtc.enabled: false`).
     pub webrtc: Option<WebRtcSettings>,
+    /// Phone calls over SIP (`None`: `sip.enabled: false`).
+    pub sip: Option<SipSettings>,
     /// What `/v1/realtime` adds: the voice-activity detector, OpenAI's voice names.
     pub realtime: RealtimeSettings,
     /// Twilio's auth token: `/twilio/media` then needs Twilio's signature.
@@ -391,10 +425,12 @@ pub fn load(
         n => n.to_string(),
     };
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
+    let sip = read_sip(&f.table("sip")?, edge.keys.any())?;
     let rt = f.table("realtime")?;
     let realtime = realtime::read_realtime(&rt)?;
     let config = ServeConfig {
         webrtc,
+        sip,
         realtime,
         twilio_auth_token: edge.twilio_auth_token,
         twilio_url: edge.twilio_url,

@@ -55,7 +55,9 @@ use crate::app::serve::config::Limits;
 pub(super) use io::{halves, ClientSink, ClientStream};
 use io::{Inflow, Reply, Writer, WriterEnd, REPLY_QUEUE};
 use meta::{for_client, metadata};
-pub(super) use protocol::{base64_len, AudioBudget, Encoder, Protocol, Taken, TransportStats};
+pub(super) use protocol::{
+    base64_len, phone_bytes, AudioBudget, Encoder, Protocol, Taken, TransportStats,
+};
 use template::session_spec;
 pub(super) use template::{check_template, default_spec, pcm_ends, prime_at_start, primes_cached};
 

@@ -81,6 +81,20 @@ pub(crate) trait Encoder: Send {
     fn encode(&mut self, m: Outbound) -> Vec<Message>;
 }
 
+/// The telephone transports' (Twilio's, SIP's) G.711 bytes of one of the pipeline's
+/// messages: the agent's audio through `phone`; `None` for text (a call carries none: the
+/// transcript is in the session's logs) and for audio that made no whole byte yet.
+pub(crate) fn phone_bytes(
+    phone: &mut Option<crate::audio::phone::PhoneOut>,
+    m: Outbound,
+) -> Option<Vec<u8>> {
+    let Outbound::Pcm(samples) = m else {
+        return None;
+    };
+    let bytes = phone.as_mut()?.encode(&samples);
+    (!bytes.is_empty()).then_some(bytes)
+}
+
 /// What a protocol's [`Protocol::take`] may do with a message.
 pub(crate) struct Taken<'a> {
     /// The session's link: the client's audio is offered to it.

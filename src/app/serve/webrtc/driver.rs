@@ -28,8 +28,8 @@ use str0m::media::{MediaKind, Mid};
 use str0m::net::{Protocol, Receive};
 use str0m::{Event, IceConnectionState, Input, Rtc};
 
+use super::super::rtp::jitter::{JitterBuffer, Play, CLOCK};
 use super::super::session::AudioBudget;
-use super::jitter::{JitterBuffer, Play, CLOCK};
 use crate::observe::names;
 
 /// Samples of one 20 ms packet at the session's 24 kHz.
@@ -268,7 +268,7 @@ struct Peer {
 }
 
 /// The jitter buffer's counts as last published.
-type JitterCounts = super::jitter::Counts;
+type JitterCounts = super::super::rtp::jitter::Counts;
 
 impl Peer {
     fn new(p: NewPeer, now: Instant) -> Peer {

@@ -15,7 +15,6 @@
 //! Knows nothing of RTP or codecs (the driver's) nor of the pipeline (the session's).
 
 pub(crate) mod driver;
-mod jitter;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

@@ -1,5 +1,6 @@
-//! The receive side's jitter buffer: a WebRTC peer's Opus packets, as they arrive (in any
-//! order, some never), played out in sequence at the sender's pace. Each packet is due a fixed
+//! The receive side's jitter buffer: a call's audio packets (a WebRTC peer's Opus, a SIP
+//! call's G.711), as they arrive (in any order, some never), played out in sequence at the
+//! sender's pace. Each packet is due a fixed
 //! delay after the schedule's anchor (the first packet's arrival), by its RTP timestamp; at its
 //! time the buffer hands out the packet, or, when it is missing, the next packet's in-band FEC
 //! (when that one is here) or a concealment (Opus PLC). A packet that arrives after its time is
@@ -15,8 +16,6 @@ use std::time::{Duration, Instant};
 
 /// RTP clock of Opus (always 48 kHz, whatever the coded rate).
 pub(crate) const CLOCK: u64 = 48_000;
-/// One packet of 20 ms, in RTP ticks (what browsers send).
-const DEFAULT_TICKS: u64 = 960;
 /// Concealments in a row after which an empty buffer stops (the sender is silent, or gone).
 pub(crate) const MAX_CONCEAL_RUN: u32 = 5;
 /// Packets held at most (about 2 s): past it the oldest are skipped and the schedule re-anchored.
@@ -72,6 +71,8 @@ struct Slot {
 pub(crate) struct JitterBuffer {
     delay: Duration,
     max_delay: Duration,
+    /// The RTP clock, ticks per second.
+    clock: u64,
     held: BTreeMap<u64, Held>,
     next: Option<Slot>,
     /// The schedule: the timestamp `.1` plays at `.0`; every other one by its distance.
@@ -83,25 +84,33 @@ pub(crate) struct JitterBuffer {
     counts: Counts,
 }
 
-fn ticks_to_time(ticks: u64) -> Duration {
-    Duration::from_micros(ticks * 1_000_000 / CLOCK)
-}
-
 impl JitterBuffer {
     /// A buffer that plays each packet `delay` after its due arrival, growing the delay (by a
     /// packet per late one) up to `max_delay`.
     pub(crate) fn new(delay: Duration, max_delay: Duration) -> Self {
+        Self::with_clock(delay, max_delay, CLOCK)
+    }
+
+    /// A buffer as [`new`](Self::new)'s of a stream whose RTP clock runs at `clock` ticks a
+    /// second (8,000 for G.711), expecting 20 ms packets until two neighbours say otherwise.
+    pub(crate) fn with_clock(delay: Duration, max_delay: Duration, clock: u64) -> Self {
+        let clock = clock.max(1);
         JitterBuffer {
             delay,
             max_delay: max_delay.max(delay),
+            clock,
             held: BTreeMap::new(),
             next: None,
             anchor: None,
             highest: None,
-            ticks: DEFAULT_TICKS,
+            ticks: clock / 50,
             conceal_run: 0,
             counts: Counts::default(),
         }
+    }
+
+    fn ticks_to_time(&self, ticks: u64) -> Duration {
+        Duration::from_micros(ticks * 1_000_000 / self.clock)
     }
 
     /// What was counted so far.
@@ -123,9 +132,9 @@ impl JitterBuffer {
     fn time_of(&self, ts: u64) -> Option<Instant> {
         let (at, ts0) = self.anchor?;
         Some(if ts >= ts0 {
-            at + ticks_to_time(ts - ts0)
+            at + self.ticks_to_time(ts - ts0)
         } else {
-            at.checked_sub(ticks_to_time(ts0 - ts)).unwrap_or(at)
+            at.checked_sub(self.ticks_to_time(ts0 - ts)).unwrap_or(at)
         })
     }
 
@@ -136,7 +145,7 @@ impl JitterBuffer {
         if self.next.is_some_and(|slot| seq < slot.seq) {
             self.counts.late += 1;
             // Played around already: wait one packet longer from now on.
-            let grown = (self.delay + ticks_to_time(self.ticks)).min(self.max_delay);
+            let grown = (self.delay + self.ticks_to_time(self.ticks)).min(self.max_delay);
             if let Some((at, _)) = self.anchor.as_mut() {
                 *at += grown - self.delay;
             }
@@ -163,7 +172,7 @@ impl JitterBuffer {
                 .map(|(&s, h)| (s - seq, h.ts.wrapping_sub(ts))),
         ];
         for (dseq, dts) in neighbours.into_iter().flatten() {
-            if dseq == 1 && dts > 0 && dts <= CLOCK / 10 {
+            if dseq == 1 && dts > 0 && dts <= self.clock / 10 {
                 self.ticks = dts;
             }
         }
@@ -380,7 +389,7 @@ mod tests {
         let (mut ts, mut played, mut depths) = (0u64, 0, Vec::new());
         for i in 0..4000u64 {
             let size = if (i / 300) % 2 == 0 { 960 } else { 480 };
-            let t = t0 + ticks_to_time(ts);
+            let t = t0 + jb.ticks_to_time(ts);
             if next() >= 5 {
                 jb.push(i, 1_000_000 + ts, pkt(0), t);
             }
