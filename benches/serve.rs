@@ -23,8 +23,15 @@
 //!    sessions over `/api/chat` (Ogg/Opus), `/v1/realtime` in PCM16 and in μ-law (JSON events,
 //!    base64), and `/twilio/media` (μ-law): server latency and the CPU outside the models.
 //!
+//! 5. Phone calls per core: concurrent G.711 calls over SIP (`sipp` placing the calls and
+//!    streaming μ-law RTP, the server's SIP ingress answering) and over a media stream
+//!    (`/twilio/media`), raised until one falls behind (a frame later than 160 ms in the
+//!    server, one dropped, or a call not answered): server latency, the CPU per call-second in
+//!    all and outside the models, and the level that kept up, per core.
+//!
 //! Run with `cargo bench --bench serve` (`-- tiny` for the tiny pack's sections only, `-- full`
-//! for the full-size codec's, `-- transports` for the transports only).
+//! for the full-size codec's, `-- transports` for the transports only, `-- phone` for the phone
+//! calls only).
 
 #[path = "support/mod.rs"]
 mod support;
@@ -111,6 +118,11 @@ struct Setup {
 }
 
 fn start(setup: &Setup) -> support::Server {
+    start_with(setup, 32, "")
+}
+
+/// As [`start`], admitting `max_sessions`, with `extra` added to the server's configuration.
+fn start_with(setup: &Setup, max_sessions: usize, extra: &str) -> support::Server {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     if let Some(float) = setup.pack.strip_suffix("-codec8") {
         // (made from the float pack by tools/quantize_pack.py when it is not there)
@@ -158,9 +170,9 @@ fn start(setup: &Setup) -> support::Server {
         format!(
             // Every client comes from 127.0.0.1: the per-address limits are raised past the
             // bench's sessions.
-            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: 32\nmax_connections_per_ip: 1000\n\
+            "address: \"127.0.0.1:0\"\npipeline: {}\nmax_sessions: {max_sessions}\nmax_connections_per_ip: 1000\n\
              limits:\n  idle_timeout_s: 120\n  sessions_per_minute_per_ip: 100000\n  \
-             session_burst_per_ip: 100000\n",
+             session_burst_per_ip: 100000\n{extra}",
             tpl.display()
         ),
     )
@@ -314,6 +326,11 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let only_transports = std::env::args().any(|a| a == "transports");
+    let only_phone = std::env::args().any(|a| a == "phone");
+    if only_phone {
+        phone(&rt);
+        return;
+    }
     let mut caps = Vec::new();
     for setup in SETUPS
         .iter()
@@ -335,6 +352,9 @@ fn main() {
     }
     if !only_full && !only_shared && !only_tiny {
         transports(&rt);
+        if !only_transports {
+            phone(&rt);
+        }
     }
 }
 
@@ -687,4 +707,195 @@ fn transports(rt: &tokio::runtime::Runtime) {
     println!(
         "(outside models: the server's CPU per session-second less the model stages' threads)"
     );
+}
+
+/// Calls raised at each level of the phone section.
+const CALLS: &[usize] = &[1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64];
+
+/// A sipp scenario: a call that streams `wav` (μ-law RTP) for its length, then hangs up.
+fn sipp_call(wav: &Path, seconds: f64) -> String {
+    let ms = (seconds * 1000.0) as u64;
+    format!(
+        r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
+<scenario name="bench">
+  <send retrans="500"><![CDATA[
+INVITE sip:duplex@[remote_ip]:[remote_port] SIP/2.0
+Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+To: <sip:duplex@[remote_ip]:[remote_port]>
+Call-ID: [call_id]
+CSeq: 1 INVITE
+Contact: sip:sipp@[local_ip]:[local_port]
+Max-Forwards: 70
+Content-Type: application/sdp
+Content-Length: [len]
+
+v=0
+o=user1 1 1 IN IP[local_ip_type] [local_ip]
+s=-
+c=IN IP[media_ip_type] [media_ip]
+t=0 0
+m=audio [media_port] RTP/AVP 0
+a=rtpmap:0 PCMU/8000
+]]></send>
+  <recv response="100" optional="true"/>
+  <recv response="200" rrs="true"/>
+  <send><![CDATA[
+ACK sip:duplex@[remote_ip]:[remote_port] SIP/2.0
+Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+To: <sip:duplex@[remote_ip]:[remote_port]>[peer_tag_param]
+Call-ID: [call_id]
+CSeq: 1 ACK
+Max-Forwards: 70
+Content-Length: 0
+]]></send>
+  <nop><action><exec rtp_stream="{wav},1,0"/></action></nop>
+  <pause milliseconds="{ms}"/>
+  <send retrans="500"><![CDATA[
+BYE sip:duplex@[remote_ip]:[remote_port] SIP/2.0
+Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+To: <sip:duplex@[remote_ip]:[remote_port]>[peer_tag_param]
+Call-ID: [call_id]
+CSeq: 2 BYE
+Max-Forwards: 70
+Content-Length: 0
+]]></send>
+  <recv response="200" crlf="true"/>
+</scenario>
+"#,
+        wav = wav.display()
+    )
+}
+
+/// `seconds` of the bench's tone as a μ-law WAV at 8 kHz (format 7), for sipp's RTP stream.
+fn mu_law_wav(path: &Path, seconds: f64) {
+    let frames = (seconds / 0.08).ceil() as usize;
+    let data: Vec<u8> = (0..frames).flat_map(|k| mu_law(&tone(k))).collect();
+    let mut w = Vec::new();
+    w.extend_from_slice(b"RIFF");
+    w.extend_from_slice(&(36 + data.len() as u32).to_le_bytes());
+    w.extend_from_slice(b"WAVEfmt ");
+    w.extend_from_slice(&16u32.to_le_bytes());
+    for v in [7u16, 1] {
+        w.extend_from_slice(&v.to_le_bytes());
+    }
+    for v in [8000u32, 8000] {
+        w.extend_from_slice(&v.to_le_bytes());
+    }
+    for v in [1u16, 8] {
+        w.extend_from_slice(&v.to_le_bytes());
+    }
+    w.extend_from_slice(b"data");
+    w.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    w.extend_from_slice(&data);
+    std::fs::write(path, w).unwrap();
+}
+
+/// A UDP and TCP port free on loopback.
+fn free_port() -> u16 {
+    loop {
+        let u = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = u.local_addr().unwrap().port();
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Phone calls per core: concurrent calls over SIP and over Twilio's media stream, raised until
+/// one falls behind, on one server of the default template (tiny pack, shared engines).
+fn phone(rt: &tokio::runtime::Runtime) {
+    let sip_port = free_port();
+    let server = start_with(
+        &SETUPS[1],
+        64,
+        &format!("sip:\n  enabled: true\n  address: \"127.0.0.1:{sip_port}\"\n  rtp_ports: \"\"\n"),
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dir = tempfile::tempdir().unwrap();
+    let wav = dir.path().join("call.wav");
+    mu_law_wav(&wav, SECONDS);
+    let scenario = dir.path().join("call.xml");
+    std::fs::write(&scenario, sipp_call(&wav, SECONDS)).unwrap();
+    println!(
+        "\nphone calls: G.711 at 8 kHz, {SECONDS} s each, tiny pack on the shared engines, {cores} cores\n"
+    );
+    println!(
+        "{:<22} {:>6} {:>10} {:>10} {:>8} {:>8} {:>9} {:>13} {:>14}",
+        "transport",
+        "calls",
+        "lat p50 ms",
+        "lat p90 ms",
+        "late",
+        "dropped",
+        "answered",
+        "cpu/call/s",
+        "outside models"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let mut kept = Vec::new();
+    for transport in ["SIP (sipp, RTP)", "/twilio/media"] {
+        let mut capacity = 0;
+        for &n in CALLS {
+            let answered0 = sum(
+                &http_get(server.port, "/metrics"),
+                "duplex_sip_requests_total{method=\"INVITE\",status=\"200\"}",
+            );
+            let (m, answered) = if transport.starts_with("SIP") {
+                let (m, ok) = measured(&server, || {
+                    std::process::Command::new("sipp")
+                        .arg("-sf")
+                        .arg(&scenario)
+                        .args(["-m", &n.to_string(), "-l", &n.to_string(), "-r", "1000"])
+                        .args(["-i", "127.0.0.1", "-p", &free_port().to_string()])
+                        .args(["-mp", &free_port().to_string(), "-nostdin"])
+                        .arg(format!("127.0.0.1:{sip_port}"))
+                        .current_dir(dir.path())
+                        .stdout(std::process::Stdio::null())
+                        .stderr(std::process::Stdio::null())
+                        .status()
+                        .is_ok_and(|s| s.success())
+                });
+                let answered = sum(
+                    &http_get(server.port, "/metrics"),
+                    "duplex_sip_requests_total{method=\"INVITE\",status=\"200\"}",
+                ) - answered0;
+                (m, if ok { answered as usize } else { 0 })
+            } else {
+                let (m, got) = measure(&server, rt, n, Transport::Twilio);
+                let answered = got.iter().filter(|&&a| a > 0).count();
+                (m, answered)
+            };
+            let call_s = n as f64 * (SECONDS - 0.3);
+            println!(
+                "{:<22} {:>6} {:>10.1} {:>10.1} {:>8} {:>8} {:>9} {:>10.1} ms {:>11.1} ms",
+                transport,
+                n,
+                m.p50 * 1e3,
+                m.p90 * 1e3,
+                m.late,
+                m.dropped,
+                answered,
+                m.cpu / call_s * 1e3,
+                (m.cpu - m.model) / call_s * 1e3,
+            );
+            if m.late == 0.0 && m.dropped == 0.0 && answered == n {
+                capacity = n;
+            } else {
+                break;
+            }
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        kept.push((transport, capacity));
+    }
+    println!();
+    for (transport, capacity) in kept {
+        println!(
+            "{transport}: keeps up with {capacity} concurrent calls ({:.1} per core; no frame later \
+             than 160 ms in the server, none dropped, every call answered)",
+            capacity as f64 / cores as f64
+        );
+    }
 }

@@ -79,8 +79,10 @@ pub const SESSIONS_CAPACITY: &str = "duplex_sessions_capacity";
 pub const SESSIONS_ACCEPTING: &str = "duplex_sessions_accepting";
 /// Counter: sessions admitted.
 pub const SESSIONS_ADMITTED: &str = "duplex_sessions_admitted_total";
-/// Counter, label `reason` (`full|draining|per_ip|not_ready|rate`): connections refused before
-/// the upgrade (`rate`: the client address opened new sessions faster than its allowance).
+/// Counter, label `reason` (`full|draining|per_ip|not_ready|rate`, and SIP's
+/// `sip_forbidden|sip_auth|sip_bad_offer`): connections refused before the upgrade (`rate`: the
+/// client address opened new sessions faster than its allowance; a call refused before its
+/// session).
 pub const SESSIONS_REFUSED: &str = "duplex_sessions_refused_total";
 /// Counter, label `outcome` (`client_closed|idle|stalled|failed|drained|ended|refused`): sessions
 /// ended, by why.
@@ -107,7 +109,7 @@ pub const SESSION_LATE_FRAMES: &str = "duplex_session_late_frames_total";
 /// closed).
 pub const SESSION_STALLS: &str = "duplex_session_client_stalls_total";
 /// Counter, label `kind` (`unknown_kind|bad_audio|bad_query|too_large|not_binary|flood|
-/// bad_utf8|not_json|bad_event|early_audio`):
+/// bad_utf8|not_json|bad_event|early_audio|sip_malformed|bad_sdp`):
 /// protocol errors of clients (`flood`: more messages, pings included, than
 /// `limits.max_messages_per_s`).
 pub const SESSION_PROTOCOL_ERRORS: &str = "duplex_session_protocol_errors_total";

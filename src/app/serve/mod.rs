@@ -29,6 +29,7 @@ pub mod realtime;
 mod rtp;
 mod session;
 mod sip;
+mod streams;
 mod twilio;
 mod web;
 mod webrtc;
@@ -409,6 +410,7 @@ async fn serve(
         .route("/api/chat", get(chat))
         .route("/v1/realtime", get(realtime_chat))
         .route("/twilio/media", get(twilio_media))
+        .route("/{provider}/media", get(doors::streams::media))
         .route(
             "/api/webrtc",
             axum::routing::post(doors::webrtc::offer).layer(axum::extract::DefaultBodyLimit::max(

@@ -237,18 +237,6 @@ impl Protocol for Twilio {
         })
     }
 
-    fn refusal(&self, _text: &str) -> Vec<Message> {
-        Vec::new()
-    }
-
-    fn failure(&self, _text: &str) -> Vec<Message> {
-        Vec::new()
-    }
-
-    fn bad_audio(&self) -> (u16, &'static str) {
-        (1007, "the call's audio could not be used")
-    }
-
     fn pcm(&self) -> bool {
         true
     }

@@ -22,6 +22,7 @@ mod sampling_controls;
 mod serve;
 mod serve_access;
 mod serve_faults;
+mod serve_providers;
 mod serve_realtime;
 mod serve_replicas;
 mod serve_resources;

@@ -235,11 +235,15 @@ fn a_baresip_call_hears_the_agent_is_heard_and_either_side_hangs_up() {
     }
 }
 
-/// `tests/sip/NAME.xml` with `@WAV@` set to `wav`, written into `dir`.
-fn scenario(dir: &Path, name: &str, wav: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(daemon::root().join(format!("tests/sip/{name}.xml")))
+/// `tests/sip/NAME.xml` with `@WAV@` set to `wav` (and each `(@KEY@, value)` of `set`),
+/// written into `dir`.
+fn scenario(dir: &Path, name: &str, wav: &Path, set: &[(&str, &str)]) -> PathBuf {
+    let mut text = std::fs::read_to_string(daemon::root().join(format!("tests/sip/{name}.xml")))
         .unwrap()
         .replace("@WAV@", &wav.display().to_string());
+    for (k, v) in set {
+        text = text.replace(k, v);
+    }
     let path = dir.join(format!("{name}.xml"));
     std::fs::write(&path, text).unwrap();
     path
@@ -275,7 +279,12 @@ fn sipp_errors(dir: &Path) -> String {
 /// Sends `msg` (its lines joined by CRLF; `LOCAL` is the sender's address) to the server's
 /// SIP port over UDP; its final answer (provisional ones skipped), or `None` when none came.
 fn raw(port: u16, msg: &str) -> Option<String> {
-    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    raw_from("127.0.0.1", port, msg)
+}
+
+/// As [`raw`], sent from `ip` (an address of loopback's).
+fn raw_from(ip: &str, port: u16, msg: &str) -> Option<String> {
+    let s = UdpSocket::bind((ip, 0)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let local = s.local_addr().unwrap();
     let text = msg
@@ -399,7 +408,7 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
 
     // Six callers at once on two slots: two answered, four refused 503 with Retry-After
     // (sipp checks it), none of the admitted dropped; the admitted press 1.
-    let flood = scenario(&dir, "flood", &wav3);
+    let flood = scenario(&dir, "flood", &wav3, &[]);
     let admitted_before = metric("duplex_sessions_admitted_total");
     let mut sp = sipp(&dir, &flood, port, &["-m", "6", "-r", "100", "-l", "6"])
         .spawn()
@@ -459,7 +468,7 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
     assert_eq!(log.matches("sip: the caller hung up").count(), 2, "{log}");
 
     // A caller that gives up while the call rings: 487, and its slot is free again.
-    let cancel = scenario(&dir, "cancel", &wav1);
+    let cancel = scenario(&dir, "cancel", &wav1, &[]);
     let st = sipp(&dir, &cancel, port, &["-m", "1"]).status().unwrap();
     assert!(st.success(), "{}", sipp_errors(&dir));
     server.wait_sessions(0, 10);
@@ -468,7 +477,7 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
     // A caller (over TCP) that vanishes after a second of audio: no BYE, no more RTP. RTP from
     // an address the call did not negotiate keeps nothing alive: the server hangs up after its
     // RTP timeout (sipp answers the BYE).
-    let vanish = scenario(&dir, "vanish", &wav1);
+    let vanish = scenario(&dir, "vanish", &wav1, &[]);
     let mut sp = sipp(&dir, &vanish, port, &["-m", "1", "-t", "t1"])
         .spawn()
         .unwrap();
@@ -513,4 +522,70 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
         "{m}"
     );
     server.wait_sessions(0, 10);
+}
+
+#[test]
+fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_them() {
+    let (server, port) = sip_server(
+        "  allow: [\"127.0.0.1\"]\n  digest_username: trunk\n  digest_password: s3cret\n  \
+         realm: duplex-test\n",
+        "",
+    );
+    let dir = server.dir.path().to_path_buf();
+    let wav1 = dir.join("1s.wav");
+    phone_wav(&wav1, 1.0, true);
+    let sdp = "v=0\nc=IN IP4 127.0.0.1\nm=audio 4000 RTP/AVP 0\n";
+    // From an address outside the allow-list (loopback's 127.0.0.2): 403, whatever it says.
+    let got = raw_from("127.0.0.2", port, &invite("a1", "", sdp)).unwrap();
+    assert!(got.starts_with("SIP/2.0 403"), "{got}");
+    assert!(got.contains("not in sip.allow"), "{got}");
+    // Without credentials: challenged.
+    let got = raw(port, &invite("a2", "", sdp)).unwrap();
+    assert!(got.starts_with("SIP/2.0 401"), "{got}");
+    assert!(
+        got.contains("WWW-Authenticate: Digest realm=\"duplex-test\""),
+        "{got}"
+    );
+    // sipp answers the challenge (its own Digest code): with the password, the call goes
+    // through; with another, it is challenged again and fails.
+    let good = scenario(
+        &dir,
+        "auth",
+        &wav1,
+        &[("@USER@", "trunk"), ("@PASSWORD@", "s3cret")],
+    );
+    let st = sipp(&dir, &good, port, &["-m", "1"]).status().unwrap();
+    assert!(st.success(), "{}", sipp_errors(&dir));
+    let bad = scenario(
+        &dir,
+        "auth",
+        &wav1,
+        &[("@USER@", "trunk"), ("@PASSWORD@", "guess")],
+    );
+    let st = sipp(&dir, &bad, port, &["-m", "1"]).status().unwrap();
+    assert!(!st.success());
+    server.wait_sessions(0, 10);
+    let m = server.metrics();
+    assert_eq!(
+        metric_value_of(
+            &m,
+            "duplex_sip_requests_total{method=\"INVITE\",status=\"200\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_value_of(
+            &m,
+            "duplex_sip_requests_total{method=\"INVITE\",status=\"403\"}"
+        ),
+        1.0
+    );
+    assert!(
+        metric_value_of(
+            &m,
+            "duplex_sip_requests_total{method=\"INVITE\",status=\"401\"}"
+        ) >= 3.0
+    );
+    assert_eq!(metric_value_of(&m, "duplex_sessions_admitted_total"), 1.0);
 }

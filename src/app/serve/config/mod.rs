@@ -7,10 +7,12 @@
 //! and key (or the variable) it came from: the keys are read through the configuration layer's
 //! one typed reader ([`Fields`]), the `ort:` section (the ONNX Runtime library) through its
 //! shared reader ([`ort`](crate::config::ort)). A client's choices of its session are
-//! [`query`]'s, the `webrtc:` section [`webrtc`]'s, the `sip:` section [`sip`]'s, the `realtime:` section [`realtime`]'s. Knows nothing of
+//! [`query`]'s, the `webrtc:` section [`webrtc`]'s, the `sip:` section [`sip`]'s, `providers:`
+//! [`providers`]'s, the `realtime:` section [`realtime`]'s. Knows nothing of
 //! sockets.
 
 mod edge;
+mod providers;
 mod query;
 mod realtime;
 mod sip;
@@ -25,6 +27,7 @@ use std::time::Duration;
 use crate::config::fields::{ExecutionProvider, Fields};
 use crate::config::{layers, ConfigError, ConfigErrorKind};
 
+use providers::read_providers;
 pub(crate) use query::shown;
 pub use query::SessionParams;
 use sip::read_sip;
@@ -64,6 +67,7 @@ const KEYS: &[&str] = &[
     "twilio_url",
     "webrtc",
     "sip",
+    "providers",
     "realtime",
     crate::config::ort::SECTION,
 ];
@@ -149,6 +153,22 @@ impl WebRtcSettings {
     }
 }
 
+/// The providers' media streams' secrets (`providers:`); `None`: not checked.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Providers {
+    /// Telnyx's `stream_auth_token`: the `x-telnyx-streaming-auth-token` header must be it.
+    pub telnyx_stream_token: Option<String>,
+    /// Plivo's auth token: `X-Plivo-Signature-V3` is checked.
+    pub plivo_auth_token: Option<String>,
+    /// The stream's URL as Plivo was given it (what it signs); `None`: `wss://`, the `Host`,
+    /// the path and query.
+    pub plivo_url: Option<String>,
+    /// Vonage's signature secret: the `Authorization: Bearer` JWT is checked.
+    pub vonage_signature_secret: Option<String>,
+    /// Exotel's `KEY:TOKEN`: HTTP Basic is checked.
+    pub exotel_credentials: Option<String>,
+}
+
 /// Phone calls over SIP (`sip:`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SipSettings {
@@ -207,6 +227,8 @@ pub struct ServeConfig {
     pub webrtc: Option<WebRtcSettings>,
     /// Phone calls over SIP (`None`: `sip.enabled: false`).
     pub sip: Option<SipSettings>,
+    /// The providers' media streams' secrets.
+    pub providers: Providers,
     /// What `/v1/realtime` adds: the voice-activity detector, OpenAI's voice names.
     pub realtime: RealtimeSettings,
     /// Twilio's auth token: `/twilio/media` then needs Twilio's signature.
@@ -426,11 +448,13 @@ pub fn load(
     };
     let webrtc = read_webrtc(&f.table("webrtc")?, address)?;
     let sip = read_sip(&f.table("sip")?, edge.keys.any())?;
+    let providers = read_providers(&f.table("providers")?)?;
     let rt = f.table("realtime")?;
     let realtime = realtime::read_realtime(&rt)?;
     let config = ServeConfig {
         webrtc,
         sip,
+        providers,
         realtime,
         twilio_auth_token: edge.twilio_auth_token,
         twilio_url: edge.twilio_url,

@@ -45,14 +45,21 @@ pub(crate) trait Protocol: Send + 'static {
     /// The writer's encoder of the pipeline's messages.
     fn encoder(&self) -> Box<dyn Encoder>;
 
-    /// What a client is told when its session cannot start (before `ready`).
-    fn refusal(&self, text: &str) -> Vec<Message>;
+    /// What a client is told when its session cannot start (before `ready`); by default
+    /// nothing (a telephone's protocol has no words for it).
+    fn refusal(&self, _text: &str) -> Vec<Message> {
+        Vec::new()
+    }
 
-    /// What a client is told when its session fails (after `ready`).
-    fn failure(&self, text: &str) -> Vec<Message>;
+    /// What a client is told when its session fails (after `ready`); by default nothing.
+    fn failure(&self, _text: &str) -> Vec<Message> {
+        Vec::new()
+    }
 
     /// The close code and reason when the pipeline refused the client's audio.
-    fn bad_audio(&self) -> (u16, &'static str);
+    fn bad_audio(&self) -> (u16, &'static str) {
+        (1007, "the call's audio could not be used")
+    }
 
     /// What a client is told before its connection is closed for a message over `limit` bytes.
     fn too_large(&mut self, _limit: usize) -> Vec<Message> {

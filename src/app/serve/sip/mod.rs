@@ -276,14 +276,6 @@ impl Protocol for SipCall {
         Vec::new()
     }
 
-    fn failure(&self, _text: &str) -> Vec<Message> {
-        Vec::new()
-    }
-
-    fn bad_audio(&self) -> (u16, &'static str) {
-        (1007, "the call's audio could not be used")
-    }
-
     fn pcm(&self) -> bool {
         true
     }

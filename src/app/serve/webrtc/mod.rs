@@ -304,10 +304,6 @@ impl Protocol for WebRtc {
         self.refusal(text)
     }
 
-    fn bad_audio(&self) -> (u16, &'static str) {
-        (1007, "the call's audio could not be used")
-    }
-
     fn pcm(&self) -> bool {
         true
     }
