@@ -45,9 +45,9 @@ phase() {
   return "$rc"
 }
 
-# The real-time suites' longest tests (30 s to 75 s each; 2026-12-05: about 330 s together),
-# started first on three threads of their own beside the rest (about 730 s on four): the two
-# groups end about together, where three long tests alone left their threads idle after 75 s.
+# The real-time suites' longest tests (24 s to 75 s each; 2026-12-06: about 465 s together),
+# on three threads of their own beside the rest (about 620 s on four): the two groups end
+# about together (the four threads alone took 194 s while these three idled after 120 s).
 LONG=(
   realtime::daemon::daemon_runs_in_real_time_with_flat_memory_and_no_underruns
   realtime::browser::the_page_says_when_the_server_is_full_and_when_it_goes_away
@@ -58,6 +58,11 @@ LONG=(
   realtime::serve_resources::later_sessions_load_nothing_and_the_template_changes_only_at_a_reload
   realtime::serve_realtime::the_openai_sdk_holds_greedy_conversations_in_pcm16_and_mu_law
   realtime::serve_replicas::three_replicas_behind_haproxy_admit_the_sum_of_their_slots_over_every_transport
+  realtime::hostile_serve::handshakes_time_out_only_audio_keeps_a_call_and_replies_stay_short
+  realtime::record::a_killed_run_leaves_a_readable_recording_and_files_rotate_by_size
+  realtime::record::a_recorded_run_has_its_manifest_and_every_frames_timings
+  realtime::record::a_cost_that_grows_live_and_headless_is_blamed_on_the_code
+  realtime::serve_access::keys_origins_and_limits_at_the_http_edge
 )
 # Measurements of real-time quality that other tests' load would spoil (the browser's
 # concealment under packet loss, the echo canceller's double talk on a real echo path and its

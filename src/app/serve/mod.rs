@@ -1,6 +1,7 @@
 //! `duplex serve`: conversations over the network (the Moshi WebSocket protocol, the OpenAI
-//! Realtime API, Twilio's media streams, WebRTC), one session pipeline per client, built from a
-//! YAML session template. HTTP and WebSocket are axum's (hyper on a tokio runtime).
+//! Realtime API, the telephony providers' media streams, WebRTC, SIP calls), one session
+//! pipeline per client, built from a YAML session template. HTTP and WebSocket are axum's
+//! (hyper on a tokio runtime); SIP's transactions are rsipstack's.
 //!
 //! This module starts the server and holds what every connection shares ([`Server`]: the
 //! settings, the template, the process's resources and engines, the live sessions); its rooms
@@ -10,11 +11,13 @@
 //!   proxies, security headers); [`access`]: keys, origins and forwarded addresses;
 //! - [`admission`]: slots, per-address limits and refusals (counted by reason, logged at most
 //!   once per reason per [`LOG_EVERY`]);
-//! - [`doors`]: the upgrade routes; [`api`]: `/readyz` and the JSON endpoints;
+//! - [`doors`]: the upgrade routes and SIP's calls; [`api`]: `/readyz` and the JSON endpoints;
 //! - [`ops`]: the background work (series, engines' replacement, reload on SIGHUP, the drain
 //!   on SIGTERM);
 //! - [`session`]: one connection, whatever its transport; the transports beside it
-//!   ([`kyutai`], [`realtime`], [`twilio`], [`webrtc`]) know it only through its `Protocol`;
+//!   ([`kyutai`], [`realtime`], [`twilio`], [`streams`] (Telnyx, Plivo, Vonage, Exotel),
+//!   [`webrtc`], [`sip`]) know it only through its `Protocol`; [`rtp`]: the RTP both media
+//!   transports share (the jitter buffer, plain RTP's wire);
 //! - [`config`]: the settings and a client's query parameters; [`web`]: the browser page.
 
 mod access;
