@@ -15,7 +15,7 @@
 //! - [`ops`]: the background work (series, engines' replacement, reload on SIGHUP, the drain
 //!   on SIGTERM);
 //! - [`session`]: one connection, whatever its transport; the transports beside it
-//!   ([`kyutai`], [`realtime`], [`twilio`], [`streams`] (Telnyx, Plivo, Vonage, Exotel),
+//!   ([`kyutai`], [`realtime`], [`streams`] (Twilio, Telnyx, Plivo, Vonage, Exotel),
 //!   [`webrtc`], [`sip`]) know it only through its `Protocol`; [`rtp`]: the RTP both media
 //!   transports share (the jitter buffer, plain RTP's wire);
 //! - [`config`]: the settings and a client's query parameters; [`web`]: the browser page.
@@ -33,7 +33,6 @@ mod rtp;
 mod session;
 mod sip;
 mod streams;
-mod twilio;
 mod web;
 mod webrtc;
 

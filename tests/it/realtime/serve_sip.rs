@@ -36,22 +36,38 @@ fn sip_server(sip_extra: &str, extra: &str) -> (Server, u16) {
     (Server::start(&cfg, 500), port)
 }
 
-/// `seconds` of a speech-like signal as an 8 kHz WAV: 16-bit PCM (`mu_law: false`, for
-/// baresip's file source) or μ-law (format 7, for sipp's RTP streams).
-fn phone_wav(path: &Path, seconds: f64, mu_law: bool) {
-    let n = (seconds * 8000.0) as usize;
-    let x: Vec<i16> = (0..n)
+/// `seconds` of a speech-like signal as a 16-bit WAV at `rate` (baresip's file source).
+fn pcm_wav(path: &Path, seconds: f64, rate: u32) {
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: rate,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut w = hound::WavWriter::create(path, spec).unwrap();
+    for s in speech(seconds, rate) {
+        w.write_sample(s).unwrap();
+    }
+    w.finalize().unwrap();
+}
+
+/// `seconds` of a tone at 180 Hz under a syllable-rate envelope, at `rate`.
+fn speech(seconds: f64, rate: u32) -> Vec<i16> {
+    let n = (seconds * f64::from(rate)) as usize;
+    (0..n)
         .map(|i| {
-            let t = i as f64 / 8000.0;
+            let t = i as f64 / f64::from(rate);
             let env = 0.5 + 0.5 * (std::f64::consts::TAU * 3.0 * t).sin();
             (9000.0 * env * (std::f64::consts::TAU * 180.0 * t).sin()) as i16
         })
-        .collect();
-    let (format, bits, data): (u16, u16, Vec<u8>) = if mu_law {
-        (7, 8, x.iter().map(|s| ulaw(*s)).collect())
-    } else {
-        (1, 16, x.iter().flat_map(|s| s.to_le_bytes()).collect())
-    };
+        .collect()
+}
+
+/// `seconds` of the speech-like signal as an 8 kHz μ-law WAV (format 7, for sipp's RTP
+/// streams).
+fn phone_wav(path: &Path, seconds: f64) {
+    let data: Vec<u8> = speech(seconds, 8000).iter().map(|s| ulaw(*s)).collect();
+    let (format, bits) = (7u16, 8u16);
     let mut w = Vec::new();
     w.extend_from_slice(b"RIFF");
     w.extend_from_slice(&(36 + data.len() as u32).to_le_bytes());
@@ -85,13 +101,31 @@ fn ulaw(s: i16) -> u8 {
     !(sign | (exp << 4) as u8 | mant as u8)
 }
 
+/// A WAV's length in seconds (whatever its channels) and its samples in [-1, 1].
+fn heard(path: &Path) -> (f64, Vec<f64>) {
+    let spec = hound::WavReader::open(path).unwrap().spec();
+    let (rate, x) = read_wav(path);
+    let secs = x.len() as f64 / f64::from(rate) / f64::from(spec.channels);
+    (secs, x)
+}
+
 fn rms(x: &[f64]) -> f64 {
     (x.iter().map(|v| v * v).sum::<f64>() / x.len().max(1) as f64).sqrt()
 }
 
-/// A baresip that calls `sip:duplex@127.0.0.1:port` from `listen`, speaking `wav`, dumping
-/// what it hears and sends into `dir/dump`, and quitting after `seconds`.
-fn baresip(dir: &Path, listen: u16, port: u16, wav: &Path, seconds: u32) -> Child {
+/// A baresip that calls `sip:duplex@127.0.0.1:port` from `listen` in `codec` (baresip's name:
+/// `PCMU`, `opus/48000/2`), speaking `seconds` of a speech-like signal (a WAV at the codec's
+/// rate: baresip's file source does not resample), dumping what it hears and sends into
+/// `dir/dump`, and quitting after `seconds`.
+fn baresip(dir: &Path, listen: u16, port: u16, seconds: u32, codec: &str) -> Child {
+    let rate: u32 = if codec.starts_with("opus") {
+        48_000
+    } else {
+        8_000
+    };
+    std::fs::create_dir_all(dir).unwrap();
+    let wav = dir.join("caller.wav");
+    pcm_wav(&wav, f64::from(seconds), rate);
     let cfg = dir.join("cfg");
     std::fs::create_dir_all(&cfg).unwrap();
     std::fs::create_dir_all(dir.join("dump")).unwrap();
@@ -100,8 +134,9 @@ fn baresip(dir: &Path, listen: u16, port: u16, wav: &Path, seconds: u32) -> Chil
         format!(
             "poll_method epoll\nsip_listen 127.0.0.1:{listen}\nnet_interface 127.0.0.1\n\
              audio_player aubridge,nil\naudio_source aufile,{}\naudio_alert aubridge,nil\n\
-             ausrc_srate 8000\nauplay_srate 8000\nmodule_path /usr/lib/baresip/modules\n\
-             module g711.so\nmodule aufile.so\nmodule aubridge.so\nmodule sndfile.so\n\
+             ausrc_srate {rate}\nauplay_srate {rate}\nausrc_channels 1\nauplay_channels 1\n\
+             module_path /usr/lib/baresip/modules\nmodule g711.so\nmodule opus.so\n\
+             module aufile.so\nmodule aubridge.so\nmodule sndfile.so\n\
              snd_path {}\nmodule_tmp account.so\nmodule_app menu.so\n",
             wav.display(),
             dir.join("dump").display()
@@ -110,7 +145,7 @@ fn baresip(dir: &Path, listen: u16, port: u16, wav: &Path, seconds: u32) -> Chil
     .unwrap();
     std::fs::write(
         cfg.join("accounts"),
-        "<sip:caller@127.0.0.1>;regint=0;audio_codecs=PCMU\n",
+        format!("<sip:caller@127.0.0.1>;regint=0;audio_codecs={codec}\n"),
     )
     .unwrap();
     std::fs::write(cfg.join("contacts"), "").unwrap();
@@ -152,20 +187,19 @@ fn session_dirs(server: &Server) -> Vec<PathBuf> {
 
 #[test]
 fn a_baresip_call_hears_the_agent_is_heard_and_either_side_hangs_up() {
-    // Greedy by default, so that the token log can be replayed; calls end at 7 s.
+    // Greedy by default, so that the token log can be replayed; calls end at 6 s.
     let (server, port) = sip_server(
         "",
-        "sampling: {text_temperature: 0, audio_temperature: 0}\nlimits: {max_session_s: 7}\n",
+        "sampling: {text_temperature: 0, audio_temperature: 0}\nlimits: {max_session_s: 6}\n",
     );
-    let wav = server.dir.path().join("caller.wav");
-    phone_wav(&wav, 12.0, false);
-    // The first caller hangs up after 5 s; the second would stay 12 s: the server ends its
-    // call at 7 s.
+    // The first caller hangs up after 4 s; the second would stay 10 s: the server ends its
+    // call at 6 s.
     let first = server.dir.path().join("first");
     let second = server.dir.path().join("second");
     let t0 = Instant::now();
-    let mut a = baresip(&first, free_port(), port, &wav, 5);
-    let mut b = baresip(&second, free_port(), port, &wav, 12);
+    // The first in μ-law, the second in Opus.
+    let mut a = baresip(&first, free_port(), port, 4, "PCMU");
+    let mut b = baresip(&second, free_port(), port, 10, "opus/48000/2");
     assert!(a.wait().unwrap().success());
     assert!(b.wait().unwrap().success());
     eprintln!("both calls over in {:.1} s", t0.elapsed().as_secs_f64());
@@ -174,27 +208,29 @@ fn a_baresip_call_hears_the_agent_is_heard_and_either_side_hangs_up() {
     for dir in [&first, &second] {
         let out = std::fs::read_to_string(dir.join("baresip.out")).unwrap();
         assert!(out.contains("Call established"), "{out}");
-        // It heard the agent: its own PCMU decoder's output, seconds of it, not silence.
-        let (rate, heard) = read_wav(&dumped(dir, "dec"));
-        let secs = heard.len() as f64 / f64::from(rate);
+        // It heard the agent: its own decoder's output, seconds of it, not silence.
+        let (secs, heard) = heard(&dumped(dir, "dec"));
         eprintln!(
             "{}: heard {secs:.1} s, rms {:.3}",
             dir.display(),
             rms(&heard)
         );
-        assert!(secs >= 3.5, "{secs} s");
+        assert!(secs >= 3.0, "{secs} s");
         assert!(rms(&heard) > 0.01, "silent");
     }
     // The first hung up (its BYE ended the session); the server hung up on the second at its
     // session's limit, before the caller would have.
-    let (rate, second_heard) = read_wav(&dumped(&second, "dec"));
-    let secs = second_heard.len() as f64 / f64::from(rate);
+    let (secs, _) = heard(&dumped(&second, "dec"));
     assert!(
-        secs < 9.5,
+        secs < 8.0,
         "the second call lasted {secs} s: not hung up by the server"
     );
     assert!(log.contains("sip: the caller hung up"), "{log}");
     assert!(log.contains("sip: hanging up"), "{log}");
+    assert!(
+        log.contains("codec=\"PCMU\"") && log.contains("codec=\"opus\""),
+        "{log}"
+    );
     // It was heard: every packet it sent arrived from the address its offer gave, and the
     // session took its audio (no silence filled in while it spoke).
     let m = server.metrics();
@@ -202,7 +238,7 @@ fn a_baresip_call_hears_the_agent_is_heard_and_either_side_hangs_up() {
         &m,
         "duplex_sip_rtp_packets_total{direction=\"in\",outcome=\"received\"}",
     );
-    assert!(received >= 0.9 * 50.0 * 12.0, "{received} packets\n{m}");
+    assert!(received >= 0.9 * 50.0 * 10.0, "{received} packets\n{m}");
     assert_eq!(
         metric_value_of(
             &m,
@@ -231,7 +267,7 @@ fn a_baresip_call_hears_the_agent_is_heard_and_either_side_hangs_up() {
             &server.dir.path().join(format!("replay{i}.jsonl")),
             &[],
         );
-        assert!(frames >= 50, "{frames} frames");
+        assert!(frames >= 36, "{frames} frames");
     }
 }
 
@@ -320,9 +356,9 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
     );
     let dir = server.dir.path().to_path_buf();
     let wav3 = dir.join("3s.wav");
-    phone_wav(&wav3, 3.0, true);
+    phone_wav(&wav3, 3.0);
     let wav1 = dir.join("1s.wav");
-    phone_wav(&wav1, 1.0, true);
+    phone_wav(&wav1, 1.0);
     let metric = |series: &str| metric_value_of(&server.metrics(), series);
 
     // Malformed SIP and SDP: each answered with its status and counted, no slot taken.
@@ -333,10 +369,10 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
             invite(
                 "m2",
                 "",
-                "v=0\nc=IN IP4 127.0.0.1\nm=audio 4000 RTP/AVP 96\na=rtpmap:96 opus/48000/2\n",
+                "v=0\nc=IN IP4 127.0.0.1\nm=audio 4000 RTP/AVP 97 9\na=rtpmap:97 speex/16000\n",
             ),
             "488",
-            "PCMU/8000 or PCMA/8000",
+            "PCMU/8000, PCMA/8000 or opus/48000",
         ),
         (
             invite("m3", "", &sdp.replace("RTP/AVP", "RTP/SAVP")),
@@ -533,7 +569,7 @@ fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_the
     );
     let dir = server.dir.path().to_path_buf();
     let wav1 = dir.join("1s.wav");
-    phone_wav(&wav1, 1.0, true);
+    phone_wav(&wav1, 1.0);
     let sdp = "v=0\nc=IN IP4 127.0.0.1\nm=audio 4000 RTP/AVP 0\n";
     // From an address outside the allow-list (loopback's 127.0.0.2): 403, whatever it says.
     let got = raw_from("127.0.0.2", port, &invite("a1", "", sdp)).unwrap();

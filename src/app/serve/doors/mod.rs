@@ -16,7 +16,8 @@ use axum::extract::{ConnectInfo, RawQuery, State, WebSocketUpgrade};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::{kyutai, realtime, session, twilio, Client, Connection, Server};
+use super::streams::{twilio, MediaStream};
+use super::{kyutai, realtime, session, Client, Connection, Server};
 use crate::observe::names;
 
 /// What may wait in a WebSocket's own write buffer when the client does not read (pongs,
@@ -125,7 +126,7 @@ pub(super) async fn twilio_media(
         conn,
         &headers,
         ws,
-        twilio::Twilio::new(),
+        MediaStream::new(twilio::Twilio),
     )
 }
 

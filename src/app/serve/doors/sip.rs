@@ -2,7 +2,7 @@
 //! call admitted as every client is. An `INVITE` is checked in order — the caller's address
 //! against `sip.allow` (`403`), its Digest credentials when the server asks for them (`401`
 //! with a challenge, then the answer checked), its SDP offer (`400` for what is not SDP, `488`
-//! for an offer without PCMU or PCMA), the server's admission (`503` with `Retry-After` when
+//! for an offer without PCMU, PCMA or Opus), the server's admission (`503` with `Retry-After` when
 //! full, draining or not ready; the caller's address's own limits too) — each refusal counted
 //! (`duplex_sip_requests_total`) before any slot is taken. An admitted call gets its RTP
 //! ports, rings for `sip.ring_ms` (the caller may `CANCEL`: `487`), and its session starts;
@@ -364,10 +364,7 @@ impl Invite {
         }
         let port = sockets.port();
         let stats = Arc::new(CallStats {
-            codec: match offer.codec.law {
-                crate::audio::g711::Law::Mu => "PCMU",
-                crate::audio::g711::Law::A => "PCMA",
-            },
+            codec: offer.codec.name(),
             remote: Some(offer.rtp),
             local: Some(SocketAddr::new(announce, port)),
             ..CallStats::default()
@@ -387,7 +384,12 @@ impl Invite {
             hangup.clone(),
         );
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let proto = SipCall::new(sip::params_of(&headers), offer.codec.law, stats, ready_tx);
+        let proto = SipCall::new(
+            sip::params_of(&headers),
+            offer.codec.format,
+            stats,
+            ready_tx,
+        );
         let refused = proto.refused.clone();
         let server = self.server.clone();
         let mut session =
@@ -404,7 +406,7 @@ impl Invite {
                 Ok(()) => {
                     metrics::counter!(names::SIP_REQUESTS, "method" => "INVITE", "status" => "200")
                         .increment(1);
-                    tracing::info!(caller = %peer, rtp = %offer.rtp, "sip: answered a call");
+                    tracing::info!(caller = %peer, rtp = %offer.rtp, codec = offer.codec.name(), "sip: answered a call");
                 }
                 Err(e) => tracing::info!(caller = %peer, "sip: answering a call: {e}"),
             }

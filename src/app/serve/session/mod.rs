@@ -72,7 +72,7 @@ const OUTBOUND_QUEUE: usize = 96;
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The `kind` label values of protocol errors.
-pub(super) const PROTOCOL_ERRORS: [&str; 10] = [
+pub(super) const PROTOCOL_ERRORS: [&str; 12] = [
     "unknown_kind",
     "not_json",
     "bad_event",
@@ -83,6 +83,8 @@ pub(super) const PROTOCOL_ERRORS: [&str; 10] = [
     "flood",
     "early_audio",
     "bad_utf8",
+    "sip_malformed",
+    "bad_sdp",
 ];
 
 /// How a session ended, as counted.

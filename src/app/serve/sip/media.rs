@@ -1,8 +1,9 @@
 //! A SIP call's media: its RTP socket (and RTCP's, unless multiplexed), the caller's packets
-//! through a [`JitterBuffer`] at G.711's 8 kHz clock and [`PhoneIn`] to the session as 16-bit
-//! PCM at 24 kHz, each paid for from the call's audio budget before it is decoded; the agent's
-//! G.711 (made by the call's encoder) cut into 20 ms packets and paced out one packet time
-//! apart. Only the address the caller's SDP named is heard: packets from anywhere else are
+//! through a [`JitterBuffer`] at the codec's clock (G.711's 8 kHz, Opus's 48 kHz) to the
+//! session as 16-bit PCM at 24 kHz ([`PhoneIn`] for G.711; libopus at 24 kHz, with in-band FEC
+//! and concealment for what is lost, for Opus), each paid for from the call's audio budget
+//! before it is decoded; the agent's audio (G.711 made by the call's encoder, or 24 kHz samples
+//! that Opus encodes here) cut into 20 ms packets and paced out one packet time apart. Only the address the caller's SDP named is heard: packets from anywhere else are
 //! counted and dropped. RFC 4733 telephone events become the call's DTMF keys; an RTCP sender
 //! report goes out every [`RTCP_EVERY`]. A caller whose RTP stops for the call's `rtp_timeout`
 //! ends the call (its stream to the session ends, as a closed socket's would).
@@ -21,20 +22,22 @@ use tokio::net::UdpSocket;
 use super::super::rtp::jitter::{JitterBuffer, Play};
 use super::super::rtp::{self, TelephoneEvent};
 use super::super::session::{AudioBudget, ClientSink, ClientStream};
-use super::sdp::Offer;
+use super::sdp::{Format, Offer};
 use crate::audio::g711;
 use crate::audio::phone::PhoneIn;
 use crate::observe::names;
 
-/// G.711's RTP clock.
-const CLOCK: u64 = 8_000;
-/// Bytes (and ticks) of one 20 ms packet.
+/// G.711 bytes of one 20 ms packet.
 const PACKET: usize = 160;
+/// Samples at 24 kHz of one 20 ms Opus packet.
+const OPUS_SAMPLES: usize = 480;
+/// Opus bitrate of the agent's audio.
+const OPUS_BITRATE: i32 = 32_000;
 const PACKET_TIME: Duration = Duration::from_millis(20);
 /// Packets queued for sending past which the pacer sends at twice the rate.
 const PACE_CATCH_UP: usize = 4;
-/// Bytes of the agent's audio held for sending at most (2 s): past it the oldest are dropped.
-const MAX_QUEUED: usize = 16_000;
+/// Packets of the agent's audio held for sending at most (2 s): past it the oldest are dropped.
+const MAX_QUEUED: usize = 100;
 /// How often an RTCP sender report goes out.
 pub(crate) const RTCP_EVERY: Duration = Duration::from_secs(5);
 /// DTMF keys kept for the session's status.
@@ -181,14 +184,15 @@ pub(crate) fn start(
         offer: offer.clone(),
         settings,
         budget: AudioBudget::paced(pacing),
-        phone: PhoneIn::new(offer.codec.law).ok(),
-        jitter: JitterBuffer::with_clock(settings.jitter, settings.max_jitter, CLOCK),
+        codec: Codec::new(offer.codec.format),
+        jitter: JitterBuffer::with_clock(settings.jitter, settings.max_jitter, offer.codec.clock()),
         stats,
         to_session,
         ssrc: nanos() | 1,
         seq: nanos() as u16,
         ts: nanos(),
         queued: std::collections::VecDeque::new(),
+        pending: Vec::new(),
         first: true,
         octets: 0,
         last_event: None,
@@ -217,15 +221,17 @@ struct Media {
     offer: Offer,
     settings: MediaSettings,
     budget: AudioBudget,
-    phone: Option<PhoneIn>,
+    codec: Codec,
     jitter: JitterBuffer,
     stats: Arc<CallStats>,
     to_session: tokio::sync::mpsc::Sender<Message>,
     ssrc: u32,
     seq: u16,
     ts: u32,
-    /// The agent's G.711 bytes not yet sent.
-    queued: std::collections::VecDeque<u8>,
+    /// The agent's packets not yet sent.
+    queued: std::collections::VecDeque<Vec<u8>>,
+    /// The agent's audio not yet a whole packet: G.711 bytes, or 24 kHz samples as f32 LE.
+    pending: Vec<u8>,
     first: bool,
     octets: u32,
     /// The timestamp of the last telephone event taken (its packets repeat it).
@@ -269,14 +275,14 @@ impl Media {
             self.play(now);
             // Once the session has closed, the agent's audio left (less than a packet of it is
             // dropped).
-            if !session_open && self.queued.len() < PACKET {
+            if !session_open && self.queued.is_empty() {
                 return Ended::Session;
             }
             // The agent's audio: a packet every 20 ms, twice as often while the queue is long.
             if now >= next_send {
-                if self.queued.len() >= PACKET {
-                    self.send_packet(&c).await;
-                    let step = if self.queued.len() > PACE_CATCH_UP * PACKET {
+                if let Some(payload) = self.queued.pop_front() {
+                    self.send_packet(payload, &c).await;
+                    let step = if self.queued.len() > PACE_CATCH_UP {
                         PACKET_TIME / 2
                     } else {
                         PACKET_TIME
@@ -311,12 +317,13 @@ impl Media {
                 _ = hangup.cancelled() => return Ended::HungUp,
                 m = from_session.recv(), if session_open => match m {
                     Some(Message::Binary(b)) => {
-                        self.queued.extend(b.iter());
+                        self.pending.extend_from_slice(&b);
+                        self.packetize();
                         if self.queued.len() > MAX_QUEUED {
                             let over = self.queued.len() - MAX_QUEUED;
                             self.queued.drain(..over);
                             metrics::counter!(names::SESSION_DROPPED, "direction" => "out")
-                                .increment(1);
+                                .increment(over as u64);
                         }
                     }
                     Some(Message::Close(_)) | None => session_open = false,
@@ -376,22 +383,23 @@ impl Media {
         }
     }
 
-    /// Hands the session what the jitter buffer has due at `now`: each packet's audio, or a
-    /// lost packet's time in silence (G.711 has no concealment of its own).
+    /// Hands the session what the jitter buffer has due at `now`: each packet's audio, or what
+    /// stands for a lost one (Opus: the next packet's FEC or its concealment; G.711 has none of
+    /// its own: silence).
     fn play(&mut self, now: Instant) {
+        let clock = self.offer.codec.clock();
         while let Some(play) = self.jitter.pop(now) {
-            let bytes: Vec<u8> = match play {
-                Play::Packet(d) => d.to_vec(),
-                Play::Fec(_, ticks) | Play::Conceal(ticks) => {
+            let ticks = match &play {
+                Play::Packet(d) => self.codec.ticks(d),
+                Play::Fec(_, t) | Play::Conceal(t) => {
                     self.stats.lost.fetch_add(1, Ordering::Relaxed);
-                    let silence = g711::encode(self.offer.codec.law, 0);
-                    vec![silence; (ticks as usize).min(8 * PACKET)]
+                    *t
                 }
             };
-            if bytes.is_empty() {
+            if ticks == 0 {
                 continue;
             }
-            let d = Duration::from_micros(bytes.len() as u64 * 1_000_000 / CLOCK);
+            let d = Duration::from_micros(ticks * 1_000_000 / clock);
             if !self.budget.take_at(d, now) {
                 if !std::mem::replace(&mut self.refusal_logged, true) {
                     tracing::warn!(
@@ -403,13 +411,44 @@ impl Media {
                 }
                 continue;
             }
-            let Some(phone) = self.phone.as_mut() else {
-                continue;
-            };
-            if let Ok(pcm) = phone.pcm16(&bytes) {
-                if !pcm.is_empty() {
-                    // A full queue is the session's business (it counts its drops).
-                    let _ = self.to_session.try_send(Message::Binary(pcm.into()));
+            let pcm = self.codec.decode(&play);
+            if !pcm.is_empty() {
+                // A full queue is the session's business (it counts its drops).
+                let _ = self.to_session.try_send(Message::Binary(pcm.into()));
+            }
+        }
+    }
+
+    /// Cuts what the session sent into whole packets (Opus: encoded here).
+    fn packetize(&mut self) {
+        match &mut self.codec {
+            Codec::G711 { .. } => {
+                let whole = self.pending.len() / PACKET * PACKET;
+                for p in self
+                    .pending
+                    .drain(..whole)
+                    .collect::<Vec<_>>()
+                    .chunks(PACKET)
+                {
+                    self.queued.push_back(p.to_vec());
+                }
+            }
+            Codec::Opus { encoder, .. } => {
+                let frame = OPUS_SAMPLES * 4;
+                let whole = self.pending.len() / frame * frame;
+                let bytes: Vec<u8> = self.pending.drain(..whole).collect();
+                let mut packet = [0u8; 1500];
+                for f in bytes.chunks(frame) {
+                    let samples: Vec<f32> = f
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    let Some(enc) = encoder.as_mut() else {
+                        continue;
+                    };
+                    if let Ok(n) = enc.encode_float(&samples, &mut packet) {
+                        self.queued.push_back(packet[..n].to_vec());
+                    }
                 }
             }
         }
@@ -435,8 +474,7 @@ impl Media {
         }
     }
 
-    async fn send_packet(&mut self, c: &Counters) {
-        let payload: Vec<u8> = self.queued.drain(..PACKET).collect();
+    async fn send_packet(&mut self, payload: Vec<u8>, c: &Counters) {
         let p = rtp::packet(
             self.offer.codec.payload_type,
             std::mem::take(&mut self.first),
@@ -446,8 +484,9 @@ impl Media {
             &payload,
         );
         self.seq = self.seq.wrapping_add(1);
-        self.ts = self.ts.wrapping_add(PACKET as u32);
-        self.octets = self.octets.wrapping_add(PACKET as u32);
+        // 20 ms of the codec's clock: the timestamp counts the audio made.
+        self.ts = self.ts.wrapping_add((self.offer.codec.clock() / 50) as u32);
+        self.octets = self.octets.wrapping_add(payload.len() as u32);
         let listens = self.offer.direction != "sendonly" && self.offer.direction != "inactive";
         if listens && self.rtp.send_to(&p, self.offer.rtp).await.is_ok() {
             self.stats.sent.fetch_add(1, Ordering::Relaxed);
@@ -467,6 +506,80 @@ impl Media {
         let socket = self.rtcp.as_ref().unwrap_or(&self.rtp);
         if socket.send_to(&sr, self.offer.rtcp).await.is_ok() {
             self.stats.rtcp_out.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A call's codec on the receive side (and Opus's encoder on the send side).
+enum Codec {
+    G711 {
+        law: g711::Law,
+        phone: Option<Box<PhoneIn>>,
+    },
+    Opus {
+        decoder: Option<opus::Decoder>,
+        encoder: Option<opus::Encoder>,
+    },
+}
+
+impl Codec {
+    fn new(format: Format) -> Codec {
+        match format {
+            Format::G711(law) => Codec::G711 {
+                law,
+                phone: PhoneIn::new(law).ok().map(Box::new),
+            },
+            Format::Opus => Codec::Opus {
+                decoder: opus::Decoder::new(24_000, opus::Channels::Mono).ok(),
+                encoder: opus::Encoder::new(24_000, opus::Channels::Mono, opus::Application::Voip)
+                    .ok()
+                    .map(|mut e| {
+                        let _ = e.set_bitrate(opus::Bitrate::Bits(OPUS_BITRATE));
+                        let _ = e.set_inband_fec(true);
+                        e
+                    }),
+            },
+        }
+    }
+
+    /// A packet's length in RTP ticks (Opus: from its table of contents).
+    fn ticks(&self, packet: &[u8]) -> u64 {
+        match self {
+            Codec::G711 { .. } => packet.len() as u64,
+            Codec::Opus { .. } => opus::packet::get_nb_samples(packet, 48_000).unwrap_or(0) as u64,
+        }
+    }
+
+    /// The 24 kHz PCM16 bytes of what the jitter buffer hands out.
+    fn decode(&mut self, play: &Play) -> Vec<u8> {
+        match self {
+            Codec::G711 { law, phone } => {
+                let bytes = match play {
+                    Play::Packet(d) => d.to_vec(),
+                    Play::Fec(_, t) | Play::Conceal(t) => {
+                        vec![g711::encode(*law, 0); (*t as usize).min(8 * PACKET)]
+                    }
+                };
+                phone
+                    .as_mut()
+                    .and_then(|p| p.pcm16(&bytes).ok())
+                    .unwrap_or_default()
+            }
+            Codec::Opus { decoder, .. } => {
+                let Some(dec) = decoder.as_mut() else {
+                    return Vec::new();
+                };
+                // Ticks of the 48 kHz clock → samples at 24 kHz, within libopus's 2.5–120 ms.
+                let samples = |t: u64| ((t / 2) as usize).clamp(60, 2880);
+                let mut pcm = [0i16; 2880];
+                let n = match play {
+                    Play::Packet(d) => dec.decode(d, &mut pcm, false),
+                    Play::Fec(d, t) => dec.decode(d, &mut pcm[..samples(*t)], true),
+                    Play::Conceal(t) => dec.decode(&[], &mut pcm[..samples(*t)], false),
+                }
+                .unwrap_or(0);
+                pcm[..n].iter().flat_map(|s| s.to_le_bytes()).collect()
+            }
         }
     }
 }

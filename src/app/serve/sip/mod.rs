@@ -3,7 +3,7 @@
 //! RFC 3261's transactions with their retransmissions and timers, dialogs, CANCEL matching,
 //! UDP and TCP transports): parsing and transactions are its; what a call is here is ours —
 //! the offer and answer ([`sdp`]), the call's media ([`media`]: RTP, RTCP, RFC 4733 events,
-//! the jitter buffer, G.711 both ways) and the call's side of its session ([`SipCall`], the
+//! the jitter buffer, G.711 or Opus both ways) and the call's side of its session ([`SipCall`], the
 //! same session as every transport's through the [`Protocol`] seam, with PCM ends). The door
 //! (`doors/sip.rs`) admits calls and runs them; this module knows nothing of the server.
 //!
@@ -22,7 +22,6 @@ use rsipstack::transport::{tcp_listener::TcpListenerConnection, udp::UdpConnecti
 use tokio_util::sync::CancellationToken;
 
 use super::session::{Encoder, Protocol, Taken, TransportStats};
-use crate::audio::g711::Law;
 use crate::audio::phone::PhoneOut;
 use crate::session::Outbound;
 
@@ -194,7 +193,7 @@ pub(crate) fn local_ip_toward(bound: IpAddr, peer: IpAddr) -> IpAddr {
 /// first packet, and a call whose session cannot start is refused, not answered and dropped).
 pub(crate) struct SipCall {
     pairs: Vec<(String, String)>,
-    law: Law,
+    format: sdp::Format,
     stats: Arc<media::CallStats>,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
     /// Why the session refused the call, for the door's answer.
@@ -204,13 +203,13 @@ pub(crate) struct SipCall {
 impl SipCall {
     pub(crate) fn new(
         pairs: Vec<(String, String)>,
-        law: Law,
+        format: sdp::Format,
         stats: Arc<media::CallStats>,
         ready: tokio::sync::oneshot::Sender<()>,
     ) -> Self {
         SipCall {
             pairs,
-            law,
+            format,
             stats,
             ready: Some(ready),
             refused: Arc::new(Mutex::new(None)),
@@ -231,15 +230,28 @@ pub(crate) fn params_of(headers: &[(String, String)]) -> Vec<(String, String)> {
         .collect()
 }
 
-struct G711Encoder {
-    phone: Option<PhoneOut>,
+/// The agent's audio for the call's media: G.711 bytes, or (for Opus, which the media encodes
+/// in whole packets) the 24 kHz samples as f32 little-endian.
+enum CallEncoder {
+    G711(Box<Option<PhoneOut>>),
+    Opus,
 }
 
-impl Encoder for G711Encoder {
+impl Encoder for CallEncoder {
     fn encode(&mut self, m: Outbound) -> Vec<Message> {
-        super::session::phone_bytes(&mut self.phone, m)
-            .map(|b| vec![Message::Binary(b.into())])
-            .unwrap_or_default()
+        match self {
+            CallEncoder::G711(phone) => super::session::phone_bytes(phone, m)
+                .map(|b| vec![Message::Binary(b.into())])
+                .unwrap_or_default(),
+            CallEncoder::Opus => match m {
+                Outbound::Pcm(p) => {
+                    let bytes: Vec<u8> = p.iter().flat_map(|s| s.to_le_bytes()).collect();
+                    vec![Message::Binary(bytes.into())]
+                }
+                // A call carries no text; the transcript is in the session's logs.
+                _ => Vec::new(),
+            },
+        }
     }
 }
 
@@ -264,8 +276,9 @@ impl Protocol for SipCall {
     }
 
     fn encoder(&self) -> Box<dyn Encoder> {
-        Box::new(G711Encoder {
-            phone: PhoneOut::new(self.law).ok(),
+        Box::new(match self.format {
+            sdp::Format::G711(law) => CallEncoder::G711(Box::new(PhoneOut::new(law).ok())),
+            sdp::Format::Opus => CallEncoder::Opus,
         })
     }
 

@@ -6,18 +6,45 @@ use std::net::{IpAddr, SocketAddr};
 
 use crate::audio::g711::Law;
 
-/// The audio format a call runs in.
+/// An audio format a call may run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// G.711 at 8 kHz.
+    G711(Law),
+    /// Opus (RFC 7587: a 48 kHz RTP clock, whatever the coded rate), mono.
+    Opus,
+}
+
+/// The audio format a call runs in, and its payload type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Codec {
-    pub law: Law,
+    pub format: Format,
     pub payload_type: u8,
 }
 
 impl Codec {
-    fn name(&self) -> &'static str {
-        match self.law {
-            Law::Mu => "PCMU",
-            Law::A => "PCMA",
+    /// Its name as SDP and the session's status say it.
+    pub(crate) fn name(&self) -> &'static str {
+        match self.format {
+            Format::G711(Law::Mu) => "PCMU",
+            Format::G711(Law::A) => "PCMA",
+            Format::Opus => "opus",
+        }
+    }
+
+    /// Its RTP clock, ticks a second.
+    pub(crate) fn clock(&self) -> u64 {
+        match self.format {
+            Format::G711(_) => 8_000,
+            Format::Opus => 48_000,
+        }
+    }
+
+    /// Its `a=rtpmap` encoding.
+    fn rtpmap(&self) -> String {
+        match self.format {
+            Format::Opus => "opus/48000/2".into(),
+            _ => format!("{}/8000", self.name()),
         }
     }
 }
@@ -30,7 +57,7 @@ pub(crate) struct Offer {
     /// Where it takes its RTCP (the RTP port's neighbour unless `a=rtcp` or `a=rtcp-mux`).
     pub rtcp: SocketAddr,
     pub rtcp_mux: bool,
-    /// The format chosen: the first of the offer's that we speak (PCMU, PCMA).
+    /// The format chosen: the first of the offer's that we speak (PCMU, PCMA, Opus).
     pub codec: Codec,
     /// The payload type of `telephone-event/8000`, when offered.
     pub events: Option<u8>,
@@ -39,7 +66,7 @@ pub(crate) struct Offer {
 }
 
 /// Why an offer is refused, and with which SIP status: 400 for what is not SDP, 488 (Not
-/// Acceptable Here) for an offer we understand and cannot take.
+/// Acceptable Here) for an offer we understand and cannot take (no PCMU, PCMA or Opus).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Refused {
     pub status: u16,
@@ -167,13 +194,14 @@ pub(crate) fn read_offer(body: &[u8]) -> Result<Offer, Refused> {
         .iter()
         .find_map(|&pt| {
             let name = name_of(pt)?;
-            let law = match name.split('/').take(2).collect::<Vec<_>>()[..] {
-                ["pcmu", "8000"] => Law::Mu,
-                ["pcma", "8000"] => Law::A,
+            let format = match name.split('/').take(2).collect::<Vec<_>>()[..] {
+                ["pcmu", "8000"] => Format::G711(Law::Mu),
+                ["pcma", "8000"] => Format::G711(Law::A),
+                ["opus", "48000"] => Format::Opus,
                 _ => return None,
             };
             Some(Codec {
-                law,
+                format,
                 payload_type: pt,
             })
         })
@@ -185,7 +213,7 @@ pub(crate) fn read_offer(body: &[u8]) -> Result<Offer, Refused> {
             refused(
                 488,
                 format!(
-                    "none of the offered formats ({}) is PCMU/8000 or PCMA/8000",
+                    "none of the offered formats ({}) is PCMU/8000, PCMA/8000 or opus/48000",
                     offered.join(", ")
                 ),
             )
@@ -225,10 +253,17 @@ pub(crate) fn answer(offer: &Offer, ip: IpAddr, port: u16, session: u64) -> Stri
     };
     let mut s = format!(
         "v=0\r\no=duplex {session} {session} IN {family} {ip}\r\ns=duplex\r\nc=IN {family} \
-         {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP {formats}\r\na=rtpmap:{} {}/8000\r\n",
+         {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP {formats}\r\na=rtpmap:{} {}\r\n",
         offer.codec.payload_type,
-        offer.codec.name()
+        offer.codec.rtpmap()
     );
+    if offer.codec.format == Format::Opus {
+        // Mono both ways, in-band FEC welcome (the jitter buffer rebuilds a lost packet from it).
+        s.push_str(&format!(
+            "a=fmtp:{} useinbandfec=1;stereo=0;sprop-stereo=0\r\n",
+            offer.codec.payload_type
+        ));
+    }
     if let Some(e) = offer.events {
         s.push_str(&format!(
             "a=rtpmap:{e} telephone-event/8000\r\na=fmtp:{e} 0-15\r\n"
@@ -252,14 +287,31 @@ t=0 0\r\nm=audio 4000 RTP/AVP 96 8 0 101\r\na=rtpmap:96 opus/48000/2\r\n\
 a=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-15\r\na=sendrecv\r\n";
 
     #[test]
-    fn an_offer_gives_its_address_the_first_g711_format_and_its_events() {
+    fn an_offer_gives_its_address_its_first_format_of_ours_and_its_events() {
+        // Opus, first in the offer, is taken, mono with in-band FEC.
         let o = read_offer(OFFER.as_bytes()).unwrap();
+        assert_eq!(o.codec.format, Format::Opus);
+        let a = answer(&o, "198.51.100.1".parse().unwrap(), 20000, 7);
+        assert!(a.contains("m=audio 20000 RTP/AVP 96 101\r\n"), "{a}");
+        assert!(a.contains("a=rtpmap:96 opus/48000/2\r\n"), "{a}");
+        assert!(
+            a.contains("a=fmtp:96 useinbandfec=1;stereo=0;sprop-stereo=0\r\n"),
+            "{a}"
+        );
+        // Without it, the first G.711 format.
+        let o = read_offer(
+            OFFER
+                .replace("RTP/AVP 96 8 0 101", "RTP/AVP 8 0 101")
+                .replace("a=rtpmap:96 opus/48000/2\r\n", "")
+                .as_bytes(),
+        )
+        .unwrap();
         assert_eq!(o.rtp, "192.0.2.10:4000".parse().unwrap());
         assert_eq!(o.rtcp, "192.0.2.10:4001".parse().unwrap());
         assert_eq!(
             o.codec,
             Codec {
-                law: Law::A,
+                format: Format::G711(Law::A),
                 payload_type: 8
             }
         );
@@ -274,7 +326,7 @@ a=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-15\r\na=sendrecv\r\n";
             b"v=0\nc=IN IP4 192.0.2.1\nm=audio 5000 RTP/AVP 0\nc=IN IP4 192.0.2.2\na=rtcp-mux\na=sendonly\n",
         )
         .unwrap();
-        assert_eq!(o.codec.law, Law::Mu);
+        assert_eq!(o.codec.format, Format::G711(Law::Mu));
         assert_eq!(o.rtp, "192.0.2.2:5000".parse().unwrap());
         assert_eq!(o.rtcp, o.rtp);
         assert!(answer(&o, "192.0.2.9".parse().unwrap(), 1, 1).contains("a=recvonly\r\n"));
@@ -299,10 +351,10 @@ a=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-15\r\na=sendrecv\r\n";
             488
         );
         let e = read_offer(
-            b"v=0\r\nc=IN IP4 192.0.2.1\r\nm=audio 4000 RTP/AVP 96 9\r\na=rtpmap:96 opus/48000/2\r\n",
+            b"v=0\r\nc=IN IP4 192.0.2.1\r\nm=audio 4000 RTP/AVP 97 9\r\na=rtpmap:97 speex/16000\r\n",
         )
         .unwrap_err();
         assert_eq!(e.status, 488);
-        assert!(e.reason.contains("opus/48000/2, 9"), "{}", e.reason);
+        assert!(e.reason.contains("speex/16000, 9"), "{}", e.reason);
     }
 }

@@ -6,7 +6,7 @@
 //! `wss://KEY:TOKEN@host/…`): [`basic_ok`] checks it against `providers.exotel_credentials`.
 
 use base64::Engine as _;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{string_params, Dialect, Event, Wire};
 use crate::audio::phone::Coding;
@@ -17,6 +17,7 @@ pub(crate) struct Exotel {
 }
 
 impl Dialect for Exotel {
+    const ID: Option<&'static str> = Some("stream_sid");
     const NAME: &'static str = "exotel";
     const CHUNK: usize = 320;
 
@@ -53,18 +54,6 @@ impl Dialect for Exotel {
             }
             _ => Event::Unknown,
         }
-    }
-
-    fn media(&self, id: &str, _wire: &Wire, payload: String) -> Value {
-        json!({"event": "media", "stream_sid": id, "media": {"payload": payload}})
-    }
-
-    fn mark(&self, id: &str, name: &str) -> Value {
-        json!({"event": "mark", "stream_sid": id, "mark": {"name": name}})
-    }
-
-    fn clear(&self, id: &str) -> Value {
-        json!({"event": "clear", "stream_sid": id})
     }
 }
 

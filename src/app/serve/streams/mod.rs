@@ -1,5 +1,6 @@
-//! The telephony providers' media streams beside Twilio's: Telnyx (`/telnyx/media`), Plivo
-//! (`/plivo/media`), Vonage (`/vonage/media`) and Exotel (`/exotel/media`). Each provider's
+//! The telephony providers' media streams: Twilio (`/twilio/media`), Telnyx
+//! (`/telnyx/media`), Plivo (`/plivo/media`), Vonage (`/vonage/media`) and Exotel
+//! (`/exotel/media`). Each provider's
 //! framing is a [`Dialect`] (its file: which events open, carry and end a call, how audio and
 //! marks go back, and how the provider proves the call is its own); the call itself is one
 //! [`MediaStream`], the same for all: a session of the template with PCM ends, started at the
@@ -12,13 +13,14 @@
 pub(crate) mod exotel;
 pub(crate) mod plivo;
 pub(crate) mod telnyx;
+pub(crate) mod twilio;
 pub(crate) mod vonage;
 
 use std::sync::{Arc, Mutex};
 
 use axum::extract::ws::Message;
 use base64::Engine as _;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::config::{ServeConfig, SessionParams};
 use super::session::{base64_len, Encoder, Protocol, Taken, TransportStats};
@@ -77,14 +79,37 @@ pub(crate) trait Dialect: Send + Sync + 'static {
     /// Bytes the agent's audio goes in multiples of (Exotel's 320), `1` for any.
     const CHUNK: usize = 1;
 
+    /// The field that carries the call's id in what the server sends (Twilio's `streamSid`,
+    /// Exotel's `stream_sid`), `None` where none is sent.
+    const ID: Option<&'static str> = None;
+
     /// What a JSON message of the provider's means.
     fn read(&self, v: &Value) -> Event;
-    /// A message of the agent's audio (base64 `payload`) for call `id` in `wire`.
-    fn media(&self, id: &str, wire: &Wire, payload: String) -> Value;
-    /// A mark named `name`, echoed by the provider once what was sent before it has played.
-    fn mark(&self, id: &str, name: &str) -> Value;
-    /// What drops the audio the provider holds.
-    fn clear(&self, id: &str) -> Value;
+
+    /// A message of the agent's audio (base64 `payload`) for call `id` in `wire`; by default
+    /// Twilio's `media` event.
+    fn media(&self, id: &str, _wire: &Wire, payload: String) -> Value {
+        with_id::<Self>(json!({"event": "media", "media": {"payload": payload}}), id)
+    }
+
+    /// A mark named `name`, echoed by the provider once what was sent before it has played;
+    /// by default Twilio's `mark` event.
+    fn mark(&self, id: &str, name: &str) -> Value {
+        with_id::<Self>(json!({"event": "mark", "mark": {"name": name}}), id)
+    }
+
+    /// What drops the audio the provider holds; by default Twilio's `clear` event.
+    fn clear(&self, id: &str) -> Value {
+        with_id::<Self>(json!({"event": "clear"}), id)
+    }
+}
+
+/// `v` with the call's id in the dialect's [`ID`](Dialect::ID) field.
+fn with_id<D: Dialect + ?Sized>(mut v: Value, id: &str) -> Value {
+    if let (Some(field), Some(o)) = (D::ID, v.as_object_mut()) {
+        o.insert(field.to_string(), Value::String(id.to_string()));
+    }
+    v
 }
 
 /// What the encoder shares with the protocol.
@@ -132,11 +157,23 @@ impl<D: Dialect> MediaStream<D> {
         }
     }
 
+    /// Audio before the call's start: dropped undecoded (there is no session to hear it yet),
+    /// counted, logged once.
+    fn early(cx: &mut Taken<'_>) {
+        cx.protocol_error("early_audio");
+        if cx.first("early") {
+            tracing::info!(
+                session = cx.id,
+                "dropped {} audio before the call's start, undecoded (logged once per session)",
+                D::NAME
+            );
+        }
+    }
+
     /// The caller's audio, `bytes` on the wire.
     fn audio(&mut self, bytes: &[u8], cx: &mut Taken<'_>) {
         if !self.start {
-            cx.protocol_error("early_audio");
-            return;
+            return Self::early(cx);
         }
         let Some(phone) = self.phone.as_mut() else {
             return;
@@ -282,8 +319,7 @@ impl<D: Dialect> Protocol for MediaStream<D> {
             }
             Event::Media(payload) => {
                 if !self.start {
-                    cx.protocol_error("early_audio");
-                    return;
+                    return Self::early(cx);
                 }
                 let n = base64_len(&payload);
                 if n == 0 || !self.afford(n, cx) {

@@ -5,7 +5,7 @@
 //! `stream_auth_token` the call was given comes back in the `x-telnyx-streaming-auth-token`
 //! header, which [`token_ok`] checks when `providers.telnyx_stream_token` is set.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{string_params, Dialect, Event, Wire};
 use crate::audio::g711::Law;
@@ -50,18 +50,6 @@ impl Dialect for Telnyx {
             }
             _ => Event::Unknown,
         }
-    }
-
-    fn media(&self, _id: &str, _wire: &Wire, payload: String) -> Value {
-        json!({"event": "media", "media": {"payload": payload}})
-    }
-
-    fn mark(&self, _id: &str, name: &str) -> Value {
-        json!({"event": "mark", "mark": {"name": name}})
-    }
-
-    fn clear(&self, _id: &str) -> Value {
-        json!({"event": "clear"})
     }
 }
 
