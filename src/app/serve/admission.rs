@@ -159,8 +159,14 @@ impl Server {
     /// Counts a new connection from `peer` (an IPv6 address by its /64), or `None` when that
     /// address has `max_connections_per_ip` open already (a trusted proxy has no such limit).
     pub(super) fn connect(self: &Arc<Self>, peer: IpAddr) -> Option<Connection> {
+        self.connect_as(peer, false)
+    }
+
+    /// As [`connect`](Self::connect); `carrier`: `peer` carries many clients (a PBX or a trunk
+    /// in `sip.allow`), so that, as for a trusted proxy, its count has no limit.
+    pub(super) fn connect_as(self: &Arc<Self>, peer: IpAddr, carrier: bool) -> Option<Connection> {
         let ip = access::group(peer);
-        let proxy = self.cfg.trusted_proxies.iter().any(|c| c.contains(peer));
+        let proxy = carrier || self.cfg.trusted_proxies.iter().any(|c| c.contains(peer));
         let mut m = self.per_ip.lock().ok()?;
         let n = m.entry(ip).or_insert(0);
         // A trusted proxy carries many clients: their own limits apply at admission.
@@ -177,6 +183,16 @@ impl Server {
 
     /// Reserves a session slot for a client at `ip`, or says why not (and counts it).
     pub(super) fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<Admission, Box<Response>> {
+        self.admit_as(ip, false)
+    }
+
+    /// As [`admit`](Self::admit); `carrier`: `ip` carries many clients (a PBX or a trunk in
+    /// `sip.allow`), whose new sessions are not held to one address's allowance.
+    pub(super) fn admit_as(
+        self: &Arc<Self>,
+        ip: IpAddr,
+        carrier: bool,
+    ) -> Result<Admission, Box<Response>> {
         if self.draining.load(Ordering::Acquire) {
             return Err(self.refusal(
                 ip,
@@ -195,7 +211,7 @@ impl Server {
                 "the models are still loading".into(),
             ));
         }
-        if !self.take_session_allowance(ip) {
+        if !carrier && !self.take_session_allowance(ip) {
             let l = &self.cfg.limits;
             return Err(self.refusal(
                 ip,

@@ -562,10 +562,13 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
 
 #[test]
 fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_them() {
+    // One connection and one new session a minute per address: an allow-listed caller (a
+    // PBX, a trunk) carries many callers, and is held to neither.
     let (server, port) = sip_server(
         "  allow: [\"127.0.0.1\"]\n  digest_username: trunk\n  digest_password: s3cret\n  \
          realm: duplex-test\n",
-        "",
+        "max_connections_per_ip: 1\n\
+         limits: {sessions_per_minute_per_ip: 1, session_burst_per_ip: 1}\n",
     );
     let dir = server.dir.path().to_path_buf();
     let wav1 = dir.join("1s.wav");
@@ -582,15 +585,18 @@ fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_the
         got.contains("WWW-Authenticate: Digest realm=\"duplex-test\""),
         "{got}"
     );
-    // sipp answers the challenge (its own Digest code): with the password, the call goes
-    // through; with another, it is challenged again and fails.
+    // sipp answers the challenge (its own Digest code): with the password, the calls go
+    // through, two at once from the one address; with another, it is challenged again and
+    // fails.
     let good = scenario(
         &dir,
         "auth",
         &wav1,
         &[("@USER@", "trunk"), ("@PASSWORD@", "s3cret")],
     );
-    let st = sipp(&dir, &good, port, &["-m", "1"]).status().unwrap();
+    let st = sipp(&dir, &good, port, &["-m", "2", "-l", "2", "-r", "100"])
+        .status()
+        .unwrap();
     assert!(st.success(), "{}", sipp_errors(&dir));
     let bad = scenario(
         &dir,
@@ -607,7 +613,7 @@ fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_the
             &m,
             "duplex_sip_requests_total{method=\"INVITE\",status=\"200\"}"
         ),
-        1.0,
+        2.0,
         "{m}"
     );
     assert_eq!(
@@ -623,5 +629,5 @@ fn a_server_that_asks_for_credentials_answers_only_allowed_callers_that_have_the
             "duplex_sip_requests_total{method=\"INVITE\",status=\"401\"}"
         ) >= 3.0
     );
-    assert_eq!(metric_value_of(&m, "duplex_sessions_admitted_total"), 1.0);
+    assert_eq!(metric_value_of(&m, "duplex_sessions_admitted_total"), 2.0);
 }

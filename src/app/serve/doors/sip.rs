@@ -3,7 +3,8 @@
 //! against `sip.allow` (`403`), its Digest credentials when the server asks for them (`401`
 //! with a challenge, then the answer checked), its SDP offer (`400` for what is not SDP, `488`
 //! for an offer without PCMU, PCMA or Opus), the server's admission (`503` with `Retry-After` when
-//! full, draining or not ready; the caller's address's own limits too) — each refusal counted
+//! full, draining or not ready; the caller's address's own limits too, except for a caller in
+//! `sip.allow`, a PBX or a trunk that carries many callers) — each refusal counted
 //! (`duplex_sip_requests_total`) before any slot is taken. An admitted call gets its RTP
 //! ports, rings for `sip.ring_ms` (the caller may `CANCEL`: `487`), and its session starts;
 //! the call is answered (`200` with our SDP) once the session is ready, or refused (`500`, or
@@ -243,7 +244,10 @@ impl Invite {
                     .await;
             }
         };
-        let Some(conn) = self.server.connect(ip) else {
+        // A caller in the allow-list is a PBX or a trunk: many callers behind one address, so
+        // one address's limits are not its (as for a trusted proxy).
+        let carrier = !s.allow.is_empty();
+        let Some(conn) = self.server.connect_as(ip, carrier) else {
             let text = format!(
                 "{ip} holds its {} connection(s) already (max_connections_per_ip)",
                 self.server.cfg.max_connections_per_ip
@@ -251,7 +255,7 @@ impl Invite {
             let h = vec![Header::Other("Retry-After".into(), "5".into())];
             return self.refuse(&mut tx, ip, (503, "per_ip"), &text, h).await;
         };
-        let admission = match self.server.admit(ip) {
+        let admission = match self.server.admit_as(ip, carrier) {
             Ok(a) => a,
             Err(r) => {
                 // Counted and logged by the admission; SIP's overload answer is 503 with its
