@@ -126,8 +126,18 @@ pub const SIP_REQUESTS: &str = "duplex_sip_requests_total";
 /// `foreign` (from an address the call did not negotiate: dropped), `malformed`,
 /// `other_payload` (comfort noise and the like); `out`: `sent`.
 pub const SIP_RTP_PACKETS: &str = "duplex_sip_rtp_packets_total";
-/// Counter: DTMF keys callers pressed (RFC 4733 events).
+/// Counter: DTMF keys callers pressed (RFC 4733 events, SIP INFO).
 pub const SIP_DTMF: &str = "duplex_sip_dtmf_total";
+/// Counter, label `reason`: SIP requests and connections not passed on to a call, each
+/// answered statelessly or dropped before any transaction: `sip_options` (answered),
+/// `sip_stray` (no such call: 481, 405, or an ACK dropped), `sip_forged` (a call's request from
+/// another party: 403), `sip_forbidden` (outside `sip.allow`: 403), `sip_unsupported` (an unknown
+/// `Require`: 420), `sip_malformed` (400), `sip_throttled` (past its sender's allowance:
+/// dropped), `sip_too_large` (a datagram over 8 KiB: 513), `sip_auth_throttled` (a guesser's
+/// challenges: 403); TCP's `tcp_forbidden`, `tcp_full`, `tcp_silent` (no bytes within 5 s).
+pub const SIP_SCREENED: &str = "duplex_sip_screened_total";
+/// Gauge: SIP's TCP connections held.
+pub const SIP_TCP_CONNECTIONS: &str = "duplex_sip_tcp_connections";
 /// Gauge: WebRTC peers the driver holds (connecting, live or closing).
 pub const WEBRTC_PEERS: &str = "duplex_webrtc_peers";
 /// Counter, label `reason` (`host|bad_request`): HTTP requests refused before any route:

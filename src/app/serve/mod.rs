@@ -352,7 +352,9 @@ async fn serve(
     // SIP's sockets, bound before anything is served: a taken port stops the start.
     let sip = match &cfg.sip {
         Some(s) => {
-            let e = sip::Endpoint::bind(s.address, s.tcp, s.public_address).await?;
+            let guard = sip::guard::Guard::new(s.allow.clone(), sip::guard::Limits::default());
+            let tcp = s.tcp.then_some(s.tcp_limits);
+            let e = sip::Endpoint::bind(s.address, tcp, s.public_address, guard).await?;
             tracing::info!(
                 "SIP calls on udp://{}{}",
                 e.local,

@@ -511,8 +511,8 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
     assert!(server.log().contains("cancelled while it rang"));
 
     // A caller (over TCP) that vanishes after a second of audio: no BYE, no more RTP. RTP from
-    // an address the call did not negotiate keeps nothing alive: the server hangs up after its
-    // RTP timeout (sipp answers the BYE).
+    // an address the call did not negotiate (another host: 127.0.0.2) keeps nothing alive: the
+    // server hangs up after its RTP timeout (sipp answers the BYE).
     let vanish = scenario(&dir, "vanish", &wav1, &[]);
     let mut sp = sipp(&dir, &vanish, port, &["-m", "1", "-t", "t1"])
         .spawn()
@@ -529,7 +529,7 @@ fn sipp_floods_cancels_and_vanishes_and_malformed_requests_each_get_their_answer
         assert!(t0.elapsed() < Duration::from_secs(10), "no call");
         std::thread::sleep(Duration::from_millis(50));
     };
-    let foreign = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let foreign = UdpSocket::bind("127.0.0.2:0").unwrap();
     let answered = Instant::now();
     for i in 0..150u16 {
         let mut p = vec![0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7];

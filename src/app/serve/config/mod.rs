@@ -195,6 +195,11 @@ pub struct SipSettings {
     pub jitter: Duration,
     /// The jitter buffer's largest delay.
     pub max_jitter: Duration,
+    /// TCP connections SIP holds, per address and in all.
+    pub(crate) tcp_limits: crate::app::serve::sip::StreamLimits,
+    /// The longest session-timer interval (RFC 4028) a call is given; a caller asking for
+    /// more gets this.
+    pub session_expires: Duration,
 }
 
 /// A checked server configuration.

@@ -1,12 +1,14 @@
 //! The `sip:` section: phone calls answered over SIP (off by default): where SIP listens, the
 //! address announced behind NAT, the RTP ports, who may call (an allow-list of addresses,
-//! Digest credentials), the jitter buffer and how long a silent caller's RTP is waited for.
+//! Digest credentials), the jitter buffer, how long a silent caller's RTP is waited for, how many
+//! TCP connections SIP holds and the session timer's longest interval.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use super::SipSettings;
 use crate::app::serve::access::Cidr;
+use crate::app::serve::sip::StreamLimits;
 use crate::config::fields::Fields;
 use crate::config::{ConfigError, ConfigErrorKind};
 
@@ -24,6 +26,9 @@ const SIP_KEYS: &[&str] = &[
     "rtp_timeout_s",
     "jitter_ms",
     "max_jitter_ms",
+    "tcp_max_connections",
+    "tcp_connections_per_ip",
+    "session_expires_s",
 ];
 
 /// The `sip:` section; `keys`: whether the server has API keys (a server with keys takes calls
@@ -130,5 +135,10 @@ pub(super) fn read_sip(s: &Fields<'_>, keys: bool) -> Result<Option<SipSettings>
         rtp_timeout: Duration::from_secs_f64(s.number("rtp_timeout_s", 0.5, 3600.0)?),
         jitter,
         max_jitter,
+        tcp_limits: StreamLimits {
+            per_ip: s.number("tcp_connections_per_ip", 1.0, 100_000.0)? as usize,
+            total: s.number("tcp_max_connections", 1.0, 1_000_000.0)? as usize,
+        },
+        session_expires: Duration::from_secs(s.number("session_expires_s", 90.0, 86_400.0)? as u64),
     }))
 }

@@ -1,7 +1,7 @@
 //! The upgrade routes: `/api/chat` (Kyutai's protocol), `/v1/realtime` (the realtime API) and
 //! `/twilio/media` (Twilio's signature checked first), each admitting its client and handing
 //! the socket to [`session::run`](super::session) in its transport's protocol; WebRTC's
-//! offer and hang-up (`webrtc.rs`); SIP's calls (`sip.rs`); the providers' media streams
+//! offer and hang-up (`webrtc.rs`); SIP's calls (`sip/`); the providers' media streams
 //! (`streams.rs`). The doors know the server (admission, limits, keys); the
 //! transports they hand clients to do not.
 
