@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import make_pack  # noqa: E402  (the exporter's import shims and the pack writer)
+from toolio import writable  # noqa: E402
 
 EXIT_USAGE = 2  # bad input, before anything is built
 LM_GLOB, MIMI_GLOB, TOKENIZER = "model.safetensors", "tokenizer-*.safetensors", "tokenizer_spm_32k_3.model"
@@ -145,6 +146,10 @@ def find_checkpoint(folder: str, repo_hint: str) -> Checkpoint:
         mimi = [os.path.join(folder, config["mimi_name"])]
     else:
         mimi = sorted(glob.glob(os.path.join(folder, MIMI_GLOB)))
+    # A name that is there but is no regular file (a FIFO would be waited on) is not "missing".
+    for path in (lm, tok, *mimi[:1]):
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ExportError(f"{path}: not a regular file (a folder, a FIFO, a device or a socket)")
     missing = []
     if not os.path.isfile(lm):
         missing.append(os.path.basename(lm))
@@ -261,6 +266,9 @@ def lm_sizes(t: Tensors, ck: Checkpoint) -> dict:
     if "dep_q" in cfg and cfg["dep_q"] != dep_q:
         raise ExportError(f"{where}: dep_q is {cfg['dep_q']} but {t.path} has {dep_q} depformer_in")
     heads, dheads = cfg["num_heads"], cfg["depformer_num_heads"]
+    for key, v in (("num_heads", heads), ("depformer_num_heads", dheads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ExportError(f"{where}: {key} is {v!r}: a count of heads, 1 or more")
     if dim % heads or ddim % dheads:
         raise ExportError(f"{where}: num_heads {heads} / depformer_num_heads {dheads} do not divide the widths {dim} / {ddim}")
     if n_q != 16 or dep_q not in (8, 16):
@@ -609,6 +617,7 @@ def main(argv=None) -> int:
     def say(msg: str) -> None:
         print(f"export_pack: {msg}", file=sys.stderr, flush=True)
 
+    writable(args.out, "export_pack")
     if not args.verbose:
         logging.getLogger("mobius").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", message="GQA fusion expected")

@@ -48,7 +48,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toolio import need_file, refuse, stop  # noqa: E402
+from toolio import need_file, refuse, stop, writable  # noqa: E402
 
 # --- The LM: Kyutai's `_lm_kwargs`, at a tiny size ---------------------------------------------
 LM_CONFIG = {
@@ -367,8 +367,7 @@ def main(argv=None) -> int:
         stop(f"make_checkpoint: --layers {args.layers}: at least 1")
     if args.tokenizer:
         check_tokenizer(args.tokenizer)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        stop(f"make_checkpoint: {args.out}: exists and is not a folder")
+    writable(args.out, "make_checkpoint")
     lm_cfg, mimi = SIZES[args.size]
     lm_cfg = dict(lm_cfg)
     if args.layers:

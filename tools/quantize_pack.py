@@ -61,7 +61,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toolio import read_yaml, stop  # noqa: E402
+from toolio import need_graph, read_yaml, stop, writable  # noqa: E402
 
 BITS = {"int8": 8, "int4": 4}
 CODEC_GRAPHS = ("mimi_encoder_step", "mimi_decoder_step")
@@ -317,6 +317,12 @@ def quantize_pack(src: str, dst: str, quantize: str | None = None, block_size: i
         )
     if os.path.exists(dst) and not os.path.isdir(dst):
         stop(f"quantize_pack: {dst} exists and is not a folder: not replacing it")
+    writable(dst, "quantize_pack")
+    # Every graph to be quantized reads whole before any is.
+    for entry in sorted(os.listdir(src)):
+        if ((entry == "temporal" and quantize) or (entry == "depformer" and quantize_depformer)
+                or (entry in CODEC_GRAPHS and quantize_codec)):
+            need_graph(os.path.join(src, entry, "model.onnx"), "quantize_pack")
     if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, "pack.yaml")):
         stop(f"quantize_pack: {dst} exists and is not a pack: not replacing it")
     tmp = dst + ".partial"

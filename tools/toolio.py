@@ -8,6 +8,8 @@ line that names the tool, the file and what is wrong, and where (never a traceba
     stop("quantize_pack: --block-size 12: a power of two, 16 or more")  # any other refusal
     graph = need_file(os.path.join(pack, "temporal", "model.onnx"), "check_export", "a graph")
     need_folder(checkpoint, "check_export", "a checkpoint folder")
+    writable(out, "export_pack")                      # where the output goes can be written
+    need_graph(path, "quantize_pack")                 # an ONNX graph, whole (and its weights)
 
 A path that is a FIFO or a device is refused before it is opened (opening one would wait for a
 writer for ever). Knows nothing of what the files mean beyond their top-level kind.
@@ -53,6 +55,57 @@ def need_folder(path: str, tool: str, what: str = "a folder") -> str:
         refuse(tool, path, f"no such folder ({what} was expected)")
     if not os.path.isdir(path):
         refuse(tool, path, f"not a folder ({what} was expected)")
+    return path
+
+
+def writable(path: str, tool: str) -> str:
+    """`path`, when a folder can be made there (or it is one) and files written in it: its
+    nearest existing ancestor is a folder a file can be created in. Else exit 2, before any work
+    (a pack under /proc, on a read-only mount, inside a file)."""
+    import tempfile
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        refuse(tool, path, "exists and is not a folder")
+    at = path
+    while not os.path.exists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        refuse(tool, path, f"{at} is not a folder: nothing can be written under it")
+    try:
+        fd, probe = tempfile.mkstemp(dir=at, prefix=".duplex-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        refuse(tool, path, f"cannot write in {at}: {e.strerror or e}")
+    return path
+
+
+def need_graph(path: str, tool: str) -> str:
+    """`path`, when it is an ONNX graph that reads whole (its structure, and each external
+    weight file as long as the graph says): else exit 2 naming the file (a truncated copy, a
+    graph whose weights are missing), before any work is done on it."""
+    need_file(path, tool, "an ONNX graph")
+    import onnx
+
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends: no shared base class
+        refuse(tool, path, f"not a whole ONNX graph ({type(e).__name__}: {str(e)[:120]})")
+    folder = os.path.dirname(path)
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        where = os.path.join(folder, info.get("location", ""))
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        try:
+            size = os.stat(need_file(where, tool, f"the weights of {path}")).st_size
+        except OSError as e:
+            refuse(tool, where, e.strerror or str(e))
+        if size < end:
+            refuse(tool, where, f"{size} bytes, but {path} reads {t.name} up to byte {end} "
+                                "(a truncated copy?)")
     return path
 
 

@@ -161,7 +161,8 @@ impl WavReader {
     ///
     /// # Errors
     ///
-    /// [`AudioError::Corrupt`] when the data ends before the header says or cannot be decoded.
+    /// [`AudioError::Corrupt`] when the data ends before the header says, cannot be decoded, or
+    /// holds a sample that is not a finite number (NaN, infinity).
     pub fn read(&mut self, max_frames: usize, out: &mut Vec<f32>) -> Result<usize, AudioError> {
         if let Some(e) = self.pending.take() {
             return Err(e);
@@ -181,7 +182,7 @@ impl WavReader {
                     match s {
                         Ok(v) => self.scratch_i.push(v),
                         Err(e) => {
-                            fault = Some(e);
+                            fault = Some(e.to_string());
                             break;
                         }
                     }
@@ -199,9 +200,18 @@ impl WavReader {
                 self.scratch_f.clear();
                 for s in self.reader.samples::<f32>().take(n) {
                     match s {
-                        Ok(v) => self.scratch_f.push(v),
+                        Ok(v) if v.is_finite() => self.scratch_f.push(v),
+                        // No resampler, codec or model makes sense of these: the file is refused
+                        // here, naming where, the frames before kept.
+                        Ok(_) => {
+                            let at = self.frames_read * ch as u64 + self.scratch_f.len() as u64;
+                            fault = Some(format!(
+                                "sample {at} is not a finite number (NaN or infinity)"
+                            ));
+                            break;
+                        }
                         Err(e) => {
-                            fault = Some(e);
+                            fault = Some(e.to_string());
                             break;
                         }
                     }
@@ -216,10 +226,10 @@ impl WavReader {
         let got = out.len() - start;
         self.frames_read += got as u64;
         let error = match fault {
-            Some(e) => Some(AudioError::Corrupt {
+            Some(detail) => Some(AudioError::Corrupt {
                 path: self.path.clone(),
                 frames: self.frames_read,
-                detail: e.to_string(),
+                detail,
             }),
             None if got < want => Some(AudioError::Corrupt {
                 path: self.path.clone(),
@@ -529,6 +539,41 @@ mod tests {
             assert_eq!(got.len(), keep, "{e}");
             assert!((got[keep - 1] - samples[keep - 1]).abs() < 1e-4);
             assert!(e.contains(&format!("truncated after {keep}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_float_wav_with_nan_or_infinity_is_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let p = dir.path().join("nan.wav");
+            let spec = hound::WavSpec {
+                channels: 2,
+                sample_rate: 16_000,
+                bits_per_sample: 32,
+                sample_format: hound::SampleFormat::Float,
+            };
+            let mut w = hound::WavWriter::create(&p, spec).unwrap();
+            for i in 0..1000 {
+                w.write_sample(if i == 701 { bad } else { 0.25 }).unwrap();
+            }
+            w.finalize().unwrap();
+            let mut r = WavReader::open(&p).unwrap();
+            let mut got = Vec::new();
+            let e = loop {
+                match r.read(100, &mut got) {
+                    Ok(0) => panic!("{bad} read as a sample"),
+                    Ok(_) => {}
+                    Err(e) => break e.to_string(),
+                }
+            };
+            // The frames before the bad sample (its frame is the 351st) are handed out.
+            assert_eq!(got.len(), 350, "{e}");
+            assert!(got.iter().all(|v| v.is_finite()));
+            assert!(
+                e.contains("nan.wav") && e.contains("sample 701 is not a finite number"),
+                "{e}"
+            );
         }
     }
 

@@ -136,6 +136,9 @@ pub const SIP_DTMF: &str = "duplex_sip_dtmf_total";
 /// dropped), `sip_too_large` (a datagram over 8 KiB: 513), `sip_auth_throttled` (a guesser's
 /// challenges: 403); TCP's `tcp_forbidden`, `tcp_full`, `tcp_silent` (no bytes within 5 s).
 pub const SIP_SCREENED: &str = "duplex_sip_screened_total";
+/// Gauge: the SIP stack's transactions (live, and finished ones kept for their
+/// retransmissions), sampled each second.
+pub const SIP_TRANSACTIONS: &str = "duplex_sip_transactions";
 /// Gauge: SIP's TCP connections held.
 pub const SIP_TCP_CONNECTIONS: &str = "duplex_sip_tcp_connections";
 /// Gauge: WebRTC peers the driver holds (connecting, live or closing).

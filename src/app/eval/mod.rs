@@ -164,7 +164,8 @@ fn bad(key: &str, detail: String) -> ConfigError {
     ConfigError::new(COMMAND, ConfigErrorKind::Build, detail).key(key)
 }
 
-/// Every folder under `root` that holds an `input.wav`, in path order.
+/// Every folder under `root` that holds an `input.wav`, in path order (links to folders are
+/// not followed).
 fn samples(root: &Path) -> Result<Vec<Sample>, ConfigError> {
     if !root.is_dir() {
         return Err(bad("--inputs", format!("{}: not a folder", root.display())));
@@ -176,9 +177,9 @@ fn samples(root: &Path) -> Result<Vec<Sample>, ConfigError> {
             .map_err(|e| bad("--inputs", format!("{}: {e}", dir.display())))?;
         let mut subdirs = Vec::new();
         for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                subdirs.push(p);
+            // A link to a folder is not followed: two links to `.` would walk for ever.
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                subdirs.push(e.path());
             }
         }
         if dir.join("input.wav").is_file() {
@@ -704,6 +705,11 @@ fn backchannel_reference(
     path: &Path,
 ) -> anyhow::Result<std::collections::BTreeMap<String, Vec<f64>>> {
     let key = "--backchannel-reference";
+    // A FIFO or a device would be waited on for ever.
+    let meta = std::fs::metadata(path).map_err(|e| bad(key, format!("{}: {e}", path.display())))?;
+    if !meta.is_file() {
+        return Err(bad(key, format!("{}: not a regular file", path.display())).into());
+    }
     let text =
         std::fs::read_to_string(path).map_err(|e| bad(key, format!("{}: {e}", path.display())))?;
     let v: std::collections::BTreeMap<String, Vec<f64>> =

@@ -30,6 +30,8 @@ const FRAME: Duration = Duration::from_millis(80);
 
 /// How long after the input's end the agent's last frames may take (frames).
 const TAIL_FRAMES: usize = 25;
+/// The agent's transcript kept at most per sample (bytes).
+const MAX_TEXT: usize = 1 << 16;
 
 /// The server: its realtime WebSocket and its session list.
 pub(super) struct Server {
@@ -163,12 +165,28 @@ pub(super) async fn converse(
         Some(i) => figures(server, i).await,
         None => None,
     };
+    // The input in real time, then silence until the agent's answer to its last frame is in.
+    let frames = user.len().div_ceil(FRAME_SAMPLES);
+    let want = (frames + 1) * FRAME_SAMPLES;
+    // What is kept of the agent: its audio up to the sample's length and tail (a server that
+    // sends more gets no more memory), its transcript up to MAX_TEXT.
+    let keep = (want + TAIL_FRAMES * FRAME_SAMPLES) * 2;
     let got = Arc::new(AtomicUsize::new(0));
     let reader = {
         let got = got.clone();
         tokio::spawn(async move {
             let (mut pcm, mut text) = (Vec::<u8>::new(), String::new());
-            while let Some(Ok(m)) = rx.next().await {
+            let mut cut = None;
+            while let Some(m) = rx.next().await {
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // A message over the client's limit, a broken stream: the session is
+                        // cut off here, said in the sample's flags.
+                        cut = Some(format!("the session was cut off: {e}"));
+                        break;
+                    }
+                };
                 let t = match m {
                     Message::Text(t) => t,
                     Message::Close(_) => break,
@@ -178,24 +196,27 @@ pub(super) async fn converse(
                 let delta = v["delta"].as_str().unwrap_or_default();
                 match v["type"].as_str().unwrap_or_default() {
                     "response.output_audio.delta" | "response.audio.delta" => {
-                        pcm.extend(
-                            base64::engine::general_purpose::STANDARD
+                        if pcm.len() < keep {
+                            let b = base64::engine::general_purpose::STANDARD
                                 .decode(delta)
-                                .unwrap_or_default(),
-                        );
+                                .unwrap_or_default();
+                            let room = keep - pcm.len();
+                            pcm.extend_from_slice(&b[..b.len().min(room)]);
+                        }
                         got.store(pcm.len() / 2, Ordering::Release);
                     }
                     "response.output_audio_transcript.delta"
-                    | "response.audio_transcript.delta" => text.push_str(delta),
+                    | "response.audio_transcript.delta"
+                        if text.len() + delta.len() <= MAX_TEXT =>
+                    {
+                        text.push_str(delta)
+                    }
                     _ => {}
                 }
             }
-            (pcm, text)
+            (pcm, text, cut)
         })
     };
-    // The input in real time, then silence until the agent's answer to its last frame is in.
-    let frames = user.len().div_ceil(FRAME_SAMPLES);
-    let want = (frames + 1) * FRAME_SAMPLES;
     let mut flags = Vec::new();
     let t0 = Instant::now();
     let mut k = 0usize;
@@ -220,9 +241,16 @@ pub(super) async fn converse(
         None => None,
     };
     let _ = tx.send(Message::Close(None)).await;
-    let (pcm, transcript) = tokio::time::timeout(Duration::from_secs(10), reader)
-        .await
-        .map_err(|_| anyhow!("the server did not close the session"))??;
+    let abort = reader.abort_handle();
+    let (pcm, transcript, cut) = match tokio::time::timeout(Duration::from_secs(10), reader).await {
+        Ok(r) => r?,
+        Err(_) => {
+            // The reader is not left running (and reading) past its sample.
+            abort.abort();
+            return Err(anyhow!("the server did not close the session"));
+        }
+    };
+    flags.extend(cut);
     if after.is_none() {
         flags.push("no figures for the session in the server's /api/sessions".into());
     }

@@ -77,6 +77,9 @@ pub(super) async fn talk(
 }
 
 /// The WebSocket to the server, with the key when there is one.
+/// The largest message the clients take (an 80 ms frame's delta is about 5 KB).
+pub(crate) const MAX_MESSAGE: usize = 1 << 20;
+
 pub(crate) async fn connect(
     url: &str,
     key: Option<&str>,
@@ -93,9 +96,14 @@ pub(crate) async fn connect(
             .map_err(|_| anyhow!("the key is not a header value"))?;
         req.headers_mut().insert("authorization", v);
     }
+    // A server that sends messages larger than any this protocol has is cut off, not
+    // buffered.
+    let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(Some(MAX_MESSAGE))
+        .max_frame_size(Some(MAX_MESSAGE));
     let (ws, _) = tokio::time::timeout(
         Duration::from_secs(30),
-        tokio_tungstenite::connect_async(req),
+        tokio_tungstenite::connect_async_with_config(req, Some(config), false),
     )
     .await
     .map_err(|_| anyhow!("no answer within 30 s"))?

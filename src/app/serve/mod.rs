@@ -121,6 +121,8 @@ pub(crate) struct Server {
     webrtc: Option<webrtc::Endpoint>,
     /// The voice-activity detector of `/v1/realtime` (`None`: none).
     vad: Option<Arc<crate::model::vad::Vad>>,
+    /// The nonces of Plivo's signed upgrades taken (a replay is refused).
+    plivo_nonces: streams::plivo::Nonces,
 }
 
 impl Server {
@@ -390,6 +392,7 @@ async fn serve(
         capacity,
         webrtc,
         vad: held.vad,
+        plivo_nonces: Default::default(),
         cfg: Arc::new(cfg),
     });
     server.active.set(0.0);

@@ -271,6 +271,37 @@ fn inputs_it_cannot_run_are_refused_naming_them_and_what_was_done_is_kept() {
     assert!(said.contains("b/input.wav"), "{said}");
     assert!(out.join("tiny-gqa/seed-0/a/output.wav").is_file());
     assert!(!out.join("tiny-gqa/seed-0/b/output.wav").exists());
+    // Links to folders are not followed (two links to `.` walked for ever), and a float WAV
+    // holding NaN is refused naming the file and why, the samples before it kept.
+    let walk = dir.path().join("walk");
+    wav(&walk.join("a/input.wav"), 24_000, 1920 * 2, 1, 0);
+    std::os::unix::fs::symlink(".", walk.join("loop1")).unwrap();
+    std::os::unix::fs::symlink("..", walk.join("a/loop2")).unwrap();
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 24_000,
+        bits_per_sample: 32,
+        sample_format: hound::SampleFormat::Float,
+    };
+    std::fs::create_dir_all(walk.join("c")).unwrap();
+    let mut w = hound::WavWriter::create(walk.join("c/input.wav"), spec).unwrap();
+    for i in 0..1920 * 2 {
+        w.write_sample(if i == 100 { f32::NAN } else { 0.1 })
+            .unwrap();
+    }
+    w.finalize().unwrap();
+    let walked = dir.path().join("walked");
+    let (code, said) = run_on(&tiny, &walk, &walked);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("c/input.wav") && said.contains("not a finite number"),
+        "{said}"
+    );
+    assert!(walked.join("tiny-gqa/seed-0/a/output.wav").is_file());
+    assert!(
+        !walked.join("tiny-gqa/seed-0/loop1").exists(),
+        "a link was walked"
+    );
     // Not a pack.
     let (code, said) = run_on(&inputs, &inputs, &out);
     assert_eq!(code, Some(2), "{said}");
@@ -822,6 +853,17 @@ fn backchannels_are_counted_and_their_timing_set_against_the_reference() {
         "{bc}"
     );
     assert!(bc["tor"].is_null(), "{bc}");
+    // A FIFO (waited on for ever before): refused at once.
+    std::fs::remove_file(&reference).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&reference)
+        .status()
+        .unwrap()
+        .success());
+    let o = score(&[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("not a regular file"), "{}", text(&o));
+    std::fs::remove_file(&reference).unwrap();
     // A reference that is not one: refused, naming the flag and the file.
     std::fs::write(&reference, "{\"7\": [1.0]}").unwrap();
     let o = score(&[]);

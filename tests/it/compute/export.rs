@@ -260,6 +260,41 @@ fn bad_checkpoints_are_refused_naming_the_file_and_what_is_wrong() {
         "nothing was written for a refused checkpoint"
     );
 
+    // The exporter's tracebacks, each one line and exit 2 before any work: a count of heads of
+    // zero, an output no file can be written under, a FIFO where a checkpoint file goes.
+    std::fs::write(
+        ck.join("config.json"),
+        cfg.replace("\"num_heads\": 4", "\"num_heads\": 0"),
+    )
+    .unwrap();
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("num_heads is 0: a count of heads") && !e.contains("Traceback"),
+        "{e}"
+    );
+    std::fs::write(ck.join("config.json"), &cfg).unwrap();
+    let o = export(&ck, Path::new("/proc/duplex-pack"), "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("/proc/duplex-pack: cannot write in /proc") && !e.contains("Traceback"),
+        "{e}"
+    );
+    std::fs::rename(&lm, dir.path().join("lm")).unwrap();
+    let fifo = std::process::Command::new("mkfifo")
+        .arg(&lm)
+        .status()
+        .unwrap();
+    assert!(fifo.success());
+    let o = export(&ck, &out, "cpu");
+    let e = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(e.contains("model.safetensors: not a regular file"), "{e}");
+    std::fs::remove_file(&lm).unwrap();
+    std::fs::rename(dir.path().join("lm"), &lm).unwrap();
+
     // A pack that does not load: `duplex doctor --pack` exits 2 naming it.
     let broken = dir.path().join("broken");
     std::fs::create_dir_all(broken.join("temporal")).unwrap();

@@ -659,7 +659,7 @@ fn the_pack_tools_name_a_malformed_manifest_or_list_and_exit_2() {
 /// What a careless operator gives the pack tools besides a malformed manifest (the second
 /// hostile probe): a folder that is a file, a pack without its graph, a FIFO where a file was
 /// meant (a FIFO made the gate wait for ever), a destination that is a file, a tokenizer that is
-/// not one. Each is refused in one line naming the tool and the path, exit 2, no traceback, no
+/// not one, a graph cut short, an output under /proc. Each is refused in one line naming the tool and the path, exit 2, no traceback, no
 /// hang, nothing written.
 #[test]
 fn the_pack_tools_refuse_paths_that_are_not_what_they_need() {
@@ -677,9 +677,40 @@ fn the_pack_tools_refuse_paths_that_are_not_what_they_need() {
     let no_graph = d.join("no-graph");
     std::fs::create_dir(&no_graph).unwrap();
     std::fs::copy(tiny.join("pack.yaml"), no_graph.join("pack.yaml")).unwrap();
+    // A pack whose temporal graph was cut short (a copy that did not finish).
+    let cut = d.join("cut");
+    std::fs::create_dir(&cut).unwrap();
+    for e in std::fs::read_dir(&tiny).unwrap().flatten() {
+        if e.file_name() != "temporal" {
+            std::os::unix::fs::symlink(e.path(), cut.join(e.file_name())).unwrap();
+        }
+    }
+    std::fs::create_dir(cut.join("temporal")).unwrap();
+    for e in std::fs::read_dir(tiny.join("temporal")).unwrap().flatten() {
+        std::os::unix::fs::symlink(e.path(), cut.join("temporal").join(e.file_name())).unwrap();
+    }
+    let graph = cut.join("temporal/model.onnx");
+    let whole = std::fs::read(&graph).unwrap();
+    std::fs::remove_file(&graph).unwrap();
+    std::fs::write(&graph, &whole[..whole.len() / 3]).unwrap();
     let os = |p: &Path| p.as_os_str().to_owned();
     let s = |t: &str| std::ffi::OsString::from(t);
     let cases: Vec<(&str, Vec<std::ffi::OsString>, String)> = vec![
+        (
+            "quantize_pack.py",
+            vec![os(&cut), os(&d.join("q")), s("--quantize"), s("int8")],
+            format!("quantize_pack: {}: not a whole ONNX graph", graph.display()),
+        ),
+        (
+            "quantize_pack.py",
+            vec![os(&tiny), s("/proc/duplex-q"), s("--quantize"), s("int8")],
+            "quantize_pack: /proc/duplex-q: cannot write in /proc".to_string(),
+        ),
+        (
+            "make_checkpoint.py",
+            vec![s("/proc/duplex-ck")],
+            "make_checkpoint: /proc/duplex-ck: cannot write in /proc".to_string(),
+        ),
         (
             "check_quantized.py",
             vec![os(&file), os(&tiny)],
@@ -760,6 +791,7 @@ fn the_pack_tools_refuse_paths_that_are_not_what_they_need() {
         assert!(err.contains(&want), "{tool}: {want:?} not in {err}");
     }
     assert!(!d.join("ck").exists(), "a refused checkpoint was begun");
+    assert!(!d.join("q").exists() && !d.join("q.partial").exists());
     assert_eq!(
         std::fs::read(&file).unwrap(),
         [7u8; 4096],

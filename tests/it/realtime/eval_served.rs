@@ -156,3 +156,48 @@ fn a_server_that_refuses_every_input_and_an_address_that_is_none_are_said() {
         assert!(text(&o).contains("--server"), "{}", text(&o));
     }
 }
+
+/// A server that floods the client with audio deltas of 6 MiB each (the hostile probe's 8 MB
+/// deltas took the client to 3 GB in 10 s): the client takes no message over its limit, the
+/// session is cut off and said in the sample's flags, and the run ends.
+#[test]
+fn eval_served_client_is_bounded_against_a_server_that_floods_it() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut server =
+        std::process::Command::new(crate::support::daemon::root().join(".venv/bin/python"))
+            .arg(crate::support::daemon::root().join("tests/clients/flooding_server.py"))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port: u16 = line.trim().parse().unwrap();
+    let inputs = dir.path().join("in");
+    input(&inputs.join("a/input.wav"), 16_000);
+    let out = dir.path().join("out");
+    let o = eval(&[
+        "run",
+        "--server",
+        &format!("http://127.0.0.1:{port}"),
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let _ = server.kill();
+    let _ = server.wait();
+    let said = text(&o);
+    assert!(o.status.code().is_some(), "{said}");
+    let run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("served/seed-0/run.json")).unwrap())
+            .unwrap();
+    let flags = run["flagged"]["a/input.wav"].to_string();
+    assert!(flags.contains("the session was cut off"), "{flags}\n{said}");
+    assert!(
+        flags.contains("Message too long") || flags.contains("too long"),
+        "{flags}"
+    );
+}

@@ -200,6 +200,18 @@ pub struct SipSettings {
     /// The longest session-timer interval (RFC 4028) a call is given; a caller asking for
     /// more gets this.
     pub session_expires: Duration,
+    /// The smallest interval taken (`422` below it, with this as `Min-SE`).
+    pub min_se: Duration,
+}
+
+impl SipSettings {
+    /// The session timer's limits.
+    pub(crate) fn timer_limits(&self) -> crate::app::serve::sip::timers::Limits {
+        crate::app::serve::sip::timers::Limits {
+            max: self.session_expires,
+            min_se: self.min_se,
+        }
+    }
 }
 
 /// A checked server configuration.

@@ -29,6 +29,7 @@ const SIP_KEYS: &[&str] = &[
     "tcp_max_connections",
     "tcp_connections_per_ip",
     "session_expires_s",
+    "min_se_s",
 ];
 
 /// The `sip:` section; `keys`: whether the server has API keys (a server with keys takes calls
@@ -123,6 +124,15 @@ pub(super) fn read_sip(s: &Fields<'_>, keys: bool) -> Result<Option<SipSettings>
             "less than jitter_ms",
         ));
     }
+    let session_expires = Duration::from_secs(s.number("session_expires_s", 1.0, 86_400.0)? as u64);
+    let min_se = Duration::from_secs(s.number("min_se_s", 1.0, 86_400.0)? as u64);
+    if min_se > session_expires {
+        return Err(s.err(
+            ConfigErrorKind::OutOfRange,
+            "min_se_s",
+            "more than session_expires_s",
+        ));
+    }
     Ok(Some(SipSettings {
         address,
         tcp: s.boolean("tcp")?,
@@ -139,6 +149,7 @@ pub(super) fn read_sip(s: &Fields<'_>, keys: bool) -> Result<Option<SipSettings>
             per_ip: s.number("tcp_connections_per_ip", 1.0, 100_000.0)? as usize,
             total: s.number("tcp_max_connections", 1.0, 1_000_000.0)? as usize,
         },
-        session_expires: Duration::from_secs(s.number("session_expires_s", 90.0, 86_400.0)? as u64),
+        session_expires,
+        min_se,
     }))
 }

@@ -104,12 +104,13 @@ pub(in crate::app::serve) async fn media(
                 "Plivo",
                 p.plivo_auth_token.as_ref(),
                 |t| {
+                    let nonce = h("x-plivo-signature-v3-nonce").unwrap_or_default();
                     plivo::signature_ok(
                         t,
                         &url,
-                        h("x-plivo-signature-v3-nonce").unwrap_or_default(),
+                        nonce,
                         h("x-plivo-signature-v3").unwrap_or_default(),
-                    )
+                    ) && server.plivo_nonces.fresh(nonce, std::time::Instant::now())
                 },
             ) {
                 return *r;

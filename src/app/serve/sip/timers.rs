@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use rsipstack::sip::Request;
 
-/// The smallest interval we take (RFC 4028's minimum, §4).
-pub(crate) const MIN_SE: Duration = Duration::from_secs(90);
+/// The smallest interval RFC 4028 lets a server take (§4): the default of `sip.min_se_s`.
+#[cfg(test)]
+const MIN_SE: Duration = Duration::from_secs(90);
 
 /// Who refreshes the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,17 +69,25 @@ fn supports_timer(req: &Request) -> bool {
         })
 }
 
-/// The timer `req` (an INVITE, re-INVITE or UPDATE) asks for at `now`, our longest interval
-/// being `max`: `None` when it asks for none.
+/// Our limits on a call's interval: the longest we give, the smallest we take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub max: Duration,
+    pub min_se: Duration,
+}
+
+/// The timer `req` (an INVITE, re-INVITE or UPDATE) asks for at `now`, within `limits`: `None`
+/// when it asks for none.
 ///
 /// # Errors
 ///
-/// [`TooSmall`] when its interval is under our [`MIN_SE`] (the caller retries with ours).
+/// [`TooSmall`] when its interval is under our Min-SE (the caller retries with ours).
 pub(crate) fn negotiate(
     req: &Request,
-    max: Duration,
+    limits: Limits,
     now: Instant,
 ) -> Result<Option<Timer>, TooSmall> {
+    let Limits { max, min_se } = limits;
     let Some(se) = header(req, &["Session-Expires", "x"]) else {
         return Ok(None);
     };
@@ -88,14 +97,14 @@ pub(crate) fn negotiate(
         return Ok(None);
     };
     let asked = Duration::from_secs(delta);
-    if asked < MIN_SE {
-        return Err(TooSmall { min_se: MIN_SE });
+    if asked < min_se {
+        return Err(TooSmall { min_se });
     }
     let their_min = header(req, &["Min-SE"])
         .and_then(|m| m.split(';').next()?.trim().parse::<u64>().ok())
         .map(Duration::from_secs)
-        .unwrap_or(MIN_SE);
-    let interval = asked.min(max.max(their_min).max(MIN_SE));
+        .unwrap_or(min_se);
+    let interval = asked.min(max.max(their_min).max(min_se));
     let caller_supports = supports_timer(req);
     let named = parts.find_map(|p| {
         let (k, v) = p.split_once('=')?;
@@ -172,7 +181,10 @@ mod tests {
         }
     }
 
-    const MAX: Duration = Duration::from_secs(1800);
+    const MAX: Limits = Limits {
+        max: Duration::from_secs(1800),
+        min_se: MIN_SE,
+    };
 
     #[test]
     fn sip_session_timers_are_negotiated_as_rfc_4028_says() {
@@ -207,7 +219,7 @@ mod tests {
         let t = negotiate(&invite("k: timer\r\nx: 7200\r\n"), MAX, now)
             .unwrap()
             .unwrap();
-        assert_eq!(t.interval, MAX);
+        assert_eq!(t.interval, MAX.max);
         // It may name us; one that does not support timers (a proxy asked) leaves it to us.
         let t = negotiate(
             &invite("Supported: timer\r\nSession-Expires: 600;refresher=uas\r\n"),

@@ -33,6 +33,8 @@ const MARK_EVERY: u64 = 12;
 pub(crate) const CLEAR_AFTER: u64 = 40;
 /// DTMF keys kept for the session's status.
 const MAX_KEYS: usize = 64;
+/// How often a call's keys are logged at most.
+const KEYS_LOGGED_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A call's audio on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,8 +62,8 @@ pub(crate) enum Event {
     Media(String),
     /// A mark of ours, played.
     Played(String),
-    /// A key pressed.
-    Dtmf(String),
+    /// A key pressed: one of `0-9 * # A-D` (`None`: the digit was something else).
+    Dtmf(Option<char>),
     /// The call has ended.
     Stop,
     /// Nothing for the session (a `connected`, an outbound track, an acknowledgement).
@@ -124,6 +126,9 @@ struct Call {
     /// Marks echoed.
     echoed: u64,
     keys: String,
+    /// Keys pressed since the last line logged, and when that was.
+    unlogged: usize,
+    logged: Option<std::time::Instant>,
 }
 
 /// One provider call's side of its session.
@@ -339,14 +344,32 @@ impl<D: Dialect> Protocol for MediaStream<D> {
                     call.echoed += 1;
                 }
             }
-            Event::Dtmf(key) => {
-                tracing::info!(session = cx.id, "{}: the caller pressed {key}", D::NAME);
-                if let Ok(mut call) = self.call.lock() {
-                    if call.keys.len() < MAX_KEYS {
-                        call.keys.push_str(&key);
-                    }
+            Event::Dtmf(Some(key)) => {
+                let Ok(mut call) = self.call.lock() else {
+                    return;
+                };
+                if call.keys.len() < MAX_KEYS {
+                    call.keys.push(key);
+                }
+                // At most a line a second per call, however fast keys come.
+                let now = std::time::Instant::now();
+                call.unlogged += 1;
+                if call
+                    .logged
+                    .is_none_or(|t| now.saturating_duration_since(t) >= KEYS_LOGGED_EVERY)
+                {
+                    let n = std::mem::take(&mut call.unlogged);
+                    let last: String = call.keys.chars().rev().take(n.min(MAX_KEYS)).collect();
+                    let last: String = last.chars().rev().collect();
+                    call.logged = Some(now);
+                    tracing::info!(
+                        session = cx.id,
+                        "{}: the caller pressed {last} ({n} key(s) since the last line)",
+                        D::NAME
+                    );
                 }
             }
+            Event::Dtmf(None) => Self::bad(cx, "dtmf", "a digit that is not a DTMF key"),
             Event::Stop => cx.end = true,
             Event::Ignore => {}
             Event::Unknown => Self::bad(cx, "event", "an unknown event"),
@@ -392,10 +415,26 @@ pub(crate) fn twilio_like(kind: &str, v: &Value) -> Option<Event> {
             None => Event::Unknown,
         },
         "mark" => Event::Played(v["mark"]["name"].as_str().unwrap_or_default().into()),
-        "dtmf" => Event::Dtmf(v["dtmf"]["digit"].as_str().unwrap_or_default().into()),
+        "dtmf" => Event::Dtmf(dtmf_key(&v["dtmf"]["digit"])),
         "stop" => Event::Stop,
         _ => return None,
     })
+}
+
+/// The DTMF key a provider's `digit` names: one character of `0-9 * # A-D` (a string, or a
+/// number 0–9), else `None`. Nothing else a client sends is logged or kept as a key.
+pub(crate) fn dtmf_key(digit: &Value) -> Option<char> {
+    let text = match digit {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.as_u64().filter(|d| *d <= 9)?.to_string(),
+        _ => return None,
+    };
+    let mut chars = text.chars();
+    let (Some(c), None) = (chars.next(), chars.next()) else {
+        return None;
+    };
+    let c = c.to_ascii_uppercase();
+    matches!(c, '0'..='9' | '*' | '#' | 'A'..='D').then_some(c)
 }
 
 /// A JSON object's string fields as the session's params (names lowercased, `-` as `_`),
@@ -420,4 +459,31 @@ pub(crate) fn string_params(v: &Value, skip: &[&str]) -> Vec<(String, String)> {
 pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     use subtle::ConstantTimeEq;
     a.ct_eq(b).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn provider_dtmf_digits_are_kept_to_dtmf_keys() {
+        assert_eq!(dtmf_key(&json!("5")), Some('5'));
+        assert_eq!(dtmf_key(&json!("#")), Some('#'));
+        assert_eq!(dtmf_key(&json!("b")), Some('B'));
+        assert_eq!(dtmf_key(&json!(7)), Some('7'));
+        // A line break that would forge a log line, a long digit, anything else: no key.
+        for bad in [
+            json!("1\nINFO forged"),
+            json!("x".repeat(100_000)),
+            json!(""),
+            json!("E"),
+            json!(12),
+            json!(-1),
+            json!(null),
+            json!(["1"]),
+        ] {
+            assert_eq!(dtmf_key(&bad), None, "{bad:.20}");
+        }
+    }
 }

@@ -62,7 +62,7 @@ impl Dialect for Plivo {
                 None => Event::Unknown,
             },
             "playedStream" => Event::Played(v["name"].as_str().unwrap_or_default().into()),
-            "dtmf" => Event::Dtmf(v["dtmf"]["digit"].as_str().unwrap_or_default().into()),
+            "dtmf" => Event::Dtmf(super::dtmf_key(&v["dtmf"]["digit"])),
             "clearedAudio" => Event::Ignore,
             _ => Event::Unknown,
         }
@@ -84,6 +84,46 @@ impl Dialect for Plivo {
 
     fn clear(&self, id: &str) -> Value {
         json!({"event": "clearAudio", "streamId": id})
+    }
+}
+
+/// How long a nonce is remembered: a signed upgrade replayed later than this is refused by
+/// the provider's own clock skew long before (Plivo signs each request anew).
+const NONCE_MEMORY: std::time::Duration = std::time::Duration::from_secs(600);
+/// Nonces remembered at most (past it the oldest are forgotten).
+const MAX_NONCES: usize = 100_000;
+
+/// The nonces of the signed upgrades taken: a captured upgrade cannot be replayed.
+#[derive(Default)]
+pub(crate) struct Nonces(std::sync::Mutex<NonceBook>);
+
+#[derive(Default)]
+pub(crate) struct NonceBook {
+    seen: std::collections::HashSet<String>,
+    order: std::collections::VecDeque<(std::time::Instant, String)>,
+}
+
+impl Nonces {
+    /// Takes `nonce` at `now`: false when it was taken before (within [`NONCE_MEMORY`]).
+    pub(crate) fn fresh(&self, nonce: &str, now: std::time::Instant) -> bool {
+        let Ok(mut b) = self.0.lock() else {
+            return false;
+        };
+        while b
+            .order
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= NONCE_MEMORY)
+            || b.order.len() >= MAX_NONCES
+        {
+            if let Some((_, n)) = b.order.pop_front() {
+                b.seen.remove(&n);
+            }
+        }
+        if !b.seen.insert(nonce.to_string()) {
+            return false;
+        }
+        b.order.push_back((now, nonce.to_string()));
+        true
     }
 }
 
@@ -134,5 +174,16 @@ mod tests {
             "wss://h.example.com/plivo/media.9"
         );
         assert!(!signature_ok("t", "wss://h/p", "", "x"));
+    }
+
+    #[test]
+    fn plivo_nonces_do_not_replay() {
+        let n = Nonces::default();
+        let t = std::time::Instant::now();
+        assert!(n.fresh("abc", t));
+        assert!(!n.fresh("abc", t + std::time::Duration::from_secs(5)));
+        assert!(n.fresh("abd", t));
+        // Forgotten once its memory has passed (the provider's signature has long expired).
+        assert!(n.fresh("abc", t + NONCE_MEMORY));
     }
 }

@@ -41,13 +41,7 @@ impl Dialect for Vonage {
                     params: string_params(v, &["event", "content-type"]),
                 }
             }
-            "websocket:dtmf" => Event::Dtmf(
-                v["digit"]
-                    .as_str()
-                    .map(str::to_string)
-                    .or_else(|| v["digit"].as_u64().map(|d| d.to_string()))
-                    .unwrap_or_default(),
-            ),
+            "websocket:dtmf" => Event::Dtmf(super::dtmf_key(&v["digit"])),
             "websocket:notify" => {
                 Event::Played(v["payload"]["name"].as_str().unwrap_or_default().into())
             }
@@ -71,7 +65,7 @@ impl Dialect for Vonage {
 }
 
 /// Whether `header` (`Authorization: Bearer …`) holds a JWT signed HS256 with `secret`, not
-/// expired at `now_s` (by its `exp`, when it has one).
+/// expired at `now_s` (see [`times_ok`]).
 pub(crate) fn jwt_ok(secret: &str, header: Option<&str>, now_s: u64) -> bool {
     use hmac::Mac;
     let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -114,7 +108,36 @@ pub(crate) fn jwt_ok(secret: &str, header: Option<&str>, now_s: u64) -> bool {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
-    claims["exp"].as_u64().is_none_or(|exp| exp > now_s)
+    times_ok(&claims, now_s)
+}
+
+/// How far the provider's clock may be from ours.
+const SKEW_S: i64 = 60;
+/// How long a JWT without `exp` is taken after its `iat`.
+const IAT_LIFE_S: i64 = 300;
+
+/// Whether a JWT's times hold at `now_s` (RFC 7519 §4.1.4–6, with [`SKEW_S`] of skew): `exp`
+/// in the future; without `exp`, an `iat` within [`IAT_LIFE_S`]; `nbf`, when given, passed. A
+/// time that is not an integer (a string, a fraction, a number beyond 64 bits) is no time: the
+/// token is refused, as is one with neither `exp` nor `iat` (it would never expire).
+fn times_ok(claims: &Value, now_s: u64) -> bool {
+    let now = i64::try_from(now_s).unwrap_or(i64::MAX);
+    let time = |k: &str| -> Result<Option<i64>, ()> {
+        match &claims[k] {
+            Value::Null => Ok(None),
+            Value::Number(n) => n.as_i64().map(Some).ok_or(()),
+            _ => Err(()),
+        }
+    };
+    let (Ok(exp), Ok(iat), Ok(nbf)) = (time("exp"), time("iat"), time("nbf")) else {
+        return false;
+    };
+    let alive = match (exp, iat) {
+        (Some(exp), _) => now < exp.saturating_add(SKEW_S),
+        (None, Some(iat)) => now < iat.saturating_add(IAT_LIFE_S + SKEW_S) && iat <= now + SKEW_S,
+        (None, None) => false,
+    };
+    alive && nbf.is_none_or(|nbf| nbf <= now + SKEW_S)
 }
 
 #[cfg(test)]
@@ -137,10 +160,53 @@ mod tests {
         };
         let ok = sign("s3", "{\"iat\":1,\"exp\":100}", "HS256");
         assert!(jwt_ok("s3", Some(&ok), 50));
-        assert!(!jwt_ok("s3", Some(&ok), 100));
+        // Expired, with a minute's skew.
+        assert!(jwt_ok("s3", Some(&ok), 159));
+        assert!(!jwt_ok("s3", Some(&ok), 160));
         assert!(!jwt_ok("other", Some(&ok), 50));
         assert!(!jwt_ok("s3", Some(&sign("s3", "{}", "none")), 50));
         assert!(!jwt_ok("s3", None, 50));
         assert!(!jwt_ok("s3", Some("Bearer a.b"), 50));
+    }
+
+    #[test]
+    fn vonage_jwts_without_an_integer_exp_expire() {
+        use hmac::Mac;
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let sign = |claims: &str| {
+            let head = b64.encode("{\"alg\":\"HS256\",\"typ\":\"JWT\"}");
+            let body = b64.encode(claims);
+            let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"s3").unwrap();
+            mac.update(format!("{head}.{body}").as_bytes());
+            format!(
+                "Bearer {head}.{body}.{}",
+                b64.encode(mac.finalize().into_bytes())
+            )
+        };
+        let at = |claims: &str, now: u64| jwt_ok("s3", Some(&sign(claims)), now);
+        let now = 1_800_000_000;
+        // Times that are not integers are no times: refused, never "no expiry".
+        for claims in [
+            r#"{"exp":"99999999999"}"#,
+            r#"{"exp":1.8e12}"#,
+            r#"{"exp":18446744073709551616}"#,
+            r#"{"exp":null,"iat":"1"}"#,
+            r#"{}"#,
+        ] {
+            assert!(!at(claims, now), "{claims}");
+        }
+        // Without exp, the iat's five minutes (and a minute of skew).
+        assert!(at(&format!(r#"{{"iat":{}}}"#, now - 200), now));
+        assert!(!at(&format!(r#"{{"iat":{}}}"#, now - 400), now));
+        assert!(!at(&format!(r#"{{"iat":{}}}"#, now + 600), now));
+        // Not before its nbf.
+        assert!(!at(
+            &format!(r#"{{"exp":{},"nbf":{}}}"#, now + 100, now + 90),
+            now
+        ));
+        assert!(at(
+            &format!(r#"{{"exp":{},"nbf":{}}}"#, now + 100, now + 30),
+            now
+        ));
     }
 }

@@ -397,7 +397,7 @@ impl Call {
             return Err((500, vec![Header::Other("Retry-After".into(), "1".into())]));
         }
         let timer =
-            timers::negotiate(req, self.door.settings.session_expires, now).map_err(|small| {
+            timers::negotiate(req, self.door.settings.timer_limits(), now).map_err(|small| {
                 let min = small.min_se.as_secs().to_string();
                 (422, vec![Header::Other("Min-SE".into(), min)])
             })?;

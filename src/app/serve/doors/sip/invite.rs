@@ -45,7 +45,7 @@ pub(super) async fn run(door: Arc<Door>, mut tx: Transaction) {
     let Some(peer) = peer_of(&tx) else {
         return answer(&mut tx, 500, Vec::new()).await;
     };
-    let timer = match timers::negotiate(&tx.original, door.settings.session_expires, Instant::now())
+    let timer = match timers::negotiate(&tx.original, door.settings.timer_limits(), Instant::now())
     {
         Ok(t) => t,
         Err(small) => {

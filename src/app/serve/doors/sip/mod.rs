@@ -92,6 +92,17 @@ pub(in crate::app::serve) async fn run(server: Arc<Server>, ep: Endpoint) {
     let serving = ep.clone();
     tokio::spawn(async move { serving.endpoint.serve().await });
     tokio::spawn(watch(state_rx, calls.clone()));
+    // The stack's transactions (live, and finished ones kept for retransmissions), as a gauge.
+    let counted = Arc::downgrade(&ep);
+    tokio::spawn(async move {
+        let gauge = metrics::gauge!(names::SIP_TRANSACTIONS);
+        while let Some(ep) = counted.upgrade() {
+            let inner = &ep.endpoint.inner;
+            gauge.set((inner.transactions.len() + inner.finished_transactions.len()) as f64);
+            drop(ep);
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    });
     let digest = settings
         .digest
         .as_ref()

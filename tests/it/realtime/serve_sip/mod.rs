@@ -5,7 +5,11 @@
 //! 4733) in the session's status, a CANCEL while the call rings, a caller that vanishes without
 //! a BYE (hung up by RTP timeout, over TCP) while RTP from an address the call did not
 //! negotiate is ignored; and malformed SIP and SDP, each answered with its status, counted,
-//! holding no slot.
+//! holding no slot. [`carriers`]: what carriers and PBXs do (NAT, hold, session timers, INFO
+//! DTMF, glare); [`hostile`]: what a public SIP port gets (the hostile probe's table).
+
+mod carriers;
+mod hostile;
 
 use std::net::UdpSocket;
 use std::path::{Path, PathBuf};
@@ -288,11 +292,16 @@ fn scenario(dir: &Path, name: &str, wav: &Path, set: &[(&str, &str)]) -> PathBuf
 /// Runs sipp on `scenario` against the server's SIP port; `args`: its call counts and
 /// transport. Its exit status is 0 only when every call followed the scenario.
 fn sipp(dir: &Path, scenario: &Path, port: u16, args: &[&str]) -> Command {
+    sipp_on(dir, scenario, port, free_port(), args)
+}
+
+/// As [`sipp`], its media (RTP) on port `media`.
+fn sipp_on(dir: &Path, scenario: &Path, port: u16, media: u16, args: &[&str]) -> Command {
     let mut c = Command::new("sipp");
     c.arg("-sf")
         .arg(scenario)
         .args(["-i", "127.0.0.1", "-mp"])
-        .arg(free_port().to_string())
+        .arg(media.to_string())
         .args(["-p", &free_port().to_string()])
         .args(["-nostdin", "-trace_err", "-timeout", "30s"])
         .args(args)
