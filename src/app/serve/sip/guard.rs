@@ -189,40 +189,15 @@ impl Guard {
         taking: bool,
     ) -> Verdict {
         self.sweep(now);
-        let method = req.method;
-        // What the stack cannot take: a mandatory header missing (an INVITE says where the
-        // call's requests go, too: §8.1.1.8).
-        let has = |name: &str| {
-            req.headers
-                .iter()
-                .any(|h| h.name().eq_ignore_ascii_case(name))
-        };
-        let mut missing: Vec<&str> = MANDATORY.into_iter().filter(|h| !has(h)).collect();
-        if method == Method::Invite && !has("Contact") && !has("m") {
-            missing.push("Contact");
-        }
-        let parts = if missing.is_empty() {
-            Parts::of(req)
-        } else {
-            None
-        };
-        let Some(parts) = parts else {
-            if method == Method::Ack || !has("Via") {
-                // An answer needs a Via to go back by.
-                return Verdict::Drop("sip_malformed");
-            }
-            let text = if missing.is_empty() {
-                "a header the request has cannot be read".to_string()
-            } else {
-                format!("the request has no {}", missing.join(", "))
-            };
-            return answer(400, "sip_malformed", &[("Warning", &warning_value(&text))]);
+        let parts = match parts(req) {
+            Ok(p) => p,
+            Err(v) => return v,
         };
         // Past its allowance, a source is not answered at all (an answer costs too).
         if !self.count(now, source) {
             return Verdict::Drop("sip_throttled");
         }
-        if method == Method::Ack {
+        if req.method == Method::Ack {
             // An ACK belongs to a call we let through, from that call's party; the rest is
             // nothing to anyone.
             return match self.calls.get(&(parts.call_id, parts.from_tag)) {
@@ -230,20 +205,55 @@ impl Guard {
                 _ => Verdict::Drop("sip_stray"),
             };
         }
+        if let Some(v) = self.refused(req, &parts, source) {
+            return v;
+        }
+        self.route(now, req.method, parts, source, taking)
+    }
+
+    /// What refuses a request whoever it is for: a CSeq of another method (400), a source
+    /// outside `sip.allow` (403), an option of `Require:` we lack (420).
+    fn refused(&self, req: &Request, parts: &Parts, source: IpAddr) -> Option<Verdict> {
+        let method = req.method;
         if parts.cseq_method.as_ref() != Some(&method) {
             let text = format!("the CSeq's method is not the request's ({method})");
-            return answer(400, "sip_malformed", &[("Warning", &warning_value(&text))]);
+            return Some(answer(
+                400,
+                "sip_malformed",
+                &[("Warning", &warning_value(&text))],
+            ));
         }
         if !self.allowed(source) {
             let text = format!("{source} is not in sip.allow");
-            return answer(403, "sip_forbidden", &[("Warning", &warning_value(&text))]);
+            return Some(answer(
+                403,
+                "sip_forbidden",
+                &[("Warning", &warning_value(&text))],
+            ));
         }
         if method != Method::Cancel {
             let unsupported = unsupported(req);
             if !unsupported.is_empty() {
-                return answer(420, "sip_unsupported", &[("Unsupported", &unsupported)]);
+                return Some(answer(
+                    420,
+                    "sip_unsupported",
+                    &[("Unsupported", &unsupported)],
+                ));
             }
         }
+        None
+    }
+
+    /// Where a request goes: to the stack when it is a call's own party's, or a new INVITE;
+    /// answered here otherwise.
+    fn route(
+        &mut self,
+        now: Instant,
+        method: Method,
+        parts: Parts,
+        source: IpAddr,
+        taking: bool,
+    ) -> Verdict {
         let key = (parts.call_id, parts.from_tag);
         let in_dialog = parts.to_tag.is_some();
         match (method, self.calls.get(&key)) {
@@ -262,33 +272,17 @@ impl Guard {
                 answer(403, "sip_forged", &[("Warning", &warning_value(text))])
             }
             (Method::Invite, None) if !in_dialog => {
-                self.calls.insert(
-                    key,
-                    Call {
-                        source,
-                        trusted: self.trusted(source),
-                        local_tag: None,
-                        forget_at: Some(now + LINGER),
-                    },
-                );
+                let call = Call {
+                    source,
+                    trusted: self.trusted(source),
+                    local_tag: None,
+                    forget_at: Some(now + LINGER),
+                };
+                self.calls.insert(key, call);
                 Verdict::Pass
             }
             // Out of any dialog, answered here: no transaction is kept for them.
-            (Method::Options, None) if !in_dialog => {
-                if taking {
-                    answer(
-                        200,
-                        "sip_options",
-                        &[
-                            ("Allow", super::ALLOW),
-                            ("Accept", "application/sdp"),
-                            ("Supported", "timer"),
-                        ],
-                    )
-                } else {
-                    answer(503, "sip_options", &[("Retry-After", "30")])
-                }
-            }
+            (Method::Options, None) if !in_dialog => options(taking),
             (Method::Register, None) => answer(405, "sip_stray", &[("Allow", super::ALLOW)]),
             (Method::Invite | Method::Bye | Method::Cancel | Method::Info, None)
             | (Method::Update | Method::PRack | Method::Options, None) => {
@@ -384,6 +378,54 @@ impl Guard {
     #[cfg(test)]
     fn remembered(&self) -> usize {
         self.calls.len()
+    }
+}
+
+/// The parts of `req` the guard reads, or the answer to a request that lacks a header every
+/// request carries (an INVITE also says where the call's requests go: §8.1.1.8).
+fn parts(req: &Request) -> Result<Parts, Verdict> {
+    let has = |name: &str| {
+        req.headers
+            .iter()
+            .any(|h| h.name().eq_ignore_ascii_case(name))
+    };
+    let mut missing: Vec<&str> = MANDATORY.into_iter().filter(|h| !has(h)).collect();
+    if req.method == Method::Invite && !has("Contact") && !has("m") {
+        missing.push("Contact");
+    }
+    let parts = if missing.is_empty() {
+        Parts::of(req)
+    } else {
+        None
+    };
+    parts.ok_or_else(|| {
+        if req.method == Method::Ack || !has("Via") {
+            // An answer needs a Via to go back by.
+            return Verdict::Drop("sip_malformed");
+        }
+        let text = if missing.is_empty() {
+            "a header the request has cannot be read".to_string()
+        } else {
+            format!("the request has no {}", missing.join(", "))
+        };
+        answer(400, "sip_malformed", &[("Warning", &warning_value(&text))])
+    })
+}
+
+/// An `OPTIONS` outside a call: whether this server takes calls now (a trunk's keep-alive).
+fn options(taking: bool) -> Verdict {
+    if taking {
+        answer(
+            200,
+            "sip_options",
+            &[
+                ("Allow", super::ALLOW),
+                ("Accept", "application/sdp"),
+                ("Supported", "timer"),
+            ],
+        )
+    } else {
+        answer(503, "sip_options", &[("Retry-After", "30")])
     }
 }
 

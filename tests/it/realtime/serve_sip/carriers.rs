@@ -42,6 +42,10 @@ fn sipp_carriers_behind_nat_on_hold_with_session_timers_info_dtmf_and_glare_are_
     let dir = server.dir.path().to_path_buf();
     let wav = dir.join("3s.wav");
     phone_wav(&wav, 3.0);
+    // The held call speaks for a second only: once it has moved, no RTP of its comes from its
+    // old port (where symmetric RTP would answer it).
+    let wav1 = dir.join("1s.wav");
+    phone_wav(&wav1, 1.0);
     // The NAT's inside address the latch SDP names, and the port the resumed call moves to:
     // each listened on, to count what reaches it.
     let nat_inside = UdpSocket::bind("127.0.0.5:0").unwrap();
@@ -63,7 +67,7 @@ fn sipp_carriers_behind_nat_on_hold_with_session_timers_info_dtmf_and_glare_are_
     ] {
         let sub = dir.join(name);
         std::fs::create_dir_all(&sub).unwrap();
-        let sc = scenario(&sub, name, &wav, &set);
+        let sc = scenario(&sub, name, if name == "hold" { &wav1 } else { &wav }, &set);
         let media = if name == "latch" {
             latch_media
         } else {
@@ -121,7 +125,7 @@ fn sipp_carriers_behind_nat_on_hold_with_session_timers_info_dtmf_and_glare_are_
     // Hold and resume: recvonly, then inactive, then the agent's audio at the moved port.
     assert!(seen.iter().any(|s| s.contains(" recvonly ")), "{seen:#?}");
     assert!(seen.iter().any(|s| s.contains(" inactive ")), "{seen:#?}");
-    assert!(moved >= 20, "{moved} packets at the moved port");
+    assert!(moved >= 10, "{moved} packets at the moved port");
     // INFO DTMF in the status; its other bodies refused 415.
     assert!(seen.iter().any(|s| s.contains(" 57 ")), "{seen:#?}");
     let m = server.metrics();
