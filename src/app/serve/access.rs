@@ -450,7 +450,8 @@ impl Cidr {
     }
 }
 
-fn canonical(ip: IpAddr) -> IpAddr {
+/// An IPv4-mapped IPv6 address as the IPv4 it is.
+pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,

@@ -441,9 +441,9 @@ impl rsipstack::transaction::endpoint::TransportEventInspector for Screen {
         let Ok(source) = from.get_socketaddr() else {
             return None;
         };
-        let taking = self.taking.get().is_some_and(|f| f());
+        let taking = || self.taking.get().is_some_and(|f| f());
         let verdict = match self.guard.lock() {
-            Ok(mut g) => g.check(Instant::now(), req, source.ip(), taking),
+            Ok(mut g) => g.check(Instant::now(), req, source.ip(), &taking),
             Err(_) => Verdict::Drop("sip_internal"),
         };
         let method = req.method.to_string();

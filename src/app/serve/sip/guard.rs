@@ -180,13 +180,13 @@ impl Guard {
     }
 
     /// Judges `req` from `source` at `now`; `taking`: whether the server takes calls now (an
-    /// `OPTIONS` is answered 200, else 503).
+    /// `OPTIONS` is answered 200, else 503), asked only of an `OPTIONS`.
     pub(crate) fn check(
         &mut self,
         now: Instant,
         req: &Request,
         source: IpAddr,
-        taking: bool,
+        taking: &dyn Fn() -> bool,
     ) -> Verdict {
         self.sweep(now);
         let parts = match parts(req) {
@@ -252,7 +252,7 @@ impl Guard {
         method: Method,
         parts: Parts,
         source: IpAddr,
-        taking: bool,
+        taking: &dyn Fn() -> bool,
     ) -> Verdict {
         let key = (parts.call_id, parts.from_tag);
         let in_dialog = parts.to_tag.is_some();
@@ -282,7 +282,7 @@ impl Guard {
                 Verdict::Pass
             }
             // Out of any dialog, answered here: no transaction is kept for them.
-            (Method::Options, None) if !in_dialog => options(taking),
+            (Method::Options, None) if !in_dialog => options(taking()),
             (Method::Register, None) => answer(405, "sip_stray", &[("Allow", super::ALLOW)]),
             (Method::Invite | Method::Bye | Method::Cancel | Method::Info, None)
             | (Method::Update | Method::PRack | Method::Options, None) => {
@@ -370,8 +370,8 @@ impl Guard {
         self.next_sweep = Some(now + Duration::from_secs(1));
         self.calls
             .retain(|_, c| c.forget_at.is_none_or(|t| now < t));
-        let live: std::collections::HashSet<IpAddr> = self.per_source.keys().copied().collect();
-        self.challenges.retain(|ip, _| live.contains(ip));
+        let live = &self.per_source;
+        self.challenges.retain(|ip, _| live.contains_key(ip));
     }
 
     /// Calls remembered (live, ringing or lingering).
@@ -488,37 +488,40 @@ mod tests {
         let caller = ip("198.51.100.7");
         let other = ip("203.0.113.66");
         assert_eq!(
-            g.check(t, &sip("INVITE", "c1", None, ""), caller, true),
+            g.check(t, &sip("INVITE", "c1", None, ""), caller, &|| true),
             Verdict::Pass
         );
         // While it rings, a CANCEL from elsewhere is refused; the caller's own goes on.
         assert_eq!(
-            status(&g.check(t, &sip("CANCEL", "c1", None, ""), other, true)),
+            status(&g.check(t, &sip("CANCEL", "c1", None, ""), other, &|| true)),
             403
         );
         assert_eq!(
-            g.check(t, &sip("CANCEL", "c1", None, ""), caller, true),
+            g.check(t, &sip("CANCEL", "c1", None, ""), caller, &|| true),
             Verdict::Pass
         );
         g.answered("c1", "a", "srv");
         // Answered: a BYE from elsewhere, knowing the ids, is refused (the forged hang-up).
         let bye = sip("BYE", "c1", Some("srv"), "");
-        assert_eq!(status(&g.check(t, &bye, other, true)), 403);
-        assert_eq!(g.check(t, &bye, caller, true), Verdict::Pass);
+        assert_eq!(status(&g.check(t, &bye, other, &|| true)), 403);
+        assert_eq!(g.check(t, &bye, caller, &|| true), Verdict::Pass);
         // A BYE with the wrong tag of ours is no request of this dialog.
         assert_eq!(
-            status(&g.check(t, &sip("BYE", "c1", Some("x"), ""), caller, true)),
+            status(&g.check(t, &sip("BYE", "c1", Some("x"), ""), caller, &|| true)),
             481
         );
         // A new INVITE reusing the live call's ids from elsewhere: refused.
         assert_eq!(
-            status(&g.check(t, &sip("INVITE", "c1", None, ""), other, true)),
+            status(&g.check(t, &sip("INVITE", "c1", None, ""), other, &|| true)),
             403
         );
         // An ACK from elsewhere is dropped; the caller's goes on.
         let ack = sip("ACK", "c1", Some("srv"), "");
-        assert_eq!(g.check(t, &ack, other, true), Verdict::Drop("sip_stray"));
-        assert_eq!(g.check(t, &ack, caller, true), Verdict::Pass);
+        assert_eq!(
+            g.check(t, &ack, other, &|| true),
+            Verdict::Drop("sip_stray")
+        );
+        assert_eq!(g.check(t, &ack, caller, &|| true), Verdict::Pass);
     }
 
     #[test]
@@ -527,14 +530,22 @@ mod tests {
         let mut g = Guard::new(allow, Limits::default());
         let t = Instant::now();
         assert_eq!(
-            g.check(t, &sip("INVITE", "c1", None, ""), ip("198.51.100.7"), true),
+            g.check(
+                t,
+                &sip("INVITE", "c1", None, ""),
+                ip("198.51.100.7"),
+                &|| true
+            ),
             Verdict::Pass
         );
         g.answered("c1", "a", "srv");
         let bye = sip("BYE", "c1", Some("srv"), "");
-        assert_eq!(g.check(t, &bye, ip("198.51.100.8"), true), Verdict::Pass);
+        assert_eq!(
+            g.check(t, &bye, ip("198.51.100.8"), &|| true),
+            Verdict::Pass
+        );
         // Outside the allow-list: not even heard.
-        assert_eq!(status(&g.check(t, &bye, ip("203.0.113.1"), true)), 403);
+        assert_eq!(status(&g.check(t, &bye, ip("203.0.113.1"), &|| true)), 403);
     }
 
     #[test]
@@ -542,7 +553,7 @@ mod tests {
         let mut g = Guard::new(Vec::new(), Limits::default());
         let t = Instant::now();
         let c = ip("198.51.100.7");
-        let opt = g.check(t, &sip("OPTIONS", "o1", None, ""), c, true);
+        let opt = g.check(t, &sip("OPTIONS", "o1", None, ""), c, &|| true);
         assert_eq!(status(&opt), 200);
         let Verdict::Answer(a) = &opt else {
             unreachable!()
@@ -552,27 +563,27 @@ mod tests {
             .iter()
             .any(|(n, v)| n == "Allow" && v.contains("INVITE")));
         assert_eq!(
-            status(&g.check(t, &sip("OPTIONS", "o2", None, ""), c, false)),
+            status(&g.check(t, &sip("OPTIONS", "o2", None, ""), c, &|| false)),
             503
         );
         assert_eq!(
-            status(&g.check(t, &sip("REGISTER", "r1", None, ""), c, true)),
+            status(&g.check(t, &sip("REGISTER", "r1", None, ""), c, &|| true)),
             405
         );
         assert_eq!(
-            status(&g.check(t, &sip("BYE", "b1", Some("x"), ""), c, true)),
+            status(&g.check(t, &sip("BYE", "b1", Some("x"), ""), c, &|| true)),
             481
         );
         assert_eq!(
-            status(&g.check(t, &sip("CANCEL", "b2", None, ""), c, true)),
+            status(&g.check(t, &sip("CANCEL", "b2", None, ""), c, &|| true)),
             481
         );
         assert_eq!(
-            status(&g.check(t, &sip("MESSAGE", "b3", None, ""), c, true)),
+            status(&g.check(t, &sip("MESSAGE", "b3", None, ""), c, &|| true)),
             405
         );
         assert_eq!(
-            g.check(t, &sip("ACK", "b4", Some("x"), ""), c, true),
+            g.check(t, &sip("ACK", "b4", Some("x"), ""), c, &|| true),
             Verdict::Drop("sip_stray")
         );
         assert_eq!(g.remembered(), 0);
@@ -587,20 +598,25 @@ mod tests {
             t,
             &sip("INVITE", "r1", None, "Require: timer, 100rel, foo\n"),
             c,
-            true,
+            &|| true,
         );
         assert_eq!(
             v,
             answer(420, "sip_unsupported", &[("Unsupported", "100rel, foo")])
         );
         assert_eq!(
-            g.check(t, &sip("INVITE", "r2", None, "Require: timer\n"), c, true),
+            g.check(
+                t,
+                &sip("INVITE", "r2", None, "Require: timer\n"),
+                c,
+                &|| true
+            ),
             Verdict::Pass
         );
         let mut bad = sip("INVITE", "r3", None, "");
         let text = bad.to_string().replace("CSeq: 1 INVITE", "CSeq: 1 BYE");
         bad = req(&text.replace("\r\n", "\n"));
-        assert_eq!(status(&g.check(t, &bad, c, true)), 400);
+        assert_eq!(status(&g.check(t, &bad, c, &|| true)), 400);
     }
 
     #[test]
@@ -609,11 +625,11 @@ mod tests {
         let mut g = Guard::new(allow, Limits::default());
         let t = Instant::now();
         for m in ["INVITE", "OPTIONS", "REGISTER", "MESSAGE"] {
-            let v = g.check(t, &sip(m, "x", None, ""), ip("198.51.100.7"), true);
+            let v = g.check(t, &sip(m, "x", None, ""), ip("198.51.100.7"), &|| true);
             assert_eq!(status(&v), 403, "{m}");
         }
         assert_eq!(
-            g.check(t, &sip("OPTIONS", "y", None, ""), ip("10.1.2.3"), true),
+            g.check(t, &sip("OPTIONS", "y", None, ""), ip("10.1.2.3"), &|| true),
             answer(
                 200,
                 "sip_options",
@@ -642,8 +658,12 @@ mod tests {
         let sent = |g: &mut Guard, at: Instant, from: IpAddr, n: usize| {
             (0..n)
                 .filter(|i| {
-                    g.check(at, &sip("OPTIONS", &format!("o{i}"), None, ""), from, true)
-                        != Verdict::Drop("sip_throttled")
+                    g.check(
+                        at,
+                        &sip("OPTIONS", &format!("o{i}"), None, ""),
+                        from,
+                        &|| true,
+                    ) != Verdict::Drop("sip_throttled")
                 })
                 .count()
         };
@@ -669,19 +689,19 @@ mod tests {
         let mut g = Guard::new(Vec::new(), Limits::default());
         let t = Instant::now();
         let c = ip("198.51.100.7");
-        g.check(t, &sip("INVITE", "c1", None, ""), c, true);
-        g.check(t, &sip("INVITE", "c2", None, ""), c, true);
+        g.check(t, &sip("INVITE", "c1", None, ""), c, &|| true);
+        g.check(t, &sip("INVITE", "c2", None, ""), c, &|| true);
         g.answered("c1", "a", "srv");
         // The unanswered INVITE is forgotten after its linger; the live call is kept.
         g.check(
             t + LINGER + Duration::from_secs(1),
             &sip("OPTIONS", "o", None, ""),
             c,
-            true,
+            &|| true,
         );
         assert_eq!(g.remembered(), 1);
         g.ended(t + LINGER * 2, "c1", "a");
-        g.check(t + LINGER * 4, &sip("OPTIONS", "o", None, ""), c, true);
+        g.check(t + LINGER * 4, &sip("OPTIONS", "o", None, ""), c, &|| true);
         assert_eq!(g.remembered(), 0);
     }
 }

@@ -377,7 +377,7 @@ pub(crate) fn read_offer(body: &[u8]) -> Result<Offer, Refused> {
 /// there, a service someone else runs does). The server's own addresses are the door's to
 /// refuse (it knows its sockets).
 pub(crate) fn vet(offer: &Offer, hold_allowed: bool) -> Result<(), Refused> {
-    let ip = canonical(offer.rtp.ip());
+    let ip = crate::app::serve::access::canonical(offer.rtp.ip());
     let why = match ip {
         _ if ip.is_unspecified() => (!hold_allowed).then_some("is unspecified"),
         _ if ip.is_multicast() => Some("is multicast"),
@@ -397,14 +397,6 @@ pub(crate) fn vet(offer: &Offer, hold_allowed: bool) -> Result<(), Refused> {
             ),
         )),
         None => Ok(()),
-    }
-}
-
-/// An IPv4-mapped IPv6 address as the IPv4 it is.
-fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
     }
 }
 

@@ -17,7 +17,7 @@ use super::super::super::sip::media::{self, CallStats, MediaSettings, Running, S
 use super::super::super::sip::timers::{self, Due, Timer};
 use super::super::super::sip::{self as sipmod, sdp, SipCall};
 use super::super::super::{session, Admission};
-use super::{now_s, warning, DialogEvent, Door};
+use super::{warning, DialogEvent, Door};
 use crate::observe::names;
 
 /// An admitted call.
@@ -34,7 +34,9 @@ pub(super) struct Call {
     pub timer: Option<Timer>,
     /// Whether the caller takes UPDATE (our refreshes use it; else a re-INVITE).
     pub caller_allows_update: bool,
-    /// Our SDP's version (RFC 4566 `o=`), one more at each answer.
+    /// Our SDP's session id and version (RFC 4566 `o=`): the id the call's, the version one
+    /// more at each answer.
+    pub session: u64,
     pub version: u64,
 }
 
@@ -174,7 +176,7 @@ impl Call {
     fn sdp(&mut self, port: u16) -> Vec<u8> {
         let v = self.version;
         self.version += 1;
-        sdp::answer(&self.offer, self.announce, port, now_s(), v).into_bytes()
+        sdp::answer(&self.offer, self.announce, port, self.session, v).into_bytes()
     }
 
     /// The 200 of the INVITE: our SDP, the session timer.

@@ -102,6 +102,7 @@ pub(super) async fn run(door: Arc<Door>, mut tx: Transaction) {
         hangup,
         timer,
         caller_allows_update,
+        session: super::now_s(),
         version: 1,
     };
     call.run(sockets, headers, admission, events).await;

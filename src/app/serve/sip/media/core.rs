@@ -112,13 +112,7 @@ struct Peer {
 
 /// An IPv4-mapped IPv6 address as the IPv4 it is.
 fn canonical(a: SocketAddr) -> SocketAddr {
-    match a {
-        SocketAddr::V6(v6) => v6
-            .ip()
-            .to_ipv4_mapped()
-            .map_or(a, |ip| SocketAddr::new(IpAddr::V4(ip), v6.port())),
-        v4 => v4,
-    }
+    SocketAddr::new(crate::app::serve::access::canonical(a.ip()), a.port())
 }
 
 impl Peer {
@@ -258,7 +252,7 @@ impl CallMedia {
             offered: canonical(offer.rtp),
             offered_rtcp: canonical(offer.rtcp),
             mux: offer.rtcp_mux,
-            signalling: canonical(SocketAddr::new(s.signalling, 0)).ip(),
+            signalling: crate::app::serve::access::canonical(s.signalling),
             trusted: s.trusted,
             own: s.own.into_iter().map(canonical).collect(),
             rtp: None,
